@@ -1,0 +1,182 @@
+"""Checkpoints on disk, written so that a crash at any instant leaves either the old set of
+checkpoints or the old set plus one complete new one, never a half-written one that looks whole.
+
+Layout of one checkpoint::
+
+    checkpoints/step-00000600/
+        model.safetensors   weights (loadable without kiln, e.g. by safetensors or transformers)
+        train_state.pt      optimizer, scaler, RNG, step, data position, config
+        manifest.json       file sizes and sha256 digests; written last, it marks completeness
+
+The directory is built under a temporary name, every file and the directory are fsynced, and
+only then is it renamed to ``step-XXXXXXXX``: rename is atomic on POSIX file systems.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import random
+import shutil
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+MANIFEST = "manifest.json"
+MODEL_FILE = "model.safetensors"
+STATE_FILE = "train_state.pt"
+PREFIX = "step-"
+
+
+class CheckpointError(RuntimeError):
+    pass
+
+
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _fsync_file(path: Path) -> None:
+    with open(path, "rb+") as f:
+        os.fsync(f.fileno())
+
+
+def _dedupe_shared(state: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+    """safetensors refuses tensors that share memory (tied embeddings): store each storage once
+    and remember the other names as aliases."""
+    by_storage: dict[tuple, str] = {}
+    unique, aliases = {}, {}
+    for name, t in state.items():
+        key = (t.device, t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape), t.dtype)
+        if t.numel() and key in by_storage:
+            aliases[name] = by_storage[key]
+        else:
+            by_storage[key] = name
+            unique[name] = t.detach().contiguous().cpu()
+    return unique, aliases
+
+
+def save_checkpoint(root: str | os.PathLike, step: int, model_state: dict[str, torch.Tensor],
+                    train_state: dict[str, Any], keep: int | None = None) -> Path:
+    """Write checkpoint ``step`` under ``root`` atomically; then keep only the newest ``keep``."""
+    from safetensors.torch import save_file
+
+    root = Path(root)
+    root.mkdir(parents=True, exist_ok=True)
+    final = root / f"{PREFIX}{step:08d}"
+    # One writer per run directory: leftovers of a writer that was killed are garbage.
+    for stale in root.glob(".tmp-*"):
+        shutil.rmtree(stale, ignore_errors=True)
+    tmp = root / f".tmp-{PREFIX}{step:08d}-{os.getpid()}"
+    tmp.mkdir()
+    tensors, aliases = _dedupe_shared(model_state)
+    save_file(tensors, str(tmp / MODEL_FILE), metadata={"aliases": json.dumps(aliases), "step": str(step)})
+    torch.save(train_state, tmp / STATE_FILE)
+    files = {}
+    for name in (MODEL_FILE, STATE_FILE):
+        _fsync_file(tmp / name)
+        files[name] = {"bytes": (tmp / name).stat().st_size, "sha256": _sha256(tmp / name)}
+    manifest = {"step": step, "files": files, "complete": True}
+    (tmp / MANIFEST).write_text(json.dumps(manifest, indent=2))
+    _fsync_file(tmp / MANIFEST)
+    _fsync_dir(tmp)
+    if final.exists():  # re-saving the same step (e.g. after a resume): replace it whole
+        old = root / f".old-{PREFIX}{step:08d}-{os.getpid()}"
+        final.rename(old)
+        tmp.rename(final)
+        shutil.rmtree(old)
+    else:
+        tmp.rename(final)
+    _fsync_dir(root)
+    if keep is not None:
+        for stale in list_checkpoints(root)[:-keep]:
+            shutil.rmtree(stale, ignore_errors=True)
+    return final
+
+
+def _is_complete(path: Path, verify_digests: bool = False) -> bool:
+    try:
+        manifest = json.loads((path / MANIFEST).read_text())
+        for name, info in manifest["files"].items():
+            f = path / name
+            if f.stat().st_size != info["bytes"]:
+                return False
+            if verify_digests and _sha256(f) != info["sha256"]:
+                return False
+        return bool(manifest.get("complete"))
+    except (OSError, ValueError, KeyError, TypeError):
+        return False
+
+
+def list_checkpoints(root: str | os.PathLike) -> list[Path]:
+    """Complete checkpoints under ``root``, oldest first. Partial or temporary ones are ignored."""
+    root = Path(root)
+    if not root.is_dir():
+        return []
+    found = []
+    for p in root.iterdir():
+        if p.is_dir() and p.name.startswith(PREFIX) and p.name[len(PREFIX):].isdigit() and _is_complete(p):
+            found.append((int(p.name[len(PREFIX):]), p))
+    return [p for _, p in sorted(found)]
+
+
+def latest_checkpoint(root: str | os.PathLike) -> Path | None:
+    found = list_checkpoints(root)
+    return found[-1] if found else None
+
+
+def load_checkpoint(path: str | os.PathLike, *, weights_only: bool = True) -> tuple[dict[str, torch.Tensor], dict[str, Any] | None]:
+    """Return ``(model_state, train_state)`` after checking every digest in the manifest.
+
+    With ``weights_only=True`` only the weights are read (``train_state`` is None)."""
+    from safetensors import safe_open
+    from safetensors.torch import load_file
+
+    path = Path(path)
+    if not path.is_dir():
+        raise CheckpointError(f"{path}: not a checkpoint directory")
+    if not _is_complete(path, verify_digests=True):
+        raise CheckpointError(f"{path}: checkpoint is incomplete or corrupted (manifest does not match its files)")
+    model_state = load_file(str(path / MODEL_FILE))
+    with safe_open(str(path / MODEL_FILE), framework="pt") as f:
+        aliases = json.loads((f.metadata() or {}).get("aliases", "{}"))
+    for name, target in aliases.items():
+        model_state[name] = model_state[target]
+    train_state = None
+    if not weights_only:
+        train_state = torch.load(path / STATE_FILE, map_location="cpu", weights_only=False)
+    return model_state, train_state
+
+
+def capture_rng() -> dict[str, Any]:
+    state = {
+        "python": random.getstate(),
+        "numpy": np.random.get_state(),
+        "torch": torch.get_rng_state(),
+    }
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def restore_rng(state: dict[str, Any]) -> None:
+    random.setstate(state["python"])
+    np.random.set_state(state["numpy"])
+    torch.set_rng_state(state["torch"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])

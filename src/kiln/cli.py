@@ -1,0 +1,166 @@
+"""The ``kiln`` command: parse arguments, build the Config, call one function per subcommand.
+
+Bad input (config, data, paths) exits with status 2 and one line per problem on stderr.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+USAGE_ERROR = 2
+
+
+def _add_config_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("config", nargs="?", help="TOML config file (defaults apply to anything it leaves out)")
+    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                   help="override one config key, e.g. --set train.lr=3e-4 (repeatable)")
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="kiln", description="Train Transformer models with PyTorch, efficiently.")
+    sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    t = sub.add_parser("train", help="train a model (the embedded default corpus if no data is set)")
+    _add_config_args(t)
+    t.add_argument("--resume", metavar="auto|never|PATH",
+                   help="resume from the newest complete checkpoint (auto, the default), start fresh "
+                        "(never), or from a checkpoint directory; same as --set checkpoint.resume=...")
+
+    pr = sub.add_parser("prepare", help="train the tokenizer and tokenize the data into shards (cached)")
+    _add_config_args(pr)
+
+    e = sub.add_parser("eval", help="validation loss, perplexity and bits per byte of a run's checkpoint")
+    e.add_argument("run_dir", help="run directory")
+    e.add_argument("--data", help="evaluate on every document of this source instead of the run's val split")
+    e.add_argument("--checkpoint", help="checkpoint directory (default: the newest complete one)")
+    e.add_argument("--max-batches", type=int, default=100, help="at most this many batches (default 100)")
+    e.add_argument("--batch-size", type=int, help="sequences per batch (default: the run's micro-batch)")
+    e.add_argument("--device", default="auto")
+
+    g = sub.add_parser("generate", help="sample text from a run's checkpoint")
+    g.add_argument("run_dir", help="run directory")
+    g.add_argument("--prompt", default="", help="text to continue")
+    g.add_argument("--max-new-tokens", type=int, default=200)
+    g.add_argument("--temperature", type=float, default=0.8, help="0 is greedy")
+    g.add_argument("--top-k", type=int, default=50, help="keep the k most likely tokens (0 = all)")
+    g.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass (1 = off)")
+    g.add_argument("--num-samples", type=int, default=1)
+    g.add_argument("--seed", type=int, default=0)
+    g.add_argument("--checkpoint", help="checkpoint directory (default: the newest complete one)")
+    g.add_argument("--device", default="auto")
+
+    c = sub.add_parser("config", help="print the resolved config as TOML, or the reference of every key")
+    _add_config_args(c)
+    c.add_argument("--reference", action="store_true", help="print every key with its default and meaning")
+
+    sub.add_parser("presets", help="list the model presets with their parameter counts")
+    return p
+
+
+def _load(args) -> "Config":  # noqa: F821
+    from kiln.config import load_config
+
+    return load_config(args.config, args.overrides)
+
+
+def cmd_train(args) -> int:
+    from kiln.train.lm import train
+
+    if args.resume:
+        args.overrides.append(f"checkpoint.resume={args.resume}")
+    result = train(_load(args))
+    return 0 if not result.interrupted else 130
+
+
+def cmd_prepare(args) -> int:
+    from kiln.data import prepare
+
+    prepared = prepare(_load(args).data)
+    m = prepared.manifest
+    state = "tokenized" if prepared.tokenized else "already prepared (nothing to do)"
+    print(f"kiln: {state}: {prepared.dir}")
+    for split in ("train", "val"):
+        print(f"  {split}: {m[split]['documents']:,} documents, {m[split]['tokens']:,} tokens, {m[split]['bytes']:,} bytes")
+    print(f"  vocab {prepared.vocab_size}, corpus fingerprint {m['corpus_fingerprint'][:16]}")
+    return 0
+
+
+def cmd_eval(args) -> int:
+    from kiln.train.lm import evaluate_run
+
+    metrics = evaluate_run(args.run_dir, source=args.data, checkpoint=args.checkpoint, max_batches=args.max_batches,
+                           micro_batch_size=args.batch_size, device=args.device)
+    print(json.dumps(metrics))
+    return 0
+
+
+def cmd_generate(args) -> int:
+    from kiln.train.lm import load_run, sample_text
+
+    if args.max_new_tokens < 1 or args.temperature < 0 or not 0 < args.top_p <= 1 or args.top_k < 0:
+        print("kiln: error: need --max-new-tokens >= 1, --temperature >= 0, 0 < --top-p <= 1, --top-k >= 0",
+              file=sys.stderr)
+        return USAGE_ERROR
+    run = load_run(args.run_dir, args.checkpoint, args.device)
+    for i in range(args.num_samples):
+        text = sample_text(run.model, run.tokenizer, args.prompt, args.max_new_tokens, temperature=args.temperature,
+                           top_k=args.top_k or None, top_p=args.top_p if args.top_p < 1 else None, seed=args.seed + i)
+        print(text if args.num_samples == 1 else f"--- sample {i + 1} ---\n{text}")
+    return 0
+
+
+def cmd_config(args) -> int:
+    from kiln.config import field_docs, sections
+
+    if args.reference:
+        from kiln.config import Config
+
+        defaults = Config().to_dict()
+        for section, cls in sections().items():
+            print(f"[{section}]")
+            for key, doc in field_docs(cls).items():
+                print(f"  {section}.{key} = {defaults[section][key]!r}\n      {doc}")
+        return 0
+    print(_load(args).to_toml(), end="")
+    return 0
+
+
+def cmd_presets(args) -> int:
+    from kiln.config import ModelConfig
+    from kiln.models import PRESETS, build_gpt_config, param_count
+
+    print(f"{'preset':<12}{'layers':>8}{'d_model':>9}{'heads':>7}{'kv':>5}{'params (vocab 32k)':>20}")
+    for name in PRESETS:
+        c = build_gpt_config(ModelConfig(preset=name), vocab_size=32000, max_seq_len=0)
+        print(f"{name:<12}{c.n_layer:>8}{c.d_model:>9}{c.n_head:>7}{c.n_kv_head:>5}{param_count(c):>20,}")
+    return 0
+
+
+COMMANDS = {"train": cmd_train, "prepare": cmd_prepare, "eval": cmd_eval, "generate": cmd_generate,
+            "config": cmd_config, "presets": cmd_presets}
+
+
+def main(argv: list[str] | None = None) -> int:
+    from kiln.checkpoint import CheckpointError
+    from kiln.config import ConfigError
+    from kiln.data import DataError
+
+    args = _parser().parse_args(argv)
+    try:
+        return COMMANDS[args.command](args)
+    except ConfigError as e:
+        for line in e.errors:
+            print(f"kiln: config error: {line}", file=sys.stderr)
+        return USAGE_ERROR
+    except (DataError, CheckpointError, FileExistsError, FileNotFoundError) as e:
+        print(f"kiln: error: {e}", file=sys.stderr)
+        return USAGE_ERROR
+    except KeyboardInterrupt:
+        print("kiln: interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

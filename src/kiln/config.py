@@ -1,0 +1,392 @@
+"""The configuration tree: dataclasses, TOML loading, ``--set`` overrides and validation.
+
+One ``Config`` describes a whole run. It is built once from defaults, an optional TOML file and
+``--set section.key=value`` overrides, validated once, and then only read. Each field's docstring
+(the string literal after it) is the user-facing description used by ``kiln config`` and the docs.
+"""
+
+from __future__ import annotations
+
+import ast
+import dataclasses
+import difflib
+import json
+import os
+import sys
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal, Union, get_args, get_origin
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover
+    import tomli as tomllib
+
+
+class ConfigError(ValueError):
+    """A bad configuration: each line of the message names one key and what is allowed."""
+
+    def __init__(self, errors: list[str]):
+        self.errors = errors
+        super().__init__("\n".join(errors))
+
+
+@dataclass
+class RunConfig:
+    dir: str = "runs/default"
+    """Run directory: config, metrics, TensorBoard events and checkpoints are written here."""
+    device: str = "auto"
+    """Device to train on: auto (cuda if available, else cpu), cpu, cuda or cuda:N."""
+    threads: int = 0
+    """CPU threads for intra-op parallelism; 0 keeps PyTorch's default."""
+
+
+@dataclass
+class ModelConfig:
+    preset: str = "tiny"
+    """Model preset: tiny, small, gpt2-124m, 350m, 1b or 7b (see `kiln presets`)."""
+    n_layer: int = 0
+    """Number of Transformer blocks; 0 keeps the preset's."""
+    d_model: int = 0
+    """Residual stream width; 0 keeps the preset's."""
+    n_head: int = 0
+    """Attention heads; 0 keeps the preset's."""
+    n_kv_head: int = 0
+    """Key/value heads for grouped-query attention (divides n_head); 0 keeps the preset's."""
+    d_ff: int = 0
+    """Hidden width of the SwiGLU MLP; 0 keeps the preset's."""
+    tie_embeddings: str = "preset"
+    """Share input embedding and output projection: true, false or preset."""
+    rope_theta: float = 0.0
+    """RoPE base frequency; 0 keeps the preset's."""
+
+
+@dataclass
+class DataConfig:
+    source: str = "stdlib"
+    """Training text: 'stdlib' (the Python standard library on this machine, no download) or a
+    file, directory or glob of .txt, .jsonl and .parquet files."""
+    text_field: str = "text"
+    """Field holding the text in .jsonl and .parquet records."""
+    tokenizer: str = "bpe"
+    """'bpe' trains a byte-level BPE on the training split (cached), or a path to a tokenizer.json."""
+    vocab_size: int = 4096
+    """Vocabulary size of the trained BPE tokenizer."""
+    seq_len: int = 256
+    """Tokens per training sequence (context length)."""
+    val_fraction: float = 0.05
+    """Share of documents held out for validation, chosen by a stable hash of each document's name."""
+    num_workers: int = 2
+    """DataLoader worker processes (0 loads in the training process)."""
+    prepare_workers: int = 0
+    """Processes that tokenize during preparation; 0 uses every CPU core."""
+    cache_dir: str = ""
+    """Where tokenizers and token shards are cached; empty means $KILN_CACHE or ~/.cache/kiln."""
+
+
+@dataclass
+class TrainConfig:
+    max_steps: int = 600
+    """Optimizer steps to train for."""
+    micro_batch_size: int = 16
+    """Sequences per forward/backward pass."""
+    global_batch_size: int = 16
+    """Sequences per optimizer step; must be a multiple of micro_batch_size (the ratio is the
+    number of gradient accumulation steps)."""
+    lr: float = 3e-3
+    """Peak learning rate."""
+    min_lr_ratio: float = 0.1
+    """Final learning rate as a fraction of lr (cosine, linear and wsd schedules)."""
+    schedule: Literal["cosine", "linear", "constant", "wsd"] = "cosine"
+    """Learning-rate schedule after warmup: cosine, linear, constant or wsd (warmup-stable-decay)."""
+    warmup_steps: int = 30
+    """Steps of linear warmup from 0 to lr."""
+    decay_fraction: float = 0.2
+    """For wsd: the final share of steps in which the rate decays."""
+    weight_decay: float = 0.1
+    """AdamW weight decay, applied to matrices only (not to norms, biases or embeddings)."""
+    beta1: float = 0.9
+    """AdamW beta1."""
+    beta2: float = 0.95
+    """AdamW beta2."""
+    eps: float = 1e-8
+    """AdamW epsilon."""
+    grad_clip: float = 1.0
+    """Clip gradients to this global L2 norm; 0 turns clipping off."""
+    seed: int = 1337
+    """Seed for initialisation, data order and sampling."""
+    precision: Literal["fp32", "bf16", "fp16"] = "fp32"
+    """Numeric precision: fp32, bf16 (autocast) or fp16 (autocast with a gradient scaler)."""
+    compile: bool = False
+    """Compile the model with torch.compile."""
+    activation_checkpointing: bool = False
+    """Recompute each block's activations in the backward pass to save memory."""
+    log_every: int = 10
+    """Log metrics every N steps (the only points where the loop waits for the device)."""
+
+
+@dataclass
+class EvalConfig:
+    every: int = 200
+    """Evaluate every N steps (and at the end); 0 only at the end."""
+    batches: int = 8
+    """Validation micro-batches per evaluation (a fixed sample, the same each time)."""
+    sample_tokens: int = 64
+    """Tokens to generate as a sample at each evaluation; 0 turns samples off."""
+    prompt: str = "def "
+    """Prompt for the generated sample."""
+
+
+@dataclass
+class CheckpointConfig:
+    every: int = 200
+    """Save a checkpoint every N steps (and at the end); 0 only at the end."""
+    keep: int = 2
+    """Complete checkpoints to keep; older ones are deleted."""
+    resume: str = "auto"
+    """'auto' resumes from the newest complete checkpoint in run.dir if there is one, 'never'
+    starts fresh (refusing a run.dir that already has checkpoints), or a checkpoint path."""
+
+
+@dataclass
+class Config:
+    run: RunConfig = field(default_factory=RunConfig)
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+
+    @property
+    def grad_accum_steps(self) -> int:
+        return self.train.global_batch_size // self.train.micro_batch_size
+
+    def to_dict(self) -> dict[str, dict[str, Any]]:
+        return dataclasses.asdict(self)
+
+    def to_toml(self) -> str:
+        lines = []
+        for section, values in self.to_dict().items():
+            lines.append(f"[{section}]")
+            lines.extend(f"{key} = {_toml_value(value)}" for key, value in values.items())
+            lines.append("")
+        return "\n".join(lines)
+
+
+def _toml_value(value: Any) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, (int, float)):
+        return repr(value)
+    return json.dumps(value)  # a JSON string is a valid TOML basic string
+
+
+# ---------------------------------------------------------------------------------------------
+# Building a Config from TOML and overrides
+
+
+def sections() -> dict[str, type]:
+    hints = typing.get_type_hints(Config)
+    return {f.name: hints[f.name] for f in dataclasses.fields(Config)}
+
+
+def field_docs(section_cls: type) -> dict[str, str]:
+    """Field docstrings, read from the class source (the string literal after each field)."""
+    import inspect
+
+    try:
+        tree = ast.parse(inspect.getsource(section_cls))
+    except (OSError, TypeError):  # pragma: no cover - source not available (frozen app)
+        return {}
+    body = tree.body[0].body
+    docs = {}
+    for node, nxt in zip(body, body[1:]):
+        if isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name):
+            if isinstance(nxt, ast.Expr) and isinstance(getattr(nxt, "value", None), ast.Constant):
+                docs[node.target.id] = " ".join(str(nxt.value.value).split())
+    return docs
+
+
+def _type_name(tp: Any) -> str:
+    if get_origin(tp) is Literal:
+        return " | ".join(str(a) for a in get_args(tp))
+    return {bool: "true/false", int: "an integer", float: "a number", str: "a string"}.get(tp, str(tp))
+
+
+def _coerce(key: str, tp: Any, value: Any, from_text: bool) -> Any:
+    """Turn ``value`` into type ``tp`` or raise ConfigError naming ``key``."""
+    if get_origin(tp) is Literal:
+        allowed = get_args(tp)
+        if value not in allowed:
+            raise ConfigError([f"{key}: {value!r} is not allowed; choose one of {', '.join(map(str, allowed))}"])
+        return value
+    if tp is bool:
+        if isinstance(value, bool):
+            return value
+        if from_text and str(value).lower() in ("true", "1", "yes", "on", "false", "0", "no", "off"):
+            return str(value).lower() in ("true", "1", "yes", "on")
+    elif tp is int:
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+        if from_text:
+            try:
+                return int(str(value).replace("_", ""))
+            except ValueError:
+                pass
+    elif tp is float:
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return float(value)
+        if from_text:
+            try:
+                return float(value)
+            except ValueError:
+                pass
+    elif tp is str:
+        if isinstance(value, str):
+            return value
+        if from_text:
+            return str(value)
+    raise ConfigError([f"{key}: expected {_type_name(tp)}, got {value!r}"])
+
+
+def _unknown_key(key: str, known: list[str]) -> str:
+    hint = difflib.get_close_matches(key, known, n=1)
+    msg = f"{key}: unknown config key"
+    if hint:
+        msg += f"; did you mean {hint[0]}?"
+    section = key.split(".")[0]
+    same = [k for k in known if k.startswith(section + ".")]
+    if same and not hint:
+        msg += f"; keys in [{section}]: {', '.join(same)}"
+    elif not same:
+        msg += f"; sections are {', '.join(sections())}"
+    return msg
+
+
+def all_keys() -> list[str]:
+    return [f"{s}.{f.name}" for s, cls in sections().items() for f in dataclasses.fields(cls)]
+
+
+def _apply(values: dict[str, dict[str, Any]], pairs: list[tuple[str, Any, bool]], origin: str) -> list[str]:
+    """Set ``(dotted key, value, from_text)`` pairs into the nested ``values`` dict."""
+    errors = []
+    known = all_keys()
+    secs = sections()
+    for key, value, from_text in pairs:
+        if key not in known:
+            errors.append(origin + _unknown_key(key, known))
+            continue
+        section, name = key.split(".", 1)
+        tp = typing.get_type_hints(secs[section])[name]
+        try:
+            values[section][name] = _coerce(key, tp, value, from_text)
+        except ConfigError as e:
+            errors.extend(origin + line for line in e.errors)
+    return errors
+
+
+def _flatten(table: dict[str, Any], prefix: str = "") -> list[tuple[str, Any]]:
+    out = []
+    for k, v in table.items():
+        if isinstance(v, dict):
+            out.extend(_flatten(v, f"{prefix}{k}."))
+        else:
+            out.append((f"{prefix}{k}", v))
+    return out
+
+
+def parse_set(item: str) -> tuple[str, str]:
+    if "=" not in item:
+        raise ConfigError([f"--set {item!r}: expected KEY=VALUE, e.g. --set train.lr=3e-4"])
+    key, value = item.split("=", 1)
+    return key.strip(), value.strip()
+
+
+def load_config(path: str | os.PathLike | None = None, overrides: list[str] | None = None) -> Config:
+    """Defaults <- TOML file <- ``--set`` overrides, then validation. Raises ConfigError."""
+    values = Config().to_dict()
+    errors: list[str] = []
+    if path is not None:
+        p = Path(path)
+        if not p.is_file():
+            raise ConfigError([f"{p}: config file not found"])
+        try:
+            table = tomllib.loads(p.read_text())
+        except (tomllib.TOMLDecodeError, UnicodeDecodeError) as e:
+            raise ConfigError([f"{p}: not valid TOML: {e}"]) from None
+        errors += _apply(values, [(k, v, False) for k, v in _flatten(table)], f"{p}: ")
+    pairs = []
+    for item in overrides or []:
+        try:
+            pairs.append((*parse_set(item), True))
+        except ConfigError as e:
+            errors += e.errors
+    errors += _apply(values, pairs, "--set ")
+    if errors:
+        raise ConfigError(errors)
+    secs = sections()
+    cfg = Config(**{s: secs[s](**v) for s, v in values.items()})
+    validate(cfg)
+    return cfg
+
+
+def from_dict(values: dict[str, dict[str, Any]]) -> Config:
+    """Rebuild a Config saved with ``to_dict`` (e.g. from a checkpoint), ignoring unknown keys."""
+    secs = sections()
+    known = {s: {f.name for f in dataclasses.fields(cls)} for s, cls in secs.items()}
+    return Config(**{s: secs[s](**{k: v for k, v in values.get(s, {}).items() if k in known[s]}) for s in secs})
+
+
+def validate(cfg: Config) -> None:
+    """Check values that a type alone cannot; collect every problem, then raise once."""
+    from kiln.models.presets import build_gpt_config
+
+    t, d = cfg.train, cfg.data
+    errors = []
+    try:
+        build_gpt_config(cfg.model, vocab_size=d.vocab_size, max_seq_len=d.seq_len)
+    except ConfigError as e:
+        errors += e.errors
+
+    def need(ok: bool, msg: str) -> None:
+        if not ok:
+            errors.append(msg)
+
+    need(t.max_steps >= 1, f"train.max_steps: must be >= 1, got {t.max_steps}")
+    need(t.micro_batch_size >= 1, f"train.micro_batch_size: must be >= 1, got {t.micro_batch_size}")
+    need(t.global_batch_size >= 1, f"train.global_batch_size: must be >= 1, got {t.global_batch_size}")
+    if t.micro_batch_size >= 1 and t.global_batch_size >= 1:
+        need(t.global_batch_size % t.micro_batch_size == 0,
+             f"train.global_batch_size: {t.global_batch_size} is not a multiple of train.micro_batch_size "
+             f"{t.micro_batch_size}; accumulation steps must be a whole number")
+    need(t.lr > 0, f"train.lr: must be > 0, got {t.lr}")
+    need(0 <= t.min_lr_ratio <= 1, f"train.min_lr_ratio: must be in [0, 1], got {t.min_lr_ratio}")
+    need(t.warmup_steps >= 0, f"train.warmup_steps: must be >= 0, got {t.warmup_steps}")
+    need(0 < t.decay_fraction <= 1, f"train.decay_fraction: must be in (0, 1], got {t.decay_fraction}")
+    need(t.weight_decay >= 0, f"train.weight_decay: must be >= 0, got {t.weight_decay}")
+    need(0 <= t.beta1 < 1, f"train.beta1: must be in [0, 1), got {t.beta1}")
+    need(0 <= t.beta2 < 1, f"train.beta2: must be in [0, 1), got {t.beta2}")
+    need(t.eps > 0, f"train.eps: must be > 0, got {t.eps}")
+    need(t.grad_clip >= 0, f"train.grad_clip: must be >= 0 (0 is off), got {t.grad_clip}")
+    need(t.seed >= 0, f"train.seed: must be >= 0, got {t.seed}")
+    need(t.log_every >= 1, f"train.log_every: must be >= 1, got {t.log_every}")
+    need(d.vocab_size >= 260, f"data.vocab_size: must be >= 260 (256 bytes and special tokens), got {d.vocab_size}")
+    need(d.seq_len >= 2, f"data.seq_len: must be >= 2, got {d.seq_len}")
+    need(0 < d.val_fraction < 1, f"data.val_fraction: must be in (0, 1), got {d.val_fraction}")
+    need(d.num_workers >= 0, f"data.num_workers: must be >= 0, got {d.num_workers}")
+    need(d.prepare_workers >= 0, f"data.prepare_workers: must be >= 0, got {d.prepare_workers}")
+    need(bool(d.text_field), "data.text_field: must not be empty")
+    need(bool(d.source), "data.source: must not be empty; use 'stdlib' or a path")
+    need(cfg.eval.every >= 0, f"eval.every: must be >= 0 (0 evaluates only at the end), got {cfg.eval.every}")
+    need(cfg.eval.batches >= 1, f"eval.batches: must be >= 1, got {cfg.eval.batches}")
+    need(cfg.eval.sample_tokens >= 0, f"eval.sample_tokens: must be >= 0, got {cfg.eval.sample_tokens}")
+    need(cfg.checkpoint.every >= 0, f"checkpoint.every: must be >= 0 (0 saves only at the end), got {cfg.checkpoint.every}")
+    need(cfg.checkpoint.keep >= 1, f"checkpoint.keep: must be >= 1, got {cfg.checkpoint.keep}")
+    need(bool(cfg.run.dir), "run.dir: must not be empty")
+    need(cfg.run.threads >= 0, f"run.threads: must be >= 0, got {cfg.run.threads}")
+    dev = cfg.run.device
+    need(dev in ("auto", "cpu", "cuda") or (dev.startswith("cuda:") and dev[5:].isdigit()),
+         f"run.device: {dev!r} is not allowed; choose auto, cpu, cuda or cuda:N")
+    if errors:
+        raise ConfigError(errors)

@@ -1,0 +1,186 @@
+"""A decoder-only Transformer in the Llama style.
+
+Pre-norm RMSNorm blocks, rotary position embeddings, grouped-query attention through
+``F.scaled_dot_product_attention`` (so flash kernels run on GPU) and a SwiGLU MLP; no biases.
+The model returns logits only: the trainer computes the loss, so it can choose its precision.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+@dataclass
+class GPTConfig:
+    vocab_size: int
+    n_layer: int
+    d_model: int
+    n_head: int
+    n_kv_head: int
+    d_ff: int
+    max_seq_len: int
+    tie_embeddings: bool
+    rope_theta: float = 10000.0
+    norm_eps: float = 1e-5
+    init_std: float = 0.02
+
+    @property
+    def head_dim(self) -> int:
+        return self.d_model // self.n_head
+
+
+def rope_tables(head_dim: int, max_seq_len: int, theta: float, device=None):
+    """cos and sin of every (position, frequency) pair, each [max_seq_len, head_dim // 2], fp32."""
+    freqs = 1.0 / theta ** (torch.arange(0, head_dim, 2, device=device, dtype=torch.float32) / head_dim)
+    angles = torch.outer(torch.arange(max_seq_len, device=device, dtype=torch.float32), freqs)
+    return angles.cos(), angles.sin()
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate pairs (x[i], x[i + head_dim/2]) of x [B, H, T, head_dim] by their position's angles."""
+    x1, x2 = x.chunk(2, dim=-1)
+    # Multiplying by the fp32 tables promotes bf16 activations, so the rotation itself is done in
+    # fp32: in bf16, nearby positions' angles would round to the same value at long context.
+    rotated = torch.cat((x1 * cos - x2 * sin, x1 * sin + x2 * cos), dim=-1)
+    return rotated.type_as(x)
+
+
+class KVCache:
+    """Preallocated keys and values of every layer, [B, n_kv_head, max_len, head_dim] each."""
+
+    def __init__(self, n_layer, batch_size, n_kv_head, max_len, head_dim, device=None, dtype=None):
+        shape = (batch_size, n_kv_head, max_len, head_dim)
+        self.k = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(n_layer)]
+        self.v = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(n_layer)]
+        self.max_len = max_len
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: GPTConfig):
+        super().__init__()
+        self.n_head, self.n_kv_head, self.head_dim = cfg.n_head, cfg.n_kv_head, cfg.head_dim
+        self.wq = nn.Linear(cfg.d_model, cfg.n_head * cfg.head_dim, bias=False)
+        self.wk = nn.Linear(cfg.d_model, cfg.n_kv_head * cfg.head_dim, bias=False)
+        self.wv = nn.Linear(cfg.d_model, cfg.n_kv_head * cfg.head_dim, bias=False)
+        self.wo = nn.Linear(cfg.n_head * cfg.head_dim, cfg.d_model, bias=False)
+
+    def forward(self, x, rope_cos, rope_sin, cache=None, start_pos=0):
+        B, T, _ = x.shape
+        q = self.wq(x).view(B, T, self.n_head, self.head_dim).transpose(1, 2)
+        k = self.wk(x).view(B, T, self.n_kv_head, self.head_dim).transpose(1, 2)
+        v = self.wv(x).view(B, T, self.n_kv_head, self.head_dim).transpose(1, 2)
+        q, k = apply_rope(q, rope_cos, rope_sin), apply_rope(k, rope_cos, rope_sin)
+
+        mask = None
+        if cache is not None:
+            k_cache, v_cache = cache
+            end = start_pos + T
+            k_cache[:, :, start_pos:end] = k
+            v_cache[:, :, start_pos:end] = v
+            k, v = k_cache[:, :, :end].to(q.dtype), v_cache[:, :, :end].to(q.dtype)
+            if start_pos > 0:
+                # Query i sits at position start_pos + i and sees keys 0..start_pos + i; SDPA's
+                # is_causal would align the triangle to the top-left corner instead.
+                mask = torch.ones(T, end, dtype=torch.bool, device=x.device).tril(start_pos)
+
+        if self.n_kv_head != self.n_head:
+            # Each group of n_head // n_kv_head query heads shares one key/value head.
+            k = k.repeat_interleave(self.n_head // self.n_kv_head, dim=1)
+            v = v.repeat_interleave(self.n_head // self.n_kv_head, dim=1)
+        y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None)
+        return self.wo(y.transpose(1, 2).reshape(B, T, -1))
+
+
+class MLP(nn.Module):
+    """SwiGLU: a SiLU-gated linear unit, w2(silu(w1 x) * w3 x)."""
+
+    def __init__(self, cfg: GPTConfig):
+        super().__init__()
+        self.w1 = nn.Linear(cfg.d_model, cfg.d_ff, bias=False)
+        self.w3 = nn.Linear(cfg.d_model, cfg.d_ff, bias=False)
+        self.w2 = nn.Linear(cfg.d_ff, cfg.d_model, bias=False)
+
+    def forward(self, x):
+        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+
+
+class Block(nn.Module):
+    def __init__(self, cfg: GPTConfig):
+        super().__init__()
+        self.attn_norm = nn.RMSNorm(cfg.d_model, eps=cfg.norm_eps)
+        self.attn = Attention(cfg)
+        self.mlp_norm = nn.RMSNorm(cfg.d_model, eps=cfg.norm_eps)
+        self.mlp = MLP(cfg)
+
+    def forward(self, x, rope_cos, rope_sin, cache=None, start_pos=0):
+        x = x + self.attn(self.attn_norm(x), rope_cos, rope_sin, cache, start_pos)
+        return x + self.mlp(self.mlp_norm(x))
+
+
+class GPT(nn.Module):
+    def __init__(self, config: GPTConfig):
+        super().__init__()
+        self.config = config
+        self.tok_emb = nn.Embedding(config.vocab_size, config.d_model)
+        self.blocks = nn.ModuleList(Block(config) for _ in range(config.n_layer))
+        self.norm = nn.RMSNorm(config.d_model, eps=config.norm_eps)
+        self.lm_head = nn.Linear(config.d_model, config.vocab_size, bias=False)
+        # Derived from the config, so kept out of the state_dict; init_weights fills them.
+        half = config.head_dim // 2
+        self.register_buffer("rope_cos", torch.empty(config.max_seq_len, half), persistent=False)
+        self.register_buffer("rope_sin", torch.empty(config.max_seq_len, half), persistent=False)
+        self.init_weights()
+
+    @torch.no_grad()
+    def init_weights(self):
+        """(Re)initialise every parameter and buffer in place, e.g. after ``to_empty`` from meta."""
+        cfg = self.config
+        if cfg.tie_embeddings:
+            # Done here rather than in __init__ because to_empty() replaces the tensors of a
+            # meta-device model one module at a time, which unties them.
+            self.lm_head.weight = self.tok_emb.weight
+        for module in self.modules():
+            if isinstance(module, (nn.Linear, nn.Embedding)):
+                nn.init.normal_(module.weight, mean=0.0, std=cfg.init_std)
+            elif isinstance(module, nn.RMSNorm):
+                nn.init.ones_(module.weight)
+        # Scaled residual init: 2 * n_layer branches add into the residual stream, so shrinking
+        # each one's output keeps the stream's variance at init independent of depth.
+        residual_std = cfg.init_std / math.sqrt(2 * cfg.n_layer)
+        for block in self.blocks:
+            nn.init.normal_(block.attn.wo.weight, mean=0.0, std=residual_std)
+            nn.init.normal_(block.mlp.w2.weight, mean=0.0, std=residual_std)
+        cos, sin = rope_tables(cfg.head_dim, cfg.max_seq_len, cfg.rope_theta, self.rope_cos.device)
+        self.rope_cos.copy_(cos)
+        self.rope_sin.copy_(sin)
+
+    def num_params(self, exclude_embedding: bool = False) -> int:
+        """Unique parameters (a tied matrix counts once); optionally without the input embedding."""
+        n = sum(p.numel() for p in self.parameters())
+        return n - self.tok_emb.weight.numel() if exclude_embedding else n
+
+    def new_kv_cache(self, batch_size: int, max_len: int, device=None, dtype=None) -> KVCache:
+        cfg = self.config
+        return KVCache(cfg.n_layer, batch_size, cfg.n_kv_head, max_len, cfg.head_dim, device, dtype)
+
+    def forward(self, idx: torch.Tensor, kv_cache: KVCache | None = None, start_pos: int = 0):
+        """Logits [B, T, V] for tokens idx [B, T] at positions start_pos..start_pos + T - 1.
+
+        With a kv_cache, the keys and values of these positions are written into it and the
+        tokens attend to every cached position before them as well.
+        """
+        T = idx.size(1)
+        if start_pos + T > self.config.max_seq_len:
+            raise ValueError(f"positions up to {start_pos + T} exceed max_seq_len {self.config.max_seq_len}")
+        rope_cos = self.rope_cos[start_pos : start_pos + T]
+        rope_sin = self.rope_sin[start_pos : start_pos + T]
+        x = self.tok_emb(idx)
+        for i, block in enumerate(self.blocks):
+            cache = None if kv_cache is None else (kv_cache.k[i], kv_cache.v[i])
+            x = block(x, rope_cos, rope_sin, cache, start_pos)
+        return self.lm_head(self.norm(x))

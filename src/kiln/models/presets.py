@@ -1,0 +1,69 @@
+"""Named model sizes, and turning the user's ``[model]`` section into a validated GPTConfig."""
+
+from __future__ import annotations
+
+from kiln.config import ConfigError, ModelConfig
+from kiln.models.gpt import GPTConfig
+
+# Dimensions only: the vocabulary comes from the tokenizer. d_ff of the GPT-2-class sizes is
+# 8/3 * d_model (rounded up to a multiple of 256), which gives a SwiGLU MLP the parameter count
+# of GPT-2's 4 * d_model GELU MLP.
+# fmt: off
+PRESETS: dict[str, dict] = {
+    "tiny":      dict(n_layer=4,  d_model=128,  n_head=4,  n_kv_head=4,  d_ff=384,   max_seq_len=1024, rope_theta=10000.0,  tie_embeddings=True),
+    "small":     dict(n_layer=6,  d_model=256,  n_head=4,  n_kv_head=4,  d_ff=768,   max_seq_len=1024, rope_theta=10000.0,  tie_embeddings=True),
+    "gpt2-124m": dict(n_layer=12, d_model=768,  n_head=12, n_kv_head=12, d_ff=2048,  max_seq_len=1024, rope_theta=10000.0,  tie_embeddings=True),
+    "350m":      dict(n_layer=24, d_model=1024, n_head=16, n_kv_head=16, d_ff=2816,  max_seq_len=2048, rope_theta=10000.0,  tie_embeddings=True),
+    "1b":        dict(n_layer=16, d_model=2048, n_head=32, n_kv_head=8,  d_ff=8192,  max_seq_len=8192, rope_theta=500000.0, tie_embeddings=True),
+    "7b":        dict(n_layer=32, d_model=4096, n_head=32, n_kv_head=32, d_ff=11008, max_seq_len=4096, rope_theta=10000.0,  tie_embeddings=False),
+}
+# fmt: on
+
+
+def build_gpt_config(model_cfg: ModelConfig, vocab_size: int, max_seq_len: int) -> GPTConfig:
+    """The preset's dimensions, overridden by every field the user set (non-zero, not "preset").
+
+    The context is the longer of the preset's and the requested ``max_seq_len``. Raises
+    ConfigError listing every invalid dimension, each line naming its ``model.*`` key.
+    """
+    if model_cfg.preset not in PRESETS:
+        raise ConfigError([f"model.preset: {model_cfg.preset!r} is not one of {', '.join(PRESETS)}"])
+    dims = dict(PRESETS[model_cfg.preset])
+    errors = []
+    for key in ("n_layer", "d_model", "n_head", "n_kv_head", "d_ff", "rope_theta"):
+        value = getattr(model_cfg, key)
+        if value < 0:
+            errors.append(f"model.{key}: must be positive (or 0 for the preset's), got {value}")
+        elif value > 0:
+            dims[key] = value
+    tie = model_cfg.tie_embeddings
+    if tie in ("true", "false"):
+        dims["tie_embeddings"] = tie == "true"
+    elif tie != "preset":
+        errors.append(f"model.tie_embeddings: {tie!r} is not one of true, false, preset")
+    dims["max_seq_len"] = max(dims["max_seq_len"], max_seq_len)
+
+    d_model, n_head, n_kv_head = dims["d_model"], dims["n_head"], dims["n_kv_head"]
+    if d_model % n_head:
+        errors.append(f"model.n_head: {n_head} does not divide model.d_model {d_model}")
+    elif (d_model // n_head) % 2:
+        errors.append(
+            f"model.n_head: head dim model.d_model / model.n_head = {d_model // n_head} "
+            "must be even for rotary embeddings"
+        )
+    if n_head % n_kv_head:
+        errors.append(f"model.n_kv_head: {n_kv_head} does not divide model.n_head {n_head}")
+    if errors:
+        raise ConfigError(errors)
+    return GPTConfig(vocab_size=vocab_size, **dims)
+
+
+def param_count(cfg: GPTConfig) -> int:
+    """Closed-form parameter count of ``GPT(cfg)``; equals ``GPT(cfg).num_params()``."""
+    d, hd = cfg.d_model, cfg.head_dim
+    attention = d * cfg.n_head * hd + 2 * d * cfg.n_kv_head * hd + cfg.n_head * hd * d
+    mlp = 3 * d * cfg.d_ff
+    per_layer = attention + mlp + 2 * d  # + the two norms' gains
+    embedding = cfg.vocab_size * d
+    lm_head = 0 if cfg.tie_embeddings else cfg.vocab_size * d
+    return embedding + cfg.n_layer * per_layer + d + lm_head

@@ -1,0 +1,1 @@
+"""The training loop (generic ``Trainer``), optimizer and schedules, precision, and the GPT job."""

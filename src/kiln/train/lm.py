@@ -1,0 +1,165 @@
+"""The built-in job: a GPT trained on a text corpus. It wires data, model and metrics into the
+generic ``Trainer`` and adds what only a language model has: bits per byte and text samples.
+
+A run directory holds everything needed to use the run later without the data cache:
+``config.toml``, ``model.json`` (the resolved architecture), ``tokenizer.json`` and checkpoints.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import shutil
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from kiln.checkpoint import CheckpointError, latest_checkpoint, load_checkpoint
+from kiln.config import Config, ConfigError, from_dict
+from kiln.data import TokenSequences, prepare, val_batches
+from kiln.data.tokenizer import eot_id
+from kiln.models import GPT, GPTConfig, build_gpt_config, flops_per_token, generate
+from kiln.train.trainer import FitResult, Trainer, resolve_device
+
+
+def lm_loss(model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+    x, y = batch
+    logits = model(x)
+    return F.cross_entropy(logits.flatten(0, 1).float(), y.flatten())
+
+
+@torch.no_grad()
+def evaluate_lm(model: nn.Module, batches, token_bytes: torch.Tensor, device: torch.device) -> dict[str, float]:
+    """Mean loss, perplexity and bits per byte over fixed batches.
+
+    Bits per byte divides the summed loss (in bits) by the UTF-8 bytes the target tokens stand
+    for, so models with different tokenizers are compared on the same scale."""
+    nats = torch.zeros((), device=device, dtype=torch.float64)
+    tokens = 0
+    nbytes = torch.zeros((), device=device, dtype=torch.int64)
+    token_bytes = token_bytes.to(device)
+    for x, y in batches:
+        x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
+        logits = model(x)
+        nats += F.cross_entropy(logits.flatten(0, 1).float(), y.flatten(), reduction="sum").double()
+        tokens += y.numel()
+        nbytes += token_bytes[y].sum()
+    loss = nats.item() / tokens
+    return {
+        "val_loss": loss,
+        "val_ppl": math.exp(min(loss, 50.0)),
+        "val_bpb": nats.item() / (math.log(2) * max(1, nbytes.item())),
+    }
+
+
+def sample_text(model: GPT, tokenizer, prompt: str, max_new_tokens: int, *, temperature: float = 0.8,
+                top_k: int | None = 50, top_p: float | None = None, seed: int = 0,
+                device: torch.device | None = None) -> str:
+    device = device or next(model.parameters()).device
+    ids = tokenizer.encode(prompt).ids or [eot_id(tokenizer)]
+    generator = torch.Generator(device=device).manual_seed(seed)
+    out = generate(model, torch.tensor([ids], device=device), max_new_tokens, temperature=temperature,
+                   top_k=top_k, top_p=top_p, eos_id=eot_id(tokenizer), generator=generator)
+    return tokenizer.decode(out[0].tolist())
+
+
+def build_trainer(cfg: Config, *, console: bool = True) -> Trainer:
+    prepared = prepare(cfg.data, progress=console)
+    gpt_cfg = build_gpt_config(cfg.model, vocab_size=prepared.vocab_size, max_seq_len=cfg.data.seq_len)
+    torch.manual_seed(cfg.train.seed)
+    model = GPT(gpt_cfg)
+    if console:
+        print(f"kiln: model {cfg.model.preset}: {model.num_params():,} parameters "
+              f"({model.num_params(exclude_embedding=True):,} without embeddings), "
+              f"{gpt_cfg.n_layer} layers, d_model {gpt_cfg.d_model}, vocab {gpt_cfg.vocab_size}", flush=True)
+    seq_len = cfg.data.seq_len
+    train_data = TokenSequences(prepared.dir / prepared.manifest["train"]["file"], prepared.manifest["dtype"], seq_len)
+    val_data = TokenSequences(prepared.dir / prepared.manifest["val"]["file"], prepared.manifest["dtype"], seq_len)
+    if len(train_data) < 1 or len(val_data) < 1:
+        raise ConfigError([f"data.seq_len: {seq_len} is longer than the corpus allows "
+                           f"(train {len(train_data)} / val {len(val_data)} sequences); lower data.seq_len"])
+    fixed_val = val_batches(val_data, cfg.train.micro_batch_size, cfg.eval.batches)
+    token_bytes = torch.from_numpy(prepared.token_bytes())
+    tokenizer = prepared.tokenizer
+    trainer = Trainer(
+        model,
+        train_data,
+        lm_loss,
+        cfg,
+        eval_fn=lambda m: evaluate_lm(m, fixed_val, token_bytes, trainer.device),
+        sample_fn=(lambda m, step: sample_text(m, tokenizer, cfg.eval.prompt, cfg.eval.sample_tokens,
+                                               seed=cfg.train.seed + step)) if cfg.eval.sample_tokens else None,
+        tokens_per_sample=seq_len,
+        flops_per_token=flops_per_token(gpt_cfg, seq_len),
+        console=console,
+    )
+    run_dir = Path(cfg.run.dir)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    shutil.copyfile(prepared.dir / "tokenizer.json", run_dir / "tokenizer.json")
+    (run_dir / "model.json").write_text(json.dumps(dataclasses.asdict(gpt_cfg), indent=2))
+    return trainer
+
+
+def train(cfg: Config, *, console: bool = True) -> FitResult:
+    return build_trainer(cfg, console=console).fit()
+
+
+# -- using a finished (or running) run directory --------------------------------------------------
+
+
+@dataclasses.dataclass
+class LoadedRun:
+    cfg: Config
+    model: GPT
+    tokenizer: object
+    checkpoint: Path
+    step: int
+
+
+def load_run(run_dir: str | Path, checkpoint: str | Path | None = None, device: str = "auto") -> LoadedRun:
+    from tokenizers import Tokenizer
+
+    run_dir = Path(run_dir)
+    for name in ("config.toml", "model.json", "tokenizer.json"):
+        if not (run_dir / name).is_file():
+            raise CheckpointError(f"{run_dir}: not a kiln run directory (missing {name})")
+    from kiln.config import tomllib
+
+    cfg = from_dict(tomllib.loads((run_dir / "config.toml").read_text()))
+    path = Path(checkpoint) if checkpoint else latest_checkpoint(run_dir / "checkpoints")
+    if path is None:
+        raise CheckpointError(f"{run_dir}: no complete checkpoint in {run_dir / 'checkpoints'}")
+    model_state, _ = load_checkpoint(path)
+    dev = resolve_device(device)
+    model = GPT(GPTConfig(**json.loads((run_dir / "model.json").read_text())))
+    model.load_state_dict(model_state)
+    model.to(dev).eval()
+    step = int(path.name.split("-")[-1])
+    return LoadedRun(cfg, model, Tokenizer.from_file(str(run_dir / "tokenizer.json")), path, step)
+
+
+def evaluate_run(run_dir: str | Path, *, source: str | None = None, checkpoint: str | Path | None = None,
+                 max_batches: int = 100, micro_batch_size: int | None = None, device: str = "auto") -> dict[str, float]:
+    """Validation metrics of a run's checkpoint: on the run's own val split, or on every document
+    of ``source`` (tokenized with the run's tokenizer)."""
+    run = load_run(run_dir, checkpoint, device)
+    data_cfg = dataclasses.replace(run.cfg.data, tokenizer=str(Path(run_dir) / "tokenizer.json"),
+                                   source=source or run.cfg.data.source)
+    prepared = prepare(data_cfg)
+    seq_len = run.cfg.data.seq_len
+    splits = ("train", "val") if source else ("val",)
+    batch = micro_batch_size or run.cfg.train.micro_batch_size
+    batches = []
+    for split in splits:
+        ds = TokenSequences(prepared.dir / prepared.manifest[split]["file"], prepared.manifest["dtype"], seq_len)
+        batches += val_batches(ds, batch, max_batches) if len(ds) else []
+    if not batches:
+        raise ConfigError([f"data.seq_len: no sequence of {seq_len} tokens fits in {data_cfg.source}"])
+    batches = batches[:max_batches]
+    dev = next(run.model.parameters()).device
+    metrics = evaluate_lm(run.model, batches, torch.from_numpy(prepared.token_bytes()), dev)
+    metrics.update(step=run.step, tokens=sum(y.numel() for _, y in batches))
+    return metrics

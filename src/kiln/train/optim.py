@@ -1,0 +1,64 @@
+"""AdamW with proper parameter groups, and learning-rate schedules as pure functions of the step."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import nn
+
+from kiln.config import TrainConfig
+
+
+def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
+    """Decay matrices only: norms, biases and embeddings are left alone.
+
+    Weight decay pulls weights towards zero; that regularises the linear maps but only hurts
+    gains (norms), offsets (biases) and lookup tables (embeddings), which is why GPT-style
+    recipes exclude them. A tied embedding/output matrix counts as an embedding.
+    """
+    embedding_params = {id(m.weight) for m in model.modules() if isinstance(m, nn.Embedding)}
+    decay, no_decay, seen = [], [], set()
+    for p in model.parameters():
+        if not p.requires_grad or id(p) in seen:
+            continue
+        seen.add(id(p))
+        (decay if p.ndim >= 2 and id(p) not in embedding_params else no_decay).append(p)
+    return [
+        {"params": decay, "weight_decay": weight_decay},
+        {"params": no_decay, "weight_decay": 0.0},
+    ]
+
+
+def build_optimizer(model: nn.Module, cfg: TrainConfig, device: torch.device) -> torch.optim.AdamW:
+    # The fused kernel does the whole update in a few launches on CUDA; elsewhere the default
+    # (foreach) implementation is the fast one.
+    fused = device.type == "cuda"
+    return torch.optim.AdamW(
+        param_groups(model, cfg.weight_decay),
+        lr=cfg.lr,
+        betas=(cfg.beta1, cfg.beta2),
+        eps=cfg.eps,
+        fused=fused or None,
+    )
+
+
+def lr_at(step: int, cfg: TrainConfig) -> float:
+    """Learning rate for optimizer step ``step`` (0-based): linear warmup, then the schedule."""
+    peak, floor = cfg.lr, cfg.lr * cfg.min_lr_ratio
+    if step < cfg.warmup_steps:
+        return peak * (step + 1) / cfg.warmup_steps
+    if cfg.schedule == "constant":
+        return peak
+    total = max(1, cfg.max_steps - cfg.warmup_steps)
+    if cfg.schedule == "wsd":
+        decay_steps = max(1, round(cfg.decay_fraction * cfg.max_steps))
+        decay_start = cfg.max_steps - decay_steps
+        if step < decay_start:
+            return peak
+        progress = min(1.0, (step - decay_start + 1) / decay_steps)
+        return peak + (floor - peak) * progress
+    progress = min(1.0, (step - cfg.warmup_steps) / total)
+    if cfg.schedule == "linear":
+        return peak + (floor - peak) * progress
+    return floor + 0.5 * (peak - floor) * (1.0 + math.cos(math.pi * progress))

@@ -1,0 +1,55 @@
+"""Numeric precision as one object the loop asks for a context and a step, whatever the mode."""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+class Precision:
+    """fp32: plain. bf16: autocast (same exponent range as fp32, so no loss scaling).
+    fp16: autocast plus a GradScaler, whose skipped steps (inf/NaN gradients) are counted.
+
+    A disabled GradScaler is a no-op pass-through, so the loop calls the same methods in every
+    mode instead of branching on it."""
+
+    def __init__(self, mode: str, device: torch.device):
+        self.mode = mode
+        self.device = device
+        self.dtype = DTYPES[mode]
+        self.scaler = torch.amp.GradScaler(device.type, enabled=mode == "fp16")
+        self.skipped_steps = 0
+
+    def autocast(self) -> contextlib.AbstractContextManager:
+        if self.mode == "fp32":
+            return contextlib.nullcontext()
+        return torch.autocast(self.device.type, dtype=self.dtype)
+
+    def backward(self, loss: torch.Tensor) -> None:
+        self.scaler.scale(loss).backward()
+
+    def unscale_(self, optimizer: torch.optim.Optimizer) -> None:
+        self.scaler.unscale_(optimizer)
+
+    def step(self, optimizer: torch.optim.Optimizer) -> None:
+        if not self.scaler.is_enabled():
+            optimizer.step()
+            return
+        # GradScaler.step already waits for the device to read its inf check, so reading the
+        # scale here adds no further stall.
+        before = self.scaler.get_scale()
+        self.scaler.step(optimizer)
+        self.scaler.update()
+        if self.scaler.get_scale() < before:
+            self.skipped_steps += 1
+
+    def state_dict(self) -> dict:
+        return {"scaler": self.scaler.state_dict(), "skipped_steps": self.skipped_steps}
+
+    def load_state_dict(self, state: dict) -> None:
+        if state.get("scaler"):
+            self.scaler.load_state_dict(state["scaler"])
+        self.skipped_steps = state.get("skipped_steps", 0)

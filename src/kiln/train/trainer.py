@@ -1,0 +1,337 @@
+"""The training loop. It trains any ``nn.Module`` given a dataset and a loss; the built-in GPT
+job (``kiln.train.lm``) is one user of it.
+
+Read ``Trainer.fit`` top to bottom: restore, then for each step accumulate micro-batches, clip,
+step, and at intervals log, evaluate and checkpoint. Every feature is an object the loop calls
+the same way in every configuration (precision, schedule, checkpoint store, logger) rather
+than a flag checked along the way.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import math
+import platform
+import signal
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Iterator
+
+import torch
+from torch import nn
+from torch.utils.data import Dataset
+
+from kiln.checkpoint import capture_rng, latest_checkpoint, list_checkpoints, load_checkpoint, restore_rng, save_checkpoint
+from kiln.config import Config, ConfigError, validate
+from kiln.data.loader import make_train_loader
+from kiln.observe import MetricsLogger
+from kiln.train.apply import apply_activation_checkpointing, apply_compile
+from kiln.train.optim import build_optimizer, lr_at
+from kiln.train.precision import Precision
+
+LossFn = Callable[[nn.Module, Any], torch.Tensor]
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    device = torch.device(name)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ConfigError([f"run.device: {name!r} requested but CUDA is not available on this machine; use cpu or auto"])
+    return device
+
+
+def to_device(batch: Any, device: torch.device) -> Any:
+    """Move a (nested) batch; non_blocking overlaps the copy from pinned memory with compute."""
+    if isinstance(batch, torch.Tensor):
+        return batch.to(device, non_blocking=True)
+    if isinstance(batch, (list, tuple)):
+        return type(batch)(to_device(b, device) for b in batch)
+    if isinstance(batch, dict):
+        return {k: to_device(v, device) for k, v in batch.items()}
+    return batch
+
+
+@dataclass
+class FitResult:
+    step: int
+    metrics: dict[str, float] = field(default_factory=dict)
+    eval_metrics: dict[str, float] = field(default_factory=dict)
+    resumed_from: int | None = None
+    interrupted: bool = False
+
+
+class _StopRequest:
+    """SIGINT/SIGTERM set a flag; the loop saves and stops at the next step boundary, so a
+    checkpoint is never taken from a half-applied optimizer step."""
+
+    def __init__(self) -> None:
+        self.requested = False
+        self._previous: dict[int, Any] = {}
+
+    def __enter__(self) -> "_StopRequest":
+        try:
+            for sig in (signal.SIGINT, signal.SIGTERM):
+                self._previous[sig] = signal.signal(sig, self._handle)
+        except ValueError:  # not the main thread: leave signals alone
+            pass
+        return self
+
+    def _handle(self, signum, frame) -> None:
+        if self.requested:  # second signal: stop now
+            raise KeyboardInterrupt
+        self.requested = True
+        print(f"\nkiln: received signal {signum}; saving a checkpoint at the end of this step "
+              "(send it again to stop at once)", flush=True)
+
+    def __exit__(self, *exc) -> None:
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
+
+
+class Trainer:
+    """Train ``model`` on ``train_data`` by minimising ``loss_fn(model, batch)``.
+
+    ``loss_fn`` returns the mean loss of one micro-batch. ``eval_fn(model)`` returns a dict of
+    validation metrics; ``sample_fn(model, step)`` returns text to show (e.g. a generated
+    sample). Both run in eval mode under no_grad and the run's precision. ``tokens_per_sample``
+    turns samples/s into tokens/s; ``flops_per_token`` enables MFU where the device's peak is
+    known.
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        train_data: Dataset,
+        loss_fn: LossFn,
+        config: Config | None = None,
+        *,
+        eval_fn: Callable[[nn.Module], dict[str, float]] | None = None,
+        sample_fn: Callable[[nn.Module, int], str] | None = None,
+        tokens_per_sample: int = 1,
+        flops_per_token: float | None = None,
+        console: bool = True,
+    ):
+        self.cfg = cfg = config or Config()
+        validate(cfg)  # a Config built in Python has not been through load_config
+        if cfg.run.threads:
+            torch.set_num_threads(cfg.run.threads)
+        self.device = resolve_device(cfg.run.device)
+        self.run_dir = Path(cfg.run.dir)
+        self.model = model.to(self.device)
+        if cfg.train.activation_checkpointing:
+            apply_activation_checkpointing(self.model)
+        # The compiled module shares parameters with the plain one; state dicts come from the
+        # plain one so checkpoints never carry compile's name prefix.
+        self.forward_model = apply_compile(self.model) if cfg.train.compile else self.model
+        self.train_data = train_data
+        self.loss_fn = loss_fn
+        self.eval_fn = eval_fn
+        self.sample_fn = sample_fn
+        self.tokens_per_sample = tokens_per_sample
+        self.flops_per_token = flops_per_token
+        self.console = console
+        self.optimizer = build_optimizer(self.model, cfg.train, self.device)
+        self.precision = Precision(cfg.train.precision, self.device)
+        self.params = [p for p in self.model.parameters() if p.requires_grad]
+        self.step = 0
+
+    # -- the loop ----------------------------------------------------------------------------
+
+    def fit(self) -> FitResult:
+        cfg, t = self.cfg, self.cfg.train
+        accum = cfg.grad_accum_steps
+        resumed_from = self._restore()
+        self._write_run_files()
+        result = FitResult(step=self.step, resumed_from=resumed_from)
+        if self.step >= t.max_steps:
+            self._say(f"kiln: already trained to step {self.step} (train.max_steps={t.max_steps}); nothing to do")
+            return result
+        logger = MetricsLogger(self.run_dir, total_steps=t.max_steps, start_step=self.step, console=self.console)
+        batches = self._batches(self.step)
+        meter = _Meter(self.device)
+        with logger, _StopRequest() as stop:
+            while self.step < t.max_steps:
+                lr = lr_at(self.step, t)
+                for group in self.optimizer.param_groups:
+                    group["lr"] = lr
+                for _ in range(accum):
+                    batch = to_device(next(batches), self.device)
+                    with self.precision.autocast():
+                        loss = self.loss_fn(self.forward_model, batch)
+                    # Each micro-batch loss is a mean, so dividing by the number of
+                    # micro-batches makes the summed gradients those of one big batch.
+                    self.precision.backward(loss / accum)
+                    meter.loss += loss.detach()
+                self.precision.unscale_(self.optimizer)
+                grad_norm = torch.nn.utils.clip_grad_norm_(self.params, t.grad_clip if t.grad_clip > 0 else math.inf)
+                self.precision.step(self.optimizer)
+                self.optimizer.zero_grad(set_to_none=True)
+                self.step += 1
+                meter.end_step(grad_norm, accum)
+
+                last = self.step == t.max_steps
+                if self.step % t.log_every == 0 or last or stop.requested:
+                    result.metrics = self._log(logger, meter, lr)
+                # Evaluation and saving are not training throughput: the meter's clock stops.
+                with meter.paused():
+                    if last or (cfg.eval.every and self.step % cfg.eval.every == 0):
+                        result.eval_metrics = self._evaluate(logger) or result.eval_metrics
+                    if last or stop.requested or (cfg.checkpoint.every and self.step % cfg.checkpoint.every == 0):
+                        self.save()
+                if stop.requested:
+                    result.interrupted = True
+                    self._say(f"kiln: stopped at step {self.step}; resume with the same command")
+                    break
+        result.step = self.step
+        return result
+
+    # -- pieces of the loop --------------------------------------------------------------------
+
+    def _batches(self, start_step: int) -> Iterator[Any]:
+        t = self.cfg.train
+        return iter(make_train_loader(
+            self.train_data,
+            micro_batch_size=t.micro_batch_size,
+            global_batch_size=t.global_batch_size,
+            seed=t.seed,
+            start_step=start_step,
+            num_workers=self.cfg.data.num_workers,
+            pin_memory=self.device.type == "cuda",
+        ))
+
+    def _log(self, logger: MetricsLogger, meter: "_Meter", lr: float) -> dict[str, float]:
+        from kiln.models.flops import peak_flops
+
+        values = meter.flush()  # the one host sync of the interval
+        samples = values.pop("samples") * self.cfg.train.micro_batch_size
+        tokens_per_s = samples * self.tokens_per_sample / values.pop("seconds")
+        record = {"loss": values["loss"], "lr": lr, "grad_norm": values["grad_norm"], "tokens_per_s": tokens_per_s}
+        peak = peak_flops(self.device)
+        if peak and self.flops_per_token:
+            record["mfu"] = self.flops_per_token * tokens_per_s / peak
+        if self.precision.scaler.is_enabled():
+            record["skipped_steps"] = self.precision.skipped_steps
+            record["loss_scale"] = self.precision.scaler.get_scale()
+        logger.log(self.step, record)
+        return record
+
+    def _evaluate(self, logger: MetricsLogger) -> dict[str, float] | None:
+        if self.eval_fn is None and self.sample_fn is None:
+            return None
+        was_training = self.model.training
+        self.model.eval()
+        metrics = None
+        try:
+            with torch.no_grad(), self.precision.autocast():
+                if self.eval_fn is not None:
+                    metrics = {k: float(v) for k, v in self.eval_fn(self.model).items()}
+                    logger.log(self.step, metrics)
+                if self.sample_fn is not None:
+                    logger.text(self.step, "sample", self.sample_fn(self.model, self.step))
+        finally:
+            self.model.train(was_training)
+        return metrics
+
+    # -- checkpoints ---------------------------------------------------------------------------
+
+    @property
+    def checkpoint_dir(self) -> Path:
+        return self.run_dir / "checkpoints"
+
+    def save(self) -> Path:
+        t = self.cfg.train
+        train_state = {
+            "step": self.step,
+            "optimizer": self.optimizer.state_dict(),
+            "precision": self.precision.state_dict(),
+            "rng": capture_rng(),
+            # The data order is a pure function of (seed, step): this is the whole position.
+            "data": {"seed": t.seed, "step": self.step, "samples_seen": self.step * t.global_batch_size},
+            "config": self.cfg.to_dict(),
+        }
+        path = save_checkpoint(self.checkpoint_dir, self.step, self.model.state_dict(), train_state,
+                               keep=self.cfg.checkpoint.keep)
+        self._say(f"kiln: saved checkpoint {path}")
+        return path
+
+    def _restore(self) -> int | None:
+        resume = self.cfg.checkpoint.resume
+        if resume == "never":
+            if list_checkpoints(self.checkpoint_dir):
+                raise FileExistsError(
+                    f"run.dir {self.run_dir} already holds checkpoints and checkpoint.resume is 'never'; "
+                    "choose another run.dir or set checkpoint.resume=auto"
+                )
+            return None
+        path = latest_checkpoint(self.checkpoint_dir) if resume == "auto" else Path(resume)
+        if path is None:
+            return None
+        model_state, train_state = load_checkpoint(path, weights_only=False)
+        self.model.load_state_dict(model_state)
+        self.optimizer.load_state_dict(train_state["optimizer"])
+        self.precision.load_state_dict(train_state["precision"])
+        restore_rng(train_state["rng"])
+        self.step = train_state["step"]
+        self._say(f"kiln: resumed from {path} at step {self.step}")
+        return self.step
+
+    def _write_run_files(self) -> None:
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        (self.run_dir / "config.toml").write_text(self.cfg.to_toml())
+        env = {
+            "python": platform.python_version(),
+            "torch": torch.__version__,
+            "platform": platform.platform(),
+            "device": str(self.device),
+            "device_name": torch.cuda.get_device_name(self.device) if self.device.type == "cuda" else platform.processor(),
+            "threads": torch.get_num_threads(),
+            "parameters": sum(p.numel() for p in self.params),
+        }
+        (self.run_dir / "env.json").write_text(json.dumps(env, indent=2))
+
+    def _say(self, msg: str) -> None:
+        if self.console:
+            print(msg, flush=True)
+
+
+class _Meter:
+    """Sums of per-step values kept on the device between log points."""
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        self._reset()
+
+    def _reset(self) -> None:
+        self.loss = torch.zeros((), device=self.device)
+        self.grad_norm = torch.zeros((), device=self.device)
+        self.steps = 0
+        self.micro_batches = 0
+        self._t0 = time.perf_counter()
+        self._paused_s = 0.0
+
+    @contextlib.contextmanager
+    def paused(self) -> Iterator[None]:
+        t0 = time.perf_counter()
+        try:
+            yield
+        finally:
+            self._paused_s += time.perf_counter() - t0
+
+    def end_step(self, grad_norm: torch.Tensor, micro_batches: int) -> None:
+        self.grad_norm += grad_norm.detach()
+        self.steps += 1
+        self.micro_batches += micro_batches
+
+    def flush(self) -> dict[str, float]:
+        steps = max(1, self.steps)
+        values = {
+            "loss": self.loss.item() / max(1, self.micro_batches),
+            "grad_norm": self.grad_norm.item() / steps,
+            "samples": self.micro_batches,
+            "seconds": max(1e-9, time.perf_counter() - self._t0 - self._paused_s),
+        }
+        self._reset()
+        return values

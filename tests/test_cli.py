@@ -1,0 +1,138 @@
+"""The command line as a user runs it: subprocesses, exit codes, files in the run directory."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from safetensors.torch import load_file
+
+from conftest import tiny_overrides
+
+
+def kiln(*args, env=None, check=True, **kw):
+    proc = subprocess.run([sys.executable, "-m", "kiln", *map(str, args)], capture_output=True, text=True,
+                          env={**os.environ, **(env or {})}, **kw)
+    if check and proc.returncode != 0:
+        raise AssertionError(f"kiln {args} exited {proc.returncode}\n{proc.stdout}\n{proc.stderr}")
+    return proc
+
+
+def sets(items):
+    return [a for item in items for a in ("--set", item)]
+
+
+@pytest.mark.parametrize(
+    "override, message",
+    [
+        ("train.lrr=0.1", "train.lrr: unknown config key; did you mean train.lr?"),
+        ("train.max_steps=1.5", "train.max_steps: expected an integer"),
+        ("train.global_batch_size=10", "train.global_batch_size: 10 is not a multiple of train.micro_batch_size"),
+        ("train.precision=fp64", "train.precision: 'fp64' is not allowed; choose one of fp32, bf16, fp16"),
+    ],
+)
+def test_bad_config_exits_2_and_writes_nothing(tmp_path, override, message):
+    run_dir = tmp_path / "run"
+    proc = kiln("train", "--set", f"run.dir={run_dir}", "--set", override, check=False, cwd=tmp_path)
+    assert proc.returncode == 2
+    assert message in proc.stderr
+    assert len(proc.stderr.strip().splitlines()) == 1
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_bad_data_path_exits_2(tmp_path):
+    proc = kiln("train", "--set", f"run.dir={tmp_path / 'run'}", "--set", f"data.source={tmp_path / 'nope.txt'}",
+                check=False)
+    assert proc.returncode == 2 and "nope.txt" in proc.stderr
+    assert not (tmp_path / "run").exists()
+
+
+def _losses(run_dir):
+    lines = [json.loads(l) for l in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return [(l["step"], l["loss"]) for l in lines if "loss" in l]
+
+
+def test_sigkill_then_resume_is_bitwise_identical(tmp_path, corpus_dir):
+    """Kill a run with SIGKILL mid-way, resume it, and compare with an uninterrupted run:
+    accumulation 2, two loader workers, CPU fp32."""
+    common = dict(train__max_steps=16, checkpoint__every=3, data__num_workers=2)
+    full = tmp_path / "full"
+    kiln("train", *sets(tiny_overrides(full, corpus_dir, **common)))
+
+    killed = tmp_path / "killed"
+    args = [sys.executable, "-m", "kiln", "train", *sets(tiny_overrides(killed, corpus_dir, **common))]
+    proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.time() + 120
+    while time.time() < deadline:
+        steps = [s for s, _ in _losses(killed)] if (killed / "metrics.jsonl").exists() else []
+        if steps and steps[-1] >= 7:
+            break
+        time.sleep(0.02)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    assert steps and steps[-1] < 16, "the run finished before it could be killed"
+    kiln("train", *sets(tiny_overrides(killed, corpus_dir, **common)))
+
+    assert _losses(killed) == _losses(full)
+    final = "checkpoints/step-00000016/model.safetensors"
+    a, b = load_file(full / final), load_file(killed / final)
+    assert a.keys() == b.keys()
+    assert all((a[k] == b[k]).all() for k in a)
+
+
+def test_train_generate_eval(tmp_path, corpus_dir):
+    run = tmp_path / "run"
+    proc = kiln("train", *sets(tiny_overrides(run, corpus_dir, train__max_steps=40, eval__every=20)))
+    assert "parameters" in proc.stdout and "sample" in proc.stdout
+    metrics = [json.loads(l) for l in (run / "metrics.jsonl").read_text().splitlines()]
+    evals = [m for m in metrics if "val_loss" in m]
+    assert [m["step"] for m in evals] == [20, 40]
+    assert all(m["val_bpb"] > 0 for m in evals)
+    train_loss = [m["loss"] for m in metrics if "loss" in m]
+    assert train_loss[-1] < train_loss[0]
+    for name in ("config.toml", "env.json", "model.json", "tokenizer.json", "samples.txt"):
+        assert (run / name).exists(), name
+
+    out = kiln("generate", run, "--prompt", "def ", "--max-new-tokens", "20", "--seed", "3").stdout
+    assert out.startswith("def ") and len(out) > 5
+    again = kiln("generate", run, "--prompt", "def ", "--max-new-tokens", "20", "--seed", "3").stdout
+    assert out == again
+
+    ev = json.loads(kiln("eval", run).stdout)
+    assert ev["step"] == 40 and ev["val_loss"] == pytest.approx(evals[-1]["val_loss"], rel=0.2)
+    other = json.loads(kiln("eval", run, "--data", corpus_dir / "abc.txt").stdout)
+    assert other["val_loss"] > 0
+
+    bad = kiln("generate", tmp_path / "nothing", check=False)
+    assert bad.returncode == 2 and "nothing" in bad.stderr
+
+
+def test_tensorboard_events_readable(tmp_path, corpus_dir):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    run = tmp_path / "run"
+    kiln("train", *sets(tiny_overrides(run, corpus_dir, train__max_steps=6)))
+    acc = EventAccumulator(str(run / "tensorboard"))
+    acc.Reload()
+    tags = set(acc.Tags()["scalars"])
+    assert {"loss", "lr", "grad_norm", "tokens_per_s", "val_loss", "val_bpb"} <= tags
+    assert [e.step for e in acc.Scalars("loss")] == list(range(1, 7))
+
+
+def test_prepare_twice_tokenizes_nothing(tmp_path, corpus_dir):
+    args = ["prepare", "--set", f"data.source={corpus_dir}", "--set", "data.vocab_size=300"]
+    first = kiln(*args).stdout
+    second = kiln(*args).stdout
+    assert "kiln: tokenized" in first
+    assert "already prepared" in second
+
+
+def test_resume_never_refuses_existing_checkpoints(tmp_path, corpus_dir):
+    run = tmp_path / "run"
+    kiln("train", *sets(tiny_overrides(run, corpus_dir, train__max_steps=2)))
+    proc = kiln("train", *sets(tiny_overrides(run, corpus_dir, train__max_steps=4)), "--resume", "never", check=False)
+    assert proc.returncode == 2 and "already holds checkpoints" in proc.stderr

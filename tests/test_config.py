@@ -1,0 +1,95 @@
+import pytest
+
+from kiln.config import Config, ConfigError, all_keys, field_docs, from_dict, load_config, sections
+
+REQUIRED_KEYS = [
+    "run.dir", "model.preset", "data.source", "train.max_steps", "train.micro_batch_size",
+    "train.global_batch_size", "train.lr", "train.seed", "train.precision", "train.compile",
+    "train.activation_checkpointing", "checkpoint.every", "eval.every",
+]
+
+
+def test_required_keys_exist():
+    assert set(REQUIRED_KEYS) <= set(all_keys())
+
+
+def test_every_key_is_documented():
+    for name, cls in sections().items():
+        docs = field_docs(cls)
+        missing = [f for f in cls.__dataclass_fields__ if f not in docs]
+        assert not missing, f"[{name}] fields without a docstring: {missing}"
+
+
+def test_toml_then_overrides(tmp_path):
+    p = tmp_path / "c.toml"
+    p.write_text('[train]\nlr = 0.001\nmax_steps = 5\n[model]\npreset = "small"\n')
+    cfg = load_config(p, ["train.lr=3e-4", "train.compile=true", "train.precision=bf16", "data.source=x/*.txt"])
+    assert cfg.train.lr == 3e-4 and cfg.train.max_steps == 5 and cfg.model.preset == "small"
+    assert cfg.train.compile is True and cfg.train.precision == "bf16" and cfg.data.source == "x/*.txt"
+
+
+def test_round_trip_through_toml(tmp_path):
+    cfg = load_config(None, ["train.lr=0.5", "eval.prompt=say \"hi\"\\n", "train.global_batch_size=64"])
+    p = tmp_path / "resolved.toml"
+    p.write_text(cfg.to_toml())
+    again = load_config(p)
+    assert again == cfg
+    assert from_dict(cfg.to_dict()) == cfg
+
+
+def test_accumulation_is_derived():
+    cfg = load_config(None, ["train.micro_batch_size=4", "train.global_batch_size=32"])
+    assert cfg.grad_accum_steps == 8
+
+
+@pytest.mark.parametrize(
+    "override, expected",
+    [
+        ("train.lrr=1", "train.lrr: unknown config key; did you mean train.lr?"),
+        ("bogus.key=1", "bogus.key: unknown config key"),
+        ("train.max_steps=ten", "train.max_steps: expected an integer, got 'ten'"),
+        ("train.precision=fp8", "train.precision: 'fp8' is not allowed; choose one of fp32, bf16, fp16"),
+        ("train.compile=maybe", "train.compile: expected true/false"),
+        ("train.global_batch_size=30", "train.global_batch_size: 30 is not a multiple of train.micro_batch_size 16"),
+        ("train.lr=-1", "train.lr: must be > 0"),
+        ("model.preset=huge", "model.preset: 'huge' is not one of tiny, small"),
+        ("train.max_steps", "expected KEY=VALUE"),
+    ],
+)
+def test_bad_values_name_the_key(override, expected):
+    with pytest.raises(ConfigError) as e:
+        load_config(None, [override])
+    assert expected in str(e.value)
+
+
+def test_all_errors_reported_together():
+    with pytest.raises(ConfigError) as e:
+        load_config(None, ["train.lr=0", "train.max_steps=0"])
+    assert len(e.value.errors) == 2
+
+
+def test_toml_type_errors_name_the_file(tmp_path):
+    p = tmp_path / "bad.toml"
+    p.write_text('[train]\nmax_steps = "many"\n')
+    with pytest.raises(ConfigError, match=r"bad.toml: train.max_steps: expected an integer"):
+        load_config(p)
+    p.write_text("[train\n")
+    with pytest.raises(ConfigError, match="not valid TOML"):
+        load_config(p)
+    with pytest.raises(ConfigError, match="config file not found"):
+        load_config(tmp_path / "missing.toml")
+
+
+def test_configs_folder_files_load():
+    from pathlib import Path
+
+    files = sorted((Path(__file__).parents[1] / "configs").glob("*.toml"))
+    assert files
+    for f in files:
+        load_config(f)
+
+
+def test_default_config_is_valid():
+    from kiln.config import validate
+
+    validate(Config())
