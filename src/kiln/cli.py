@@ -81,8 +81,8 @@ def cmd_prepare(args) -> int:
     m = prepared.manifest
     state = "tokenized" if prepared.tokenized else "already prepared (nothing to do)"
     print(f"kiln: {state}: {prepared.dir}")
-    for split in ("train", "val"):
-        print(f"  {split}: {m[split]['documents']:,} documents, {m[split]['tokens']:,} tokens, {m[split]['bytes']:,} bytes")
+    for split, s in m["splits"].items():
+        print(f"  {split}: {s['documents']:,} documents, {s['tokens']:,} tokens, {s['bytes']:,} bytes")
     print(f"  vocab {prepared.vocab_size}, corpus fingerprint {m['corpus_fingerprint'][:16]}")
     return 0
 

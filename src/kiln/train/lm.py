@@ -76,8 +76,8 @@ def build_trainer(cfg: Config, *, console: bool = True) -> Trainer:
               f"({model.num_params(exclude_embedding=True):,} without embeddings), "
               f"{gpt_cfg.n_layer} layers, d_model {gpt_cfg.d_model}, vocab {gpt_cfg.vocab_size}", flush=True)
     seq_len = cfg.data.seq_len
-    train_data = TokenSequences(prepared.dir / prepared.manifest["train"]["file"], prepared.manifest["dtype"], seq_len)
-    val_data = TokenSequences(prepared.dir / prepared.manifest["val"]["file"], prepared.manifest["dtype"], seq_len)
+    train_data = TokenSequences(prepared.tokens("train"), seq_len)
+    val_data = TokenSequences(prepared.tokens("val"), seq_len)
     if len(train_data) < 1 or len(val_data) < 1:
         raise ConfigError([f"data.seq_len: {seq_len} is longer than the corpus allows "
                            f"(train {len(train_data)} / val {len(val_data)} sequences); lower data.seq_len"])
@@ -154,7 +154,7 @@ def evaluate_run(run_dir: str | Path, *, source: str | None = None, checkpoint: 
     batch = micro_batch_size or run.cfg.train.micro_batch_size
     batches = []
     for split in splits:
-        ds = TokenSequences(prepared.dir / prepared.manifest[split]["file"], prepared.manifest["dtype"], seq_len)
+        ds = TokenSequences(prepared.tokens(split), seq_len)
         batches += val_batches(ds, batch, max_batches) if len(ds) else []
     if not batches:
         raise ConfigError([f"data.seq_len: no sequence of {seq_len} tokens fits in {data_cfg.source}"])

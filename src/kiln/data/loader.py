@@ -1,0 +1,146 @@
+"""Training sequences from a token stream, in an order that is a pure function of (seed, step).
+
+Resuming at step k therefore needs no saved loader state: a fresh sampler started at k yields
+exactly what an uninterrupted run would have yielded from step k on.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import sys
+from typing import Iterator
+
+import numpy as np
+import torch
+from torch.utils.data import DataLoader, Dataset, Sampler
+
+from kiln.data.corpus import DataError
+
+
+class TokenSequences(Dataset):
+    """Non-overlapping windows of ``seq_len`` + 1 tokens; item i is (x, y) with y = x shifted by one.
+
+    Built from a memmap, it pickles only the file's path, dtype and length, and reopens the
+    file lazily in each DataLoader worker (an in-memory array is pickled as is).
+    """
+
+    def __init__(self, tokens: np.ndarray, seq_len: int):
+        if seq_len < 1:
+            raise ValueError(f"seq_len must be >= 1, got {seq_len}")
+        if tokens.ndim != 1:
+            raise ValueError(f"tokens must be 1-D, got shape {tokens.shape}")
+        self.seq_len = seq_len
+        self.num_tokens = len(tokens)
+        self.dtype = tokens.dtype
+        if isinstance(tokens, np.memmap) and tokens.filename is not None:
+            self.path, self.offset = tokens.filename, tokens.offset
+        else:
+            self.path, self.offset = None, 0
+        self._tokens = tokens
+
+    def __len__(self) -> int:
+        return max(0, (self.num_tokens - 1) // self.seq_len)
+
+    def __getitem__(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
+        if not 0 <= i < len(self):
+            raise IndexError(f"sequence {i} out of range for {len(self)} sequences")
+        if self._tokens is None:
+            self._tokens = np.memmap(self.path, dtype=self.dtype, mode="r", offset=self.offset, shape=(self.num_tokens,))
+        start = i * self.seq_len
+        window = torch.from_numpy(self._tokens[start : start + self.seq_len + 1].astype(np.int64))
+        return window[:-1], window[1:]
+
+    def __getstate__(self) -> dict:
+        state = self.__dict__.copy()
+        if self.path is not None:
+            state["_tokens"] = None
+        return state
+
+
+class StepSampler(Sampler):
+    """An endless stream of item indices for this rank, one global batch per optimizer step.
+
+    The j-th sequence of step s has global position g = s * global_batch_size + j and is item
+    ``perm_e[g % num_items]``, where e = g // num_items is its epoch and perm_e a permutation
+    seeded by (seed, e). Every item appears once per epoch. Rank r of world_size W takes the
+    contiguous share j in [r*G/W, (r+1)*G/W) of each global batch.
+    """
+
+    def __init__(self, num_items: int, global_batch_size: int, seed: int, start_step: int = 0,
+                 rank: int = 0, world_size: int = 1):
+        if num_items < 1:
+            raise ValueError(f"num_items must be >= 1, got {num_items}")
+        if global_batch_size % world_size:
+            raise ValueError(f"global_batch_size {global_batch_size} is not divisible by world_size {world_size}")
+        if not 0 <= rank < world_size:
+            raise ValueError(f"rank {rank} out of range for world_size {world_size}")
+        self.num_items = num_items
+        self.global_batch_size = global_batch_size
+        self.seed = seed
+        self.start_step = start_step
+        self.per_rank = global_batch_size // world_size
+        self.offset = rank * self.per_rank
+        self._epoch, self._perm = -1, None
+
+    def permutation(self, epoch: int) -> torch.Tensor:
+        if epoch != self._epoch:
+            # Hash (seed, epoch) so nearby seeds or epochs give unrelated permutations.
+            digest = hashlib.blake2b(f"{self.seed}:{epoch}".encode(), digest_size=8).digest()
+            gen = torch.Generator().manual_seed(int.from_bytes(digest, "big") >> 1)
+            self._epoch, self._perm = epoch, torch.randperm(self.num_items, generator=gen)
+        return self._perm
+
+    def __iter__(self) -> Iterator[int]:
+        step = self.start_step
+        while True:
+            base = step * self.global_batch_size + self.offset
+            for g in range(base, base + self.per_rank):
+                yield int(self.permutation(g // self.num_items)[g % self.num_items])
+            step += 1
+
+
+def make_train_loader(dataset: TokenSequences, *, micro_batch_size: int, global_batch_size: int, seed: int,
+                      start_step: int, num_workers: int, pin_memory: bool, rank: int = 0,
+                      world_size: int = 1) -> DataLoader:
+    """An endless DataLoader of (x, y) micro-batches; every G/(W*micro) of them make one step."""
+    if len(dataset) == 0:
+        raise DataError(
+            f"the training split has {dataset.num_tokens} tokens, fewer than seq_len + 1 = {dataset.seq_len + 1}; "
+            "lower data.seq_len or use more data"
+        )
+    sampler = StepSampler(len(dataset), global_batch_size, seed, start_step, rank, world_size)
+    if sampler.per_rank % micro_batch_size:
+        raise ValueError(
+            f"each rank's share of the global batch ({sampler.per_rank}) is not a multiple of "
+            f"micro_batch_size {micro_batch_size}; micro-batches would straddle steps"
+        )
+    workers = num_workers > 0
+    return DataLoader(
+        dataset,
+        batch_size=micro_batch_size,
+        sampler=sampler,
+        num_workers=num_workers,
+        pin_memory=pin_memory,
+        persistent_workers=False,
+        prefetch_factor=4 if workers else None,
+        # fork starts workers without re-importing the program (Python 3.14 made forkserver the
+        # default); workers only slice a memmap and never touch CUDA, so forking is safe.
+        multiprocessing_context="fork" if workers and sys.platform == "linux" else None,
+    )
+
+
+def val_batches(dataset: TokenSequences, micro_batch_size: int, num_batches: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """A fixed validation sample: up to num_batches * micro_batch_size sequences evenly spaced over the set."""
+    total = len(dataset)
+    if total == 0:
+        raise DataError(
+            f"the validation split has {dataset.num_tokens} tokens, fewer than seq_len + 1 = {dataset.seq_len + 1}; "
+            "raise data.val_fraction, lower data.seq_len or use more data"
+        )
+    n = min(num_batches * micro_batch_size, total)
+    indices = [k * total // n for k in range(n)]
+    batches = []
+    for start in range(0, n, micro_batch_size):
+        xs, ys = zip(*(dataset[i] for i in indices[start : start + micro_batch_size]))
+        batches.append((torch.stack(xs), torch.stack(ys)))
+    return batches

@@ -1,0 +1,124 @@
+"""Tokenizers: train a byte-level BPE on a corpus's train split (cached), or load a tokenizer.json."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import tempfile
+from pathlib import Path
+from typing import Iterable
+
+import numpy as np
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+from kiln.data.corpus import Corpus, DataError
+
+EOT = "<|endoftext|>"
+# Bump when training settings change, so cached tokenizers from older code are not reused.
+TOKENIZER_VERSION = 1
+# End-of-sequence tokens of common tokenizers, preferred in this order when EOT is absent.
+_EOS_NAMES = ("</s>", "<|end_of_text|>", "<eos>", "<|eos|>", "[EOS]", "<|im_end|>", "<|eot_id|>")
+
+
+def load_or_train_tokenizer(corpus: Corpus, data_cfg, cache_dir: Path) -> Tokenizer:
+    """The tokenizer ``data_cfg.tokenizer`` names: 'bpe' trains (or reuses) one, else a tokenizer.json path.
+
+    A trained BPE is cached at ``cache_dir/tokenizers/<key>/tokenizer.json``, where the key covers
+    the corpus fingerprint (so its train split), the vocab size and TOKENIZER_VERSION.
+    """
+    if data_cfg.tokenizer != "bpe":
+        return load_tokenizer(Path(data_cfg.tokenizer).expanduser())
+    path = bpe_cache_path(corpus, data_cfg, cache_dir)
+    if path.is_file():
+        return load_tokenizer(path)
+    tok = _train_bpe((text for _, text in corpus.documents("train")), data_cfg.vocab_size, corpus.count("train"))
+    _write_atomic(path, tok.to_str())
+    return tok
+
+
+def bpe_cache_path(corpus: Corpus, data_cfg, cache_dir: Path) -> Path:
+    """Where the BPE trained for this corpus and vocab size is (or will be) cached."""
+    key = hashlib.sha256(f"{corpus.fingerprint}\0{data_cfg.vocab_size}\0{TOKENIZER_VERSION}".encode()).hexdigest()
+    return Path(cache_dir) / "tokenizers" / key[:32] / "tokenizer.json"
+
+
+def load_tokenizer(path: Path) -> Tokenizer:
+    if not path.is_file():
+        raise DataError(f"{path}: tokenizer file not found; data.tokenizer takes 'bpe' or a path to a tokenizer.json")
+    try:
+        return Tokenizer.from_file(str(path))
+    except Exception as e:  # tokenizers raises a bare Exception for malformed files
+        raise DataError(f"{path}: not a valid Hugging Face tokenizer.json ({e})") from None
+
+
+def _train_bpe(texts: Iterable[str], vocab_size: int, length: int) -> Tokenizer:
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=[EOT],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator(texts, trainer=trainer, length=length)
+    return tok
+
+
+def _write_atomic(path: Path, text: str) -> None:
+    """Write via a temp file and rename, so a killed process never leaves a truncated file at ``path``."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".tmp-", suffix=path.suffix)
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            f.write(text)
+        os.replace(tmp, path)
+    except BaseException:
+        os.unlink(tmp)
+        raise
+
+
+def eot_id(tok: Tokenizer) -> int:
+    """Id of the end-of-text token appended after every document.
+
+    EOT itself if the tokenizer has it; otherwise, for user tokenizers, the first known
+    end-of-sequence special token (</s>, <|end_of_text|>, <eos>, ...) it has; else DataError.
+    """
+    found = tok.token_to_id(EOT)
+    if found is not None:
+        return found
+    for name in _EOS_NAMES:
+        found = tok.token_to_id(name)
+        if found is not None:
+            return found
+    raise DataError(
+        f"the tokenizer has no end-of-text token ({EOT} or one of {', '.join(_EOS_NAMES)}); "
+        f"add {EOT} as a special token to its tokenizer.json, or use data.tokenizer = 'bpe'"
+    )
+
+
+def tokenizer_hash(tok: Tokenizer) -> str:
+    return hashlib.sha256(tok.to_str().encode("utf-8")).hexdigest()
+
+
+def token_byte_lengths(tok: Tokenizer) -> np.ndarray:
+    """UTF-8 bytes each token id stands for (0 for special tokens), for bits-per-byte.
+
+    In byte-level tokenizers every character of a vocabulary token stands for one byte, so the
+    count is exact. Other tokenizers decode each token alone, which is approximate where a decoder
+    joins tokens (e.g. SentencePiece's leading-space marker). Added tokens are stored as plain text.
+    """
+    lengths = np.zeros(tok.get_vocab_size(), dtype=np.int64)
+    added = tok.get_added_tokens_decoder()
+    decoder = json.loads(tok.to_str()).get("decoder") or {}
+    if decoder.get("type") == "ByteLevel":
+        for token, i in tok.get_vocab(with_added_tokens=False).items():
+            lengths[i] = len(token)
+    else:
+        ids = [i for i in range(len(lengths)) if i not in added]
+        texts = tok.decode_batch([[i] for i in ids], skip_special_tokens=False)
+        lengths[ids] = [len(t.encode("utf-8")) for t in texts]
+    for i, token in added.items():
+        lengths[i] = 0 if token.special else len(token.content.encode("utf-8"))
+    return lengths

@@ -1,0 +1,90 @@
+import itertools
+import pickle
+
+import numpy as np
+import pytest
+import torch
+
+from kiln.data.corpus import DataError
+from kiln.data.loader import StepSampler, TokenSequences, make_train_loader, val_batches
+
+
+def token_file(tmp_path, n, dtype=np.uint16):
+    path = tmp_path / "tokens.bin"
+    np.arange(n, dtype=dtype).tofile(path)
+    return np.memmap(path, dtype=dtype, mode="r", shape=(n,))
+
+
+def take(sampler, n):
+    return list(itertools.islice(iter(sampler), n))
+
+
+def test_token_sequences_shift_and_length(tmp_path):
+    ds = TokenSequences(token_file(tmp_path, 41), seq_len=8)
+    assert len(ds) == 5  # (41 - 1) // 8: the last window needs one extra token for its target
+    x, y = ds[4]
+    assert x.dtype == y.dtype == torch.int64
+    assert x.tolist() == list(range(32, 40)) and y.tolist() == list(range(33, 41))
+    assert len(TokenSequences(token_file(tmp_path, 40), seq_len=8)) == 4
+    with pytest.raises(IndexError):
+        ds[5]
+
+
+def test_token_sequences_pickle_without_the_array(tmp_path):
+    ds = TokenSequences(token_file(tmp_path, 100_001, np.uint32), seq_len=10)
+    blob = pickle.dumps(ds)
+    assert len(blob) < 2000
+    clone = pickle.loads(blob)
+    assert [t.tolist() for t in clone[7]] == [t.tolist() for t in ds[7]]
+
+
+def test_sampler_is_a_function_of_seed_and_step():
+    a = take(StepSampler(50, 8, seed=3), 200)
+    assert a == take(StepSampler(50, 8, seed=3), 200)
+    assert a != take(StepSampler(50, 8, seed=4), 200)
+    for k in (1, 6, 7, 13):  # within the first epoch, at its boundary, and later
+        assert take(StepSampler(50, 8, seed=3, start_step=k), 200 - 8 * k) == a[8 * k:]
+
+
+def test_sampler_covers_each_epoch_once():
+    stream = take(StepSampler(37, 4, seed=0), 37 * 3)
+    epochs = [stream[i * 37 : (i + 1) * 37] for i in range(3)]
+    assert all(sorted(e) == list(range(37)) for e in epochs)
+    assert epochs[0] != epochs[1]
+
+
+def test_ranks_partition_each_global_batch():
+    whole = take(StepSampler(30, 12, seed=5, start_step=2), 12 * 6)
+    ranks = [take(StepSampler(30, 12, seed=5, start_step=2, rank=r, world_size=3), 4 * 6) for r in range(3)]
+    for step in range(6):
+        shares = [r[step * 4 : (step + 1) * 4] for r in ranks]
+        assert sum(shares, []) == whole[step * 12 : (step + 1) * 12]
+    with pytest.raises(ValueError, match="not divisible by world_size"):
+        StepSampler(30, 10, seed=0, world_size=3)
+
+
+def test_loader_workers_match_in_process(tmp_path):
+    ds = TokenSequences(token_file(tmp_path, 2000), seq_len=16)
+    kw = dict(micro_batch_size=4, global_batch_size=8, seed=1, start_step=3, pin_memory=False)
+    expected = list(itertools.islice(make_train_loader(ds, num_workers=0, **kw), 10))
+    got = list(itertools.islice(make_train_loader(ds, num_workers=2, **kw), 10))
+    assert expected[0][0].shape == (4, 16)
+    for (x0, y0), (x1, y1) in zip(expected, got, strict=True):
+        assert torch.equal(x0, x1) and torch.equal(y0, y1)
+    with pytest.raises(ValueError, match="multiple of micro_batch_size"):
+        make_train_loader(ds, **{**kw, "micro_batch_size": 3}, num_workers=0)
+
+
+def test_val_batches_are_fixed_and_spread(tmp_path):
+    ds = TokenSequences(token_file(tmp_path, 1001), seq_len=10)  # 100 sequences
+    batches = val_batches(ds, micro_batch_size=4, num_batches=5)
+    assert len(batches) == 5 and all(x.shape == (4, 10) for x, _ in batches)
+    firsts = [int(x[0]) // 10 for xb, _ in batches for x in xb]
+    assert firsts == [i * 5 for i in range(20)]
+    again = val_batches(ds, micro_batch_size=4, num_batches=5)
+    assert all(torch.equal(a[0], b[0]) and torch.equal(a[1], b[1]) for a, b in zip(batches, again))
+
+    small = val_batches(TokenSequences(token_file(tmp_path, 61), seq_len=10), micro_batch_size=4, num_batches=5)
+    assert [len(x) for x, _ in small] == [4, 2]
+    with pytest.raises(DataError, match="validation split has 5 tokens"):
+        val_batches(TokenSequences(token_file(tmp_path, 5), seq_len=10), 4, 5)
