@@ -93,3 +93,12 @@ def test_default_config_is_valid():
     from kiln.config import validate
 
     validate(Config())
+
+
+def test_docs_config_reference_is_current():
+    from pathlib import Path
+
+    from kiln.config import config_reference
+
+    doc = Path(__file__).parents[1] / "docs" / "config.md"
+    assert doc.read_text() == config_reference(), "regenerate with: kiln config --reference > docs/config.md"

@@ -53,7 +53,7 @@ def _parser() -> argparse.ArgumentParser:
 
     c = sub.add_parser("config", help="print the resolved config as TOML, or the reference of every key")
     _add_config_args(c)
-    c.add_argument("--reference", action="store_true", help="print every key with its default and meaning")
+    c.add_argument("--reference", action="store_true", help="print every key with its default and meaning (Markdown, as in docs/config.md)")
 
     sub.add_parser("presets", help="list the model presets with their parameter counts")
     return p
@@ -112,16 +112,10 @@ def cmd_generate(args) -> int:
 
 
 def cmd_config(args) -> int:
-    from kiln.config import field_docs, sections
+    from kiln.config import config_reference
 
     if args.reference:
-        from kiln.config import Config
-
-        defaults = Config().to_dict()
-        for section, cls in sections().items():
-            print(f"[{section}]")
-            for key, doc in field_docs(cls).items():
-                print(f"  {section}.{key} = {defaults[section][key]!r}\n      {doc}")
+        print(config_reference(), end="")
         return 0
     print(_load(args).to_toml(), end="")
     return 0

@@ -98,7 +98,7 @@ def test_generic_module_and_eval_fn(tmp_path):
     y = (x.sum(1) > 0).long()
     model = torch.nn.Sequential(torch.nn.Linear(4, 16), torch.nn.ReLU(), torch.nn.Linear(16, 2))
     cfg = load_config(None, [f"run.dir={tmp_path / 'g'}", "train.max_steps=60", "train.micro_batch_size=32",
-                             "train.global_batch_size=32", "train.lr=3e-2", "train.warmup_steps=5",
+                             "train.global_batch_size=32", "train.lr=3e-2", "train.warmup_steps=5", "run.device=cpu",
                              "data.num_workers=0", "eval.every=20", "checkpoint.every=0"])
 
     def loss_fn(m, batch):
