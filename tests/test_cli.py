@@ -94,6 +94,7 @@ def test_train_generate_eval(tmp_path, corpus_dir):
     assert all(m["val_bpb"] > 0 for m in evals)
     train_loss = [m["loss"] for m in metrics if "loss" in m]
     assert train_loss[-1] < train_loss[0]
+    assert len(json.loads((run / "data.json").read_text())["corpus_fingerprint"]) == 64
     for name in ("config.toml", "env.json", "model.json", "tokenizer.json", "samples.txt"):
         assert (run / name).exists(), name
 
@@ -136,3 +137,5 @@ def test_resume_never_refuses_existing_checkpoints(tmp_path, corpus_dir):
     kiln("train", *sets(tiny_overrides(run, corpus_dir, train__max_steps=2)))
     proc = kiln("train", *sets(tiny_overrides(run, corpus_dir, train__max_steps=4)), "--resume", "never", check=False)
     assert proc.returncode == 2 and "already holds checkpoints" in proc.stderr
+    changed = kiln("train", *sets(tiny_overrides(run, corpus_dir, train__max_steps=4, model__d_model=96)), check=False)
+    assert changed.returncode == 2 and "does not fit this model" in changed.stderr

@@ -100,6 +100,8 @@ def build_trainer(cfg: Config, *, console: bool = True) -> Trainer:
     run_dir.mkdir(parents=True, exist_ok=True)
     shutil.copyfile(prepared.dir / "tokenizer.json", run_dir / "tokenizer.json")
     (run_dir / "model.json").write_text(json.dumps(dataclasses.asdict(gpt_cfg), indent=2))
+    # The corpus fingerprint, token counts and checksums of the data this run trained on.
+    (run_dir / "data.json").write_text(json.dumps(prepared.manifest, indent=2))
     return trainer
 
 

@@ -23,7 +23,7 @@ import torch
 from torch import nn
 from torch.utils.data import Dataset
 
-from kiln.checkpoint import capture_rng, latest_checkpoint, list_checkpoints, load_checkpoint, restore_rng, save_checkpoint
+from kiln.checkpoint import CheckpointError, capture_rng, latest_checkpoint, list_checkpoints, load_checkpoint, restore_rng, save_checkpoint
 from kiln.config import Config, ConfigError, validate
 from kiln.data.loader import make_train_loader
 from kiln.observe import MetricsLogger
@@ -270,7 +270,13 @@ class Trainer:
         if path is None:
             return None
         model_state, train_state = load_checkpoint(path, weights_only=False)
-        self.model.load_state_dict(model_state)
+        try:
+            self.model.load_state_dict(model_state)
+        except RuntimeError as e:
+            raise CheckpointError(
+                f"{path}: the checkpoint does not fit this model (was [model] changed?); use a new run.dir "
+                f"or --resume never. {str(e).splitlines()[0]}"
+            ) from None
         self.optimizer.load_state_dict(train_state["optimizer"])
         self.precision.load_state_dict(train_state["precision"])
         restore_rng(train_state["rng"])
