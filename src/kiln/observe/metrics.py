@@ -78,7 +78,7 @@ class MetricsLogger:
 
     def _console_line(self, step: int, values: dict[str, Any]) -> str:
         parts = [f"step {step}/{self.total_steps}"]
-        parts += [_fmt(k, v) for k, v in values.items() if k not in ("elapsed_s", "tokens", "skipped_steps") or v]
+        parts += [_fmt(k, v) for k, v in values.items() if k != "skipped_steps" or v]
         done = step - self._start_step
         if 0 < done and step < self.total_steps and "val_loss" not in values:
             elapsed = time.perf_counter() - self._t0

@@ -206,8 +206,8 @@ class Trainer:
         from kiln.models.flops import peak_flops
 
         values = meter.flush()  # the one host sync of the interval
-        samples = values.pop("samples") * self.cfg.train.micro_batch_size
-        tokens_per_s = samples * self.tokens_per_sample / values.pop("seconds")
+        samples = values["micro_batches"] * self.cfg.train.micro_batch_size
+        tokens_per_s = samples * self.tokens_per_sample / values["seconds"]
         record = {"loss": values["loss"], "lr": lr, "grad_norm": values["grad_norm"], "tokens_per_s": tokens_per_s}
         peak = peak_flops(self.device)
         if peak and self.flops_per_token:
@@ -336,7 +336,7 @@ class _Meter:
         values = {
             "loss": self.loss.item() / max(1, self.micro_batches),
             "grad_norm": self.grad_norm.item() / steps,
-            "samples": self.micro_batches,
+            "micro_batches": self.micro_batches,
             "seconds": max(1e-9, time.perf_counter() - self._t0 - self._paused_s),
         }
         self._reset()
