@@ -125,6 +125,11 @@ class TrainConfig:
     """Recompute each block's activations in the backward pass to save memory."""
     log_every: int = 10
     """Log metrics every N steps (the only points where the loop waits for the device)."""
+    time_budget: str = ""
+    """Wall-clock limit of the training loop, e.g. "300s", "5m", "1h30m" (empty: none). The run
+    stops at the step boundary that would cross it, then evaluates and checkpoints; running the
+    same command again resumes and trains for another budget. The schedule still follows
+    max_steps."""
 
 
 @dataclass
@@ -221,6 +226,22 @@ def config_reference() -> str:
             out.append(f"| `{section}.{key}` | `{_toml_value(defaults[section][key])}` | {doc} |")
         out.append("")
     return "\n".join(out)
+
+
+_DURATION_UNITS = {"h": 3600.0, "m": 60.0, "s": 1.0}
+
+
+def parse_duration(text: str) -> float:
+    """Seconds in "90", "90s", "5m", "1.5h" or "1h30m"; ValueError otherwise."""
+    import re
+
+    text = text.strip().lower()
+    if re.fullmatch(r"\d+(\.\d+)?", text):
+        return float(text)
+    parts = re.findall(r"(\d+(?:\.\d+)?)([hms])", text)
+    if not parts or "".join(n + u for n, u in parts) != text:
+        raise ValueError(f"not a duration: {text!r}")
+    return sum(float(n) * _DURATION_UNITS[u] for n, u in parts)
 
 
 def _type_name(tp: Any) -> str:
@@ -386,6 +407,11 @@ def validate(cfg: Config) -> None:
     need(t.grad_clip >= 0, f"train.grad_clip: must be >= 0 (0 is off), got {t.grad_clip}")
     need(t.seed >= 0, f"train.seed: must be >= 0, got {t.seed}")
     need(t.log_every >= 1, f"train.log_every: must be >= 1, got {t.log_every}")
+    if t.time_budget:
+        try:
+            need(parse_duration(t.time_budget) > 0, f"train.time_budget: must be more than 0, got {t.time_budget!r}")
+        except ValueError:
+            errors.append(f"train.time_budget: {t.time_budget!r} is not a duration; use e.g. 300s, 5m, 1h30m")
     need(d.vocab_size >= 260, f"data.vocab_size: must be >= 260 (256 bytes and special tokens), got {d.vocab_size}")
     need(d.seq_len >= 2, f"data.seq_len: must be >= 2, got {d.seq_len}")
     need(0 < d.val_fraction < 1, f"data.val_fraction: must be in (0, 1), got {d.val_fraction}")

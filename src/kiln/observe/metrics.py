@@ -29,6 +29,8 @@ def _fmt(key: str, value: float) -> str:
         return f"{value / 1e3:.1f}k tok/s" if value >= 1e3 else f"{value:.0f} tok/s"
     if key == "mfu":
         return f"MFU {100 * value:.1f}%"
+    if key == "elapsed_s":
+        return f"elapsed {format_duration(value)}"
     if key == "grad_norm":
         return f"gnorm {value:.3f}"
     if isinstance(value, float):

@@ -24,7 +24,7 @@ from torch import nn
 from torch.utils.data import Dataset
 
 from kiln.checkpoint import CheckpointError, capture_rng, latest_checkpoint, list_checkpoints, load_checkpoint, restore_rng, save_checkpoint
-from kiln.config import Config, ConfigError, validate
+from kiln.config import Config, ConfigError, parse_duration, validate
 from kiln.data.loader import make_train_loader
 from kiln.observe import MetricsLogger
 from kiln.train.apply import apply_activation_checkpointing, apply_compile
@@ -61,6 +61,7 @@ class FitResult:
     eval_metrics: dict[str, float] = field(default_factory=dict)
     resumed_from: int | None = None
     interrupted: bool = False
+    out_of_time: bool = False
 
 
 class _StopRequest:
@@ -152,8 +153,10 @@ class Trainer:
         logger = MetricsLogger(self.run_dir, total_steps=t.max_steps, start_step=self.step, console=self.console)
         batches = self._batches(self.step)
         meter = _Meter(self.device)
+        clock = _Budget(parse_duration(t.time_budget) if t.time_budget else math.inf)
         with logger, _StopRequest() as stop:
             while self.step < t.max_steps:
+                clock.step_started()
                 lr = lr_at(self.step, t)
                 for group in self.optimizer.param_groups:
                     group["lr"] = lr
@@ -172,15 +175,23 @@ class Trainer:
                 self.step += 1
                 meter.end_step(grad_norm, accum)
 
-                last = self.step == t.max_steps
-                if self.step % t.log_every == 0 or last or stop.requested:
-                    result.metrics = self._log(logger, meter, lr)
+                # The run ends at max_steps, or early when the next step would overrun the time
+                # budget; either way it ends with an evaluation and a checkpoint.
+                out_of_time = clock.next_step_overruns()
+                final = self.step == t.max_steps or out_of_time
+                if self.step % t.log_every == 0 or final or stop.requested:
+                    result.metrics = self._log(logger, meter, lr, clock.elapsed())
                 # Evaluation and saving are not training throughput: the meter's clock stops.
                 with meter.paused():
-                    if last or (cfg.eval.every and self.step % cfg.eval.every == 0):
+                    if final or (cfg.eval.every and self.step % cfg.eval.every == 0):
                         result.eval_metrics = self._evaluate(logger) or result.eval_metrics
-                    if last or stop.requested or (cfg.checkpoint.every and self.step % cfg.checkpoint.every == 0):
+                    if final or stop.requested or (cfg.checkpoint.every and self.step % cfg.checkpoint.every == 0):
                         self.save()
+                if out_of_time and self.step < t.max_steps:
+                    result.out_of_time = True
+                    self._say(f"kiln: time budget {t.time_budget} reached at step {self.step}/{t.max_steps}; "
+                              "run the same command again to continue")
+                    break
                 if stop.requested:
                     result.interrupted = True
                     self._say(f"kiln: stopped at step {self.step}; resume with the same command")
@@ -202,13 +213,14 @@ class Trainer:
             pin_memory=self.device.type == "cuda",
         ))
 
-    def _log(self, logger: MetricsLogger, meter: "_Meter", lr: float) -> dict[str, float]:
+    def _log(self, logger: MetricsLogger, meter: "_Meter", lr: float, elapsed_s: float) -> dict[str, float]:
         from kiln.models.flops import peak_flops
 
         values = meter.flush()  # the one host sync of the interval
         samples = values["micro_batches"] * self.cfg.train.micro_batch_size
         tokens_per_s = samples * self.tokens_per_sample / values["seconds"]
-        record = {"loss": values["loss"], "lr": lr, "grad_norm": values["grad_norm"], "tokens_per_s": tokens_per_s}
+        record = {"loss": values["loss"], "lr": lr, "grad_norm": values["grad_norm"], "tokens_per_s": tokens_per_s,
+                  "elapsed_s": elapsed_s}
         peak = peak_flops(self.device)
         if peak and self.flops_per_token:
             record["mfu"] = self.flops_per_token * tokens_per_s / peak
@@ -301,6 +313,26 @@ class Trainer:
     def _say(self, msg: str) -> None:
         if self.console:
             print(msg, flush=True)
+
+
+class _Budget:
+    """Wall-clock limit of one ``fit`` call, checked on the host at step boundaries (no sync)."""
+
+    def __init__(self, seconds: float):
+        self.seconds = seconds
+        self._t0 = time.perf_counter()
+        self._step_t0 = self._t0
+
+    def step_started(self) -> None:
+        self._step_t0 = time.perf_counter()
+
+    def elapsed(self) -> float:
+        return time.perf_counter() - self._t0
+
+    def next_step_overruns(self) -> bool:
+        """Would one more step, as long as the last one, end past the budget?"""
+        now = time.perf_counter()
+        return (now - self._t0) + (now - self._step_t0) > self.seconds
 
 
 class _Meter:
