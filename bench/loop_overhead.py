@@ -20,21 +20,16 @@ import tempfile
 import time
 from pathlib import Path
 
-import numpy as np
 import torch
 import torch.nn.functional as F
+from common import kiln_tokens_per_s, random_tokens
 
 from kiln import Trainer
 from kiln.config import ModelConfig, load_config
-from kiln.data import TokenSequences
 from kiln.data.loader import make_train_loader
 from kiln.models import GPT, build_gpt_config
 from kiln.train.lm import lm_loss
 from kiln.train.optim import build_optimizer, lr_at
-
-
-def make_tokens(path: Path, vocab: int, n: int) -> None:
-    np.random.default_rng(0).integers(0, vocab, n).astype(np.uint16).tofile(path)
 
 
 def hand_written(model, data, cfg, warmup: int) -> float:
@@ -64,10 +59,7 @@ def hand_written(model, data, cfg, warmup: int) -> float:
 def kiln_loop(model, data, cfg, warmup: int) -> float:
     """kiln's Trainer; tokens/s from its own metrics, skipping the intervals inside warm-up."""
     Trainer(model, data, lm_loss, cfg, tokens_per_sample=data.seq_len, console=False).fit()
-    lines = [json.loads(l) for l in (Path(cfg.run.dir) / "metrics.jsonl").read_text().splitlines()]
-    rates = [l["tokens_per_s"] for l in lines if "tokens_per_s" in l and l["step"] > warmup]
-    # Intervals are equal in steps, so the harmonic mean is total tokens / total time.
-    return len(rates) / sum(1 / r for r in rates)
+    return kiln_tokens_per_s(cfg.run.dir, warmup)
 
 
 def main() -> None:
@@ -84,8 +76,7 @@ def main() -> None:
 
     with tempfile.TemporaryDirectory() as tmp:
         tmp = Path(tmp)
-        make_tokens(tmp / "tokens.bin", args.vocab, 2_000_000)
-        data = TokenSequences(np.memmap(tmp / "tokens.bin", dtype=np.uint16, mode="r"), args.seq_len)
+        data = random_tokens(tmp / "tokens.bin", args.vocab, 2_000_000, args.seq_len)
         gpt_cfg = build_gpt_config(ModelConfig(preset=args.preset), args.vocab, args.seq_len)
         ratios, kiln_rates, hand_rates = [], [], []
         for r in range(args.rounds + 1):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+from typing import Callable
 
 import torch
 from torch import nn
@@ -30,6 +31,6 @@ def apply_activation_checkpointing(model: nn.Module) -> nn.Module:
     return model
 
 
-def apply_compile(model: nn.Module) -> nn.Module:
-    """Compile the forward pass; the returned module shares parameters with ``model``."""
-    return torch.compile(model)
+def apply_compile(fn: Callable) -> Callable:
+    """Compile ``fn`` (a model, or a loss function that calls one) with torch.compile."""
+    return torch.compile(fn)

@@ -124,11 +124,11 @@ class Trainer:
         self.model = model.to(self.device)
         if cfg.train.activation_checkpointing:
             apply_activation_checkpointing(self.model)
-        # The compiled module shares parameters with the plain one; state dicts come from the
-        # plain one so checkpoints never carry compile's name prefix.
-        self.forward_model = apply_compile(self.model) if cfg.train.compile else self.model
         self.train_data = train_data
-        self.loss_fn = loss_fn
+        # Compiling the loss function compiles the model's forward with it, so the compiler can
+        # fuse the output projection with the cross-entropy; the model itself stays plain, and
+        # its state dict keeps its own names.
+        self.loss_fn = apply_compile(loss_fn) if cfg.train.compile else loss_fn
         self.eval_fn = eval_fn
         self.sample_fn = sample_fn
         self.tokens_per_sample = tokens_per_sample
@@ -163,7 +163,7 @@ class Trainer:
                 for _ in range(accum):
                     batch = to_device(next(batches), self.device)
                     with self.precision.autocast():
-                        loss = self.loss_fn(self.forward_model, batch)
+                        loss = self.loss_fn(self.model, batch)
                     # Each micro-batch loss is a mean, so dividing by the number of
                     # micro-batches makes the summed gradients those of one big batch.
                     self.precision.backward(loss / accum)
