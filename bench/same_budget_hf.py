@@ -1,0 +1,125 @@
+"""Same wall-clock budget, same documents: kiln's default recipe against a Hugging Face
+``Trainer`` run, both scored in bits per byte on the same val text the same way.
+
+    pip install -e ".[bench]" && python bench/same_budget_hf.py [--budget 5m] [--hf-lr 3e-3 ...]
+
+Both sides train on the embedded corpus's train split, tokenized with the same byte-level BPE
+(the one ``kiln train`` trains), and neither sees the val split. kiln runs exactly as
+``kiln train`` does with ``train.time_budget`` set. The HF side is a ``LlamaForCausalLM`` of the
+same shape, batch 16 x 128 tokens (its reference setting), AdamW and cosine decay; its max_steps
+is calibrated by a short probe so that its schedule ends with the budget, and a callback stops it
+at the budget. Each model is then scored on every non-overlapping window of its own training
+context over the whole val stream: summed loss in bits over the UTF-8 bytes those targets
+stand for.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+from torch.utils.data import Dataset
+from vs_hf_trainer import hf_model
+
+from kiln.config import ModelConfig, load_config, parse_duration
+from kiln.data import TokenSequences, prepare
+from kiln.models import build_gpt_config
+from kiln.train.lm import build_trainer, evaluate_lm, evaluate_run
+
+
+class Windows(Dataset):
+    def __init__(self, tokens, seq_len: int):
+        self.windows = TokenSequences(tokens, seq_len)
+
+    def __len__(self) -> int:
+        return len(self.windows)
+
+    def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
+        x, y = self.windows[i]
+        ids = torch.cat([x, y[-1:]])
+        return {"input_ids": ids, "labels": ids}
+
+
+def train_hf(prepared, args, budget_s: float, out: Path, max_steps: int):
+    from transformers import Trainer, TrainerCallback, TrainingArguments
+
+    class Budget(TrainerCallback):
+        def on_train_begin(self, *a, **kw):
+            self.t0 = time.perf_counter()
+            self.steps = 0
+
+        def on_step_end(self, targs, state, control, **kw):
+            self.steps = state.global_step
+            control.should_training_stop = time.perf_counter() - self.t0 > budget_s
+
+    gpt_cfg = build_gpt_config(ModelConfig(preset="tiny"), prepared.vocab_size, args.hf_seq_len)
+    torch.manual_seed(0)
+    model = hf_model(gpt_cfg)
+    targs = TrainingArguments(
+        output_dir=str(out), max_steps=max_steps, per_device_train_batch_size=args.hf_batch,
+        learning_rate=args.hf_lr, weight_decay=0.1, adam_beta1=0.9, adam_beta2=0.95, max_grad_norm=1.0,
+        lr_scheduler_type="cosine", warmup_ratio=0.05, logging_steps=50, save_strategy="no", eval_strategy="no",
+        report_to=[], use_cpu=True, seed=0, dataloader_num_workers=0, disable_tqdm=True,
+    )
+    clock = Budget()
+    # HF shifts labels inside the model, so each item holds seq_len + 1 tokens.
+    data = Windows(prepared.tokens("train"), args.hf_seq_len)
+    Trainer(model=model, args=targs, train_dataset=data, callbacks=[clock]).train()
+    return model, clock.steps
+
+
+def score(model_fn, prepared, seq_len: int) -> dict[str, float]:
+    val = TokenSequences(prepared.tokens("val"), seq_len)
+    batches = []
+    for start in range(0, len(val), 16):
+        xs, ys = zip(*(val[i] for i in range(start, min(start + 16, len(val)))))
+        batches.append((torch.stack(xs), torch.stack(ys)))
+    with torch.no_grad():
+        return evaluate_lm(model_fn, batches, torch.from_numpy(prepared.token_bytes()), torch.device("cpu"))
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--budget", default="5m")
+    ap.add_argument("--hf-lr", type=float, default=3e-3)
+    ap.add_argument("--hf-batch", type=int, default=16)
+    ap.add_argument("--hf-seq-len", type=int, default=128)
+    ap.add_argument("--skip-kiln", action="store_true")
+    args = ap.parse_args()
+    budget_s = parse_duration(args.budget)
+    results = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        tmp = Path(tmp)
+        cfg = load_config(None, [f"run.dir={tmp / 'kiln'}", f"train.time_budget={args.budget}",
+                                 "eval.sample_tokens=0", "checkpoint.resume=never"])
+        prepared = prepare(cfg.data, progress=False)
+        if not args.skip_kiln:
+            t0 = time.perf_counter()
+            result = build_trainer(cfg, console=False).fit()
+            wall = time.perf_counter() - t0
+            kiln_scores = evaluate_run(tmp / "kiln", max_batches=10**6, device="cpu")
+            results["kiln"] = {"steps": result.step, "wall_s": round(wall, 1), "seq_len": cfg.data.seq_len,
+                               "val_bpb": kiln_scores["val_bpb"], "val_loss": kiln_scores["val_loss"]}
+            print(json.dumps({"kiln": results["kiln"]}), flush=True)
+
+        # Calibrate the HF schedule's length: a short probe of its steps per second.
+        _, probe_steps = train_hf(prepared, args, 10.0, tmp / "hf-probe", 10**6)
+        max_steps = max(20, int(probe_steps * budget_s / 10.0))
+        t0 = time.perf_counter()
+        model, steps = train_hf(prepared, args, budget_s, tmp / "hf", max_steps)
+        wall = time.perf_counter() - t0
+        model.eval()
+        hf_scores = score(lambda x: model(input_ids=x).logits, prepared, args.hf_seq_len)
+        results["hf_trainer"] = {"steps": steps, "planned_steps": max_steps, "wall_s": round(wall, 1),
+                                 "seq_len": args.hf_seq_len, "lr": args.hf_lr, "batch": args.hf_batch,
+                                 "val_bpb": hf_scores["val_bpb"], "val_loss": hf_scores["val_loss"]}
+        print(json.dumps({"hf_trainer": results["hf_trainer"]}), flush=True)
+    print(json.dumps({"bench": "same_budget_hf", "budget": args.budget, **results}))
+
+
+if __name__ == "__main__":
+    main()
