@@ -24,15 +24,15 @@ from kiln.train.lm import build_trainer, evaluate_run
 # Overrides on top of the defaults; "default" is kiln's current default recipe.
 CANDIDATES: dict[str, list[str]] = {
     "default": [],
-    "wsd": ["train.schedule=wsd"],
+    "cosine": ["train.schedule=cosine"],
     "lr-1e-3": ["train.lr=1e-3"],
     "lr-6e-3": ["train.lr=6e-3"],
-    "seq-128": ["data.seq_len=128", "train.micro_batch_size=32", "train.global_batch_size=32"],
+    "seq-256": ["data.seq_len=256", "train.micro_batch_size=16", "train.global_batch_size=16"],
     "vocab-2048": ["data.vocab_size=2048"],
     "vocab-8192": ["data.vocab_size=8192"],
     "wide-192": ["model.d_model=192", "model.n_head=6", "model.n_kv_head=6", "model.d_ff=512"],
     "deep-6": ["model.n_layer=6"],
-    "batch-32": ["train.micro_batch_size=32", "train.global_batch_size=32"],
+    "batch-64": ["train.micro_batch_size=64", "train.global_batch_size=64"],
     "wd-0": ["train.weight_decay=0"],
     "compile": ["train.compile=true"],
 }

@@ -62,7 +62,7 @@ def train_hf(prepared, args, budget_s: float, out: Path, max_steps: int):
     targs = TrainingArguments(
         output_dir=str(out), max_steps=max_steps, per_device_train_batch_size=args.hf_batch,
         learning_rate=args.hf_lr, weight_decay=0.1, adam_beta1=0.9, adam_beta2=0.95, max_grad_norm=1.0,
-        lr_scheduler_type="cosine", warmup_ratio=0.05, logging_steps=50, save_strategy="no", eval_strategy="no",
+        lr_scheduler_type="cosine", warmup_steps=max(1, min(max_steps, 10**4) // 20), logging_steps=50, save_strategy="no", eval_strategy="no",
         report_to=[], use_cpu=True, seed=0, dataloader_num_workers=0, disable_tqdm=True,
     )
     clock = Budget()

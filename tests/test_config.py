@@ -50,7 +50,7 @@ def test_accumulation_is_derived():
         ("train.max_steps=ten", "train.max_steps: expected an integer, got 'ten'"),
         ("train.precision=fp8", "train.precision: 'fp8' is not allowed; choose one of fp32, bf16, fp16"),
         ("train.compile=maybe", "train.compile: expected true/false"),
-        ("train.global_batch_size=30", "train.global_batch_size: 30 is not a multiple of train.micro_batch_size 16"),
+        ("train.global_batch_size=30", "train.global_batch_size: 30 is not a multiple of train.micro_batch_size 32"),
         ("train.lr=-1", "train.lr: must be > 0"),
         ("model.preset=huge", "model.preset: 'huge' is not one of tiny, small"),
         ("train.max_steps", "expected KEY=VALUE"),
