@@ -43,8 +43,11 @@ def test_accumulation_equals_big_batch(tmp_path):
     data = _tokens(tmp_path)
     big, r_big = _run(tmp_path, "big", data, micro=16, global_=16)
     acc, r_acc = _run(tmp_path, "acc", data, micro=4, global_=16)
+    # Summation order differs, so gradients agree to fp32 rounding (~1e-6 relative); Adam divides by
+    # sqrt(v), which magnifies that rounding where a gradient is near zero. 1e-5 is still 1000x
+    # below one update at lr 1e-2, so any real difference (a wrong scale, a lost micro-batch) fails.
     for (name, a), b in zip(big.state_dict().items(), acc.state_dict().values()):
-        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6, msg=name)
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5, msg=name)
     assert r_big.metrics["loss"] == pytest.approx(r_acc.metrics["loss"], rel=1e-5)
 
 

@@ -2,7 +2,8 @@
 
 Pre-norm RMSNorm blocks, rotary position embeddings, grouped-query attention through
 ``F.scaled_dot_product_attention`` (so flash kernels run on GPU) and a SwiGLU MLP; no biases.
-The model returns logits only: the trainer computes the loss, so it can choose its precision.
+Given targets, the model returns the mean next-token loss instead of logits, computed in fp32 by
+a fused projection + cross-entropy that never holds the full [tokens, vocab] logits.
 """
 
 from __future__ import annotations
@@ -13,6 +14,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from .fused_loss import linear_cross_entropy
 
 
 @dataclass
@@ -168,8 +171,11 @@ class GPT(nn.Module):
         cfg = self.config
         return KVCache(cfg.n_layer, batch_size, cfg.n_kv_head, max_len, cfg.head_dim, device, dtype)
 
-    def forward(self, idx: torch.Tensor, kv_cache: KVCache | None = None, start_pos: int = 0):
-        """Logits [B, T, V] for tokens idx [B, T] at positions start_pos..start_pos + T - 1.
+    def forward(
+        self, idx: torch.Tensor, targets: torch.Tensor | None = None, kv_cache: KVCache | None = None, start_pos: int = 0
+    ):
+        """Logits [B, T, V] for tokens idx [B, T] at positions start_pos..start_pos + T - 1, or,
+        given targets [B, T] (-100 where no loss is wanted), their mean cross-entropy.
 
         With a kv_cache, the keys and values of these positions are written into it and the
         tokens attend to every cached position before them as well.
@@ -183,4 +189,7 @@ class GPT(nn.Module):
         for i, block in enumerate(self.blocks):
             cache = None if kv_cache is None else (kv_cache.k[i], kv_cache.v[i])
             x = block(x, rope_cos, rope_sin, cache, start_pos)
-        return self.lm_head(self.norm(x))
+        x = self.norm(x)
+        if targets is None:
+            return self.lm_head(x)
+        return linear_cross_entropy(x.flatten(0, 1), self.lm_head.weight, targets.flatten())

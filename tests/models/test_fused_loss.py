@@ -1,0 +1,68 @@
+"""The fused output projection + cross-entropy equals the plain two-step computation."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from kiln.models import GPT, GPTConfig
+from kiln.models.fused_loss import linear_cross_entropy
+
+
+def _inputs(n=300, d=16, v=50, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    hidden = torch.randn(n, d, generator=g, dtype=torch.float64, requires_grad=True)
+    weight = torch.randn(v, d, generator=g, dtype=torch.float64, requires_grad=True)
+    targets = torch.randint(0, v, (n,), generator=g)
+    targets[::7] = -100
+    return hidden, weight, targets
+
+
+@pytest.mark.parametrize("chunk_size", [64, 100, 1000])
+def test_loss_and_gradients_equal_plain_cross_entropy(chunk_size):
+    hidden, weight, targets = _inputs()
+    expected = F.cross_entropy(hidden @ weight.t(), targets)
+    want = torch.autograd.grad(expected * 3.0, (hidden, weight))
+    loss = linear_cross_entropy(hidden, weight, targets, chunk_size)
+    got = torch.autograd.grad(loss * 3.0, (hidden, weight))
+    torch.testing.assert_close(loss, expected)
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b)
+
+
+def test_without_grad_it_only_computes_the_loss():
+    hidden, weight, targets = _inputs()
+    with torch.no_grad():
+        loss = linear_cross_entropy(hidden, weight, targets, 64)
+    assert not loss.requires_grad
+    torch.testing.assert_close(loss, F.cross_entropy(hidden @ weight.t(), targets))
+
+
+def test_all_targets_ignored_gives_zero_not_nan():
+    hidden, weight, targets = _inputs()
+    loss = linear_cross_entropy(hidden, weight, torch.full_like(targets, -100))
+    loss.backward()
+    assert loss.item() == 0.0 and torch.isfinite(hidden.grad).all() and hidden.grad.abs().sum() == 0
+
+
+def test_bf16_weights_get_bf16_gradients_close_to_fp32():
+    hidden, weight, targets = _inputs()
+    h16 = hidden.detach().bfloat16().requires_grad_()
+    w16 = weight.detach().bfloat16().requires_grad_()
+    linear_cross_entropy(h16, w16, targets, 64).backward()
+    assert h16.grad.dtype == torch.bfloat16 and w16.grad.dtype == torch.bfloat16
+    F.cross_entropy(hidden @ weight.t(), targets).backward()
+    torch.testing.assert_close(w16.grad.double(), weight.grad, rtol=0.05, atol=1e-3)
+
+
+def test_gpt_with_targets_returns_the_loss_of_its_logits_with_tied_gradients():
+    torch.manual_seed(0)
+    cfg = GPTConfig(vocab_size=97, n_layer=2, d_model=32, n_head=4, n_kv_head=2, d_ff=64, max_seq_len=16, tie_embeddings=True)
+    model = GPT(cfg).double()
+    x, y = torch.randint(0, 97, (3, 16)), torch.randint(0, 97, (3, 16))
+    plain = F.cross_entropy(model(x).flatten(0, 1), y.flatten())
+    want = torch.autograd.grad(plain, list(model.parameters()))
+    fused = model(x, y)
+    got = torch.autograd.grad(fused, list(model.parameters()))
+    torch.testing.assert_close(fused, plain)
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b)
