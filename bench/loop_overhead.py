@@ -38,7 +38,7 @@ def hand_written(model, data, cfg, warmup: int) -> float:
     opt = build_optimizer(model, t, torch.device("cpu"))
     batches = iter(make_train_loader(data, micro_batch_size=t.micro_batch_size, global_batch_size=t.global_batch_size,
                                      seed=t.seed, start_step=0, num_workers=0, pin_memory=False))
-    accum = cfg.grad_accum_steps
+    accum = cfg.grad_accum_steps()
     start = None
     for step in range(t.max_steps):
         if step == warmup:

@@ -39,7 +39,7 @@ def test_round_trip_through_toml(tmp_path):
 
 def test_accumulation_is_derived():
     cfg = load_config(None, ["train.micro_batch_size=4", "train.global_batch_size=32"])
-    assert cfg.grad_accum_steps == 8
+    assert cfg.grad_accum_steps() == 8
 
 
 @pytest.mark.parametrize(

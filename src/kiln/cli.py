@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 
 USAGE_ERROR = 2
@@ -56,6 +57,12 @@ def _parser() -> argparse.ArgumentParser:
     c.add_argument("--reference", action="store_true", help="print every key with its default and meaning (Markdown, as in docs/config.md)")
 
     sub.add_parser("presets", help="list the model presets with their parameter counts")
+
+    from kiln.distributed.launch import add_arguments
+
+    la = sub.add_parser("launch", help="run a kiln command on several processes/nodes with torchrun",
+                        description="A thin wrapper over torchrun: kiln launch --nproc-per-node 2 -- train my.toml")
+    add_arguments(la)
     return p
 
 
@@ -132,28 +139,53 @@ def cmd_presets(args) -> int:
     return 0
 
 
+def cmd_launch(args) -> int:
+    from kiln.distributed.launch import launch, torchrun_args
+
+    try:
+        torchrun_args(args)
+    except ValueError as e:
+        print(str(e), file=sys.stderr)
+        return USAGE_ERROR
+    return launch(args)
+
+
 COMMANDS = {"train": cmd_train, "prepare": cmd_prepare, "eval": cmd_eval, "generate": cmd_generate,
-            "config": cmd_config, "presets": cmd_presets}
+            "config": cmd_config, "presets": cmd_presets, "launch": cmd_launch}
 
 
-def main(argv: list[str] | None = None) -> int:
+def _run(args) -> int:
     from kiln.checkpoint import CheckpointError
     from kiln.config import ConfigError
     from kiln.data import DataError
+    from kiln.distributed import in_torchrun
 
-    args = _parser().parse_args(argv)
+    # Under torchrun every rank reports its own errors; the rank says whose they are.
+    who = f"kiln [rank {os.environ.get('RANK')}]" if in_torchrun() and os.environ.get("WORLD_SIZE", "1") != "1" else "kiln"
     try:
         return COMMANDS[args.command](args)
     except ConfigError as e:
         for line in e.errors:
-            print(f"kiln: config error: {line}", file=sys.stderr)
+            print(f"{who}: config error: {line}", file=sys.stderr)
         return USAGE_ERROR
     except (DataError, CheckpointError, FileExistsError, FileNotFoundError) as e:
-        print(f"kiln: error: {e}", file=sys.stderr)
+        print(f"{who}: error: {e}", file=sys.stderr)
         return USAGE_ERROR
     except KeyboardInterrupt:
-        print("kiln: interrupted", file=sys.stderr)
+        print(f"{who}: interrupted", file=sys.stderr)
         return 130
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    from kiln.distributed import in_torchrun
+
+    if in_torchrun():
+        # An unexpected exception is written where the elastic agent reports it with the rank.
+        from torch.distributed.elastic.multiprocessing.errors import record
+
+        return record(_run)(args)
+    return _run(args)
 
 
 if __name__ == "__main__":

@@ -91,10 +91,10 @@ class TrainConfig:
     max_steps: int = 900
     """Optimizer steps to train for (the default run takes about five minutes on 2 CPU cores)."""
     micro_batch_size: int = 32
-    """Sequences per forward/backward pass."""
+    """Sequences per forward/backward pass on each rank."""
     global_batch_size: int = 32
-    """Sequences per optimizer step; must be a multiple of micro_batch_size (the ratio is the
-    number of gradient accumulation steps)."""
+    """Sequences per optimizer step over all ranks; a multiple of micro_batch_size times the
+    data-parallel degree (the ratio is the number of gradient accumulation steps)."""
     lr: float = 3e-3
     """Peak learning rate."""
     min_lr_ratio: float = 0.1
@@ -156,6 +156,24 @@ class CheckpointConfig:
 
 
 @dataclass
+class ParallelConfig:
+    strategy: Literal["ddp", "fsdp", "fsdp_grad_op"] = "ddp"
+    """How data-parallel ranks share the model when the world size is above 1: ddp (replicas,
+    gradients all-reduced), fsdp (FSDP2, parameters, gradients and optimizer state sharded, like
+    ZeRO-3) or fsdp_grad_op (as fsdp, but parameters stay gathered from forward to backward, like
+    ZeRO-2: less communication, more memory). Ignored in a single process."""
+    tp: int = 1
+    """Tensor-parallel degree: each block's attention and MLP are split over this many ranks
+    (a divisor of the world size; the rest of the world is data-parallel). Needs fsdp or
+    fsdp_grad_op when the data-parallel degree is above 1."""
+    bucket_mb: int = 25
+    """DDP gradient bucket size in MiB: larger buckets mean fewer, bigger all-reduces."""
+    cpu_offload: bool = False
+    """With fsdp/fsdp_grad_op on CUDA: keep sharded parameters, gradients and optimizer state in
+    CPU memory, and run the optimizer there (slower; fits much larger models)."""
+
+
+@dataclass
 class Config:
     run: RunConfig = field(default_factory=RunConfig)
     model: ModelConfig = field(default_factory=ModelConfig)
@@ -163,10 +181,11 @@ class Config:
     train: TrainConfig = field(default_factory=TrainConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
 
-    @property
-    def grad_accum_steps(self) -> int:
-        return self.train.global_batch_size // self.train.micro_batch_size
+    def grad_accum_steps(self, data_parallel: int = 1) -> int:
+        """Micro-batches per rank per optimizer step."""
+        return self.train.global_batch_size // (self.train.micro_batch_size * data_parallel)
 
     def to_dict(self) -> dict[str, dict[str, Any]]:
         return dataclasses.asdict(self)
@@ -424,6 +443,8 @@ def validate(cfg: Config) -> None:
     need(cfg.eval.sample_tokens >= 0, f"eval.sample_tokens: must be >= 0, got {cfg.eval.sample_tokens}")
     need(cfg.checkpoint.every >= 0, f"checkpoint.every: must be >= 0 (0 saves only at the end), got {cfg.checkpoint.every}")
     need(cfg.checkpoint.keep >= 1, f"checkpoint.keep: must be >= 1, got {cfg.checkpoint.keep}")
+    need(cfg.parallel.tp >= 1, f"parallel.tp: must be >= 1, got {cfg.parallel.tp}")
+    need(cfg.parallel.bucket_mb >= 1, f"parallel.bucket_mb: must be >= 1, got {cfg.parallel.bucket_mb}")
     need(bool(cfg.run.dir), "run.dir: must not be empty")
     need(cfg.run.threads >= 0, f"run.threads: must be >= 0, got {cfg.run.threads}")
     dev = cfg.run.device

@@ -6,6 +6,7 @@ from kiln.checkpoint.store import (
     list_checkpoints,
     latest_checkpoint,
     load_checkpoint,
+    load_sharded,
     restore_rng,
     save_checkpoint,
 )
@@ -16,6 +17,7 @@ __all__ = [
     "list_checkpoints",
     "latest_checkpoint",
     "load_checkpoint",
+    "load_sharded",
     "restore_rng",
     "save_checkpoint",
 ]

@@ -8,8 +8,14 @@ Layout of one checkpoint::
         train_state.pt      optimizer, scaler, RNG, step, data position, config
         manifest.json       file sizes and sha256 digests; written last, it marks completeness
 
+A model sharded over ranks (FSDP, tensor parallel) is saved instead with
+``torch.distributed.checkpoint`` by every rank into ``state/`` (model and optimizer, one file per
+rank plus metadata), which any world size or strategy can load back: DCP reshards on load.
+
 The directory is built under a temporary name, every file and the directory are fsynced, and
-only then is it renamed to ``step-XXXXXXXX``: rename is atomic on POSIX file systems.
+only then is it renamed to ``step-XXXXXXXX``: rename is atomic on POSIX file systems. With
+several ranks, the main rank creates, finishes and renames it, and barriers keep the others in
+step (the run directory must be on storage every rank sees).
 """
 
 from __future__ import annotations
@@ -28,6 +34,7 @@ import torch
 MANIFEST = "manifest.json"
 MODEL_FILE = "model.safetensors"
 STATE_FILE = "train_state.pt"
+SHARDED_DIR = "state"
 PREFIX = "step-"
 
 
@@ -71,41 +78,61 @@ def _dedupe_shared(state: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tens
     return unique, aliases
 
 
-def save_checkpoint(root: str | os.PathLike, step: int, model_state: dict[str, torch.Tensor],
-                    train_state: dict[str, Any], keep: int | None = None) -> Path:
-    """Write checkpoint ``step`` under ``root`` atomically; then keep only the newest ``keep``."""
+def save_checkpoint(root: str | os.PathLike, step: int, model_state: dict[str, torch.Tensor] | None,
+                    train_state: dict[str, Any], keep: int | None = None, *,
+                    sharded_state: dict[str, Any] | None = None, world=None) -> Path:
+    """Write checkpoint ``step`` under ``root`` atomically; then keep only the newest ``keep``.
+
+    Either ``model_state`` (complete weights, written as safetensors by the main rank) or
+    ``sharded_state`` (this rank's shards of whatever it holds, written by every rank with DCP).
+    With a ``world`` of several ranks every rank must call this."""
     from safetensors.torch import save_file
 
+    is_main = world is None or world.is_main
     root = Path(root)
-    root.mkdir(parents=True, exist_ok=True)
     final = root / f"{PREFIX}{step:08d}"
-    # One writer per run directory: leftovers of a writer that was killed are garbage.
-    for stale in root.glob(".tmp-*"):
-        shutil.rmtree(stale, ignore_errors=True)
-    tmp = root / f".tmp-{PREFIX}{step:08d}-{os.getpid()}"
-    tmp.mkdir()
-    tensors, aliases = _dedupe_shared(model_state)
-    save_file(tensors, str(tmp / MODEL_FILE), metadata={"aliases": json.dumps(aliases), "step": str(step)})
-    torch.save(train_state, tmp / STATE_FILE)
-    files = {}
-    for name in (MODEL_FILE, STATE_FILE):
-        _fsync_file(tmp / name)
-        files[name] = {"bytes": (tmp / name).stat().st_size, "sha256": _sha256(tmp / name)}
-    manifest = {"step": step, "files": files, "complete": True}
-    (tmp / MANIFEST).write_text(json.dumps(manifest, indent=2))
-    _fsync_file(tmp / MANIFEST)
-    _fsync_dir(tmp)
-    if final.exists():  # re-saving the same step (e.g. after a resume): replace it whole
-        old = root / f".old-{PREFIX}{step:08d}-{os.getpid()}"
-        final.rename(old)
-        tmp.rename(final)
-        shutil.rmtree(old)
-    else:
-        tmp.rename(final)
-    _fsync_dir(root)
-    if keep is not None:
-        for stale in list_checkpoints(root)[:-keep]:
+    tmp = root / f".tmp-{PREFIX}{step:08d}"
+    if is_main:
+        root.mkdir(parents=True, exist_ok=True)
+        # One writer per run directory: leftovers of a writer that was killed are garbage.
+        for stale in root.glob(".tmp-*"):
             shutil.rmtree(stale, ignore_errors=True)
+        tmp.mkdir()
+    if world is not None:
+        world.barrier()
+    if sharded_state is not None:
+        import torch.distributed.checkpoint as dcp
+
+        dcp.save(sharded_state, checkpoint_id=str(tmp / SHARDED_DIR))
+    if world is not None:
+        world.barrier()
+    if is_main:
+        if model_state is not None:
+            tensors, aliases = _dedupe_shared(model_state)
+            save_file(tensors, str(tmp / MODEL_FILE), metadata={"aliases": json.dumps(aliases), "step": str(step)})
+        torch.save(train_state, tmp / STATE_FILE)
+        files = {}
+        for f in sorted(p for p in tmp.rglob("*") if p.is_file()):
+            _fsync_file(f)
+            files[str(f.relative_to(tmp))] = {"bytes": f.stat().st_size, "sha256": _sha256(f)}
+        manifest = {"step": step, "files": files, "complete": True}
+        (tmp / MANIFEST).write_text(json.dumps(manifest, indent=2))
+        _fsync_file(tmp / MANIFEST)
+        for d in [*(p for p in tmp.rglob("*") if p.is_dir()), tmp]:
+            _fsync_dir(d)
+        if final.exists():  # re-saving the same step (e.g. after a resume): replace it whole
+            old = root / f".old-{PREFIX}{step:08d}-{os.getpid()}"
+            final.rename(old)
+            tmp.rename(final)
+            shutil.rmtree(old)
+        else:
+            tmp.rename(final)
+        _fsync_dir(root)
+        if keep is not None:
+            for stale in list_checkpoints(root)[:-keep]:
+                shutil.rmtree(stale, ignore_errors=True)
+    if world is not None:
+        world.barrier()
     return final
 
 
@@ -140,9 +167,10 @@ def latest_checkpoint(root: str | os.PathLike) -> Path | None:
     return found[-1] if found else None
 
 
-def load_checkpoint(path: str | os.PathLike, *, weights_only: bool = True) -> tuple[dict[str, torch.Tensor], dict[str, Any] | None]:
+def load_checkpoint(path: str | os.PathLike, *, weights_only: bool = True) -> tuple[dict[str, torch.Tensor] | None, dict[str, Any] | None]:
     """Return ``(model_state, train_state)`` after checking every digest in the manifest.
 
+    ``model_state`` is None for a sharded checkpoint: pass its layout to ``load_sharded``.
     With ``weights_only=True`` only the weights are read (``train_state`` is None)."""
     from safetensors import safe_open
     from safetensors.torch import load_file
@@ -152,15 +180,32 @@ def load_checkpoint(path: str | os.PathLike, *, weights_only: bool = True) -> tu
         raise CheckpointError(f"{path}: not a checkpoint directory")
     if not _is_complete(path, verify_digests=True):
         raise CheckpointError(f"{path}: checkpoint is incomplete or corrupted (manifest does not match its files)")
-    model_state = load_file(str(path / MODEL_FILE))
-    with safe_open(str(path / MODEL_FILE), framework="pt") as f:
-        aliases = json.loads((f.metadata() or {}).get("aliases", "{}"))
-    for name, target in aliases.items():
-        model_state[name] = model_state[target]
+    model_state = None
+    if (path / MODEL_FILE).is_file():
+        model_state = load_file(str(path / MODEL_FILE))
+        with safe_open(str(path / MODEL_FILE), framework="pt") as f:
+            aliases = json.loads((f.metadata() or {}).get("aliases", "{}"))
+        for name, target in aliases.items():
+            model_state[name] = model_state[target]
     train_state = None
     if not weights_only:
         train_state = torch.load(path / STATE_FILE, map_location="cpu", weights_only=False)
     return model_state, train_state
+
+
+def load_sharded(path: str | os.PathLike, state: dict[str, Any]) -> None:
+    """Fill ``state`` (e.g. ``{"model": model.state_dict()}``; any subset of what was saved, in
+    this process's own sharding or none) in place from a sharded checkpoint."""
+    import torch.distributed as dist
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    try:
+        # Without a process group (eval, generate, a 1-process resume) this one process reads all.
+        dcp.load(state, checkpoint_id=str(Path(path) / SHARDED_DIR), no_dist=not dist.is_initialized())
+    except (CheckpointException, RuntimeError, ValueError) as e:
+        raise CheckpointError(f"{path}: the sharded checkpoint does not fit this model (was [model] changed?): "
+                              f"{str(e).splitlines()[0][:300]}") from None
 
 
 def capture_rng() -> dict[str, Any]:

@@ -74,9 +74,10 @@ class Attention(nn.Module):
 
     def forward(self, x, rope_cos, rope_sin, cache=None, start_pos=0):
         B, T, _ = x.shape
-        q = self.wq(x).view(B, T, self.n_head, self.head_dim).transpose(1, 2)
-        k = self.wk(x).view(B, T, self.n_kv_head, self.head_dim).transpose(1, 2)
-        v = self.wv(x).view(B, T, self.n_kv_head, self.head_dim).transpose(1, 2)
+        # Head counts are inferred (-1): under tensor parallelism a rank holds only some heads.
+        q = self.wq(x).view(B, T, -1, self.head_dim).transpose(1, 2)
+        k = self.wk(x).view(B, T, -1, self.head_dim).transpose(1, 2)
+        v = self.wv(x).view(B, T, -1, self.head_dim).transpose(1, 2)
         q, k = apply_rope(q, rope_cos, rope_sin), apply_rope(k, rope_cos, rope_sin)
 
         mask = None

@@ -108,3 +108,19 @@ class MetricsLogger:
     def __exit__(self, *exc) -> None:
         self.close()
 
+
+
+class NullLogger:
+    """The logger of ranks other than 0: takes every record and writes nothing."""
+
+    def log(self, step: int, values: dict[str, Any]) -> None:
+        pass
+
+    def text(self, step: int, tag: str, text: str) -> None:
+        pass
+
+    def __enter__(self) -> "NullLogger":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        pass

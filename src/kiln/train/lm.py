@@ -17,10 +17,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kiln.checkpoint import CheckpointError, latest_checkpoint, load_checkpoint
+from kiln.checkpoint import CheckpointError, latest_checkpoint, load_checkpoint, load_sharded
 from kiln.config import Config, ConfigError, from_dict
 from kiln.data import TokenSequences, prepare, val_batches
 from kiln.data.tokenizer import eot_id
+from kiln.distributed import init_world
 from kiln.models import GPT, GPTConfig, build_gpt_config, flops_per_token, generate
 from kiln.train.trainer import FitResult, Trainer, resolve_device
 
@@ -67,7 +68,11 @@ def sample_text(model: GPT, tokenizer, prompt: str, max_new_tokens: int, *, temp
 
 
 def build_trainer(cfg: Config, *, console: bool = True) -> Trainer:
-    prepared = prepare(cfg.data, progress=console)
+    world = init_world(cfg.run.device, cfg.parallel.tp)
+    console = console and world.is_main
+    # Rank 0 fills the cache (tokenizer, shards); the others then find it there.
+    with world.main_first():
+        prepared = prepare(cfg.data, progress=console)
     gpt_cfg = build_gpt_config(cfg.model, vocab_size=prepared.vocab_size, max_seq_len=cfg.data.seq_len)
     torch.manual_seed(cfg.train.seed)
     model = GPT(gpt_cfg)
@@ -97,6 +102,8 @@ def build_trainer(cfg: Config, *, console: bool = True) -> Trainer:
         console=console,
     )
     run_dir = Path(cfg.run.dir)
+    if not world.is_main:
+        return trainer
     run_dir.mkdir(parents=True, exist_ok=True)
     shutil.copyfile(prepared.dir / "tokenizer.json", run_dir / "tokenizer.json")
     (run_dir / "model.json").write_text(json.dumps(dataclasses.asdict(gpt_cfg), indent=2))
@@ -137,6 +144,9 @@ def load_run(run_dir: str | Path, checkpoint: str | Path | None = None, device: 
     model_state, _ = load_checkpoint(path)
     dev = resolve_device(device)
     model = GPT(GPTConfig(**json.loads((run_dir / "model.json").read_text())))
+    if model_state is None:  # saved sharded: gather it into this one process
+        model_state = model.state_dict()
+        load_sharded(path, {"model": model_state})
     model.load_state_dict(model_state)
     model.to(dev).eval()
     step = int(path.name.split("-")[-1])

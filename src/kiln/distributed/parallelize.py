@@ -1,0 +1,145 @@
+"""Parallelism applied to a plain model from outside: tensor parallel, then FSDP2 or DDP.
+
+The model knows nothing of this. What it should offer: its repeated layers as ``model.blocks``
+(FSDP shards each as a unit), and, for tensor parallelism, kiln's block layout (``attn.wq/wk/wv/wo``, ``mlp.w1/w2/w3``) with
+head counts divisible by the degree.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections import defaultdict
+from typing import Iterable, Iterator
+
+import torch
+from torch import nn
+
+from kiln.config import ConfigError, ParallelConfig
+from kiln.distributed.world import World
+
+
+def check_tensor_parallel(model: nn.Module, tp: int) -> None:
+    cfg = getattr(model, "config", None)
+    needed = ("n_head", "n_kv_head", "d_ff")
+    if cfg is None or not all(hasattr(cfg, k) for k in needed):
+        raise ConfigError([f"parallel.tp: tensor parallelism needs kiln's GPT layout; {type(model).__name__} is not one"])
+    bad = [f"{k}={getattr(cfg, k)}" for k in needed if getattr(cfg, k) % tp]
+    if bad:
+        raise ConfigError([f"parallel.tp: {tp} must divide {', '.join(bad)}"])
+
+
+def apply_tp(model: nn.Module, tp_mesh) -> None:
+    """Megatron-style split of every block: q/k/v and the MLP's input projections column-wise
+    (each rank owns whole heads / a slice of the hidden units), the output projections row-wise,
+    so each block needs one all-reduce forward and one backward. Embedding, norms and output
+    layer stay replicated."""
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    plan = {name: ColwiseParallel() for name in ("attn.wq", "attn.wk", "attn.wv", "mlp.w1", "mlp.w3")}
+    plan.update({name: RowwiseParallel() for name in ("attn.wo", "mlp.w2")})
+    for block in model.blocks:
+        parallelize_module(block, tp_mesh, plan)
+
+
+def apply_fsdp(model: nn.Module, dp_mesh, *, reshard_after_forward: bool, bf16: bool, cpu_offload: bool) -> None:
+    """FSDP2 per block, then the root (embedding, final norm, output layer) as one more unit.
+    A model without ``blocks`` is sharded as one unit."""
+    from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
+
+    kwargs = {
+        "mesh": dp_mesh,
+        # bf16 compute with fp32 master weights and fp32 gradient reduction.
+        "mp_policy": MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if bf16 else MixedPrecisionPolicy(),
+        "offload_policy": CPUOffloadPolicy() if cpu_offload else OffloadPolicy(),
+    }
+    blocks = list(getattr(model, "blocks", []))
+    for i, block in enumerate(blocks):
+        # The last block's parameters are needed again at once by backward: keep them gathered.
+        fully_shard(block, reshard_after_forward=reshard_after_forward and i < len(blocks) - 1, **kwargs)
+    fully_shard(model, reshard_after_forward=reshard_after_forward, **kwargs)
+
+
+def apply_ddp(model: nn.Module, device: torch.device, bucket_mb: int) -> nn.Module:
+    import inspect
+
+    from torch.nn.parallel import DistributedDataParallel
+
+    # kiln's buffers (RoPE tables) are derived from the config and equal on every rank: no need
+    # to broadcast them before every forward (the keyword was renamed in PyTorch 2.13).
+    renamed = "forward_sync_buffers" in inspect.signature(DistributedDataParallel).parameters
+    no_buffer_sync = {"forward_sync_buffers" if renamed else "broadcast_buffers": False}
+    return DistributedDataParallel(
+        model,
+        device_ids=[device.index] if device.type == "cuda" else None,
+        bucket_cap_mb=bucket_mb,
+        **no_buffer_sync,
+    )
+
+
+def parallelize(model: nn.Module, world: World, pcfg: ParallelConfig, *, bf16: bool = False) -> nn.Module:
+    """Return ``model`` ready for ``world``: unchanged in a single process."""
+    if world.tp > 1:
+        check_tensor_parallel(model, world.tp)
+        apply_tp(model, world.mesh["tp"])
+    if world.dp == 1:
+        return model
+    if pcfg.strategy == "ddp":
+        if world.tp > 1:
+            raise ConfigError(["parallel.strategy: ddp cannot be combined with parallel.tp > 1; "
+                               "use fsdp or fsdp_grad_op for 2-D (data x tensor) parallelism"])
+        if pcfg.cpu_offload:
+            raise ConfigError(["parallel.cpu_offload: needs parallel.strategy fsdp or fsdp_grad_op"])
+        return apply_ddp(model, world.device, pcfg.bucket_mb)
+    if pcfg.cpu_offload and world.device.type != "cuda":
+        raise ConfigError(["parallel.cpu_offload: offloads from a GPU; this run is on the CPU already"])
+    apply_fsdp(model, world.mesh["dp"], reshard_after_forward=pcfg.strategy == "fsdp", bf16=bf16,
+               cpu_offload=pcfg.cpu_offload)
+    return model
+
+
+def is_sharded(model: nn.Module) -> bool:
+    """True when parameters are DTensors (FSDP2 or tensor parallel): checkpoints go through DCP."""
+    from torch.distributed.tensor import DTensor
+
+    return any(isinstance(p, DTensor) for p in model.parameters())
+
+
+@contextlib.contextmanager
+def gradient_sync(model: nn.Module, enabled: bool) -> Iterator[None]:
+    """DDP all-reduces gradients only on the last micro-batch of a step (``no_sync`` before it).
+    FSDP keeps reducing every micro-batch, which keeps gradients sharded: that is its point."""
+    if enabled or not hasattr(model, "no_sync"):
+        yield
+    else:
+        with model.no_sync():
+            yield
+
+
+def clip_grad_norm_(params: Iterable[torch.Tensor], max_norm: float) -> torch.Tensor:
+    """Clip to a global L2 norm and return the norm, for plain tensors and DTensors alike.
+
+    Gradients are grouped by how they are laid out (plain, or DTensor of one mesh and placement),
+    each group's norm is computed with the foreach kernels (one collective per DTensor group),
+    and the groups are combined; plain gradients are replicated, so they count once."""
+    grads = [p.grad for p in params if p.grad is not None]
+    if not grads:
+        return torch.zeros(())
+    try:
+        from torch.distributed.tensor import DTensor
+    except ImportError:  # a build without distributed support
+        DTensor = ()  # noqa: N806
+    groups: dict[object, list[torch.Tensor]] = defaultdict(list)
+    for g in grads:
+        groups[(g.device_mesh, g.placements) if isinstance(g, DTensor) else None].append(g)
+    squares = []
+    for group in groups.values():
+        norm = torch.nn.utils.get_total_norm(group, 2.0, foreach=True)
+        if isinstance(norm, DTensor):
+            norm = norm.full_tensor()
+        squares.append(norm.float().square())
+    total = torch.stack(squares).sum().sqrt()
+    coef = (max_norm / (total + 1e-6)).clamp(max=1.0)
+    for group in groups.values():
+        locals_ = [g.to_local() if isinstance(g, DTensor) else g for g in group]
+        torch._foreach_mul_(locals_, coef.to(locals_[0].device))
+    return total

@@ -1,0 +1,139 @@
+"""The one object that knows the process group: ranks, the device of this rank, the device mesh.
+
+``kiln train`` under ``torchrun`` (or ``kiln launch``) finds RANK, WORLD_SIZE and LOCAL_RANK in
+the environment and joins the group itself: NCCL on CUDA, gloo on CPU. The world is split into
+``dp x tp`` (data-parallel x tensor-parallel) on a 2-D DeviceMesh; nothing else builds a mesh
+or asks for a rank. In a single process (no torchrun) the world is one rank and no process group
+exists, so everything here is a no-op and nothing distributed is imported.
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import os
+from dataclasses import dataclass
+from typing import Any, Iterator
+
+import torch
+
+from kiln.config import ConfigError
+
+
+@dataclass
+class World:
+    rank: int = 0
+    local_rank: int = 0
+    size: int = 1
+    tp: int = 1
+    device: torch.device = torch.device("cpu")
+    mesh: Any = None  # DeviceMesh with dims ("dp", "tp") when size > 1
+    control_group: Any = None  # a gloo group for host-side agreement
+
+    @property
+    def dp(self) -> int:
+        return self.size // self.tp
+
+    @property
+    def dp_rank(self) -> int:
+        return self.rank // self.tp
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+    @property
+    def distributed(self) -> bool:
+        return self.size > 1
+
+    def barrier(self) -> None:
+        if self.distributed:
+            import torch.distributed as dist
+
+            # Naming the device keeps NCCL from guessing one (and warning about it).
+            kwargs = {"device_ids": [self.device.index]} if self.device.type == "cuda" else {}
+            dist.barrier(**kwargs)
+
+    def mean(self, value: torch.Tensor) -> torch.Tensor:
+        """The average of ``value`` over all ranks (one all-reduce; the value itself if alone)."""
+        if not self.distributed:
+            return value
+        import torch.distributed as dist
+
+        value = value.detach().clone()
+        dist.all_reduce(value)
+        return value / self.size
+
+    def agree(self, *flags: bool) -> tuple[bool, ...]:
+        """Each flag made true on every rank if it is true on any (a stop signal, a time budget
+        hit): decisions that change which collectives run next must be the same everywhere.
+        Done over a gloo group on the host, so a GPU run does not wait for its device here."""
+        if not self.distributed:
+            return flags
+        import torch.distributed as dist
+
+        values = torch.tensor([float(f) for f in flags])
+        dist.all_reduce(values, op=dist.ReduceOp.MAX, group=self.control_group)
+        return tuple(bool(v) for v in values.tolist())
+
+    @contextlib.contextmanager
+    def main_first(self) -> Iterator[None]:
+        """Rank 0 runs the block first (e.g. fills a shared cache), then the others run it."""
+        if not self.is_main:
+            self.barrier()
+        yield
+        if self.is_main:
+            self.barrier()
+
+
+_WORLD: World | None = None
+
+
+def in_torchrun() -> bool:
+    return "RANK" in os.environ and "WORLD_SIZE" in os.environ
+
+
+def init_world(device: str = "auto", tp: int = 1) -> World:
+    """Join the process group described by the torchrun environment (once per process)."""
+    global _WORLD
+    from kiln.train.trainer import resolve_device
+
+    if _WORLD is not None:
+        if _WORLD.tp != tp:
+            raise ConfigError([f"parallel.tp: this process already runs with tp={_WORLD.tp}, not {tp}"])
+        return _WORLD
+    size = int(os.environ.get("WORLD_SIZE", "1")) if in_torchrun() else 1
+    rank = int(os.environ.get("RANK", "0")) if in_torchrun() else 0
+    local_rank = int(os.environ.get("LOCAL_RANK", "0")) if in_torchrun() else 0
+    if size % tp:
+        raise ConfigError([f"parallel.tp: {tp} does not divide the world size {size}"])
+    dev = resolve_device(device)
+    if size == 1:
+        _WORLD = World(device=dev)
+        return _WORLD
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    if dev.type == "cuda":
+        if local_rank >= torch.cuda.device_count():
+            raise ConfigError([f"run.device: LOCAL_RANK {local_rank} has no GPU ({torch.cuda.device_count()} visible)"])
+        dev = torch.device("cuda", local_rank)
+        torch.cuda.set_device(dev)
+    if not dist.is_initialized():
+        dist.init_process_group("nccl" if dev.type == "cuda" else "gloo", rank=rank, world_size=size)
+        atexit.register(close_world)
+    mesh = init_device_mesh(dev.type, (size // tp, tp), mesh_dim_names=("dp", "tp"))
+    control = dist.new_group(backend="gloo") if dev.type == "cuda" else None
+    _WORLD = World(rank=rank, local_rank=local_rank, size=size, tp=tp, device=dev, mesh=mesh, control_group=control)
+    return _WORLD
+
+
+def close_world() -> None:
+    """Leave the process group (at exit, or explicitly when a script is done with it)."""
+    global _WORLD
+    _WORLD = None
+    if in_torchrun():
+        import torch.distributed as dist
+
+        if dist.is_initialized():
+            dist.destroy_process_group()
