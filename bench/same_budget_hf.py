@@ -57,13 +57,13 @@ def train_hf(prepared, args, budget_s: float, out: Path, max_steps: int):
             control.should_training_stop = time.perf_counter() - self.t0 > budget_s
 
     gpt_cfg = build_gpt_config(ModelConfig(preset="tiny"), prepared.vocab_size, args.hf_seq_len)
-    torch.manual_seed(0)
+    torch.manual_seed(args.seed)
     model = hf_model(gpt_cfg)
     targs = TrainingArguments(
         output_dir=str(out), max_steps=max_steps, per_device_train_batch_size=args.hf_batch,
         learning_rate=args.hf_lr, weight_decay=0.1, adam_beta1=0.9, adam_beta2=0.95, max_grad_norm=1.0,
         lr_scheduler_type="cosine", warmup_steps=max(1, min(max_steps, 10**4) // 20), logging_steps=50, save_strategy="no", eval_strategy="no",
-        report_to=[], use_cpu=True, seed=0, dataloader_num_workers=0, disable_tqdm=True,
+        report_to=[], use_cpu=True, seed=args.seed, dataloader_num_workers=0, disable_tqdm=True,
     )
     clock = Budget()
     # HF shifts labels inside the model, so each item holds seq_len + 1 tokens.
@@ -89,12 +89,14 @@ def main() -> None:
     ap.add_argument("--hf-batch", type=int, default=16)
     ap.add_argument("--hf-seq-len", type=int, default=128)
     ap.add_argument("--skip-kiln", action="store_true")
+    ap.add_argument("--seed", type=int, default=0, help="HF init and data order; kiln's train.seed is 1337 + this")
     args = ap.parse_args()
     budget_s = parse_duration(args.budget)
     results = {}
     with tempfile.TemporaryDirectory() as tmp:
         tmp = Path(tmp)
         cfg = load_config(None, [f"run.dir={tmp / 'kiln'}", f"train.time_budget={args.budget}",
+                                 f"train.seed={1337 + args.seed}",
                                  "eval.sample_tokens=0", "checkpoint.resume=never"])
         prepared = prepare(cfg.data, progress=False)
         if not args.skip_kiln:
@@ -118,7 +120,7 @@ def main() -> None:
                                  "seq_len": args.hf_seq_len, "lr": args.hf_lr, "batch": args.hf_batch,
                                  "val_bpb": hf_scores["val_bpb"], "val_loss": hf_scores["val_loss"]}
         print(json.dumps({"hf_trainer": results["hf_trainer"]}), flush=True)
-    print(json.dumps({"bench": "same_budget_hf", "budget": args.budget, **results}))
+    print(json.dumps({"bench": "same_budget_hf", "budget": args.budget, "seed": args.seed, **results}))
 
 
 if __name__ == "__main__":

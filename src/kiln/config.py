@@ -88,7 +88,7 @@ class DataConfig:
 
 @dataclass
 class TrainConfig:
-    max_steps: int = 900
+    max_steps: int = 1050
     """Optimizer steps to train for (the default run takes about five minutes on 2 CPU cores)."""
     micro_batch_size: int = 32
     """Sequences per forward/backward pass on each rank."""
@@ -101,7 +101,7 @@ class TrainConfig:
     """Final learning rate as a fraction of lr (cosine, linear and wsd schedules)."""
     schedule: Literal["cosine", "linear", "constant", "wsd"] = "wsd"
     """Learning-rate schedule after warmup: cosine, linear, constant or wsd (warmup-stable-decay)."""
-    warmup_steps: int = 45
+    warmup_steps: int = 50
     """Steps of linear warmup from 0 to lr."""
     decay_fraction: float = 0.2
     """For wsd: the final share of steps in which the rate decays."""
@@ -134,7 +134,7 @@ class TrainConfig:
 
 @dataclass
 class EvalConfig:
-    every: int = 300
+    every: int = 350
     """Evaluate every N steps (and at the end); 0 only at the end."""
     batches: int = 8
     """Validation micro-batches per evaluation (a fixed sample, the same each time)."""
@@ -146,7 +146,7 @@ class EvalConfig:
 
 @dataclass
 class CheckpointConfig:
-    every: int = 300
+    every: int = 350
     """Save a checkpoint every N steps (and at the end); 0 only at the end."""
     keep: int = 2
     """Complete checkpoints to keep; older ones are deleted."""

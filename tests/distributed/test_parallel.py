@@ -156,7 +156,7 @@ def _workers(launcher_pid: int) -> list[int]:
 
 
 def test_elastic_restart_after_a_worker_is_killed(tmp_path, corpus_dir):
-    steps = 150
+    steps = 300
     extra = dict(train__max_steps=steps, checkpoint__every=10, train__log_every=1)
 
     def sets(run_dir):
