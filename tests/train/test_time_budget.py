@@ -32,8 +32,10 @@ def test_budget_stops_within_one_step_with_eval_and_checkpoint(tmp_path):
     lines = [json.loads(l) for l in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     last_train = [l for l in lines if "loss" in l][-1]
     assert last_train["step"] == result.step
-    # It stopped before the budget, and one more step would have crossed it.
-    assert 1.0 - 2 * STEP_S <= last_train["elapsed_s"] <= 1.0
+    # It stopped within one step of the budget: one more step would have crossed it. (The last
+    # step may end a hair past it when it took longer than the one before, which the check
+    # used as its estimate.)
+    assert 1.0 - 2 * STEP_S <= last_train["elapsed_s"] <= 1.0 + STEP_S
     assert lines[-1] == {"step": result.step, "val_loss": 1.0}
     assert (tmp_path / "checkpoints" / f"step-{result.step:08d}" / "manifest.json").exists()
 
