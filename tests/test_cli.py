@@ -120,8 +120,10 @@ def test_tensorboard_events_readable(tmp_path, corpus_dir):
     acc = EventAccumulator(str(run / "tensorboard"))
     acc.Reload()
     tags = set(acc.Tags()["scalars"])
-    assert {"loss", "lr", "grad_norm", "tokens_per_s", "val_loss", "val_bpb"} <= tags
+    assert {"loss", "lr", "grad_norm", "tokens_per_s", "val_loss", "val_bpb", "memory/rss_gib"} <= tags
     assert [e.step for e in acc.Scalars("loss")] == list(range(1, 7))
+    # The process's resident memory: a plausible size for a Python process running torch.
+    assert all(0.05 < e.value < 64 for e in acc.Scalars("memory/rss_gib"))
 
 
 def test_prepare_twice_tokenizes_nothing(tmp_path, corpus_dir):

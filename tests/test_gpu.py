@@ -40,6 +40,9 @@ def test_cuda_training_learns(tmp_path, precision):
     assert all(torch.isfinite(p).all() for p in trainer.model.parameters())
     if precision == "fp16":
         assert result.metrics["loss_scale"] > 0 and "skipped_steps" in result.metrics
+    # Peak device memory of the last log interval: the model, its optimizer state, activations.
+    peak, reserved = result.metrics["memory/peak_allocated_gib"], result.metrics["memory/peak_reserved_gib"]
+    assert 0 < peak <= reserved < 80
 
 
 def test_compile_and_activation_checkpointing_on_cuda(tmp_path):

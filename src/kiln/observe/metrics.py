@@ -13,6 +13,8 @@ from pathlib import Path
 from typing import Any
 
 METRICS_FILE = "metrics.jsonl"
+# Logged to the files, left off the console line to keep it short.
+CONSOLE_HIDDEN = {"memory/peak_reserved_gib"}
 
 
 def format_duration(seconds: float) -> str:
@@ -33,6 +35,8 @@ def _fmt(key: str, value: float) -> str:
         return f"elapsed {format_duration(value)}"
     if key == "grad_norm":
         return f"gnorm {value:.3f}"
+    if key in ("memory/peak_allocated_gib", "memory/rss_gib"):
+        return f"{'mem' if 'peak' in key else 'rss'} {value:.2f} GiB"
     if isinstance(value, float):
         return f"{key} {value:.4g}"
     return f"{key} {value}"
@@ -80,7 +84,8 @@ class MetricsLogger:
 
     def _console_line(self, step: int, values: dict[str, Any]) -> str:
         parts = [f"step {step}/{self.total_steps}"]
-        parts += [_fmt(k, v) for k, v in values.items() if k != "skipped_steps" or v]
+        parts += [_fmt(k, v) for k, v in values.items()
+                  if k not in CONSOLE_HIDDEN and (k != "skipped_steps" or v)]
         done = step - self._start_step
         if 0 < done and step < self.total_steps and "val_loss" not in values:
             elapsed = time.perf_counter() - self._t0

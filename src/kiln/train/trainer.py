@@ -30,6 +30,7 @@ from kiln.data.loader import make_train_loader
 from kiln.distributed.parallelize import clip_grad_norm_, gradient_sync, is_sharded, parallelize
 from kiln.distributed.world import World, init_world
 from kiln.observe import MetricsLogger, NullLogger
+from kiln.observe.memory import memory_stats
 from kiln.train.apply import apply_activation_checkpointing, apply_compile
 from kiln.train.optim import build_optimizer, lr_at
 from kiln.train.precision import Precision
@@ -249,6 +250,7 @@ class Trainer:
         peak = peak_flops(self.device)
         if peak and self.flops_per_token:
             record["mfu"] = self.flops_per_token * tokens_per_s / (peak * self.world.size)
+        record.update(memory_stats(self.device))
         if self.precision.scaler.is_enabled():
             record["skipped_steps"] = self.precision.skipped_steps
             record["loss_scale"] = self.precision.scaler.get_scale()
