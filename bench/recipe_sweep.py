@@ -81,7 +81,7 @@ def main() -> None:
             if args.out:
                 with open(args.out, "a") as f:
                     f.write(json.dumps(row) + "\n")
-    print(f"\n| candidate | overrides | steps | tokens | val bpb |\n|---|---|---|---|---|")
+    print("\n| candidate | overrides | steps | tokens | val bpb |\n|---|---|---|---|---|")
     for r in sorted(rows, key=lambda r: r["val_bpb"]):
         print(f"| {r['name']} | {' '.join(r['overrides']) or '(defaults)'} | {r['steps']} | {r['tokens']:,} | {r['val_bpb']:.4f} |")
 

@@ -143,11 +143,11 @@ def cmd_launch(args) -> int:
     from kiln.distributed.launch import launch, torchrun_args
 
     try:
-        torchrun_args(args)
+        argv = torchrun_args(args)
     except ValueError as e:
         print(str(e), file=sys.stderr)
         return USAGE_ERROR
-    return launch(args)
+    return launch(argv)
 
 
 COMMANDS = {"train": cmd_train, "prepare": cmd_prepare, "eval": cmd_eval, "generate": cmd_generate,

@@ -51,11 +51,11 @@ def torchrun_args(args: argparse.Namespace) -> list[str]:
     return [*out, "-m", "kiln", *command]
 
 
-def launch(args: argparse.Namespace) -> int:
+def launch(argv: list[str]) -> int:
+    """Run torchrun with ``argv`` (from ``torchrun_args``); the exit code of the first failed rank."""
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import main as torchrun
 
-    argv = torchrun_args(args)
     # By default the agent lends its rendezvous TCPStore to the workers, and keeps it across
     # restarts without clearing it: restarted workers then find their predecessors' addresses
     # there and fail to connect ("Connection refused"). A store per round avoids that.

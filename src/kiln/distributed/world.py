@@ -89,6 +89,15 @@ class World:
 _WORLD: World | None = None
 
 
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    device = torch.device(name)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ConfigError([f"run.device: {name!r} requested but CUDA is not available on this machine; use cpu or auto"])
+    return device
+
+
 def in_torchrun() -> bool:
     return "RANK" in os.environ and "WORLD_SIZE" in os.environ
 
@@ -96,8 +105,6 @@ def in_torchrun() -> bool:
 def init_world(device: str = "auto", tp: int = 1) -> World:
     """Join the process group described by the torchrun environment (once per process)."""
     global _WORLD
-    from kiln.train.trainer import resolve_device
-
     if _WORLD is not None:
         if _WORLD.tp != tp:
             raise ConfigError([f"parallel.tp: this process already runs with tp={_WORLD.tp}, not {tp}"])

@@ -114,7 +114,6 @@ class MetricsLogger:
         self.close()
 
 
-
 class NullLogger:
     """The logger of ranks other than 0: takes every record and writes nothing."""
 

@@ -21,9 +21,9 @@ from kiln.checkpoint import CheckpointError, latest_checkpoint, load_checkpoint,
 from kiln.config import Config, ConfigError, from_dict
 from kiln.data import TokenSequences, prepare, val_batches
 from kiln.data.tokenizer import eot_id
-from kiln.distributed import init_world
+from kiln.distributed.world import init_world, resolve_device
 from kiln.models import GPT, GPTConfig, build_gpt_config, flops_per_token, generate
-from kiln.train.trainer import FitResult, Trainer, resolve_device
+from kiln.train.trainer import FitResult, Trainer
 
 
 def lm_loss(model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:

@@ -38,15 +38,6 @@ from kiln.train.precision import Precision
 LossFn = Callable[[nn.Module, Any], torch.Tensor]
 
 
-def resolve_device(name: str) -> torch.device:
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    device = torch.device(name)
-    if device.type == "cuda" and not torch.cuda.is_available():
-        raise ConfigError([f"run.device: {name!r} requested but CUDA is not available on this machine; use cpu or auto"])
-    return device
-
-
 def to_device(batch: Any, device: torch.device) -> Any:
     """Move a (nested) batch; non_blocking overlaps the copy from pinned memory with compute."""
     if isinstance(batch, torch.Tensor):
@@ -300,13 +291,12 @@ class Trainer:
             "world": {"size": self.world.size, "tp": self.world.tp, "strategy": self.cfg.parallel.strategy},
         }
         if self.sharded:
-            sharded = {"model": model_state, "optimizer": optim_state}
-            path = save_checkpoint(self.checkpoint_dir, self.step, None, train_state, keep=self.cfg.checkpoint.keep,
-                                   sharded_state=sharded, world=self.world)
+            weights, sharded = None, {"model": model_state, "optimizer": optim_state}
         else:
+            weights, sharded = model_state, None
             train_state["optimizer"] = optim_state
-            path = save_checkpoint(self.checkpoint_dir, self.step, model_state, train_state,
-                                   keep=self.cfg.checkpoint.keep, world=self.world)
+        path = save_checkpoint(self.checkpoint_dir, self.step, weights, train_state, keep=self.cfg.checkpoint.keep,
+                               sharded_state=sharded, world=self.world)
         self._say(f"kiln: saved checkpoint {path}")
         return path
 
