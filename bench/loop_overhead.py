@@ -36,8 +36,8 @@ def hand_written(model, data, cfg, warmup: int) -> float:
     """The loop a person would write, with the same data order and optimizer; tokens/s."""
     t = cfg.train
     opt = build_optimizer(model, t, torch.device("cpu"))
-    batches = iter(make_train_loader(data, micro_batch_size=t.micro_batch_size, global_batch_size=t.global_batch_size,
-                                     seed=t.seed, start_step=0, num_workers=0, pin_memory=False))
+    batches = iter(make_train_loader(data, schedule=t.global_batch_size, seed=t.seed, start_step=0, num_workers=0,
+                                     pin_memory=False))
     accum = cfg.grad_accum_steps()
     start = None
     for step in range(t.max_steps):
@@ -45,8 +45,8 @@ def hand_written(model, data, cfg, warmup: int) -> float:
             start = time.perf_counter()
         for g in opt.param_groups:
             g["lr"] = lr_at(step, t)
-        for _ in range(accum):
-            x, y = next(batches)
+        xs, ys = next(batches)
+        for x, y in zip(xs.split(t.micro_batch_size), ys.split(t.micro_batch_size)):
             loss = F.cross_entropy(model(x).flatten(0, 1).float(), y.flatten())
             (loss / accum).backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), t.grad_clip)

@@ -38,7 +38,7 @@ class InKilnOrder(Dataset):
 
     def __init__(self, windows, global_batch: int, seed: int, steps: int):
         sampler = iter(StepSampler(len(windows), global_batch, seed))
-        self.order = [next(sampler) for _ in range(steps * global_batch)]
+        self.order = [i for _ in range(steps) for i in next(sampler)]
         self.windows = windows
 
     def __len__(self) -> int:

@@ -6,8 +6,12 @@ from __future__ import annotations
 import sysconfig
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
+
+from kiln.data import TokenSequences
+from kiln.models import GPT, GPTConfig
 
 TINY_MODEL = ["model.n_layer=2", "model.d_model=64", "model.n_head=4", "model.n_kv_head=2", "model.d_ff=128"]
 
@@ -34,6 +38,38 @@ def tiny_overrides(run_dir: Path, corpus: Path, **extra: object) -> list[str]:
     }
     items.update({k.replace("__", "."): v for k, v in extra.items()})
     return TINY_MODEL + [f"{k}={v}" for k, v in items.items()]
+
+
+def token_sequences(tmp_path, n=20000, vocab=97, seed=0):
+    """A learnable token stream as 16-token training sequences (vocab 97)."""
+    path = tmp_path / "tokens.bin"
+    rng = np.random.default_rng(seed)
+    # A learnable stream: mostly a repeating pattern, some noise.
+    base = np.tile(np.arange(vocab, dtype=np.uint16), n // vocab + 1)[:n]
+    noise = rng.integers(0, vocab, n).astype(np.uint16)
+    np.where(rng.random(n) < 0.2, noise, base).astype(np.uint16).tofile(path)
+    return TokenSequences(np.memmap(path, dtype=np.uint16, mode="r"), 16)
+
+
+def tiny_gpt(seed=0):
+    torch.manual_seed(seed)
+    return GPT(GPTConfig(vocab_size=97, n_layer=2, d_model=32, n_head=4, n_kv_head=2, d_ff=64,
+                         max_seq_len=16, tie_embeddings=True))
+
+
+def train_tiny_gpt(run_dir, data, micro, global_, steps=4, **extra):
+    """Train ``tiny_gpt()`` with kiln's Trainer on CPU; (model, trainer, FitResult)."""
+    from kiln import Trainer
+    from kiln.config import load_config
+    from kiln.train.lm import lm_loss
+
+    sets = [f"run.dir={run_dir}", f"train.micro_batch_size={micro}", f"train.global_batch_size={global_}",
+            f"train.max_steps={steps}", "train.warmup_steps=1", "train.lr=1e-2", "data.num_workers=0",
+            "train.log_every=1", "run.device=cpu"]
+    sets += [f"{k}={v}" for k, v in {"checkpoint.every": 0, **extra}.items()]
+    model = tiny_gpt()
+    trainer = Trainer(model, data, lm_loss, load_config(None, sets), tokens_per_sample=data.seq_len, console=False)
+    return model, trainer, trainer.fit()
 
 
 @pytest.fixture(scope="session")

@@ -60,3 +60,46 @@ def test_flash_attention_kernel_runs():
         logits = model(idx)
         logits.float().sum().backward()
     assert torch.isfinite(logits).all()
+
+
+def test_fsdp_cpu_offload_in_one_process(tmp_path):
+    """parallel.cpu_offload alone on one GPU: FSDP over a group of one keeps the state in CPU memory."""
+    from torch.distributed.tensor import DTensor
+
+    trainer, result = _fit(tmp_path, "bf16", **{"parallel.strategy": "fsdp", "parallel.cpu_offload": "true",
+                                                "checkpoint.every": "20"})
+    assert result.metrics["loss"] < 3.0
+    params = list(trainer.model.parameters())
+    assert all(isinstance(p, DTensor) and p.to_local().device.type == "cpu" for p in params)
+    assert (tmp_path / "bf16" / "checkpoints" / "step-00000040" / "state").is_dir()  # saved with DCP
+
+
+def _overflowing_run(tmp_path, micro):
+    """A step of 4M tokens: as one micro-batch its activations need several times an 80 GB card."""
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(vocab_size=256, n_layer=4, d_model=512, n_head=8, n_kv_head=8, d_ff=1536,
+                          max_seq_len=64, tie_embeddings=True))
+    sets = [f"run.dir={tmp_path / str(micro)}", "run.device=cuda", "train.max_steps=2", f"train.micro_batch_size={micro}",
+            "train.global_batch_size=65536", "train.precision=bf16", "data.num_workers=2", "eval.every=0",
+            "checkpoint.every=0", "train.log_every=1"]
+    trainer = Trainer(model, _data(tmp_path, n=5_000_000), lm_loss, load_config(None, sets), tokens_per_sample=64,
+                      console=False)
+    return trainer, trainer.fit()
+
+
+def test_real_out_of_memory_is_recovered_by_the_ladder(tmp_path):
+    import json
+
+    trainer, result = _overflowing_run(tmp_path, 65536)
+    assert result.step == 2 and trainer.micro_batch_size < 65536
+    records = [json.loads(l) for l in (tmp_path / "65536" / "metrics.jsonl").read_text().splitlines()]
+    events = [r for r in records if r.get("event") == "out_of_memory"]
+    assert events and "out of memory" in events[0]["error"].lower()
+    assert {r["global_batch"] for r in records if "loss" in r} == {65536}
+
+
+def test_auto_micro_batch_probes_the_card(tmp_path):
+    trainer, result = _overflowing_run(tmp_path, "auto")
+    assert result.step == 2 and 1 <= trainer.micro_batch_size < 65536
+    total = torch.cuda.get_device_properties(0).total_memory
+    assert result.metrics["memory/peak_reserved_gib"] * 2**30 <= total

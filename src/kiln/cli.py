@@ -1,6 +1,7 @@
 """The ``kiln`` command: parse arguments, build the Config, call one function per subcommand.
 
-Bad input (config, data, paths) exits with status 2 and one line per problem on stderr.
+Bad input (config, data, paths) exits with status 2 and one line per problem on stderr; a run
+that runs out of device memory beyond what its out-of-memory ladder can absorb exits with 3.
 """
 
 from __future__ import annotations
@@ -11,6 +12,8 @@ import os
 import sys
 
 USAGE_ERROR = 2
+# The device ran out of memory: the run saved what it could and says how it will go on.
+OUT_OF_MEMORY = 3
 
 
 def _add_config_args(p: argparse.ArgumentParser) -> None:
@@ -159,6 +162,7 @@ def _run(args) -> int:
     from kiln.config import ConfigError
     from kiln.data import DataError
     from kiln.distributed import in_torchrun
+    from kiln.train.oom import OutOfMemoryExhausted, RestartForRung
 
     # Under torchrun every rank reports its own errors; the rank says whose they are.
     who = f"kiln [rank {os.environ.get('RANK')}]" if in_torchrun() and os.environ.get("WORLD_SIZE", "1") != "1" else "kiln"
@@ -171,6 +175,9 @@ def _run(args) -> int:
     except (DataError, CheckpointError, FileExistsError, FileNotFoundError) as e:
         print(f"{who}: error: {e}", file=sys.stderr)
         return USAGE_ERROR
+    except (OutOfMemoryExhausted, RestartForRung) as e:
+        print(f"{who}: {e}", file=sys.stderr)
+        return OUT_OF_MEMORY
     except KeyboardInterrupt:
         print(f"{who}: interrupted", file=sys.stderr)
         return 130

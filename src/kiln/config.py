@@ -90,11 +90,22 @@ class DataConfig:
 class TrainConfig:
     max_steps: int = 1050
     """Optimizer steps to train for (the default run takes about five minutes on 2 CPU cores)."""
-    micro_batch_size: int = 32
-    """Sequences per forward/backward pass on each rank."""
+    micro_batch_size: Union[int, Literal["auto"]] = 32
+    """Sequences per forward/backward pass on each rank, or "auto": before training, find the
+    largest that fits in device memory by probing real steps (accumulation then makes up the
+    global batch). A run that meets an out-of-memory error lowers it by itself (see docs/memory.md)."""
     global_batch_size: int = 32
     """Sequences per optimizer step over all ranks; a multiple of micro_batch_size times the
     data-parallel degree (the ratio is the number of gradient accumulation steps)."""
+    batch_ramp_start: int = 0
+    """Global batch size at the first step of a batch-size ramp, which grows it in equal
+    increments to global_batch_size; 0 turns the ramp off."""
+    batch_ramp_increment: int = 0
+    """How much the global batch grows at each stage of the ramp; 0 means by batch_ramp_start."""
+    batch_ramp_steps: int = 0
+    """Length of the ramp in optimizer steps (stages of equal length); set this or batch_ramp_tokens."""
+    batch_ramp_tokens: int = 0
+    """Length of the ramp in training tokens (stages of equal token counts); set this or batch_ramp_steps."""
     lr: float = 3e-3
     """Peak learning rate."""
     min_lr_ratio: float = 0.1
@@ -161,7 +172,8 @@ class ParallelConfig:
     """How data-parallel ranks share the model when the world size is above 1: ddp (replicas,
     gradients all-reduced), fsdp (FSDP2, parameters, gradients and optimizer state sharded, like
     ZeRO-3) or fsdp_grad_op (as fsdp, but parameters stay gathered from forward to backward, like
-    ZeRO-2: less communication, more memory). Ignored in a single process."""
+    ZeRO-2: less communication, more memory). Ignored in a single process unless
+    parallel.cpu_offload is on."""
     tp: int = 1
     """Tensor-parallel degree: each block's attention and MLP are split over this many ranks
     (a divisor of the world size; the rest of the world is data-parallel). Needs fsdp or
@@ -170,7 +182,8 @@ class ParallelConfig:
     """DDP gradient bucket size in MiB: larger buckets mean fewer, bigger all-reduces."""
     cpu_offload: bool = False
     """With fsdp/fsdp_grad_op on CUDA: keep sharded parameters, gradients and optimizer state in
-    CPU memory, and run the optimizer there (slower; fits much larger models)."""
+    CPU memory, and run the optimizer there (slower; fits much larger models). Works in a single
+    process too (FSDP over a group of one), e.g. to train a 7B model on one GPU."""
 
 
 @dataclass
@@ -184,7 +197,9 @@ class Config:
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
 
     def grad_accum_steps(self, data_parallel: int = 1) -> int:
-        """Micro-batches per rank per optimizer step."""
+        """Micro-batches per rank per optimizer step (at the full global batch, with a fixed micro-batch)."""
+        if self.train.micro_batch_size == "auto":
+            raise ValueError("train.micro_batch_size is 'auto': the accumulation is known only once it is probed")
         return self.train.global_batch_size // (self.train.micro_batch_size * data_parallel)
 
     def to_dict(self) -> dict[str, dict[str, Any]]:
@@ -264,6 +279,8 @@ def parse_duration(text: str) -> float:
 
 
 def _type_name(tp: Any) -> str:
+    if get_origin(tp) is Union:
+        return " or ".join(_type_name(a) for a in get_args(tp))
     if get_origin(tp) is Literal:
         return " | ".join(str(a) for a in get_args(tp))
     return {bool: "true/false", int: "an integer", float: "a number", str: "a string"}.get(tp, str(tp))
@@ -271,6 +288,13 @@ def _type_name(tp: Any) -> str:
 
 def _coerce(key: str, tp: Any, value: Any, from_text: bool) -> Any:
     """Turn ``value`` into type ``tp`` or raise ConfigError naming ``key``."""
+    if get_origin(tp) is Union:
+        for option in get_args(tp):
+            try:
+                return _coerce(key, option, value, from_text)
+            except ConfigError:
+                pass
+        raise ConfigError([f"{key}: expected {_type_name(tp)}, got {value!r}"])
     if get_origin(tp) is Literal:
         allowed = get_args(tp)
         if value not in allowed:
@@ -393,6 +417,29 @@ def from_dict(values: dict[str, dict[str, Any]]) -> Config:
     return Config(**{s: secs[s](**{k: v for k, v in values.get(s, {}).items() if k in known[s]}) for s in secs})
 
 
+def _ramp_errors(t: TrainConfig) -> list[str]:
+    if t.batch_ramp_start == 0:
+        unused = [k for k in ("batch_ramp_increment", "batch_ramp_steps", "batch_ramp_tokens") if getattr(t, k)]
+        return [f"train.{k}: set, but the ramp is off; set train.batch_ramp_start too" for k in unused]
+    start, inc, end = t.batch_ramp_start, t.batch_ramp_increment or t.batch_ramp_start, t.global_batch_size
+    if start < 0 or inc < 0:
+        return [f"train.batch_ramp_start / batch_ramp_increment: must be >= 0, got {start} / {t.batch_ramp_increment}"]
+    errors = []
+    if not 0 < start < end:
+        errors.append(f"train.batch_ramp_start: {start} must be below train.global_batch_size {end}")
+    elif (end - start) % inc:
+        errors.append(f"train.batch_ramp_increment: {inc} does not divide train.global_batch_size - "
+                      f"train.batch_ramp_start = {end - start}; the ramp must end on global_batch_size")
+    micro = t.micro_batch_size
+    if micro != "auto" and micro >= 1:
+        errors += [f"train.{k}: {v} is not a multiple of train.micro_batch_size {micro}"
+                   for k, v in (("batch_ramp_start", start), ("batch_ramp_increment", inc)) if v % micro]
+    if (t.batch_ramp_steps > 0) == (t.batch_ramp_tokens > 0) or min(t.batch_ramp_steps, t.batch_ramp_tokens) < 0:
+        errors.append("train.batch_ramp_steps / train.batch_ramp_tokens: set exactly one of them to a positive "
+                      f"length, got {t.batch_ramp_steps} / {t.batch_ramp_tokens}")
+    return errors
+
+
 def validate(cfg: Config) -> None:
     """Check values that a type alone cannot; collect every problem, then raise once."""
     from kiln.models.presets import build_gpt_config
@@ -409,12 +456,14 @@ def validate(cfg: Config) -> None:
             errors.append(msg)
 
     need(t.max_steps >= 1, f"train.max_steps: must be >= 1, got {t.max_steps}")
-    need(t.micro_batch_size >= 1, f"train.micro_batch_size: must be >= 1, got {t.micro_batch_size}")
+    micro = t.micro_batch_size
+    need(micro == "auto" or micro >= 1, f"train.micro_batch_size: must be >= 1 or auto, got {micro}")
     need(t.global_batch_size >= 1, f"train.global_batch_size: must be >= 1, got {t.global_batch_size}")
-    if t.micro_batch_size >= 1 and t.global_batch_size >= 1:
-        need(t.global_batch_size % t.micro_batch_size == 0,
+    if micro != "auto" and micro >= 1 and t.global_batch_size >= 1:
+        need(t.global_batch_size % micro == 0,
              f"train.global_batch_size: {t.global_batch_size} is not a multiple of train.micro_batch_size "
-             f"{t.micro_batch_size}; accumulation steps must be a whole number")
+             f"{micro}; accumulation steps must be a whole number")
+    errors += _ramp_errors(t)
     need(t.lr > 0, f"train.lr: must be > 0, got {t.lr}")
     need(0 <= t.min_lr_ratio <= 1, f"train.min_lr_ratio: must be in [0, 1], got {t.min_lr_ratio}")
     need(t.warmup_steps >= 0, f"train.warmup_steps: must be >= 0, got {t.warmup_steps}")

@@ -16,7 +16,8 @@ def token_file(tmp_path, n, dtype=np.uint16):
 
 
 def take(sampler, n):
-    return list(itertools.islice(iter(sampler), n))
+    """The first n indices of a sampler's stream of step batches, flattened."""
+    return list(itertools.islice(itertools.chain.from_iterable(sampler), n))
 
 
 def test_token_sequences_shift_and_length(tmp_path):
@@ -65,14 +66,28 @@ def test_ranks_partition_each_global_batch():
 
 def test_loader_workers_match_in_process(tmp_path):
     ds = TokenSequences(token_file(tmp_path, 2000), seq_len=16)
-    kw = dict(micro_batch_size=4, global_batch_size=8, seed=1, start_step=3, pin_memory=False)
+    kw = dict(schedule=8, seed=1, start_step=3, pin_memory=False)
     expected = list(itertools.islice(make_train_loader(ds, num_workers=0, **kw), 10))
     got = list(itertools.islice(make_train_loader(ds, num_workers=2, **kw), 10))
-    assert expected[0][0].shape == (4, 16)
+    assert expected[0][0].shape == (8, 16)  # one step's batch; the loop cuts it into micro-batches
     for (x0, y0), (x1, y1) in zip(expected, got, strict=True):
         assert torch.equal(x0, x1) and torch.equal(y0, y1)
-    with pytest.raises(ValueError, match="multiple of micro_batch_size"):
-        make_train_loader(ds, **{**kw, "micro_batch_size": 3}, num_workers=0)
+
+
+def test_sampler_follows_a_batch_ramp():
+    from kiln.data.batch_schedule import BatchSchedule
+
+    ramp = BatchSchedule(8, [(2, 3), (4, 2)])  # 3 steps of 2, 2 steps of 4, then 8
+    sizes = [len(b) for b in itertools.islice(iter(StepSampler(50, ramp, seed=2)), 8)]
+    assert sizes == [2, 2, 2, 4, 4, 8, 8, 8]
+    assert [ramp.samples_before(s) for s in range(8)] == [0, 2, 4, 6, 10, 14, 22, 30]
+    whole = take(StepSampler(50, ramp, seed=2), 60)
+    for k in range(8):  # starting anywhere, even mid-ramp, continues the same stream
+        assert take(StepSampler(50, ramp, seed=2, start_step=k), 60 - ramp.samples_before(k)) == whole[ramp.samples_before(k):]
+    shares = [next(iter(StepSampler(50, ramp, seed=2, start_step=3, rank=r, world_size=2))) for r in range(2)]
+    assert shares[0] + shares[1] == whole[6:10]
+    with pytest.raises(ValueError, match="not divisible by world_size"):
+        StepSampler(50, BatchSchedule(8, [(3, 1)]), seed=0, world_size=2)
 
 
 def test_val_batches_are_fixed_and_spread(tmp_path):

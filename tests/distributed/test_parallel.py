@@ -94,6 +94,19 @@ def test_sharded_strategies_equal_one_process(tmp_path, corpus_dir, single, stra
     assert sorted(p.name for p in state.glob("*.distcp")) == ["__0_0.distcp", "__1_0.distcp"]
 
 
+def test_out_of_memory_on_ranks_restarts_at_the_smaller_micro_batch(tmp_path, corpus_dir, single, monkeypatch):
+    """Ranks cannot retry a step alone (the others wait in collectives): the rung is saved in
+    memory.json, the agent restarts the group, and the run resumes from its checkpoint there."""
+    monkeypatch.setenv("KILN_TEST_OOM_ABOVE", "1")
+    monkeypatch.setenv("KILN_TEST_OOM_FROM_STEP", "4")  # after the checkpoint at step 3
+    run_dir = tmp_path / "oom"
+    proc = _launch(2, _sets(run_dir, corpus_dir, micro=2), "--max-restarts", "1", "--monitor-interval", "0.2")
+    assert "out of memory at step 5 with micro-batch 2" in proc.stderr
+    assert json.loads((run_dir / "memory.json").read_text())["micro_batch_size"] == 1
+    assert "resumed from" in proc.stdout
+    _assert_same_training(run_dir, single)
+
+
 def test_fsdp_bf16_computes_in_bf16_and_keeps_fp32_weights(tmp_path, corpus_dir, single):
     run_dir = tmp_path / "bf16"
     _launch(2, _sets(run_dir, corpus_dir, micro=2, parallel__strategy="fsdp", train__precision="bf16"))
@@ -142,7 +155,8 @@ def test_rank_errors_name_the_rank(tmp_path, corpus_dir):
     sets = _sets(tmp_path / "run", corpus_dir, micro=8)  # global 8 is not a multiple of 8 x 2 ranks
     proc = _launch(2, sets, check=False)
     assert proc.returncode != 0
-    assert "kiln [rank 1]: config error: train.global_batch_size" in proc.stderr
+    assert "kiln [rank 1]: config error: train.micro_batch_size: 8 does not divide" in proc.stderr
+    assert "train.global_batch_size (8 / 2 = 4)" in proc.stderr
     assert not (tmp_path / "run" / "checkpoints").exists()
 
 

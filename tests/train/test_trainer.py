@@ -6,36 +6,13 @@ import torch
 import torch.nn.functional as F
 from torch.utils.data import TensorDataset
 
+from conftest import token_sequences as _tokens, train_tiny_gpt
 from kiln import Trainer
 from kiln.config import load_config
-from kiln.data import TokenSequences
-from kiln.models import GPT, GPTConfig
-from kiln.train.lm import lm_loss
-
-
-def _tokens(tmp_path, n=20000, vocab=97, seed=0):
-    path = tmp_path / "tokens.bin"
-    rng = np.random.default_rng(seed)
-    # A learnable stream: mostly a repeating pattern, some noise.
-    base = np.tile(np.arange(vocab, dtype=np.uint16), n // vocab + 1)[:n]
-    noise = rng.integers(0, vocab, n).astype(np.uint16)
-    np.where(rng.random(n) < 0.2, noise, base).astype(np.uint16).tofile(path)
-    return TokenSequences(np.memmap(path, dtype=np.uint16, mode="r"), 16)
-
-
-def _model(seed=0):
-    torch.manual_seed(seed)
-    return GPT(GPTConfig(vocab_size=97, n_layer=2, d_model=32, n_head=4, n_kv_head=2, d_ff=64,
-                         max_seq_len=16, tie_embeddings=True))
 
 
 def _run(tmp_path, name, data, micro, global_, steps=4, **extra):
-    sets = [f"run.dir={tmp_path / name}", f"train.micro_batch_size={micro}", f"train.global_batch_size={global_}",
-            f"train.max_steps={steps}", "train.warmup_steps=1", "train.lr=1e-2", "data.num_workers=0",
-            "train.log_every=1", "run.device=cpu"]
-    sets += [f"{k}={v}" for k, v in {"checkpoint.every": 0, **extra}.items()]
-    model = _model()
-    result = Trainer(model, data, lm_loss, load_config(None, sets), console=False).fit()
+    model, _, result = train_tiny_gpt(tmp_path / name, data, micro, global_, steps, **extra)
     return model, result
 
 

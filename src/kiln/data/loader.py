@@ -14,6 +14,7 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader, Dataset, Sampler
 
+from kiln.data.batch_schedule import BatchSchedule
 from kiln.data.corpus import DataError
 
 
@@ -58,28 +59,29 @@ class TokenSequences(Dataset):
 
 
 class StepSampler(Sampler):
-    """An endless stream of item indices for this rank, one global batch per optimizer step.
+    """An endless stream of batches of item indices for this rank, one per optimizer step.
 
-    The j-th sequence of step s has global position g = s * global_batch_size + j and is item
+    The j-th sequence of step s has global position g = B(s) + j, where B(s) counts the
+    sequences of all steps before s (the schedule's ``samples_before``), and is item
     ``perm_e[g % num_items]``, where e = g // num_items is its epoch and perm_e a permutation
     seeded by (seed, e). Every item appears once per epoch. Rank r of world_size W takes the
-    contiguous share j in [r*G/W, (r+1)*G/W) of each global batch.
+    contiguous share j in [r*b/W, (r+1)*b/W) of each step's global batch of b sequences.
     """
 
-    def __init__(self, num_items: int, global_batch_size: int, seed: int, start_step: int = 0,
+    def __init__(self, num_items: int, schedule: BatchSchedule | int, seed: int, start_step: int = 0,
                  rank: int = 0, world_size: int = 1):
         if num_items < 1:
             raise ValueError(f"num_items must be >= 1, got {num_items}")
-        if global_batch_size % world_size:
-            raise ValueError(f"global_batch_size {global_batch_size} is not divisible by world_size {world_size}")
+        self.schedule = schedule if isinstance(schedule, BatchSchedule) else BatchSchedule(schedule)
+        uneven = [b for b in self.schedule.sizes() if b % world_size]
+        if uneven:
+            raise ValueError(f"global batch size {uneven[0]} is not divisible by world_size {world_size}")
         if not 0 <= rank < world_size:
             raise ValueError(f"rank {rank} out of range for world_size {world_size}")
         self.num_items = num_items
-        self.global_batch_size = global_batch_size
         self.seed = seed
         self.start_step = start_step
-        self.per_rank = global_batch_size // world_size
-        self.offset = rank * self.per_rank
+        self.rank, self.world_size = rank, world_size
         self._epoch, self._perm = -1, None
 
     def permutation(self, epoch: int) -> torch.Tensor:
@@ -90,39 +92,36 @@ class StepSampler(Sampler):
             self._epoch, self._perm = epoch, torch.randperm(self.num_items, generator=gen)
         return self._perm
 
-    def __iter__(self) -> Iterator[int]:
+    def __iter__(self) -> Iterator[list[int]]:
         step = self.start_step
         while True:
-            base = step * self.global_batch_size + self.offset
-            for g in range(base, base + self.per_rank):
-                yield int(self.permutation(g // self.num_items)[g % self.num_items])
+            per_rank = self.schedule.batch_size(step) // self.world_size
+            base = self.schedule.samples_before(step) + self.rank * per_rank
+            yield [int(self.permutation(g // self.num_items)[g % self.num_items]) for g in range(base, base + per_rank)]
             step += 1
 
 
-def make_train_loader(dataset: TokenSequences, *, micro_batch_size: int, global_batch_size: int, seed: int,
-                      start_step: int, num_workers: int, pin_memory: bool, rank: int = 0,
-                      world_size: int = 1) -> DataLoader:
-    """An endless DataLoader of (x, y) micro-batches; every G/(W*micro) of them make one step."""
+def make_train_loader(dataset: Dataset, *, schedule: BatchSchedule | int, seed: int, start_step: int,
+                      num_workers: int, pin_memory: bool, rank: int = 0, world_size: int = 1) -> DataLoader:
+    """An endless DataLoader of this rank's share of each step's global batch, collated.
+
+    The loop splits it into micro-batches itself, so the micro-batch size can change between
+    steps (or within a retried one) without touching the data order."""
     if len(dataset) == 0:
+        num_tokens, seq_len = getattr(dataset, "num_tokens", 0), getattr(dataset, "seq_len", 0)
         raise DataError(
-            f"the training split has {dataset.num_tokens} tokens, fewer than seq_len + 1 = {dataset.seq_len + 1}; "
+            f"the training split has {num_tokens} tokens, fewer than seq_len + 1 = {seq_len + 1}; "
             "lower data.seq_len or use more data"
         )
-    sampler = StepSampler(len(dataset), global_batch_size, seed, start_step, rank, world_size)
-    if sampler.per_rank % micro_batch_size:
-        raise ValueError(
-            f"each rank's share of the global batch ({sampler.per_rank}) is not a multiple of "
-            f"micro_batch_size {micro_batch_size}; micro-batches would straddle steps"
-        )
+    sampler = StepSampler(len(dataset), schedule, seed, start_step, rank, world_size)
     workers = num_workers > 0
     return DataLoader(
         dataset,
-        batch_size=micro_batch_size,
-        sampler=sampler,
+        batch_sampler=sampler,
         num_workers=num_workers,
         pin_memory=pin_memory,
         persistent_workers=False,
-        prefetch_factor=4 if workers else None,
+        prefetch_factor=2 if workers else None,
         # fork starts workers without re-importing the program (Python 3.14 made forkserver the
         # default); workers only slice a memmap and never touch CUDA, so forking is safe.
         multiprocessing_context="fork" if workers and sys.platform == "linux" else None,

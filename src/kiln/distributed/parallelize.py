@@ -81,7 +81,7 @@ def parallelize(model: nn.Module, world: World, pcfg: ParallelConfig, *, bf16: b
     if world.tp > 1:
         check_tensor_parallel(model, world.tp)
         apply_tp(model, world.mesh["tp"])
-    if world.dp == 1:
+    if world.dp == 1 and not pcfg.cpu_offload:
         return model
     if pcfg.strategy == "ddp":
         if world.tp > 1:
@@ -92,7 +92,8 @@ def parallelize(model: nn.Module, world: World, pcfg: ParallelConfig, *, bf16: b
         return apply_ddp(model, world.device, pcfg.bucket_mb)
     if pcfg.cpu_offload and world.device.type != "cuda":
         raise ConfigError(["parallel.cpu_offload: offloads from a GPU; this run is on the CPU already"])
-    apply_fsdp(model, world.mesh["dp"], reshard_after_forward=pcfg.strategy == "fsdp", bf16=bf16,
+    mesh = world.mesh if world.distributed else world.mesh_of_one()
+    apply_fsdp(model, mesh["dp"], reshard_after_forward=pcfg.strategy == "fsdp", bf16=bf16,
                cpu_offload=pcfg.cpu_offload)
     return model
 

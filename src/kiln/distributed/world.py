@@ -76,6 +76,22 @@ class World:
         dist.all_reduce(values, op=dist.ReduceOp.MAX, group=self.control_group)
         return tuple(bool(v) for v in values.tolist())
 
+    def mesh_of_one(self) -> Any:
+        """The mesh, made for a single process on first use: FSDP needs a process group even
+        alone, to keep a model's state in CPU memory (``parallel.cpu_offload``)."""
+        global _OWN_GROUP
+        if self.mesh is None:
+            import torch.distributed as dist
+            from torch.distributed.device_mesh import init_device_mesh
+
+            if not dist.is_initialized():
+                backend = "nccl" if self.device.type == "cuda" else "gloo"
+                dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
+                _OWN_GROUP = True
+                atexit.register(close_world)
+            self.mesh = init_device_mesh(self.device.type, (1, 1), mesh_dim_names=("dp", "tp"))
+        return self.mesh
+
     @contextlib.contextmanager
     def main_first(self) -> Iterator[None]:
         """Rank 0 runs the block first (e.g. fills a shared cache), then the others run it."""
@@ -87,6 +103,7 @@ class World:
 
 
 _WORLD: World | None = None
+_OWN_GROUP = False  # this module started the process group, so it ends it
 
 
 def resolve_device(name: str) -> torch.device:
@@ -104,7 +121,7 @@ def in_torchrun() -> bool:
 
 def init_world(device: str = "auto", tp: int = 1) -> World:
     """Join the process group described by the torchrun environment (once per process)."""
-    global _WORLD
+    global _WORLD, _OWN_GROUP
     if _WORLD is not None:
         if _WORLD.tp != tp:
             raise ConfigError([f"parallel.tp: this process already runs with tp={_WORLD.tp}, not {tp}"])
@@ -128,6 +145,7 @@ def init_world(device: str = "auto", tp: int = 1) -> World:
         torch.cuda.set_device(dev)
     if not dist.is_initialized():
         dist.init_process_group("nccl" if dev.type == "cuda" else "gloo", rank=rank, world_size=size)
+        _OWN_GROUP = True
         atexit.register(close_world)
     mesh = init_device_mesh(dev.type, (size // tp, tp), mesh_dim_names=("dp", "tp"))
     control = dist.new_group(backend="gloo") if dev.type == "cuda" else None
@@ -137,10 +155,11 @@ def init_world(device: str = "auto", tp: int = 1) -> World:
 
 def close_world() -> None:
     """Leave the process group (at exit, or explicitly when a script is done with it)."""
-    global _WORLD
+    global _WORLD, _OWN_GROUP
     _WORLD = None
-    if in_torchrun():
+    if _OWN_GROUP:
         import torch.distributed as dist
 
         if dist.is_initialized():
             dist.destroy_process_group()
+        _OWN_GROUP = False

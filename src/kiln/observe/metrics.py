@@ -14,7 +14,7 @@ from typing import Any
 
 METRICS_FILE = "metrics.jsonl"
 # Logged to the files, left off the console line to keep it short.
-CONSOLE_HIDDEN = {"memory/peak_reserved_gib"}
+CONSOLE_HIDDEN = {"memory/peak_reserved_gib", "global_batch", "micro_batch_size", "tokens"}
 
 
 def format_duration(seconds: float) -> str:
@@ -92,6 +92,15 @@ class MetricsLogger:
             parts.append(f"ETA {format_duration(elapsed / done * (self.total_steps - step))}")
         return " | ".join(parts)
 
+    def event(self, step: int, kind: str, message: str, **details: Any) -> None:
+        """Something the run did by itself (e.g. a smaller micro-batch after running out of
+        memory): a line in metrics.jsonl with an "event" key, TensorBoard text, the console."""
+        self._file.write(json.dumps({"step": step, "event": kind, "message": message, **details}) + "\n")
+        if self._tb is not None:
+            self._tb.add_text(f"events/{kind}", message, step)
+        if self.console:
+            print(f"kiln: {message}", flush=True)
+
     def text(self, step: int, tag: str, text: str) -> None:
         """A text record (e.g. a generated sample): console, TensorBoard, and ``samples.txt``."""
         with open(self.run_dir / "samples.txt", "a") as f:
@@ -121,6 +130,9 @@ class NullLogger:
         pass
 
     def text(self, step: int, tag: str, text: str) -> None:
+        pass
+
+    def event(self, step: int, kind: str, message: str, **details: Any) -> None:
         pass
 
     def __enter__(self) -> "NullLogger":

@@ -23,7 +23,7 @@ from kiln.data import TokenSequences, prepare, val_batches
 from kiln.data.tokenizer import eot_id
 from kiln.distributed.world import init_world, resolve_device
 from kiln.models import GPT, GPTConfig, build_gpt_config, flops_per_token, generate
-from kiln.train.trainer import FitResult, Trainer
+from kiln.train.trainer import FitResult, Trainer, split_batch
 
 
 def lm_loss(model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
@@ -56,6 +56,11 @@ def evaluate_lm(model: nn.Module, batches, token_bytes: torch.Tensor, device: to
     }
 
 
+def rebatch(batches: list, size: int) -> list:
+    """The same batches, each cut into pieces of at most ``size`` rows."""
+    return [piece for batch in batches for piece in split_batch(batch, size)]
+
+
 def sample_text(model: GPT, tokenizer, prompt: str, max_new_tokens: int, *, temperature: float = 0.8,
                 top_k: int | None = 50, top_p: float | None = None, seed: int = 0,
                 device: torch.device | None = None) -> str:
@@ -86,7 +91,10 @@ def build_trainer(cfg: Config, *, console: bool = True) -> Trainer:
     if len(train_data) < 1 or len(val_data) < 1:
         raise ConfigError([f"data.seq_len: {seq_len} is longer than the corpus allows "
                            f"(train {len(train_data)} / val {len(val_data)} sequences); lower data.seq_len"])
-    fixed_val = val_batches(val_data, cfg.train.micro_batch_size, cfg.eval.batches)
+    # A fixed validation sample, scored in chunks of the micro-batch in use at the time (the
+    # out-of-memory ladder may lower it); with "auto", sized as if the micro-batch were 8.
+    micro = cfg.train.micro_batch_size
+    fixed_val = val_batches(val_data, 8 if micro == "auto" else micro, cfg.eval.batches)
     token_bytes = torch.from_numpy(prepared.token_bytes())
     tokenizer = prepared.tokenizer
     trainer = Trainer(
@@ -94,7 +102,7 @@ def build_trainer(cfg: Config, *, console: bool = True) -> Trainer:
         train_data,
         lm_loss,
         cfg,
-        eval_fn=lambda m: evaluate_lm(m, fixed_val, token_bytes, trainer.device),
+        eval_fn=lambda m: evaluate_lm(m, rebatch(fixed_val, trainer.micro_batch_size), token_bytes, trainer.device),
         sample_fn=(lambda m, step: sample_text(m, tokenizer, cfg.eval.prompt, cfg.eval.sample_tokens,
                                                seed=cfg.train.seed + step)) if cfg.eval.sample_tokens else None,
         tokens_per_sample=seq_len,

@@ -4,12 +4,15 @@ job (``kiln.train.lm``) is one user of it.
 Read ``Trainer.fit`` top to bottom: restore, then for each step accumulate micro-batches, clip,
 step, and at intervals log, evaluate and checkpoint. Every feature is an object the loop calls
 the same way in every configuration (precision, schedule, checkpoint store, logger) rather
-than a flag checked along the way.
+than a flag checked along the way. The one guard around the step is the out-of-memory ladder
+(``kiln.train.oom``): a step that runs out of device memory is retried, from the same data,
+with a smaller micro-batch (then activation checkpointing).
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import math
 import platform
@@ -21,17 +24,20 @@ from typing import Any, Callable, Iterator
 
 import torch
 from torch import nn
-from torch.utils.data import Dataset
+from torch.utils.data import Dataset, default_collate
 
 from kiln.checkpoint import (CheckpointError, capture_rng, latest_checkpoint, list_checkpoints, load_checkpoint,
                              load_sharded, restore_rng, save_checkpoint)
 from kiln.config import Config, ConfigError, parse_duration, validate
+from kiln.data.batch_schedule import BatchSchedule
 from kiln.data.loader import make_train_loader
 from kiln.distributed.parallelize import clip_grad_norm_, gradient_sync, is_sharded, parallelize
 from kiln.distributed.world import World, init_world
 from kiln.observe import MetricsLogger, NullLogger
 from kiln.observe.memory import memory_stats
 from kiln.train.apply import apply_activation_checkpointing, apply_compile
+from kiln.train.oom import (InjectedOOM, OutOfMemoryExhausted, RestartForRung, Rung, largest_fitting,
+                            micro_batch_options, next_rung, read_rung_file, write_rung_file)
 from kiln.train.optim import build_optimizer, lr_at
 from kiln.train.precision import Precision
 
@@ -47,6 +53,29 @@ def to_device(batch: Any, device: torch.device) -> Any:
     if isinstance(batch, dict):
         return {k: to_device(v, device) for k, v in batch.items()}
     return batch
+
+
+def split_batch(batch: Any, size: int) -> list[Any]:
+    """Cut a (nested) batch into micro-batches of ``size`` rows (views, no copies)."""
+    if isinstance(batch, torch.Tensor):
+        return list(batch.split(size))
+    if isinstance(batch, (list, tuple)):
+        return [type(batch)(parts) for parts in zip(*(split_batch(b, size) for b in batch))]
+    if isinstance(batch, dict):
+        return [dict(zip(batch, parts)) for parts in zip(*(split_batch(v, size) for v in batch.values()))]
+    raise TypeError(f"cannot split a batch of type {type(batch).__name__} into micro-batches; "
+                    "use tensors, or tuples, lists or dicts of them")
+
+
+def batch_rows(batch: Any) -> int:
+    if isinstance(batch, torch.Tensor):
+        return len(batch)
+    return batch_rows(next(iter(batch.values() if isinstance(batch, dict) else batch)))
+
+
+# Share of device memory the micro-batch probe leaves free, for what a probe does not show
+# (allocator fragmentation, evaluation, a longer document mix).
+PROBE_MARGIN = 0.10
 
 
 @dataclass
@@ -119,20 +148,24 @@ class Trainer:
             torch.set_num_threads(cfg.run.threads)
         self.world: World = init_world(cfg.run.device, cfg.parallel.tp)
         self.device = self.world.device
+        self.console = console and self.world.is_main
         self.run_dir = Path(cfg.run.dir)
-        self.accum = cfg.grad_accum_steps(self.world.dp)
-        if cfg.train.global_batch_size % (cfg.train.micro_batch_size * self.world.dp):
-            raise ConfigError([f"train.global_batch_size: {cfg.train.global_batch_size} is not a multiple of "
-                               f"train.micro_batch_size x data-parallel ranks = {cfg.train.micro_batch_size} x {self.world.dp}"])
+        self.schedule = BatchSchedule.from_config(cfg.train, tokens_per_sample)
+        self.micro_options = self._micro_batch_options()
+        self.rung, self.probe_needed = self._initial_rung()
+        self.inject_oom = InjectedOOM()
+        self.oom_history: list[tuple[Rung, str]] = []
         model = model.to(self.device)
-        if cfg.train.activation_checkpointing:
+        if self.rung.activation_checkpointing:
             apply_activation_checkpointing(model)
-        self.model = parallelize(model, self.world, cfg.parallel, bf16=cfg.train.precision == "bf16")
+        pcfg = dataclasses.replace(cfg.parallel, cpu_offload=self.rung.cpu_offload)
+        self.model = parallelize(model, self.world, pcfg, bf16=cfg.train.precision == "bf16")
         # Evaluation calls the model itself, not a DDP wrapper (whose forward prepares a
         # gradient reduction); under FSDP the two are the same object.
         self.unwrapped = model
-        self.sharded = self.world.distributed and is_sharded(self.model)
+        self.sharded = self.world.mesh is not None and is_sharded(self.model)
         self.train_data = train_data
+        self.raw_loss_fn = loss_fn
         # Compiling the loss function compiles the model's forward with it, so the compiler can
         # fuse the output projection with the cross-entropy; the model itself stays plain, and
         # its state dict keeps its own names.
@@ -141,17 +174,20 @@ class Trainer:
         self.sample_fn = sample_fn
         self.tokens_per_sample = tokens_per_sample
         self.flops_per_token = flops_per_token
-        self.console = console and self.world.is_main
         self.optimizer = build_optimizer(self.model, cfg.train, self.device)
         self.precision = Precision(cfg.train.precision, self.device)
         self.params = [p for p in self.model.parameters() if p.requires_grad]
         self.step = 0
 
+    @property
+    def micro_batch_size(self) -> int:
+        """Sequences per forward/backward pass now (the config's, or where the OOM ladder took it)."""
+        return self.rung.micro_batch_size
+
     # -- the loop ----------------------------------------------------------------------------
 
     def fit(self) -> FitResult:
         cfg, t = self.cfg, self.cfg.train
-        accum = self.accum
         resumed_from = self._restore()
         self._write_run_files()
         result = FitResult(step=self.step, resumed_from=resumed_from)
@@ -166,27 +202,31 @@ class Trainer:
         meter = _Meter(self.device, self.world)
         clock = _Budget(parse_duration(t.time_budget) if t.time_budget else math.inf)
         with logger, _StopRequest() as stop:
+            if self.probe_needed:
+                self._find_micro_batch(logger)
             while self.step < t.max_steps:
                 clock.step_started()
                 lr = lr_at(self.step, t)
                 for group in self.optimizer.param_groups:
                     group["lr"] = lr
-                for micro in range(accum):
-                    batch = to_device(next(batches), self.device)
-                    with gradient_sync(self.model, micro == accum - 1):
-                        with self.precision.autocast():
-                            loss = self.loss_fn(self.model, batch)
-                        # Each micro-batch loss is a mean, so dividing by the number of
-                        # micro-batches makes the summed gradients those of one big batch (and
-                        # data-parallel ranks average theirs).
-                        self.precision.backward(loss / accum)
-                    meter.loss += loss.detach()
+                # This rank's share of the step's global batch, kept until the step is done so
+                # that a retry after running out of memory sees the same sequences.
+                batch = to_device(next(batches), self.device)
+                while True:
+                    try:
+                        loss = self._accumulate(batch)
+                        break
+                    except torch.OutOfMemoryError as e:
+                        error = str(e).splitlines()[0]
+                    # Outside the except block: the failed attempt's frames, and the activations
+                    # they reference, are gone before the retry allocates anew.
+                    self._step_down(error, logger)
                 self.precision.unscale_(self.optimizer)
                 grad_norm = clip_grad_norm_(self.params, t.grad_clip if t.grad_clip > 0 else math.inf)
                 self.precision.step(self.optimizer)
                 self.optimizer.zero_grad(set_to_none=True)
                 self.step += 1
-                meter.end_step(grad_norm, accum)
+                meter.end_step(loss, grad_norm, batch_rows(batch))
 
                 # The run ends at max_steps, or early when the next step would overrun the time
                 # budget; either way it ends with an evaluation and a checkpoint. Ranks decide
@@ -215,12 +255,28 @@ class Trainer:
 
     # -- pieces of the loop --------------------------------------------------------------------
 
+    def _accumulate(self, batch: Any) -> torch.Tensor:
+        """Forward and backward of one step's batch, micro-batch by micro-batch; the mean loss."""
+        micro_batches = split_batch(batch, self.rung.micro_batch_size)
+        n = len(micro_batches)
+        total = torch.zeros((), device=self.device)
+        for i, micro in enumerate(micro_batches):
+            with gradient_sync(self.model, i == n - 1):
+                with self.precision.autocast():
+                    loss = self.loss_fn(self.model, micro)
+                self.inject_oom.check(batch_rows(micro), self.step, self.rung)
+                # Each micro-batch loss is a mean, so dividing by the number of micro-batches
+                # makes the summed gradients those of one big batch (and data-parallel ranks
+                # average theirs).
+                self.precision.backward(loss / n)
+            total += loss.detach()
+        return total / n
+
     def _batches(self, start_step: int) -> Iterator[Any]:
         t = self.cfg.train
         return iter(make_train_loader(
             self.train_data,
-            micro_batch_size=t.micro_batch_size,
-            global_batch_size=t.global_batch_size,
+            schedule=self.schedule,
             seed=t.seed,
             start_step=start_step,
             num_workers=self.cfg.data.num_workers,
@@ -234,10 +290,12 @@ class Trainer:
         from kiln.models.flops import peak_flops
 
         values = meter.flush()  # the one host sync of the interval
-        samples = values["micro_batches"] * self.cfg.train.micro_batch_size * self.world.dp
+        samples = values["samples"] * self.world.dp
         tokens_per_s = samples * self.tokens_per_sample / values["seconds"]
         record = {"loss": values["loss"], "lr": lr, "grad_norm": values["grad_norm"], "tokens_per_s": tokens_per_s,
-                  "elapsed_s": elapsed_s}
+                  "elapsed_s": elapsed_s, "global_batch": self.schedule.batch_size(self.step - 1),
+                  "micro_batch_size": self.rung.micro_batch_size,
+                  "tokens": self.schedule.samples_before(self.step) * self.tokens_per_sample}
         peak = peak_flops(self.device)
         if peak and self.flops_per_token:
             record["mfu"] = self.flops_per_token * tokens_per_s / (peak * self.world.size)
@@ -268,6 +326,135 @@ class Trainer:
             self.model.train(was_training)
         return metrics
 
+    # -- memory: the micro-batch probe and the out-of-memory ladder -----------------------------
+
+    def _micro_batch_options(self) -> list[int]:
+        t, dp = self.cfg.train, self.world.dp
+        uneven = [b for b in self.schedule.sizes() if b % dp]
+        if uneven:
+            key = "train.global_batch_size" if uneven[0] == t.global_batch_size else "train.batch_ramp_start/increment"
+            raise ConfigError([f"{key}: global batch {uneven[0]} is not a multiple of the {dp} data-parallel ranks"])
+        return micro_batch_options([b // dp for b in self.schedule.sizes()])
+
+    def _initial_rung(self) -> tuple[Rung, bool]:
+        """The config's settings, made more frugal by a rung the run already reached (memory.json)."""
+        t = self.cfg.train
+        micro = t.micro_batch_size
+        if micro != "auto" and micro not in self.micro_options:
+            shares = ", ".join(f"{b} / {self.world.dp} = {b // self.world.dp}" for b in self.schedule.sizes())
+            raise ConfigError([f"train.micro_batch_size: {micro} does not divide each data-parallel rank's share of "
+                               f"train.global_batch_size ({shares}); accumulation steps must be a whole number"])
+        if micro == "auto" and self.world.distributed and (self.cfg.parallel.strategy != "ddp" or self.world.tp > 1):
+            # Probing is safe only without collectives in forward/backward: one rank running
+            # out of memory inside an FSDP all-gather would leave the others waiting there.
+            raise ConfigError(["train.micro_batch_size: auto works with one process or DDP; with FSDP or tensor "
+                               "parallelism set a number (kiln plan estimates what fits)"])
+        rung = Rung(self.micro_options[0] if micro == "auto" else micro, t.activation_checkpointing,
+                    self.cfg.parallel.cpu_offload)
+        saved = None if self.cfg.checkpoint.resume == "never" else read_rung_file(self.run_dir)
+        if saved is not None:
+            if saved.micro_batch_size not in self.micro_options:
+                saved = dataclasses.replace(saved, micro_batch_size=max(m for m in self.micro_options
+                                                                        if m <= saved.micro_batch_size))
+            rung = rung.merge(saved)
+            self._say(f"kiln: continuing with {rung.describe()}, where this run's out-of-memory ladder got to "
+                      f"({self.run_dir / 'memory.json'}; delete it to start from the config's settings)")
+        return rung, micro == "auto" and saved is None
+
+    def _apply_rung(self, rung: Rung) -> None:
+        if rung.activation_checkpointing and not self.rung.activation_checkpointing:
+            apply_activation_checkpointing(self.unwrapped)
+        self.rung = rung
+
+    def _can_offload(self) -> bool:
+        return self.cfg.parallel.strategy != "ddp" and self.device.type == "cuda"
+
+    def _free_failed_attempt(self) -> None:
+        self.optimizer.zero_grad(set_to_none=True)  # the partial gradients of the failed attempt
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
+
+    def _step_down(self, error: str, logger: MetricsLogger) -> None:
+        """After an out-of-memory error in forward/backward: free, move one rung down, go on."""
+        self._free_failed_attempt()
+        self.oom_history.append((self.rung, error))
+        where = f"out of memory at step {self.step + 1} with {self.rung.describe()}"
+        rung = next_rung(self.rung, self.micro_options, can_offload=self._can_offload())
+        if rung is None:
+            if not self.world.distributed:  # the other ranks of a group wait in a collective: no save
+                self.save()
+            raise OutOfMemoryExhausted(self._oom_report(where))
+        if self.world.distributed or rung.cpu_offload:
+            # Other ranks are inside collectives of this step (or the model must be sharded anew):
+            # the rung is saved and the run restarts from its last checkpoint.
+            write_rung_file(self.run_dir, rung)
+            if not self.world.distributed:
+                self.save()
+            raise RestartForRung(f"{where} ({error}); it will continue from its last checkpoint with "
+                                 f"{rung.describe()}, saved in {self.run_dir / 'memory.json'}: run the same command "
+                                 "again (kiln launch --max-restarts N restarts by itself)")
+        self._apply_rung(rung)
+        if self.world.is_main:
+            write_rung_file(self.run_dir, rung)
+        accum = self.schedule.batch_size(self.step) // self.world.dp // rung.micro_batch_size
+        logger.event(self.step + 1, "out_of_memory", f"{where}: retrying the step with {rung.describe()} "
+                     f"(accumulation {accum}; the global batch is unchanged)", error=error, **rung.state_dict())
+
+    def _oom_report(self, where: str) -> str:
+        tried = "\n".join(f"  - {rung.describe()}: {error}" for rung, error in self.oom_history)
+        saved = "" if self.world.distributed else f"\nThe state after step {self.step} is saved in {self.checkpoint_dir}."
+        return (f"{where}, the last rung of the out-of-memory ladder.\nTried:\n{tried}{saved}\n"
+                "To fit: a shorter data.seq_len, a smaller model, parallel.strategy=fsdp over more GPUs (with "
+                "parallel.cpu_offload=true), or a GPU with more memory; `kiln plan` estimates each.")
+
+    def _find_micro_batch(self, logger: MetricsLogger) -> None:
+        """train.micro_batch_size = "auto": the largest micro-batch whose forward and backward
+        fit (with a margin on GPU), found by bisection over real passes on training data."""
+        data = self.train_data
+        rng = capture_rng()  # probing must not change what the run draws afterwards
+
+        def fits(m: int) -> bool:
+            batch = to_device(default_collate([data[i % len(data)] for i in range(m)]), self.device)
+            failed = False
+            if self.device.type == "cuda":
+                torch.cuda.reset_peak_memory_stats(self.device)
+            try:
+                with gradient_sync(self.model, False), self.precision.autocast():
+                    loss = self.loss_fn(self.model, batch)
+                self.inject_oom.check(m, self.step, self.rung)
+                self.precision.backward(loss)
+                failed = not self._leaves_headroom()
+            except torch.OutOfMemoryError as e:
+                self.oom_history.append((dataclasses.replace(self.rung, micro_batch_size=m), str(e).splitlines()[0]))
+                failed = True
+            self._free_failed_attempt()
+            (failed,) = self.world.agree(failed)  # every rank takes the same size
+            return not failed
+
+        best = largest_fitting(self.micro_options, fits)
+        if best is None:
+            self._apply_rung(dataclasses.replace(self.rung, activation_checkpointing=True))
+            best = largest_fitting(self.micro_options, fits)
+        restore_rng(rng)
+        if best is None:
+            raise OutOfMemoryExhausted(self._oom_report("train.micro_batch_size=auto: out of memory at micro-batch 1 "
+                                                        "with activation checkpointing"))
+        self.rung = dataclasses.replace(self.rung, micro_batch_size=best)
+        if self.world.is_main:
+            write_rung_file(self.run_dir, self.rung)
+        accum = self.cfg.train.global_batch_size // self.world.dp // best
+        logger.event(self.step, "micro_batch_size",
+                     f"train.micro_batch_size=auto: {self.rung.describe()} fits, accumulation {accum}",
+                     **self.rung.state_dict())
+
+    def _leaves_headroom(self) -> bool:
+        """On a GPU, would the probed pass leave the margin free once AdamW has its state too?"""
+        if self.device.type != "cuda":
+            return True
+        total = torch.cuda.get_device_properties(self.device).total_memory
+        states = 0 if self.optimizer.state else 2 * sum(p.numel() * 4 for p in self.params)
+        return torch.cuda.max_memory_reserved(self.device) + states <= (1 - PROBE_MARGIN) * total
+
     # -- checkpoints ---------------------------------------------------------------------------
 
     @property
@@ -286,7 +473,8 @@ class Trainer:
             "precision": self.precision.state_dict(),
             "rng": capture_rng(),
             # The data order is a pure function of (seed, step): this is the whole position.
-            "data": {"seed": t.seed, "step": self.step, "samples_seen": self.step * t.global_batch_size},
+            "data": {"seed": t.seed, "step": self.step, "samples_seen": self.schedule.samples_before(self.step)},
+            "memory": self.rung.state_dict(),
             "config": self.cfg.to_dict(),
             "world": {"size": self.world.size, "tp": self.world.tp, "strategy": self.cfg.parallel.strategy},
         }
@@ -331,6 +519,11 @@ class Trainer:
                 f"or --resume never. {str(e).splitlines()[0][:300]}"
             ) from None
         self.precision.load_state_dict(train_state["precision"])
+        saved = Rung.from_state(train_state.get("memory"))
+        if saved is not None:
+            # Offload is decided when the model is sharded, from memory.json; the rest applies now.
+            self._apply_rung(self.rung.merge(dataclasses.replace(saved, cpu_offload=self.rung.cpu_offload)))
+            self.probe_needed = False
         restore_rng(train_state["rng"])
         self.step = train_state["step"]
         self._say(f"kiln: resumed from {path} at step {self.step}")
@@ -391,7 +584,7 @@ class _Meter:
         self.loss = torch.zeros((), device=self.device)
         self.grad_norm = torch.zeros((), device=self.device)
         self.steps = 0
-        self.micro_batches = 0
+        self.samples = 0
         self._t0 = time.perf_counter()
         self._paused_s = 0.0
 
@@ -403,17 +596,18 @@ class _Meter:
         finally:
             self._paused_s += time.perf_counter() - t0
 
-    def end_step(self, grad_norm: torch.Tensor, micro_batches: int) -> None:
+    def end_step(self, loss: torch.Tensor, grad_norm: torch.Tensor, samples: int) -> None:
+        self.loss += loss
         self.grad_norm += grad_norm.detach()
         self.steps += 1
-        self.micro_batches += micro_batches
+        self.samples += samples
 
     def flush(self) -> dict[str, float]:
         steps = max(1, self.steps)
         values = {
-            "loss": self.world.mean(self.loss).item() / max(1, self.micro_batches),
+            "loss": self.world.mean(self.loss).item() / steps,
             "grad_norm": self.grad_norm.item() / steps,
-            "micro_batches": self.micro_batches,
+            "samples": self.samples,
             "seconds": max(1e-9, time.perf_counter() - self._t0 - self._paused_s),
         }
         self._reset()
