@@ -187,6 +187,37 @@ class ParallelConfig:
 
 
 @dataclass
+class GuardConfig:
+    max_bad_steps: int = 3
+    """Non-finite steps (loss or gradient norm NaN/Inf) in a row, each skipped, before the run rolls
+    back to its last checkpoint with a lower learning rate; 0 turns the rollback off (bad steps
+    are still skipped)."""
+    lr_factor: float = 0.5
+    """The learning rate is multiplied by this at each rollback."""
+    max_rollbacks: int = 2
+    """Rollbacks allowed before the run stops with a report."""
+    spike_threshold: float = 6.0
+    """Warn when a step's loss exceeds its running mean by this many running standard deviations; 0 is off."""
+
+
+@dataclass
+class ObserveConfig:
+    histograms_every: int = 0
+    """Write weight and gradient histograms to TensorBoard every N steps; 0 is off."""
+    wandb: bool = False
+    """Also log to Weights & Biases (needs the wandb package; WANDB_MODE=offline logs without a network)."""
+    wandb_project: str = "kiln"
+    """Weights & Biases project name."""
+
+
+@dataclass
+class ProfileConfig:
+    steps: str = ""
+    """Optimizer steps to profile with torch.profiler, as START:END (1-based, inclusive), e.g. 5:8;
+    empty is off. The trace goes to RUN_DIR/profile (TensorBoard, Perfetto or chrome://tracing)."""
+
+
+@dataclass
 class Config:
     run: RunConfig = field(default_factory=RunConfig)
     model: ModelConfig = field(default_factory=ModelConfig)
@@ -195,6 +226,9 @@ class Config:
     eval: EvalConfig = field(default_factory=EvalConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    guard: GuardConfig = field(default_factory=GuardConfig)
+    observe: ObserveConfig = field(default_factory=ObserveConfig)
+    profile: ProfileConfig = field(default_factory=ProfileConfig)
 
     def grad_accum_steps(self, data_parallel: int = 1) -> int:
         """Micro-batches per rank per optimizer step (at the full global batch, with a fixed micro-batch)."""
@@ -276,6 +310,18 @@ def parse_duration(text: str) -> float:
     if not parts or "".join(n + u for n, u in parts) != text:
         raise ValueError(f"not a duration: {text!r}")
     return sum(float(n) * _DURATION_UNITS[u] for n, u in parts)
+
+
+def parse_step_range(text: str) -> tuple[int, int]:
+    """(start, end) of "START:END" (1-based, inclusive) or of a single step "N"."""
+    parts = text.split(":")
+    try:
+        start, end = (int(parts[0]), int(parts[-1])) if len(parts) in (1, 2) else (0, 0)
+    except ValueError:
+        start, end = 0, 0
+    if not 1 <= start <= end:
+        raise ValueError(f"{text!r} is not a step range START:END with 1 <= START <= END, e.g. 5:8")
+    return start, end
 
 
 def _type_name(tp: Any) -> str:
@@ -494,6 +540,17 @@ def validate(cfg: Config) -> None:
     need(cfg.checkpoint.keep >= 1, f"checkpoint.keep: must be >= 1, got {cfg.checkpoint.keep}")
     need(cfg.parallel.tp >= 1, f"parallel.tp: must be >= 1, got {cfg.parallel.tp}")
     need(cfg.parallel.bucket_mb >= 1, f"parallel.bucket_mb: must be >= 1, got {cfg.parallel.bucket_mb}")
+    g = cfg.guard
+    need(g.max_bad_steps >= 0, f"guard.max_bad_steps: must be >= 0 (0 turns rollback off), got {g.max_bad_steps}")
+    need(0 < g.lr_factor <= 1, f"guard.lr_factor: must be in (0, 1], got {g.lr_factor}")
+    need(g.max_rollbacks >= 0, f"guard.max_rollbacks: must be >= 0, got {g.max_rollbacks}")
+    need(g.spike_threshold >= 0, f"guard.spike_threshold: must be >= 0 (0 is off), got {g.spike_threshold}")
+    need(cfg.observe.histograms_every >= 0, f"observe.histograms_every: must be >= 0, got {cfg.observe.histograms_every}")
+    if cfg.profile.steps:
+        try:
+            parse_step_range(cfg.profile.steps)
+        except ValueError as e:
+            errors.append(f"profile.steps: {e}")
     need(bool(cfg.run.dir), "run.dir: must not be empty")
     need(cfg.run.threads >= 0, f"run.threads: must be >= 0, got {cfg.run.threads}")
     dev = cfg.run.device
