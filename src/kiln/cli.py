@@ -1,7 +1,8 @@
 """The ``kiln`` command: parse arguments, build the Config, call one function per subcommand.
 
 Bad input (config, data, paths) exits with status 2 and one line per problem on stderr; a run
-that runs out of device memory beyond what its out-of-memory ladder can absorb exits with 3.
+that runs out of device memory beyond what its out-of-memory ladder can absorb exits with 3, one
+whose steps stay non-finite after the guard's rollbacks with 4.
 """
 
 from __future__ import annotations
@@ -14,6 +15,8 @@ import sys
 USAGE_ERROR = 2
 # The device ran out of memory: the run saved what it could and says how it will go on.
 OUT_OF_MEMORY = 3
+# Non-finite steps kept coming back after the non-finite guard's rollbacks.
+DIVERGED = 4
 
 
 def _add_config_args(p: argparse.ArgumentParser) -> None:
@@ -60,6 +63,31 @@ def _parser() -> argparse.ArgumentParser:
     c.add_argument("--reference", action="store_true", help="print every key with its default and meaning (Markdown, as in docs/config.md)")
 
     sub.add_parser("presets", help="list the model presets with their parameter counts")
+
+    pl = sub.add_parser("plan", help="estimate memory per device and time per step of a config, before running it",
+                        description="Estimate the memory each device needs for a config and its time per step, "
+                                    "without allocating the model; if it does not fit, recommend --set changes "
+                                    "that do (docs/plan.md).")
+    _add_config_args(pl)
+    pl.add_argument("--device-memory", metavar="SIZE", help="memory per device: 80GB, 80GiB, 24G, 512MB or bytes "
+                                                             "(default: this machine's GPU, else its RAM)")
+    pl.add_argument("--world-size", type=int, default=1, metavar="N", help="number of devices (default 1)")
+    pl.add_argument("--gpu", metavar="NAME", help="plan for this GPU, e.g. h100, a100 (default: this machine's GPU)")
+    pl.add_argument("--json", action="store_true", help="print one JSON object (bytes, seconds) instead of the table")
+
+    pf = sub.add_parser("profile", help="profile a few training steps: a trace and where the step time goes",
+                        description="Train the config for a few steps in a throw-away run directory with "
+                                    "torch.profiler over --steps; keep only the trace and the breakdown "
+                                    "(docs/debugging.md). Same as kiln train --set profile.steps=START:END, "
+                                    "without the run.")
+    _add_config_args(pf)
+    pf.add_argument("--steps", default="5:8", metavar="START:END", help="steps to profile, 1-based, inclusive (default 5:8)")
+    pf.add_argument("--out", help="where the trace and breakdown.json go (default: RUN_DIR/profile)")
+
+    r = sub.add_parser("report", help="plot a run's curves into a PNG and summarise it (no server needed)")
+    r.add_argument("run_dir", help="run directory")
+    r.add_argument("--out", help="figure path (.png, .svg or .pdf; default RUN_DIR/report.png); the summary goes beside it")
+    r.add_argument("--json", action="store_true", help="print the summary as one JSON object")
 
     from kiln.distributed.launch import add_arguments
 
@@ -142,6 +170,44 @@ def cmd_presets(args) -> int:
     return 0
 
 
+def cmd_plan(args) -> int:
+    from kiln.observe.plan import format_plan, make_plan, plan_json
+
+    plan = make_plan(_load(args), world_size=args.world_size, device_memory=args.device_memory, gpu=args.gpu)
+    print(json.dumps(plan_json(plan), indent=2) if args.json else format_plan(plan))
+    return 0
+
+
+def cmd_profile(args) -> int:
+    import shutil
+    from pathlib import Path
+
+    from kiln.config import ConfigError, parse_step_range
+    from kiln.train.lm import train
+
+    try:
+        _, end = parse_step_range(args.steps)
+    except ValueError as e:
+        raise ConfigError([f"--steps: {e}"]) from None
+    out = Path(args.out or Path(_load(args).run.dir) / "profile")
+    scratch = out / "run"  # the throw-away run: its checkpoints and logs are not what was asked for
+    shutil.rmtree(scratch, ignore_errors=True)
+    args.overrides += [f"profile.steps={args.steps}", f"profile.dir={out}", f"run.dir={scratch}",
+                       f"train.max_steps={end}", "checkpoint.every=0", "checkpoint.resume=never", "eval.every=0",
+                       "eval.sample_tokens=0"]
+    try:
+        train(_load(args))
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
+    return 0
+
+
+def cmd_report(args) -> int:
+    from kiln.observe.report import report_command
+
+    return report_command(args.run_dir, args.out, args.json)
+
+
 def cmd_launch(args) -> int:
     from kiln.distributed.launch import launch, torchrun_args
 
@@ -154,7 +220,8 @@ def cmd_launch(args) -> int:
 
 
 COMMANDS = {"train": cmd_train, "prepare": cmd_prepare, "eval": cmd_eval, "generate": cmd_generate,
-            "config": cmd_config, "presets": cmd_presets, "launch": cmd_launch}
+            "config": cmd_config, "presets": cmd_presets, "plan": cmd_plan, "profile": cmd_profile,
+            "report": cmd_report, "launch": cmd_launch}
 
 
 def _run(args) -> int:
@@ -162,6 +229,7 @@ def _run(args) -> int:
     from kiln.config import ConfigError
     from kiln.data import DataError
     from kiln.distributed import in_torchrun
+    from kiln.train.guard import TrainingDiverged
     from kiln.train.oom import OutOfMemoryExhausted, RestartForRung
 
     # Under torchrun every rank reports its own errors; the rank says whose they are.
@@ -178,6 +246,9 @@ def _run(args) -> int:
     except (OutOfMemoryExhausted, RestartForRung) as e:
         print(f"{who}: {e}", file=sys.stderr)
         return OUT_OF_MEMORY
+    except TrainingDiverged as e:
+        print(f"{who}: training diverged: {e}", file=sys.stderr)
+        return DIVERGED
     except KeyboardInterrupt:
         print(f"{who}: interrupted", file=sys.stderr)
         return 130

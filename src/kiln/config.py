@@ -214,7 +214,9 @@ class ObserveConfig:
 class ProfileConfig:
     steps: str = ""
     """Optimizer steps to profile with torch.profiler, as START:END (1-based, inclusive), e.g. 5:8;
-    empty is off. The trace goes to RUN_DIR/profile (TensorBoard, Perfetto or chrome://tracing)."""
+    empty is off. The trace goes to profile.dir (TensorBoard, Perfetto or chrome://tracing)."""
+    dir: str = ""
+    """Where the trace and breakdown.json are written; empty means RUN_DIR/profile."""
 
 
 @dataclass

@@ -1,4 +1,5 @@
-"""One logger, three sinks: console line, ``metrics.jsonl`` and TensorBoard event files.
+"""One logger, four sinks: console line, ``metrics.jsonl``, TensorBoard event files and, when
+asked for, Weights & Biases.
 
 The training loop hands over plain floats at log intervals only; turning device tensors into
 floats (a host sync) is the loop's business and happens once per interval.
@@ -6,13 +7,21 @@ floats (a host sync) is the loop's business and happens once per interval.
 
 from __future__ import annotations
 
+import html
 import json
 import math
 import time
+import uuid
 from pathlib import Path
 from typing import Any
 
+import torch
+
+from kiln.config import ConfigError
+
 METRICS_FILE = "metrics.jsonl"
+# The W&B run id of this run directory, so that a resumed run continues the same W&B run.
+WANDB_ID_FILE = "wandb_id.txt"
 # Logged to the files, left off the console line to keep it short.
 CONSOLE_HIDDEN = {"memory/peak_reserved_gib", "global_batch", "micro_batch_size", "tokens"}
 
@@ -42,14 +51,54 @@ def _fmt(key: str, value: float) -> str:
     return f"{key} {value}"
 
 
+def _wandb_run_id(run_dir: Path) -> str:
+    path = run_dir / WANDB_ID_FILE
+    if path.exists():
+        return path.read_text().strip()
+    run_id = uuid.uuid4().hex[:16]  # W&B ids are lowercase letters and digits
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(run_id + "\n")
+    tmp.replace(path)
+    return run_id
+
+
+def _start_wandb(run_dir: Path, project: str, config: dict[str, Any] | None):
+    try:
+        import wandb
+    except ImportError:
+        # A ConfigError: the CLI reports it as one line naming the key, not a traceback.
+        raise ConfigError(["observe.wandb: needs the wandb package, which is not installed: "
+                           "pip install wandb (or pip install 'kiln[wandb]'), or set observe.wandb=false"]) from None
+    return wandb.init(project=project, dir=str(run_dir), name=run_dir.name, config=config,
+                      id=_wandb_run_id(run_dir), resume="allow")
+
+
+def _histogram_values(tensor: torch.Tensor) -> torch.Tensor:
+    """The finite values of a parameter or gradient, flat, in float32 on the host. A DTensor
+    (FSDP, tensor parallel) gives its local shard: only rank 0 logs, so gathering the full
+    tensor, a collective every rank must join, would hang the others."""
+    if hasattr(tensor, "to_local"):
+        tensor = tensor.to_local()
+    # To the host before widening to float32: no extra copy on the device, where memory is
+    # tightest while the gradients are still held.
+    values = tensor.detach().cpu().float().flatten()
+    # Histogram bins come from the value range, which a NaN or inf makes meaningless.
+    return values[torch.isfinite(values)]
+
+
 class MetricsLogger:
     """Writes each logged step to every sink. ``start_step`` > 0 means a resumed run: records
     of later steps (written before the interruption, and about to be redone) are dropped so
-    the history stays one line per step."""
+    the history stays one line per step. With ``wandb_project`` the records also go to that
+    Weights & Biases project, as one W&B run per run directory (resumed runs continue it);
+    ``config`` is the run's configuration shown there."""
 
     def __init__(self, run_dir: str | Path, *, total_steps: int, start_step: int = 0,
-                 console: bool = True, tensorboard: bool = True):
+                 console: bool = True, tensorboard: bool = True,
+                 wandb_project: str | None = None, config: dict[str, Any] | None = None):
         self.run_dir = Path(run_dir)
+        # First: when wandb is missing, fail before any file is opened.
+        self._wandb = _start_wandb(self.run_dir, wandb_project, config) if wandb_project else None
         self.total_steps = total_steps
         self.console = console
         self.path = self.run_dir / METRICS_FILE
@@ -72,6 +121,18 @@ class MetricsLogger:
         tmp.write_text("".join(line + "\n" for line in kept))
         tmp.replace(self.path)
 
+    def rewind(self, step: int) -> None:
+        """The run went back to ``step`` (a rollback): drop what was logged after it, so the
+        redone steps are not recorded twice. (W&B keeps its history: its steps only go up.)"""
+        self._file.close()
+        self._truncate_after(step)
+        self._file = open(self.path, "a", buffering=1)
+        if self._tb is not None:
+            from torch.utils.tensorboard import SummaryWriter
+
+            self._tb.close()
+            self._tb = SummaryWriter(str(self.run_dir / "tensorboard"), purge_step=step + 1)
+
     def log(self, step: int, values: dict[str, Any]) -> None:
         record = {"step": step, **values}
         self._file.write(json.dumps(record) + "\n")
@@ -79,6 +140,8 @@ class MetricsLogger:
             for key, value in values.items():
                 if isinstance(value, (int, float)) and math.isfinite(value):
                     self._tb.add_scalar(key, value, step)
+        if self._wandb is not None:
+            self._wandb.log(dict(values), step=step)
         if self.console:
             print(self._console_line(step, values), flush=True)
 
@@ -98,6 +161,8 @@ class MetricsLogger:
         self._file.write(json.dumps({"step": step, "event": kind, "message": message, **details}) + "\n")
         if self._tb is not None:
             self._tb.add_text(f"events/{kind}", message, step)
+        if self._wandb is not None:
+            self._wandb.log({f"events/{kind}": message}, step=step)
         if self.console:
             print(f"kiln: {message}", flush=True)
 
@@ -107,14 +172,42 @@ class MetricsLogger:
             f.write(f"--- step {step} ({tag}) ---\n{text}\n")
         if self._tb is not None:
             self._tb.add_text(tag, text, step)
+        if self._wandb is not None:
+            import wandb
+
+            # <pre> keeps a sample's indentation and line breaks as generated.
+            self._wandb.log({tag: wandb.Html(f"<pre>{html.escape(text)}</pre>")}, step=step)
         if self.console:
             print(f"--- {tag} at step {step} ---\n{text}\n---", flush=True)
+
+    def histograms(self, step: int, model: torch.nn.Module) -> None:
+        """Each parameter's weights (``weights/NAME``) and, where it has one, gradient
+        (``grads/NAME``) as a histogram, to TensorBoard and W&B. Call it after the backward
+        pass and before ``zero_grad``, or there are no gradients to show."""
+        if self._tb is None and self._wandb is None:
+            return  # nowhere to show them: skip copying every parameter to the host
+        tensors = {}
+        for name, param in model.named_parameters():
+            tensors[f"weights/{name}"] = _histogram_values(param)
+            if param.grad is not None:
+                tensors[f"grads/{name}"] = _histogram_values(param.grad)
+        tensors = {tag: values for tag, values in tensors.items() if values.numel()}
+        if self._tb is not None:
+            for tag, values in tensors.items():
+                self._tb.add_histogram(tag, values, step)
+        if self._wandb is not None:
+            import wandb
+
+            self._wandb.log({tag: wandb.Histogram(values.numpy()) for tag, values in tensors.items()}, step=step)
 
     def close(self) -> None:
         self._file.close()
         if self._tb is not None:
             self._tb.close()
             self._tb = None
+        if self._wandb is not None:
+            self._wandb.finish()
+            self._wandb = None
 
     def __enter__(self) -> "MetricsLogger":
         return self
@@ -133,6 +226,12 @@ class NullLogger:
         pass
 
     def event(self, step: int, kind: str, message: str, **details: Any) -> None:
+        pass
+
+    def rewind(self, step: int) -> None:
+        pass
+
+    def histograms(self, step: int, model: torch.nn.Module) -> None:
         pass
 
     def __enter__(self) -> "NullLogger":

@@ -34,9 +34,22 @@ class Precision:
     def unscale_(self, optimizer: torch.optim.Optimizer) -> None:
         self.scaler.unscale_(optimizer)
 
-    def step(self, optimizer: torch.optim.Optimizer) -> None:
-        if not self.scaler.is_enabled():
-            optimizer.step()
+    def step(self, optimizer: torch.optim.Optimizer, finite: torch.Tensor) -> None:
+        """Apply the update unless ``finite`` (a 0-d bool tensor on the device) is false.
+
+        The fused AdamW kernel takes the flag on the device, as it does from GradScaler, and
+        leaves parameters and optimizer state (step count included) untouched when it is set:
+        no host sync. Other optimizers make the host read the flag first."""
+        if not self.scaler.is_enabled():  # fp16's scaler has its own inf check and skip
+            if not optimizer.defaults.get("fused"):
+                if finite.item():
+                    optimizer.step()
+                return
+            optimizer.grad_scale, optimizer.found_inf = None, (~finite).float()
+            try:
+                optimizer.step()
+            finally:
+                del optimizer.grad_scale, optimizer.found_inf
             return
         # GradScaler.step already waits for the device to read its inf check, so reading the
         # scale here adds no further stall.

@@ -30,12 +30,14 @@ from kiln.checkpoint import (CheckpointError, capture_rng, latest_checkpoint, li
                              load_sharded, restore_rng, save_checkpoint)
 from kiln.config import Config, ConfigError, parse_duration, validate
 from kiln.data.batch_schedule import BatchSchedule
-from kiln.data.loader import make_train_loader
+from kiln.data.loader import StepSampler, make_train_loader
 from kiln.distributed.parallelize import clip_grad_norm_, gradient_sync, is_sharded, parallelize
 from kiln.distributed.world import World, init_world
 from kiln.observe import MetricsLogger, NullLogger
 from kiln.observe.memory import memory_stats
+from kiln.observe.profiler import StepProfiler
 from kiln.train.apply import apply_activation_checkpointing, apply_compile
+from kiln.train.guard import Guard, InjectedNaN, StepReview, TrainingDiverged, first_non_finite_module
 from kiln.train.oom import (InjectedOOM, OutOfMemoryExhausted, RestartForRung, Rung, largest_fitting,
                             micro_batch_options, next_rung, read_rung_file, write_rung_file)
 from kiln.train.optim import build_optimizer, lr_at
@@ -154,6 +156,12 @@ class Trainer:
         self.micro_options = self._micro_batch_options()
         self.rung, self.probe_needed = self._initial_rung()
         self.inject_oom = InjectedOOM()
+        self.guard = Guard(cfg.guard)
+        profile_dir = Path(cfg.profile.dir) if cfg.profile.dir else self.run_dir / "profile"
+        if self.world.distributed:
+            profile_dir = profile_dir / f"rank-{self.world.rank}"
+        self.profiler = StepProfiler(cfg.profile.steps, profile_dir, self.device, console=self.console)
+        self.inject_nan = InjectedNaN(model)
         self.oom_history: list[tuple[Rung, str]] = []
         model = model.to(self.device)
         if self.rung.activation_checkpointing:
@@ -195,7 +203,9 @@ class Trainer:
             self._say(f"kiln: already trained to step {self.step} (train.max_steps={t.max_steps}); nothing to do")
             return result
         if self.world.is_main:
-            logger = MetricsLogger(self.run_dir, total_steps=t.max_steps, start_step=self.step, console=self.console)
+            logger = MetricsLogger(self.run_dir, total_steps=t.max_steps, start_step=self.step, console=self.console,
+                                   wandb_project=cfg.observe.wandb_project if cfg.observe.wandb else None,
+                                   config=cfg.to_dict())
         else:
             logger = NullLogger()
         batches = self._batches(self.step)
@@ -206,27 +216,28 @@ class Trainer:
                 self._find_micro_batch(logger)
             while self.step < t.max_steps:
                 clock.step_started()
-                lr = lr_at(self.step, t)
+                self.profiler.step_begins(self.step + 1)
+                lr = lr_at(self.step, t) * self.guard.lr_scale
+                self.inject_nan.step = self.step + 1
                 for group in self.optimizer.param_groups:
                     group["lr"] = lr
-                # This rank's share of the step's global batch, kept until the step is done so
-                # that a retry after running out of memory sees the same sequences.
-                batch = to_device(next(batches), self.device)
-                while True:
-                    try:
-                        loss = self._accumulate(batch)
-                        break
-                    except torch.OutOfMemoryError as e:
-                        error = str(e).splitlines()[0]
-                    # Outside the except block: the failed attempt's frames, and the activations
-                    # they reference, are gone before the retry allocates anew.
-                    self._step_down(error, logger)
-                self.precision.unscale_(self.optimizer)
-                grad_norm = clip_grad_norm_(self.params, t.grad_clip if t.grad_clip > 0 else math.inf)
-                self.precision.step(self.optimizer)
-                self.optimizer.zero_grad(set_to_none=True)
+                with self.profiler.region("kiln/data"):
+                    # This rank's share of the step's global batch, kept until the step is done
+                    # so that a retry after running out of memory sees the same sequences.
+                    batch = to_device(next(batches), self.device)
+                with self.profiler.region("kiln/forward_backward"):
+                    loss = self._forward_backward(batch, logger)
+                with self.profiler.region("kiln/optimizer"):
+                    self.precision.unscale_(self.optimizer)
+                    grad_norm = clip_grad_norm_(self.params, t.grad_clip if t.grad_clip > 0 else math.inf)
+                    # A NaN/Inf gradient norm (the same on every rank) skips the update, on the device.
+                    self.precision.step(self.optimizer, finite=torch.isfinite(grad_norm))
+                    if self.cfg.observe.histograms_every and (self.step + 1) % self.cfg.observe.histograms_every == 0:
+                        logger.histograms(self.step + 1, self.unwrapped)
+                    self.optimizer.zero_grad(set_to_none=True)
                 self.step += 1
                 meter.end_step(loss, grad_norm, batch_rows(batch))
+                self.profiler.step_ends(self.step)
 
                 # The run ends at max_steps, or early when the next step would overrun the time
                 # budget; either way it ends with an evaluation and a checkpoint. Ranks decide
@@ -234,7 +245,12 @@ class Trainer:
                 out_of_time, stop.requested = self.world.agree(clock.next_step_overruns(), stop.requested)
                 final = self.step == t.max_steps or out_of_time
                 if self.step % t.log_every == 0 or final or stop.requested:
-                    result.metrics = self._log(logger, meter, lr, clock.elapsed())
+                    result.metrics, review = self._log(logger, meter, lr, clock.elapsed())
+                    if review.rollback:
+                        with meter.paused():
+                            self._roll_back(logger)
+                        batches = self._batches(self.step)
+                        continue
                 # Evaluation and saving are not training throughput: the meter's clock stops.
                 with meter.paused():
                     if final or (cfg.eval.every and self.step % cfg.eval.every == 0):
@@ -254,6 +270,18 @@ class Trainer:
         return result
 
     # -- pieces of the loop --------------------------------------------------------------------
+
+    def _forward_backward(self, batch: Any, logger: MetricsLogger) -> torch.Tensor:
+        """The step's gradients and mean loss, retried one rung down the out-of-memory ladder
+        each time the device runs out of memory."""
+        while True:
+            try:
+                return self._accumulate(batch)
+            except torch.OutOfMemoryError as e:
+                error = str(e).splitlines()[0]
+            # Outside the except block: the failed attempt's frames, and the activations they
+            # reference, are gone before the retry allocates anew.
+            self._step_down(error, logger)
 
     def _accumulate(self, batch: Any) -> torch.Tensor:
         """Forward and backward of one step's batch, micro-batch by micro-batch; the mean loss."""
@@ -290,9 +318,12 @@ class Trainer:
         from kiln.models.flops import peak_flops
 
         values = meter.flush()  # the one host sync of the interval
+        review = self._review(logger, values["losses"], values["grad_norms"])
+        finite = [(l, g) for l, g in zip(values["losses"], values["grad_norms"]) if math.isfinite(l) and math.isfinite(g)]
+        loss, grad_norm = (sum(v) / len(finite) for v in zip(*finite)) if finite else (math.nan, math.nan)
         samples = values["samples"] * self.world.dp
         tokens_per_s = samples * self.tokens_per_sample / values["seconds"]
-        record = {"loss": values["loss"], "lr": lr, "grad_norm": values["grad_norm"], "tokens_per_s": tokens_per_s,
+        record = {"loss": loss, "lr": lr, "grad_norm": grad_norm, "tokens_per_s": tokens_per_s,
                   "elapsed_s": elapsed_s, "global_batch": self.schedule.batch_size(self.step - 1),
                   "micro_batch_size": self.rung.micro_batch_size,
                   "tokens": self.schedule.samples_before(self.step) * self.tokens_per_sample}
@@ -303,8 +334,81 @@ class Trainer:
         if self.precision.scaler.is_enabled():
             record["skipped_steps"] = self.precision.skipped_steps
             record["loss_scale"] = self.precision.scaler.get_scale()
+        if review.bad_steps or self.guard.bad_total:
+            record["nonfinite_steps"] = self.guard.bad_total
         logger.log(self.step, record)
-        return record
+        return record, review
+
+    # -- the non-finite guard --------------------------------------------------------------------
+
+    def _review(self, logger: MetricsLogger, losses: list[float], grad_norms: list[float]) -> StepReview:
+        """Bad steps and loss spikes of the interval just ended, each logged as an event."""
+        first = self.step - len(losses) + 1
+        review = self.guard.review(first, losses, grad_norms)
+        if review.bad_steps:
+            step = review.bad_steps[0]
+            module = self._locate_non_finite(step)
+            where = (f"the first non-finite output is module '{module}'" if module else
+                     "every module output was finite when the step's batch was run again (the loss or the backward "
+                     "pass went non-finite)")
+            logger.event(step, "non_finite", f"non-finite loss or gradient at step(s) "
+                         f"{', '.join(map(str, review.bad_steps))}: update skipped; {where}",
+                         steps=review.bad_steps, module=module)
+        for step, loss in review.spikes:
+            logger.event(step, "loss_spike", f"loss spike at step {step}: {loss:.4g}, far above its running mean; "
+                         f"batch = {self._batch_description(step)}", loss=loss, batch=self._batch_positions(step))
+        return review
+
+    def _step_batch(self, step: int) -> Any:
+        """This rank's batch of (1-based) ``step``, rebuilt from the data order."""
+        indices = next(iter(self._sampler(step - 1)))
+        return to_device(default_collate([self.train_data[i] for i in indices]), self.device)
+
+    def _sampler(self, start_step: int) -> StepSampler:
+        t = self.cfg.train
+        return StepSampler(len(self.train_data), self.schedule, t.seed, start_step, self.world.dp_rank, self.world.dp)
+
+    def _batch_positions(self, step: int) -> list[int]:
+        """[first, end) positions of ``step``'s sequences in the run's data order (all ranks)."""
+        start = self.schedule.samples_before(step - 1)
+        return [start, start + self.schedule.batch_size(step - 1)]
+
+    def _batch_description(self, step: int) -> str:
+        first, end = self._batch_positions(step)
+        items = next(iter(self._sampler(step - 1)))
+        shown = ", ".join(map(str, items[:8])) + (", ..." if len(items) > 8 else "")
+        return f"sequences {first}..{end - 1} of the data order (this rank's dataset items {shown})"
+
+    def _locate_non_finite(self, step: int) -> str | None:
+        batch = self._step_batch(step)
+        was, self.inject_nan.step = self.inject_nan.step, step
+        try:
+            with self.precision.autocast():
+                return first_non_finite_module(self.unwrapped, lambda: [
+                    self.loss_fn(self.model, micro) for micro in split_batch(batch, self.rung.micro_batch_size)])
+        finally:
+            self.inject_nan.step = was
+
+    def _roll_back(self, logger: MetricsLogger) -> None:
+        """Back to the newest checkpoint with a lower learning rate, or stop with a report."""
+        bad = self.step
+        path = latest_checkpoint(self.checkpoint_dir)
+        try:
+            if path is None:
+                raise TrainingDiverged(f"{self.cfg.guard.max_bad_steps} non-finite steps in a row by step {bad}, "
+                                       "and no checkpoint to roll back to yet.")
+            self.guard.start_rollback()
+        except TrainingDiverged as e:
+            raise TrainingDiverged(f"{e} Stopped at step {bad}. Lower train.lr, use bf16 rather than fp16, check the "
+                                   "data (kiln doctor), or raise guard.max_bad_steps.") from None
+        guard = self.guard.state_dict()
+        self._load(path)
+        self.guard.load_state_dict(guard)  # the lowered rate and the rollback count are newer than the checkpoint
+        self.inject_nan.rolled_back(bad)
+        logger.rewind(self.step)
+        logger.event(self.step, "rollback", f"{self.cfg.guard.max_bad_steps} non-finite steps in a row by step {bad}: "
+                     f"rolled back to {path.name}, learning rate x{self.guard.lr_scale:g} from now on",
+                     checkpoint=str(path), lr_scale=self.guard.lr_scale)
 
     def _evaluate(self, logger: MetricsLogger) -> dict[str, float] | None:
         if self.eval_fn is None and self.sample_fn is None:
@@ -475,6 +579,7 @@ class Trainer:
             # The data order is a pure function of (seed, step): this is the whole position.
             "data": {"seed": t.seed, "step": self.step, "samples_seen": self.schedule.samples_before(self.step)},
             "memory": self.rung.state_dict(),
+            "guard": self.guard.state_dict(),
             "config": self.cfg.to_dict(),
             "world": {"size": self.world.size, "tp": self.world.tp, "strategy": self.cfg.parallel.strategy},
         }
@@ -489,8 +594,6 @@ class Trainer:
         return path
 
     def _restore(self) -> int | None:
-        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
-
         resume = self.cfg.checkpoint.resume
         if resume == "never":
             if list_checkpoints(self.checkpoint_dir):
@@ -502,6 +605,15 @@ class Trainer:
         path = latest_checkpoint(self.checkpoint_dir) if resume == "auto" else Path(resume)
         if path is None:
             return None
+        train_state = self._load(path)
+        self.guard.load_state_dict(train_state.get("guard"))
+        self._say(f"kiln: resumed from {path} at step {self.step}")
+        return self.step
+
+    def _load(self, path: Path) -> dict:
+        """Load model, optimizer, precision, memory rung, RNG and step from a checkpoint."""
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
+
         model_state, train_state = load_checkpoint(path, weights_only=False)
         if model_state is None:  # sharded: DCP fills this process's own layout, resharding as needed
             model_state, optim_state = get_state_dict(self.model, self.optimizer)
@@ -526,8 +638,7 @@ class Trainer:
             self.probe_needed = False
         restore_rng(train_state["rng"])
         self.step = train_state["step"]
-        self._say(f"kiln: resumed from {path} at step {self.step}")
-        return self.step
+        return train_state
 
     def _write_run_files(self) -> None:
         if not self.world.is_main:
@@ -573,7 +684,7 @@ class _Budget:
 
 
 class _Meter:
-    """Sums of per-step values kept on the device between log points."""
+    """Per-step values kept on the device between log points."""
 
     def __init__(self, device: torch.device, world: World):
         self.device = device
@@ -581,9 +692,8 @@ class _Meter:
         self._reset()
 
     def _reset(self) -> None:
-        self.loss = torch.zeros((), device=self.device)
-        self.grad_norm = torch.zeros((), device=self.device)
-        self.steps = 0
+        self.losses: list[torch.Tensor] = []
+        self.grad_norms: list[torch.Tensor] = []
         self.samples = 0
         self._t0 = time.perf_counter()
         self._paused_s = 0.0
@@ -597,16 +707,17 @@ class _Meter:
             self._paused_s += time.perf_counter() - t0
 
     def end_step(self, loss: torch.Tensor, grad_norm: torch.Tensor, samples: int) -> None:
-        self.loss += loss
-        self.grad_norm += grad_norm.detach()
-        self.steps += 1
+        self.losses.append(loss)
+        self.grad_norms.append(grad_norm.detach().float())
         self.samples += samples
 
-    def flush(self) -> dict[str, float]:
-        steps = max(1, self.steps)
+    def flush(self) -> dict[str, Any]:
+        """Per-step losses (averaged over ranks) and gradient norms of the interval, read in one go."""
+        per_step = torch.stack([self.world.mean(torch.stack(self.losses)).float(), torch.stack(self.grad_norms)])
+        losses, grad_norms = per_step.tolist() if self.losses else ([], [])
         values = {
-            "loss": self.world.mean(self.loss).item() / steps,
-            "grad_norm": self.grad_norm.item() / steps,
+            "losses": losses,
+            "grad_norms": grad_norms,
             "samples": self.samples,
             "seconds": max(1e-9, time.perf_counter() - self._t0 - self._paused_s),
         }

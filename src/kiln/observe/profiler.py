@@ -1,0 +1,143 @@
+"""torch.profiler over a window of optimizer steps, and where those steps spent their time.
+
+The loop marks each step's phases (waiting for data, forward + backward, optimizer) with
+``region``; outside the window that is a no-op. Inside it, the device is synchronised at each
+phase boundary so host-side times are the phases' real durations (profiling perturbs the run
+anyway; the window is short). Communication is the time of the collective operations
+(all-reduce, all-gather, reduce-scatter, broadcast), which run inside the other phases.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import time
+from pathlib import Path
+from typing import Iterator
+
+import torch
+
+from kiln.config import parse_step_range
+
+PHASES = {"kiln/data": "data wait", "kiln/forward_backward": "compute", "kiln/optimizer": "optimizer"}
+COLLECTIVES = ("all_reduce", "allreduce", "all_gather", "allgather", "reduce_scatter", "broadcast", "nccl:", "gloo:")
+
+
+class StepProfiler:
+    def __init__(self, steps: str, out_dir: Path, device: torch.device, *, console: bool = True):
+        self.start, self.end = parse_step_range(steps) if steps else (0, -1)
+        self.out_dir = out_dir
+        self.device = device
+        self.console = console
+        self._prof = None
+        self._step_t0 = 0.0
+        self.step_times: list[float] = []
+
+    @property
+    def active(self) -> bool:
+        return self._prof is not None
+
+    def step_begins(self, step: int) -> None:
+        """``step`` is 1-based, the step about to run."""
+        if step == self.start:
+            activities = [torch.profiler.ProfilerActivity.CPU]
+            if self.device.type == "cuda":
+                activities.append(torch.profiler.ProfilerActivity.CUDA)
+            self._prof = torch.profiler.profile(activities=activities, record_shapes=True, with_stack=False)
+            self._prof.start()
+        if self.active:
+            self._sync()
+            self._step_t0 = time.perf_counter()
+
+    def step_ends(self, step: int) -> dict | None:
+        """The breakdown, once the window's last step is done."""
+        if not self.active:
+            return None
+        self._sync()
+        self.step_times.append(time.perf_counter() - self._step_t0)
+        if step < self.end:
+            return None
+        self._prof.stop()
+        breakdown = self._write()
+        self._prof = None
+        return breakdown
+
+    @contextlib.contextmanager
+    def region(self, name: str) -> Iterator[None]:
+        if not self.active:
+            yield
+            return
+        with torch.profiler.record_function(name):
+            yield
+            self._sync()
+
+    def _sync(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+
+    def _write(self) -> dict:
+        events = self._prof.events()
+        steps = len(self.step_times)
+        collectives = _collective_spans(events)
+        per_step = {label: 0.0 for label in (*PHASES.values(), "communication")}
+        for e in events:
+            if e.name in PHASES:
+                # Collectives run inside the phases; their time is counted once, as communication.
+                comm = _overlap_us(collectives, e.time_range.start, e.time_range.end)
+                per_step[PHASES[e.name]] += (e.cpu_time_total - comm) / 1e3 / steps  # us -> ms
+                per_step["communication"] += comm / 1e3 / steps
+        measured = 1e3 * sum(self.step_times) / steps
+        top = sorted((e for e in self._prof.key_averages() if not e.key.startswith("kiln/")),
+                     key=lambda e: e.self_cpu_time_total, reverse=True)[:10]
+        self.out_dir.mkdir(parents=True, exist_ok=True)
+        trace = self.out_dir / f"trace-steps-{self.start}-{self.end}.pt.trace.json"
+        self._prof.export_chrome_trace(str(trace))
+        breakdown = {
+            "steps": [self.start, self.end],
+            "step_ms": measured,
+            "phases_ms": per_step,
+            "top_operators": [{"name": e.key, "self_cpu_ms": e.self_cpu_time_total / 1e3 / steps,
+                               "self_device_ms": getattr(e, "self_device_time_total", 0.0) / 1e3 / steps,
+                               "calls": e.count / steps} for e in top],
+            "trace": str(trace),
+        }
+        (self.out_dir / "breakdown.json").write_text(json.dumps(breakdown, indent=2))
+        if self.console:
+            print(render(breakdown), flush=True)
+        return breakdown
+
+
+def _collective_spans(events) -> list[tuple[float, float]]:
+    """Host-side time spans of collective operations, merged so nested ones count once."""
+    spans = sorted((e.time_range.start, e.time_range.end) for e in events
+                   if any(c in e.name.lower() for c in COLLECTIVES) and e.device_type == torch.autograd.DeviceType.CPU)
+    merged: list[list[float]] = []
+    for start, end in spans:
+        if merged and start <= merged[-1][1]:
+            merged[-1][1] = max(merged[-1][1], end)
+        else:
+            merged.append([start, end])
+    return [(a, b) for a, b in merged]
+
+
+def _overlap_us(spans: list[tuple[float, float]], start: float, end: float) -> float:
+    return sum(max(0.0, min(end, b) - max(start, a)) for a, b in spans)
+
+
+def render(b: dict) -> str:
+    start, end = b["steps"]
+    step = b["step_ms"]
+    lines = [f"kiln profile: steps {start}-{end}, {step:.1f} ms per step", ""]
+    phases = b["phases_ms"]
+    notes = {"data wait": "next batch from the loader, host-to-device copy", "compute": "forward + backward",
+             "optimizer": "clip, AdamW step, zero_grad", "communication": "collectives (all-reduce, all-gather, ...)"}
+    for label, ms in phases.items():
+        lines.append(f"  {label:<14}{ms:>10.2f} ms {100 * ms / step:>6.1f}%   {notes[label]}")
+    covered = sum(phases.values())
+    lines.append(f"  {'other':<14}{step - covered:>10.2f} ms {100 * (step - covered) / step:>6.1f}%   logging, loop")
+    lines += ["", "  top operators by self time per step:"]
+    for op in b["top_operators"]:
+        device = f", device {op['self_device_ms']:.2f} ms" if op["self_device_ms"] else ""
+        lines.append(f"    {op['name']:<40}{op['self_cpu_ms']:>9.2f} ms  x{op['calls']:.0f}{device}")
+    lines += ["", f"  trace: {b['trace']} (open in https://ui.perfetto.dev, chrome://tracing or TensorBoard)"]
+    return "\n".join(lines)

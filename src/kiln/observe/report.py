@@ -1,0 +1,356 @@
+"""``kiln report``: a run's curves in one PNG and its numbers in a short text summary.
+
+Everything comes from the run directory (``metrics.jsonl``, and ``env.json`` when present), so a
+finished, running or interrupted run can be reported from any machine that has its directory.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import math
+import os
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+from kiln.checkpoint import CheckpointError
+from kiln.config import ConfigError
+from kiln.observe.metrics import METRICS_FILE, format_duration
+
+REPORT_PNG = "report.png"
+# What --out may end in; the figure is written in the format its name says.
+FIGURE_FORMATS = ("png", "svg", "pdf")
+MEMORY_PREFIX = "memory/"
+EVENT_COLORS = ["tab:red", "tab:gray", "tab:olive", "tab:pink"]
+
+
+# -- reading the run ----------------------------------------------------------------------------
+
+def read_metrics(run_dir: Path) -> list[dict[str, Any]]:
+    """The records of ``metrics.jsonl``, in file order. A run killed mid-write can leave a torn
+    last line; it is skipped rather than failing the whole report."""
+    if not run_dir.exists():
+        raise CheckpointError(f"{run_dir}: no such run directory")
+    if not run_dir.is_dir():
+        raise CheckpointError(f"{run_dir}: not a directory (kiln report takes a run directory)")
+    path = run_dir / METRICS_FILE
+    if not path.is_file():
+        raise CheckpointError(f"{run_dir}: not a kiln run directory (missing {METRICS_FILE})")
+    lines = path.read_text().splitlines()
+    records = []
+    for number, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            records.append(json.loads(line))
+        except json.JSONDecodeError:
+            if number != len(lines):
+                raise CheckpointError(f"{path}:{number}: not a JSON record") from None
+    if not any("loss" in r for r in records):
+        raise CheckpointError(f"{path}: no training steps logged yet; nothing to report")
+    return records
+
+
+def _read_env(run_dir: Path) -> dict[str, Any]:
+    try:
+        return json.loads((run_dir / "env.json").read_text())
+    except (OSError, json.JSONDecodeError):
+        return {}
+
+
+def _segments(train: list[dict[str, Any]]) -> list[list[dict[str, Any]]]:
+    """The training records split per ``kiln train`` invocation: ``elapsed_s`` restarts from
+    zero when a run resumes, so a drop marks the start of a new one."""
+    segments: list[list[dict[str, Any]]] = []
+    previous = math.inf
+    for record in train:
+        elapsed = record.get("elapsed_s", 0.0)
+        if not segments or elapsed < previous:
+            segments.append([])
+        segments[-1].append(record)
+        previous = elapsed
+    return segments
+
+
+# -- the numbers ----------------------------------------------------------------------------------
+
+def _memory_name(key: str) -> str:
+    """``memory/peak_allocated_gib`` -> ``peak_allocated`` (the summary says GiB once)."""
+    return key[len(MEMORY_PREFIX):].removesuffix("_gib")
+
+
+def _finite(values: list[Any]) -> list[float]:
+    return [v for v in values if isinstance(v, (int, float)) and math.isfinite(v)]
+
+
+def _last(records: list[dict[str, Any]], key: str) -> Any:
+    values = [r[key] for r in records if key in r]
+    return values[-1] if values else None
+
+
+def _best(records: list[dict[str, Any]], key: str) -> float | None:
+    values = _finite([r[key] for r in records if key in r])
+    return min(values) if values else None
+
+
+def split_records(records: list[dict[str, Any]]) -> tuple[list, list, list]:
+    """(training, evaluation, event) records: events have an ``event`` key, training records a
+    ``loss``, evaluations a ``val_loss`` or ``val_bpb`` (both are logged at the same step)."""
+    events = [r for r in records if "event" in r]
+    train = [r for r in records if "loss" in r and "event" not in r]
+    evals = [r for r in records if ("val_loss" in r or "val_bpb" in r) and "event" not in r]
+    return train, evals, events
+
+
+def summarize(records: list[dict[str, Any]], env: dict[str, Any] | None = None) -> dict[str, Any]:
+    """The run's numbers. A number the run did not log is None; a non-finite loss is kept where
+    it is first or last (it says the run diverged), and left out of the minimum."""
+    env = env or {}
+    train, evals, events = split_records(records)
+    segments = _segments(train)
+    losses = [r["loss"] for r in train]
+    finite_losses = _finite(losses)
+    # The first interval of each invocation includes start-up (compiling, allocator warm-up).
+    steady = [r["tokens_per_s"] for seg in segments for r in seg[1:] if "tokens_per_s" in r]
+    if not steady:
+        steady = [r["tokens_per_s"] for r in train if "tokens_per_s" in r]
+    steady = _finite(steady)
+    memory_keys = sorted({k for r in train for k in r if k.startswith(MEMORY_PREFIX)})
+    return {
+        "parameters": env.get("parameters"),
+        "device": env.get("device_name") or env.get("device"),
+        "steps": train[-1]["step"],
+        "tokens": _last(train, "tokens"),
+        "global_batch": _last(train, "global_batch"),
+        "wall_time_s": sum(seg[-1].get("elapsed_s", 0.0) for seg in segments),
+        "invocations": len(segments),
+        "loss_first": losses[0],
+        "loss_last": losses[-1],
+        "loss_min": min(finite_losses) if finite_losses else None,
+        "nonfinite_losses": len(losses) - len(finite_losses),
+        "val_loss_last": _last(evals, "val_loss"),
+        "val_loss_best": _best(evals, "val_loss"),
+        "val_bpb_last": _last(evals, "val_bpb"),
+        "val_bpb_best": _best(evals, "val_bpb"),
+        "tokens_per_s_mean": sum(steady) / len(steady) if steady else None,
+        "peak_memory_gib": {_memory_name(k): max(_finite([r[k] for r in train if k in r]), default=None)
+                            for k in memory_keys},
+        "events": dict(Counter(r["event"] for r in events)),
+    }
+
+
+# -- the text -------------------------------------------------------------------------------------
+
+def _num(value: Any, fmt: str = ".4g") -> str:
+    if value is None:
+        return "-"
+    return format(value, fmt) if isinstance(value, float) else f"{value:,}"
+
+
+def _count(n: float) -> str:
+    """1,377,408 -> '1.38M': parameter and token counts at a glance."""
+    for scale, suffix in ((1e12, "T"), (1e9, "B"), (1e6, "M"), (1e3, "k")):
+        if abs(n) >= scale:
+            return f"{n / scale:.3g}{suffix}"
+    return f"{n:g}"
+
+
+def headline(s: dict[str, Any]) -> str:
+    """One line of key facts, for the figure title and the top of the text."""
+    facts = [f"{_count(s['parameters'])} parameters" if s["parameters"] else None, s["device"],
+             f"{s['steps']:,} steps", f"{_count(s['tokens'])} tokens" if s["tokens"] else None,
+             format_duration(s["wall_time_s"])]
+    return " | ".join(f for f in facts if f)
+
+
+def format_summary(run_dir: Path, s: dict[str, Any]) -> str:
+    lines = [f"run          {run_dir}", f"             {headline(s)}"]
+    tokens = f"{s['tokens']:,} tokens" if s["tokens"] is not None else "tokens not logged"
+    batch = f", global batch {s['global_batch']}" if s["global_batch"] is not None else ""
+    lines.append(f"steps        {s['steps']:,} ({tokens}{batch})")
+    runs = f" over {s['invocations']} invocations (resumed)" if s["invocations"] > 1 else ""
+    lines.append(f"wall time    {format_duration(s['wall_time_s'])}{runs}")
+    bad = f"  ({s['nonfinite_losses']} non-finite)" if s["nonfinite_losses"] else ""
+    lines.append(f"train loss   first {_num(s['loss_first'])}  last {_num(s['loss_last'])}  "
+                 f"min {_num(s['loss_min'])}{bad}")
+    if s["val_loss_last"] is not None:
+        lines.append(f"val loss     last {_num(s['val_loss_last'])}  best {_num(s['val_loss_best'])}")
+    if s["val_bpb_last"] is not None:
+        lines.append(f"val bpb      last {_num(s['val_bpb_last'])}  best {_num(s['val_bpb_best'])}")
+    if s["tokens_per_s_mean"] is not None:
+        lines.append(f"tokens/s     {s['tokens_per_s_mean']:,.0f} mean (first interval of each invocation left out)")
+    if s["peak_memory_gib"]:
+        peaks = "  ".join(f"{k} {_num(v, '.2f')} GiB" for k, v in s["peak_memory_gib"].items())
+        lines.append(f"peak memory  {peaks}")
+    events = ", ".join(f"{kind} x{n}" for kind, n in sorted(s["events"].items())) or "none"
+    lines.append(f"events       {events}")
+    return "\n".join(lines) + "\n"
+
+
+# -- the figure -----------------------------------------------------------------------------------
+
+def _series(records: list[dict[str, Any]], key: str) -> tuple[list[int], list[float]]:
+    """Steps and values of ``key``; non-finite values become NaN, which matplotlib leaves as a
+    gap instead of stretching the axis to infinity."""
+    points = [(r["step"], r[key]) for r in records if isinstance(r.get(key), (int, float))]
+    return [s for s, _ in points], [v if math.isfinite(v) else math.nan for _, v in points]
+
+
+def _line(ax, records: list[dict[str, Any]], key: str, **style) -> None:
+    steps, values = _series(records, key)
+    # Dots on short series: a point between two non-finite ones has no line to show it.
+    ax.plot(steps, values, marker="." if len(steps) <= 40 else None, lw=1.2, **style)
+
+
+def _panel(ax, title: str, ylabel: str) -> None:
+    ax.set_title(title, fontsize=12, loc="left", fontweight="bold")
+    ax.set_xlabel("step")
+    ax.set_ylabel(ylabel)
+    ax.grid(True, alpha=0.3)
+
+
+def _plot_loss(ax, train, evals, events) -> None:
+    _line(ax, train, "loss", color="tab:blue", label="train loss")
+    if any("val_loss" in r for r in evals):
+        ax.plot(*_series(evals, "val_loss"), "o-", color="tab:orange", ms=4, lw=1.2, label="val loss")
+    bad = [r["step"] for r in train if not _finite([r["loss"]])]
+    if bad:
+        ax.plot(bad, [0] * len(bad), "x", color="tab:red", ms=7, transform=ax.get_xaxis_transform(),
+                label="non-finite loss", clip_on=False)
+    kinds = sorted({e["event"] for e in events})
+    for e in events:
+        ax.axvline(e["step"], color=EVENT_COLORS[kinds.index(e["event"]) % len(EVENT_COLORS)], ls=":", lw=1.2)
+    for i, kind in enumerate(kinds):  # one legend entry per kind, however many events
+        ax.plot([], [], color=EVENT_COLORS[i % len(EVENT_COLORS)], ls=":", label=f"event: {kind}")
+    _panel(ax, "Loss", "loss (nats/token)")
+    ax.legend(fontsize=9)
+
+
+def _plot_lr(ax, train) -> None:
+    from matplotlib.ticker import FormatStrFormatter
+
+    _line(ax, train, "lr", color="tab:green")
+    # Plain tick labels: the default scientific offset ("1e-3") lands on the panel title.
+    ax.yaxis.set_major_formatter(FormatStrFormatter("%.3g"))
+    _panel(ax, "Learning rate", "lr")
+
+
+def _plot_throughput(ax, train, mean: float | None) -> None:
+    _line(ax, train, "tokens_per_s", color="tab:cyan", label="tokens/s")
+    if mean is not None:
+        ax.axhline(mean, color="gray", ls="--", lw=1, label=f"mean {mean:,.0f} (after warm-up)")
+    ax.set_ylim(bottom=0)
+    _panel(ax, "Throughput", "tokens / s")
+    ax.legend(fontsize=9, loc="lower right")
+
+
+def _plot_grad_norm(ax, train) -> None:
+    _line(ax, train, "grad_norm", color="tab:purple")
+    finite = [v for v in _series(train, "grad_norm")[1] if v > 0]
+    # A few spikes hide the steady level on a linear axis.
+    if finite and max(finite) / min(finite) > 50:
+        ax.set_yscale("log")
+    _panel(ax, "Gradient norm (before clipping)", "grad norm")
+
+
+def _plot_memory(ax, train) -> None:
+    for key in sorted({k for r in train for k in r if k.startswith(MEMORY_PREFIX)}):
+        _line(ax, train, key, label=_memory_name(key).replace("_", " "))
+    ax.set_ylim(bottom=0)
+    _panel(ax, "Memory", "GiB")
+    ax.legend(fontsize=9)
+
+
+def render_figure(run_dir: Path, records: list[dict[str, Any]], summary: dict[str, Any], fmt: str = "png") -> bytes:
+    # The object API with the Agg canvas, not pyplot: no display needed and no global backend
+    # switched under a caller (a notebook, say) that imported kiln.
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    train, evals, events = split_records(records)
+    fig = Figure(figsize=(16, 9), dpi=100, layout="constrained")
+    FigureCanvasAgg(fig)
+    axes = fig.subplots(2, 3)
+    _plot_loss(axes[0, 0], train, evals, events)
+    _plot_lr(axes[0, 1], train)
+    _plot_throughput(axes[0, 2], train, summary["tokens_per_s_mean"])
+    _plot_grad_norm(axes[1, 0], train)
+    if summary["peak_memory_gib"]:
+        _plot_memory(axes[1, 1], train)
+    else:
+        axes[1, 1].remove()
+    # One step axis for every panel, from the start of training, so panels line up by eye; the
+    # margin keeps the final evaluation's marker off the frame.
+    last_step = max(r["step"] for r in records)
+    for ax in fig.axes:
+        ax.set_xlim(0, last_step * 1.02)
+    text_ax = axes[1, 2]
+    text_ax.axis("off")
+    text_ax.text(0, 1, _panel_text(summary), va="top", ha="left", family="monospace", fontsize=11,
+                 transform=text_ax.transAxes)
+    fig.suptitle(f"kiln report: {run_dir}\n{headline(summary)}", fontsize=13)
+    buffer = io.BytesIO()
+    fig.savefig(buffer, format=fmt)
+    return buffer.getvalue()
+
+
+def _panel_text(s: dict[str, Any]) -> str:
+    """The summary's numbers, in the figure too: the PNG alone tells how the run went."""
+    rows = [("steps", _num(s["steps"])), ("tokens", _num(s["tokens"])), ("wall time", format_duration(s["wall_time_s"])),
+            ("loss first", _num(s["loss_first"])), ("loss last", _num(s["loss_last"])), ("loss min", _num(s["loss_min"])),
+            ("val loss best", _num(s["val_loss_best"])), ("val bpb best", _num(s["val_bpb_best"])),
+            ("tokens/s mean", _num(s["tokens_per_s_mean"], ",.0f"))]
+    rows += [(f"{k.replace('_', ' ')} (max)", f"{_num(v, '.2f')} GiB") for k, v in s["peak_memory_gib"].items()]
+    rows += [(f"event {kind}", f"x{n}") for kind, n in sorted(s["events"].items())]
+    width = max(len(name) for name, _ in rows) + 2
+    return "Summary\n\n" + "\n".join(f"{name:<{width}}{value}" for name, value in rows)
+
+
+# -- writing --------------------------------------------------------------------------------------
+
+def _write_atomic(path: Path, data: bytes) -> None:
+    tmp = path.with_name(f".{path.name}.tmp")
+    try:
+        tmp.write_bytes(data)
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
+
+
+def write_report(run_dir: str | Path, out: str | Path | None = None) -> dict[str, Any]:
+    """Write the figure to ``out`` (default ``RUN_DIR/report.png``; .svg and .pdf work too) and
+    the text summary beside it (``report.txt``); return the summary's numbers. Both are rendered before either is
+    written, and each is replaced atomically, so a failure leaves no half-written report."""
+    run_dir = Path(run_dir)
+    out = Path(out) if out else run_dir / REPORT_PNG
+    fmt = out.suffix[1:].lower() or "png"
+    if fmt not in FIGURE_FORMATS:
+        raise ConfigError([f"--out {out}: the figure is written as {', '.join('.' + f for f in FIGURE_FORMATS)}"])
+    records = read_metrics(run_dir)
+    summary = summarize(records, _read_env(run_dir))
+    figure = render_figure(run_dir, records, summary, fmt)
+    text = format_summary(run_dir, summary)
+    _write_atomic(out, figure)
+    _write_atomic(out.with_suffix(".txt"), text.encode())
+    return {**summary, "run_dir": str(run_dir), "figure": str(out), "text": str(out.with_suffix(".txt"))}
+
+
+def _json_safe(value: Any) -> Any:
+    """NaN and infinity are not JSON; null keeps the output readable by strict parsers (jq)."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if isinstance(value, dict):
+        return {k: _json_safe(v) for k, v in value.items()}
+    return value
+
+
+def report_command(run_dir: str, out: str | None, as_json: bool) -> int:
+    """``kiln report RUN_DIR [--out PATH] [--json]``: print the summary (or its numbers as JSON)."""
+    summary = write_report(run_dir, out)
+    if as_json:
+        print(json.dumps(_json_safe(summary), indent=2))
+    else:
+        print(format_summary(Path(run_dir), summary), end="")
+        print(f"wrote {summary['figure']} and {summary['text']}")
+    return 0

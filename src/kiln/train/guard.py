@@ -1,0 +1,157 @@
+"""Guarding a run against non-finite steps and loss spikes.
+
+A step whose gradient norm is NaN or Inf is skipped on the device: the fused AdamW kernel leaves
+parameters and optimizer state untouched when told an infinity was found (GradScaler's
+mechanism, used here without a scale), so the loop never waits for the host to decide. The
+per-step losses and norms are read at each log point (the loop's one host sync), where the guard
+counts bad steps, names the first module whose output is non-finite (by re-running the bad
+step's batch with forward hooks), decides on a rollback, and looks for loss spikes.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import torch
+from torch import nn
+
+from kiln.config import GuardConfig
+
+
+class TrainingDiverged(RuntimeError):
+    """Non-finite steps kept coming back after the allowed rollbacks; the message is the report."""
+
+
+@dataclass
+class StepReview:
+    """What the guard concluded at a log point."""
+
+    bad_steps: list[int] = field(default_factory=list)
+    rollback: bool = False
+    spikes: list[tuple[int, float]] = field(default_factory=list)
+
+
+class Guard:
+    def __init__(self, cfg: GuardConfig):
+        self.cfg = cfg
+        self.bad_streak = 0  # non-finite steps in a row, up to the last reviewed step
+        self.bad_total = 0
+        self.rollbacks = 0
+        self.lr_scale = 1.0
+        self._mean = self._var = None  # running loss statistics (exponential moving averages)
+        self._seen = 0
+
+    # -- state that must survive a resume --------------------------------------------------
+
+    def state_dict(self) -> dict:
+        return {"lr_scale": self.lr_scale, "rollbacks": self.rollbacks, "bad_total": self.bad_total}
+
+    def load_state_dict(self, state: dict | None) -> None:
+        if state:
+            self.lr_scale, self.rollbacks, self.bad_total = state["lr_scale"], state["rollbacks"], state["bad_total"]
+
+    # -- at each log point ------------------------------------------------------------------
+
+    def review(self, first_step: int, losses: list[float], grad_norms: list[float]) -> StepReview:
+        """Per-step values of steps ``first_step``, ``first_step + 1``, ... (1-based)."""
+        review = StepReview()
+        for i, (loss, norm) in enumerate(zip(losses, grad_norms)):
+            step = first_step + i
+            if math.isfinite(loss) and math.isfinite(norm):
+                self.bad_streak = 0
+                if self._is_spike(loss):
+                    review.spikes.append((step, loss))
+                continue
+            review.bad_steps.append(step)
+            self.bad_total += 1
+            self.bad_streak += 1
+            if self.cfg.max_bad_steps and self.bad_streak >= self.cfg.max_bad_steps:
+                review.rollback = True
+        return review
+
+    def _is_spike(self, loss: float) -> bool:
+        """Far above the running statistics; they skip the first steps, where loss falls fast."""
+        warmup = 20
+        spike = (self.cfg.spike_threshold > 0 and self._seen >= warmup
+                 and loss > self._mean + self.cfg.spike_threshold * math.sqrt(self._var) + 1e-6)
+        if not spike:  # a spike would drag the statistics towards itself
+            alpha = 0.1 if self._seen >= warmup else 1.0 / (self._seen + 1)
+            if self._mean is None:
+                self._mean, self._var = loss, 0.0
+            else:
+                delta = loss - self._mean
+                self._mean += alpha * delta
+                self._var = (1 - alpha) * (self._var + alpha * delta * delta)
+            self._seen += 1
+        return spike
+
+    def start_rollback(self) -> None:
+        if self.rollbacks >= self.cfg.max_rollbacks:
+            raise TrainingDiverged(
+                f"{self.cfg.max_bad_steps} non-finite steps in a row again after {self.rollbacks} rollback(s) "
+                f"(learning rate now x{self.lr_scale:g}).")
+        self.rollbacks += 1
+        self.lr_scale *= self.cfg.lr_factor
+        self.bad_streak = 0
+
+
+def first_non_finite_module(model: nn.Module, run: Callable[[], Any]) -> str | None:
+    """Run ``run()`` (a forward pass of ``model``) and name the first module, in the order they
+    ran, whose output holds a NaN or Inf; None if every output is finite."""
+    found: list[str] = []
+
+    def hook(name: str):
+        def check(module, inputs, output):
+            tensors = [output] if isinstance(output, torch.Tensor) else [
+                t for t in (output if isinstance(output, (tuple, list)) else ()) if isinstance(t, torch.Tensor)]
+            if not found and any(t.is_floating_point() and not torch.isfinite(t).all() for t in tensors):
+                found.append(name or type(module).__name__)
+        return check
+
+    handles = [m.register_forward_hook(hook(name)) for name, m in model.named_modules()]
+    try:
+        with torch.no_grad():
+            run()
+    finally:
+        for h in handles:
+            h.remove()
+    return found[0] if found else None
+
+
+class InjectedNaN:
+    """A test hook: the output of one module becomes NaN at chosen optimizer steps. Set by
+    environment, so it works for ``kiln train`` and the Python API alike:
+
+    ``KILN_TEST_NAN_STEPS=7,8,9``: the steps (1-based, as logged) whose forward pass goes NaN,
+    until a rollback passes over them (as if the lower learning rate "fixed" it), or always with
+    ``KILN_TEST_NAN_PERSIST=1``;
+    ``KILN_TEST_NAN_MODULE=blocks.1.mlp``: the module whose output is poisoned (default: the
+    second block's MLP, or the model itself if it has no such module).
+    """
+
+    def __init__(self, model: nn.Module):
+        steps = os.environ.get("KILN_TEST_NAN_STEPS", "")
+        self.steps = {int(s) for s in steps.split(",") if s.strip()}
+        self.persist = os.environ.get("KILN_TEST_NAN_PERSIST") == "1"
+        self.step = 0  # the step being computed, set by the loop
+        self._done: set[int] = set()
+        if not self.steps:
+            return
+        modules = dict(model.named_modules())
+        name = os.environ.get("KILN_TEST_NAN_MODULE") or ("blocks.1.mlp" if "blocks.1.mlp" in modules else "")
+        if name not in modules:
+            raise ValueError(f"KILN_TEST_NAN_MODULE: the model has no module named {name!r}")
+        modules[name].register_forward_hook(self._poison)
+
+    def _poison(self, module, inputs, output):
+        if self.step in self.steps and (self.persist or self.step not in self._done):
+            return output * float("nan")
+        return output
+
+    def rolled_back(self, reached: int) -> None:
+        """A rollback from step ``reached``: the poisoned steps up to there are cured."""
+        if not self.persist:
+            self._done |= {s for s in self.steps if s <= reached}
