@@ -212,3 +212,13 @@ def test_wandb_missing_names_the_key_and_the_fix(tmp_path, monkeypatch):
     with pytest.raises(ConfigError) as info:
         MetricsLogger(tmp_path, total_steps=1, console=False, tensorboard=False, wandb_project="p")
     assert "observe.wandb" in str(info.value) and "pip install wandb" in str(info.value)
+
+
+def test_training_writes_histograms_every_n_steps(tmp_path):
+    from conftest import token_sequences, train_tiny_gpt
+
+    train_tiny_gpt(tmp_path / "run", token_sequences(tmp_path), micro=4, global_=8, steps=6,
+                   **{"observe.histograms_every": 3})
+    hist = _histograms(tmp_path / "run")
+    assert "weights/blocks.0.attn.wq.weight" in hist and "grads/blocks.0.attn.wq.weight" in hist
+    assert [e.step for e in hist["grads/blocks.0.attn.wq.weight"]] == [3, 6]

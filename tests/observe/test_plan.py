@@ -172,7 +172,8 @@ def test_peak_memory_counts_live_storages_once():
 def test_7b_on_one_80gb_gpu_does_not_fit_and_names_a_config_that_does(capsys):
     assert main(["plan", *sets(SEVEN_B), *ON_ONE_H100]) == 0
     out = capsys.readouterr().out
-    assert "fits" in out and "NO" in out.split("fits", 1)[1].splitlines()[0]
+    fits = next(line.split() for line in out.splitlines() if line.split()[:1] == ["fits"])
+    assert fits == ["fits", "NO"]
     assert "optimizer state (AdamW, fp32)" in out and "the MFU bound" in out
     first = next(line for line in out.splitlines() if line.strip().startswith("1. "))
     assert "--set parallel.cpu_offload=true" in first
@@ -182,7 +183,7 @@ def test_7b_json_recommendations_fit_when_applied(capsys):
     assert main(["plan", *sets(SEVEN_B), *ON_ONE_H100, "--json"]) == 0
     plan = json.loads(capsys.readouterr().out)
     assert plan["fits"] is False
-    assert plan["memory"]["total"] > 80 * 10**9 > plan["device"]["memory"] - 1
+    assert plan["device"]["memory"] == 80 * 10**9 < plan["memory"]["total"]
     assert plan["model"]["parameters"] == param_count(build_gpt_config(load_config(None, SEVEN_B).model, 32000, 4096))
     assert plan["time"]["seconds_at_peak"] == pytest.approx(plan["time"]["flops_per_step"] / 989e12)
     assert plan["recommendations"]
@@ -207,6 +208,14 @@ def test_auto_micro_batch_is_the_largest_that_fits():
     bigger = load_config(None, ["model.preset=gpt2-124m", "data.seq_len=1024", f"train.micro_batch_size={micro * 2}",
                                 "train.global_batch_size=64"])
     assert not make_plan(bigger, device_memory="24GiB", gpu="a100").fits
+
+
+def test_cpu_offload_keeps_the_model_state_in_host_memory():
+    cfg = load_config(None, SEVEN_B + ["parallel.strategy=fsdp", "parallel.cpu_offload=true"])
+    plan = make_plan(cfg, device_memory="80GB", gpu="h100")
+    assert plan.fits and plan.memory.host == sum(model_state(plan.job.shape, plan.base).values())
+    assert not {"parameters", "gradients", "optimizer_state"} & set(plan.memory.components)
+    assert plan.memory.components["gathered_parameters"] > 0
 
 
 def test_a_config_that_fits_gets_no_recommendations(capsys):

@@ -6,8 +6,8 @@ optimizer-state bytes are counted from the real parameter list. Activations are 
 what autograd keeps for the backward pass of kiln's block (pre-norm RMSNorm, q/k/v with RoPE,
 SDPA, SwiGLU MLP), tensor by tensor; the figures were checked against live-tensor measurements
 of real training steps (tests/observe/test_plan.py). A step's memory is followed through its
-phases (end of forward, backward of the output layer, of the last and the first block, the
-optimizer step) and the plan reports the largest. Everything below that says "rule of thumb"
+phases (end of forward, backward of the output layer, of the last and the first block, of the
+embedding, the optimizer step) and the plan reports the largest. Everything below that says "rule of thumb"
 is an assumption, not a measurement; docs/plan.md lists them.
 """
 
@@ -362,7 +362,6 @@ def overhead_bytes(target: Target, s: Setup, allocated: int) -> int:
 
 @dataclass
 class MemoryEstimate:
-    setup: Setup
     phases: dict[str, dict[str, int]]
     peak_phase: str
     allocated: int  # tensor bytes at the peak
@@ -423,7 +422,7 @@ class Job:
         peak_phase = max(phases, key=lambda name: sum(phases[name].values()))
         allocated = sum(phases[peak_phase].values())
         host = sum(model_state(self.shape, s).values()) if s.offload else 0
-        return MemoryEstimate(s, phases, peak_phase, allocated, overhead_bytes(self.target, s, allocated), host)
+        return MemoryEstimate(phases, peak_phase, allocated, overhead_bytes(self.target, s, allocated), host)
 
     def fits(self, s: Setup) -> bool:
         return self.memory(s).total <= self.target.memory
@@ -676,10 +675,14 @@ def _notes(cfg: Config, s: Setup, target: Target, auto_micro: bool) -> list[str]
     notes = []
     if auto_micro and needs_fixed_micro_batch(s):
         notes.append("train.micro_batch_size=auto needs one process or DDP; with FSDP or tensor parallelism over "
-                     f"several ranks set a number: train.micro_batch_size={s.micro_batch_size} is the largest that fits")
+                     f"several ranks set a number: train.micro_batch_size={s.micro_batch_size} is the largest "
+                     "that fits")
     if cfg.data.tokenizer != "bpe":
         notes.append(f"data.tokenizer is a file ({cfg.data.tokenizer}); kiln plan does not read it and takes the "
                      f"vocabulary from data.vocab_size = {cfg.data.vocab_size}: set that to the tokenizer's size")
+    if cfg.train.compile:
+        notes.append("train.compile=true is not modelled: the estimate is for the eager step (a compiled one "
+                     "usually keeps fewer activations)")
     if s.cpu_offload and not s.sharded:
         notes.append("parallel.cpu_offload needs parallel.strategy fsdp or fsdp_grad_op: planned without offload")
     if target.kind == "cuda" and target.peak_flops is None:
