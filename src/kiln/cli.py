@@ -84,6 +84,12 @@ def _parser() -> argparse.ArgumentParser:
     pf.add_argument("--steps", default="5:8", metavar="START:END", help="steps to profile, 1-based, inclusive (default 5:8)")
     pf.add_argument("--out", help="where the trace and breakdown.json go (default: RUN_DIR/profile)")
 
+    d = sub.add_parser("doctor", help="preflight: environment, data, gradients, input pipeline and determinism",
+                       description="Check a config before a long run: each check passes, warns or fails with its "
+                                   "evidence and the fix (docs/doctor.md). Exit status 1 when a check fails.")
+    _add_config_args(d)
+    d.add_argument("--json", action="store_true", help="print the report as one JSON object")
+
     r = sub.add_parser("report", help="plot a run's curves into a PNG and summarise it (no server needed)")
     r.add_argument("run_dir", help="run directory")
     r.add_argument("--out", help="figure path (.png, .svg or .pdf; default RUN_DIR/report.png); the summary goes beside it")
@@ -202,6 +208,12 @@ def cmd_profile(args) -> int:
     return 0
 
 
+def cmd_doctor(args) -> int:
+    from kiln.observe.doctor import doctor_command
+
+    return doctor_command(args.config, args.overrides, args.json)
+
+
 def cmd_report(args) -> int:
     from kiln.observe.report import report_command
 
@@ -221,7 +233,7 @@ def cmd_launch(args) -> int:
 
 COMMANDS = {"train": cmd_train, "prepare": cmd_prepare, "eval": cmd_eval, "generate": cmd_generate,
             "config": cmd_config, "presets": cmd_presets, "plan": cmd_plan, "profile": cmd_profile,
-            "report": cmd_report, "launch": cmd_launch}
+            "doctor": cmd_doctor, "report": cmd_report, "launch": cmd_launch}
 
 
 def _run(args) -> int:
