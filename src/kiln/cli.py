@@ -103,7 +103,8 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
-def _load(args) -> "Config":  # noqa: F821
+def _load(args):
+    """The Config of the command's file and --set overrides."""
     from kiln.config import load_config
 
     return load_config(args.config, args.overrides)
