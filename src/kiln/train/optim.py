@@ -32,8 +32,8 @@ def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
 
 def build_optimizer(model: nn.Module, cfg: TrainConfig, device: torch.device) -> torch.optim.AdamW:
     # The fused kernel does the whole update in one pass over each tensor, on CUDA and on the CPU
-    # alike (about 10x faster than the foreach kernels on 2 CPU cores, see BENCHMARKS.md), and
-    # it can skip a step on the device, which the non-finite guard uses.
+    # alike (2-6x faster than the foreach kernels on 2 CPU cores, see BENCHMARKS.md), and it can
+    # skip a step on the device, which the non-finite guard uses.
     fused = device.type in ("cuda", "cpu")
     return torch.optim.AdamW(
         param_groups(model, cfg.weight_decay),
