@@ -89,6 +89,14 @@ def test_loss_spikes_are_reported_with_their_batch():
         Guard(GuardConfig(max_rollbacks=0)).start_rollback()
 
 
+def test_fp16_overflow_is_the_scalers_business():
+    fp16 = Guard(GuardConfig(max_bad_steps=2), scaler_skips=True)
+    review = fp16.review(1, [5.0, 5.0, 5.0], [math.inf, math.inf, math.inf])  # scaler skips while it finds its scale
+    assert not review.bad_steps and not review.rollback
+    review = fp16.review(4, [math.nan, math.nan], [math.nan, math.nan])  # the forward pass itself went NaN
+    assert review.bad_steps == [4, 5] and review.rollback
+
+
 def test_loss_spike_in_a_run_is_logged_with_step_and_batch(tmp_path):
     from torch.utils.data import TensorDataset
 

@@ -35,8 +35,12 @@ class StepReview:
 
 
 class Guard:
-    def __init__(self, cfg: GuardConfig):
+    """``scaler_skips``: fp16's GradScaler skips steps whose gradients overflow, routinely while
+    it looks for its scale; those are its business, and only a non-finite loss counts here."""
+
+    def __init__(self, cfg: GuardConfig, *, scaler_skips: bool = False):
         self.cfg = cfg
+        self.scaler_skips = scaler_skips
         self.bad_streak = 0  # non-finite steps in a row, up to the last reviewed step
         self.bad_total = 0
         self.rollbacks = 0
@@ -60,7 +64,7 @@ class Guard:
         review = StepReview()
         for i, (loss, norm) in enumerate(zip(losses, grad_norms)):
             step = first_step + i
-            if math.isfinite(loss) and math.isfinite(norm):
+            if math.isfinite(loss) and (math.isfinite(norm) or self.scaler_skips):
                 self.bad_streak = 0
                 if self._is_spike(loss):
                     review.spikes.append((step, loss))

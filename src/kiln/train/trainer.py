@@ -156,7 +156,7 @@ class Trainer:
         self.micro_options = self._micro_batch_options()
         self.rung, self.probe_needed = self._initial_rung()
         self.inject_oom = InjectedOOM()
-        self.guard = Guard(cfg.guard)
+        self.guard = Guard(cfg.guard, scaler_skips=cfg.train.precision == "fp16")
         profile_dir = Path(cfg.profile.dir) if cfg.profile.dir else self.run_dir / "profile"
         if self.world.distributed:
             profile_dir = profile_dir / f"rank-{self.world.rank}"
