@@ -173,7 +173,6 @@ class Trainer:
         self.unwrapped = model
         self.sharded = self.world.mesh is not None and is_sharded(self.model)
         self.train_data = train_data
-        self.raw_loss_fn = loss_fn
         # Compiling the loss function compiles the model's forward with it, so the compiler can
         # fuse the output projection with the cross-entropy; the model itself stays plain, and
         # its state dict keeps its own names.
