@@ -18,14 +18,21 @@ from kiln.config import ConfigError, ParallelConfig
 from kiln.distributed.world import World
 
 
-def check_tensor_parallel(model: nn.Module, tp: int) -> None:
-    cfg = getattr(model, "config", None)
-    needed = ("n_head", "n_kv_head", "d_ff")
-    if cfg is None or not all(hasattr(cfg, k) for k in needed):
-        raise ConfigError([f"parallel.tp: tensor parallelism needs kiln's GPT layout; {type(model).__name__} is not one"])
-    bad = [f"{k}={getattr(cfg, k)}" for k in needed if getattr(cfg, k) % tp]
+_TP_SPLIT_DIMS = ("n_head", "n_kv_head", "d_ff")
+
+
+def check_tensor_parallel_dims(cfg, tp: int) -> None:
+    """Each rank takes whole heads and an equal slice of the MLP: ``tp`` must divide them."""
+    bad = [f"model.{k}={getattr(cfg, k)}" for k in _TP_SPLIT_DIMS if getattr(cfg, k) % tp]
     if bad:
         raise ConfigError([f"parallel.tp: {tp} must divide {', '.join(bad)}"])
+
+
+def check_tensor_parallel(model: nn.Module, tp: int) -> None:
+    cfg = getattr(model, "config", None)
+    if cfg is None or not all(hasattr(cfg, k) for k in _TP_SPLIT_DIMS):
+        raise ConfigError([f"parallel.tp: tensor parallelism needs kiln's GPT layout; {type(model).__name__} is not one"])
+    check_tensor_parallel_dims(cfg, tp)
 
 
 def apply_tp(model: nn.Module, tp_mesh) -> None:

@@ -25,6 +25,7 @@ from typing import Iterator
 import torch
 
 from kiln.config import Config, ConfigError, TrainConfig
+from kiln.distributed.parallelize import check_tensor_parallel_dims
 from kiln.models.flops import PEAK_FLOPS, flops_per_token
 from kiln.models.fused_loss import default_chunk_size
 from kiln.models.gpt import GPT, GPTConfig
@@ -649,19 +650,13 @@ def _base_setup(cfg: Config, world_size: int) -> Setup:
                  p.cpu_offload, world_size, p.tp)
 
 
-def _check_tensor_parallel(gpt_cfg: GPTConfig, tp: int) -> None:
-    bad = [f"model.{k}={getattr(gpt_cfg, k)}" for k in ("n_head", "n_kv_head", "d_ff") if getattr(gpt_cfg, k) % tp]
-    if bad:
-        raise ConfigError([f"parallel.tp: {tp} must divide {', '.join(bad)}"])
-
-
 def make_plan(cfg: Config, *, world_size: int = 1, device_memory: str | None = None, gpu: str | None = None) -> Plan:
     """Estimate ``cfg`` on ``world_size`` devices, and what to change if it does not fit.
     Bad input raises ConfigError naming the option or key."""
     target = resolve_target(cfg.run.device, gpu, device_memory)
     base = _base_setup(cfg, world_size)
     gpt_cfg = build_gpt_config(cfg.model, vocab_size=cfg.data.vocab_size, max_seq_len=cfg.data.seq_len)
-    _check_tensor_parallel(gpt_cfg, base.tp)
+    check_tensor_parallel_dims(gpt_cfg, base.tp)
     job = Job(ModelShape.of(gpt_cfg), cfg.data.seq_len, cfg.train.global_batch_size, target)
     auto_micro = cfg.train.micro_batch_size == "auto"
     if auto_micro:
