@@ -4,14 +4,13 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
-import tempfile
 from pathlib import Path
 from typing import Iterable
 
 import numpy as np
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
+from kiln.checkpoint.atomic import write_atomic
 from kiln.data.corpus import Corpus, DataError
 
 EOT = "<|endoftext|>"
@@ -33,7 +32,7 @@ def load_or_train_tokenizer(corpus: Corpus, data_cfg, cache_dir: Path) -> Tokeni
     if path.is_file():
         return load_tokenizer(path)
     tok = _train_bpe((text for _, text in corpus.documents("train")), data_cfg.vocab_size, corpus.count("train"))
-    _write_atomic(path, tok.to_str())
+    write_atomic(path, tok.to_str())
     return tok
 
 
@@ -66,17 +65,6 @@ def _train_bpe(texts: Iterable[str], vocab_size: int, length: int) -> Tokenizer:
     return tok
 
 
-def _write_atomic(path: Path, text: str) -> None:
-    """Write via a temp file and rename, so a killed process never leaves a truncated file at ``path``."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".tmp-", suffix=path.suffix)
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            f.write(text)
-        os.replace(tmp, path)
-    except BaseException:
-        os.unlink(tmp)
-        raise
 
 
 def eot_id(tok: Tokenizer) -> int:

@@ -17,6 +17,7 @@ from typing import Any
 
 import torch
 
+from kiln.checkpoint import write_atomic
 from kiln.config import ConfigError
 
 METRICS_FILE = "metrics.jsonl"
@@ -56,9 +57,7 @@ def _wandb_run_id(run_dir: Path) -> str:
     if path.exists():
         return path.read_text().strip()
     run_id = uuid.uuid4().hex[:16]  # W&B ids are lowercase letters and digits
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text(run_id + "\n")
-    tmp.replace(path)
+    write_atomic(path, run_id + "\n")
     return run_id
 
 
@@ -117,9 +116,7 @@ class MetricsLogger:
             return
         kept = [line for line in self.path.read_text().splitlines()
                 if line.strip() and json.loads(line).get("step", 0) <= step]
-        tmp = self.path.with_suffix(".tmp")
-        tmp.write_text("".join(line + "\n" for line in kept))
-        tmp.replace(self.path)
+        write_atomic(self.path, "".join(line + "\n" for line in kept))
 
     def rewind(self, step: int) -> None:
         """The run went back to ``step`` (a rollback): drop what was logged after it, so the

@@ -9,12 +9,11 @@ from __future__ import annotations
 import io
 import json
 import math
-import os
 from collections import Counter
 from pathlib import Path
 from typing import Any
 
-from kiln.checkpoint import CheckpointError
+from kiln.checkpoint import CheckpointError, write_atomic
 from kiln.config import ConfigError
 from kiln.observe.metrics import METRICS_FILE, format_duration
 
@@ -309,15 +308,6 @@ def _panel_text(s: dict[str, Any]) -> str:
 
 # -- writing --------------------------------------------------------------------------------------
 
-def _write_atomic(path: Path, data: bytes) -> None:
-    tmp = path.with_name(f".{path.name}.tmp")
-    try:
-        tmp.write_bytes(data)
-        os.replace(tmp, path)
-    finally:
-        tmp.unlink(missing_ok=True)
-
-
 def write_report(run_dir: str | Path, out: str | Path | None = None) -> dict[str, Any]:
     """Write the figure to ``out`` (default ``RUN_DIR/report.png``; .svg and .pdf work too) and
     the text summary beside it (``report.txt``); return the summary's numbers. Both are rendered before either is
@@ -331,8 +321,8 @@ def write_report(run_dir: str | Path, out: str | Path | None = None) -> dict[str
     summary = summarize(records, _read_env(run_dir))
     figure = render_figure(run_dir, records, summary, fmt)
     text = format_summary(run_dir, summary)
-    _write_atomic(out, figure)
-    _write_atomic(out.with_suffix(".txt"), text.encode())
+    write_atomic(out, figure)
+    write_atomic(out.with_suffix(".txt"), text)
     return {**summary, "run_dir": str(run_dir), "figure": str(out), "text": str(out.with_suffix(".txt"))}
 
 

@@ -21,7 +21,7 @@ from typing import Callable
 
 import torch
 
-from kiln.checkpoint import CheckpointError
+from kiln.checkpoint import CheckpointError, write_atomic
 
 RUNG_FILE = "memory.json"
 
@@ -96,11 +96,8 @@ def read_rung_file(run_dir: Path) -> Rung | None:
 
 
 def write_rung_file(run_dir: Path, rung: Rung) -> None:
-    run_dir.mkdir(parents=True, exist_ok=True)
-    # Any rank may write it (the one that ran out of memory), so the temp name is per process.
-    tmp = run_dir / f".{RUNG_FILE}.{os.getpid()}"
-    tmp.write_text(json.dumps(rung.state_dict(), indent=2))
-    tmp.replace(run_dir / RUNG_FILE)
+    # Any rank may write it (the one that ran out of memory).
+    write_atomic(run_dir / RUNG_FILE, json.dumps(rung.state_dict(), indent=2))
 
 
 class OutOfMemoryExhausted(RuntimeError):
