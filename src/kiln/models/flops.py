@@ -38,12 +38,16 @@ def flops_per_token(cfg: GPTConfig, seq_len: int) -> float:
     return 6.0 * n_matmul + 12.0 * cfg.n_layer * cfg.n_head * cfg.head_dim * seq_len
 
 
+def gpu_key(name: str) -> str | None:
+    """The PEAK_FLOPS entry a GPU name ("NVIDIA H100 80GB HBM3", "h100") falls under: the longest
+    key it contains, case aside; None for a GPU not in the table."""
+    lowered = name.strip().lower()
+    return next((key for key in sorted(PEAK_FLOPS, key=len, reverse=True) if key.lower() in lowered), None)
+
+
 def peak_flops(device: torch.device) -> float | None:
     """The device's dense bf16 peak FLOP/s, or None on CPU and on accelerators not in PEAK_FLOPS."""
     if device.type != "cuda":
         return None
-    name = torch.cuda.get_device_name(device).lower()
-    for key in sorted(PEAK_FLOPS, key=len, reverse=True):
-        if key.lower() in name:
-            return PEAK_FLOPS[key]
-    return None
+    key = gpu_key(torch.cuda.get_device_name(device))
+    return PEAK_FLOPS[key] if key else None

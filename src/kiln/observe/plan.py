@@ -26,13 +26,12 @@ import torch
 
 from kiln.config import Config, ConfigError, TrainConfig
 from kiln.distributed.parallelize import check_tensor_parallel_dims
-from kiln.models.flops import PEAK_FLOPS, flops_per_token
+from kiln.models.flops import PEAK_FLOPS, flops_per_token, gpu_key
 from kiln.models.fused_loss import default_chunk_size
 from kiln.models.gpt import GPT, GPTConfig
 from kiln.models.presets import build_gpt_config
+from kiln.observe.memory import GIB
 from kiln.train.optim import build_optimizer
-
-GIB = 2**30
 
 # Rules of thumb (docs/plan.md). What a GPU process holds beyond its tensors: the CUDA context,
 # cuBLAS/cuDNN workspaces and kernel images, NCCL's buffers when there are peers, and the
@@ -575,15 +574,6 @@ def _fewest_gpus(job: Job, base: Setup, auto_micro: bool, most: int = 4096) -> R
 # The device, and the plan itself
 
 
-def _gpu_key(name: str) -> str | None:
-    """The PEAK_FLOPS entry for a GPU name: an exact key, else the longest key it contains."""
-    lowered = name.strip().lower()
-    for key in sorted(PEAK_FLOPS, key=len, reverse=True):
-        if lowered == key.lower() or key.lower() in lowered:
-            return key
-    return None
-
-
 def _host_memory() -> int:
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
 
@@ -596,14 +586,14 @@ def resolve_target(run_device: str, gpu: str | None, device_memory: str | None) 
         local = torch.device(run_device if run_device.startswith("cuda:") else "cuda:0")
     key = None
     if gpu is not None:
-        key = _gpu_key(gpu)
+        key = gpu_key(gpu)
         if key is None:
             raise ConfigError([f"--gpu: {gpu!r} is not a GPU kiln knows the peak of; choose one of "
                                f"{', '.join(PEAK_FLOPS)} (models/flops.py)"])
-    if local is not None and (key is None or _gpu_key(torch.cuda.get_device_name(local)) == key):
+    if local is not None and (key is None or gpu_key(torch.cuda.get_device_name(local)) == key):
         name = torch.cuda.get_device_name(local)
         memory, source = torch.cuda.get_device_properties(local).total_memory, f"{local}, {name}"
-        key = _gpu_key(name)
+        key = gpu_key(name)
     else:
         name = key or "CPU"
         memory, source = _host_memory(), "this machine's RAM" + (" (no such GPU here)" if key else "")
