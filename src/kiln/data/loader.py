@@ -42,13 +42,18 @@ class TokenSequences(Dataset):
     def __len__(self) -> int:
         return max(0, (self.num_tokens - 1) // self.seq_len)
 
+    @property
+    def tokens(self) -> np.ndarray:
+        """The whole 1-D token stream (memory-mapped when it came from a file)."""
+        if self._tokens is None:
+            self._tokens = np.memmap(self.path, dtype=self.dtype, mode="r", offset=self.offset, shape=(self.num_tokens,))
+        return self._tokens
+
     def __getitem__(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
         if not 0 <= i < len(self):
             raise IndexError(f"sequence {i} out of range for {len(self)} sequences")
-        if self._tokens is None:
-            self._tokens = np.memmap(self.path, dtype=self.dtype, mode="r", offset=self.offset, shape=(self.num_tokens,))
         start = i * self.seq_len
-        window = torch.from_numpy(self._tokens[start : start + self.seq_len + 1].astype(np.int64))
+        window = torch.from_numpy(self.tokens[start : start + self.seq_len + 1].astype(np.int64))
         return window[:-1], window[1:]
 
     def __getstate__(self) -> dict:

@@ -326,11 +326,7 @@ CHECKS = [
 
 def _stream_of(ds: Dataset) -> np.ndarray | None:
     """The 1-D token array behind a TokenSequences (memory-mapped), or None for other datasets."""
-    if not isinstance(ds, TokenSequences):
-        return None
-    if ds.path is not None:
-        return np.memmap(ds.path, dtype=ds.dtype, mode="r", offset=ds.offset, shape=(ds.num_tokens,))
-    return ds._tokens  # an in-memory array: TokenSequences keeps no other handle on it
+    return ds.tokens if isinstance(ds, TokenSequences) else None
 
 
 def _document_spans(stream: np.ndarray, eot: int, windows: list[tuple[int, int]]) -> list[tuple[int, int]]:
