@@ -18,13 +18,12 @@ from typing import TYPE_CHECKING, Any, Callable
 import numpy as np
 import torch
 from torch import nn
-from torch.utils.data import default_collate
 
 from kiln.data.loader import make_train_loader
 from kiln.distributed.parallelize import clip_grad_norm_
 from kiln.train.optim import build_optimizer, lr_at
 from kiln.train.precision import Precision
-from kiln.train.trainer import to_device
+from kiln.train.trainer import collate, to_device
 
 if TYPE_CHECKING:
     from kiln.observe.doctor import DoctorJob
@@ -75,8 +74,7 @@ class _Run:
 
 
 def small_batch(job: DoctorJob, size: int = SMALL_BATCH) -> Any:
-    data = job.train_data
-    return to_device(default_collate([data[i] for i in range(min(size, len(data)))]), job.device)
+    return collate(job.train_data, range(min(size, len(job.train_data))), job.device)
 
 
 class GradientProbe:

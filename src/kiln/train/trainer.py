@@ -20,7 +20,7 @@ import signal
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import Any, Callable, Iterable, Iterator
 
 import torch
 from torch import nn
@@ -55,6 +55,11 @@ def to_device(batch: Any, device: torch.device) -> Any:
     if isinstance(batch, dict):
         return {k: to_device(v, device) for k, v in batch.items()}
     return batch
+
+
+def collate(dataset: Dataset, indices: Iterable[int], device: torch.device) -> Any:
+    """Items ``indices`` of ``dataset`` as one batch on ``device``, outside any DataLoader."""
+    return to_device(default_collate([dataset[i] for i in indices]), device)
 
 
 def split_batch(batch: Any, size: int) -> list[Any]:
@@ -333,7 +338,7 @@ class Trainer:
         if self.precision.scaler.is_enabled():
             record["skipped_steps"] = self.precision.skipped_steps
             record["loss_scale"] = self.precision.scaler.get_scale()
-        if review.bad_steps or self.guard.bad_total:
+        if self.guard.bad_total:
             record["nonfinite_steps"] = self.guard.bad_total
         logger.log(self.step, record)
         return record, review
@@ -360,8 +365,7 @@ class Trainer:
 
     def _step_batch(self, step: int) -> Any:
         """This rank's batch of (1-based) ``step``, rebuilt from the data order."""
-        indices = next(iter(self._sampler(step - 1)))
-        return to_device(default_collate([self.train_data[i] for i in indices]), self.device)
+        return collate(self.train_data, next(iter(self._sampler(step - 1))), self.device)
 
     def _sampler(self, start_step: int) -> StepSampler:
         t = self.cfg.train
@@ -517,7 +521,7 @@ class Trainer:
         rng = capture_rng()  # probing must not change what the run draws afterwards
 
         def fits(m: int) -> bool:
-            batch = to_device(default_collate([data[i % len(data)] for i in range(m)]), self.device)
+            batch = collate(data, [i % len(data) for i in range(m)], self.device)
             failed = False
             if self.device.type == "cuda":
                 torch.cuda.reset_peak_memory_stats(self.device)
