@@ -21,7 +21,6 @@ import time
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 from common import kiln_tokens_per_s, random_tokens
 
 from kiln import Trainer
@@ -47,7 +46,7 @@ def hand_written(model, data, cfg, warmup: int) -> float:
             g["lr"] = lr_at(step, t)
         xs, ys = next(batches)
         for x, y in zip(xs.split(t.micro_batch_size), ys.split(t.micro_batch_size)):
-            loss = F.cross_entropy(model(x).flatten(0, 1).float(), y.flatten())
+            loss = model(x, y)  # the same fused output layer + loss the Trainer's lm_loss calls
             (loss / accum).backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), t.grad_clip)
         opt.step()
