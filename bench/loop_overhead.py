@@ -27,7 +27,7 @@ from kiln import Trainer
 from kiln.config import ModelConfig, load_config
 from kiln.data.loader import make_train_loader
 from kiln.models import GPT, build_gpt_config
-from kiln.train.lm import lm_loss
+from kiln.models.lm import lm_loss
 from kiln.train.optim import build_optimizer, lr_at
 
 

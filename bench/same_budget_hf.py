@@ -28,7 +28,8 @@ from vs_hf_trainer import hf_model
 from kiln.config import ModelConfig, load_config, parse_duration
 from kiln.data import TokenSequences, prepare
 from kiln.models import build_gpt_config
-from kiln.train.lm import build_trainer, evaluate_lm, evaluate_run
+from kiln.models.lm import evaluate_lm
+from kiln.train.lm import build_trainer, evaluate_run
 
 
 class Windows(Dataset):

@@ -61,7 +61,7 @@ def train_tiny_gpt(run_dir, data, micro, global_, steps=4, **extra):
     """Train ``tiny_gpt()`` with kiln's Trainer on CPU; (model, trainer, FitResult)."""
     from kiln import Trainer
     from kiln.config import load_config
-    from kiln.train.lm import lm_loss
+    from kiln.models.lm import lm_loss
 
     sets = [f"run.dir={run_dir}", f"train.micro_batch_size={micro}", f"train.global_batch_size={global_}",
             f"train.max_steps={steps}", "train.warmup_steps=1", "train.lr=1e-2", "data.num_workers=0",

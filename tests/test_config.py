@@ -52,7 +52,6 @@ def test_accumulation_is_derived():
         ("train.compile=maybe", "train.compile: expected true/false"),
         ("train.global_batch_size=30", "train.global_batch_size: 30 is not a multiple of train.micro_batch_size 32"),
         ("train.lr=-1", "train.lr: must be > 0"),
-        ("model.preset=huge", "model.preset: 'huge' is not one of tiny, small"),
         ("train.max_steps", "expected KEY=VALUE"),
     ],
 )

@@ -8,7 +8,7 @@ from kiln import Trainer
 from kiln.config import load_config
 from kiln.data import TokenSequences
 from kiln.models import GPT, GPTConfig
-from kiln.train.lm import lm_loss
+from kiln.models.lm import lm_loss
 
 pytestmark = pytest.mark.gpu
 

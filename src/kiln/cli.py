@@ -104,10 +104,13 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def _load(args):
-    """The Config of the command's file and --set overrides."""
+    """The Config of the command's file and --set overrides, its [model] checked by its family."""
     from kiln.config import load_config
+    from kiln.models.family import check_model_config
 
-    return load_config(args.config, args.overrides)
+    cfg = load_config(args.config, args.overrides)
+    check_model_config(cfg)
+    return cfg
 
 
 def cmd_train(args) -> int:
@@ -150,8 +153,12 @@ def cmd_generate(args) -> int:
         return USAGE_ERROR
     run = load_run(args.run_dir, args.checkpoint, args.device)
     for i in range(args.num_samples):
-        text = sample_text(run.model, run.tokenizer, args.prompt, args.max_new_tokens, temperature=args.temperature,
-                           top_k=args.top_k or None, top_p=args.top_p if args.top_p < 1 else None, seed=args.seed + i)
+        text = sample_text(run.family, run.model, run.tokenizer, args.prompt, args.max_new_tokens,
+                           temperature=args.temperature, top_k=args.top_k or None,
+                           top_p=args.top_p if args.top_p < 1 else None, seed=args.seed + i)
+        if text is None:
+            print(f"kiln: error: model family {run.cfg.model.family} cannot generate text", file=sys.stderr)
+            return USAGE_ERROR
         print(text if args.num_samples == 1 else f"--- sample {i + 1} ---\n{text}")
     return 0
 
@@ -168,7 +175,7 @@ def cmd_config(args) -> int:
 
 def cmd_presets(args) -> int:
     from kiln.config import ModelConfig
-    from kiln.models import PRESETS, build_gpt_config, param_count
+    from kiln.models.gpt import PRESETS, build_gpt_config, param_count
 
     print(f"{'preset':<12}{'layers':>8}{'d_model':>9}{'heads':>7}{'kv':>5}{'params (vocab 32k)':>20}")
     for name in PRESETS:
@@ -178,7 +185,7 @@ def cmd_presets(args) -> int:
 
 
 def cmd_plan(args) -> int:
-    from kiln.observe.plan import format_plan, make_plan, plan_json
+    from kiln.plan import format_plan, make_plan, plan_json
 
     plan = make_plan(_load(args), world_size=args.world_size, device_memory=args.device_memory, gpu=args.gpu)
     print(json.dumps(plan_json(plan), indent=2) if args.json else format_plan(plan))
@@ -210,7 +217,7 @@ def cmd_profile(args) -> int:
 
 
 def cmd_doctor(args) -> int:
-    from kiln.observe.doctor import doctor_command
+    from kiln.doctor import doctor_command
 
     return doctor_command(args.config, args.overrides, args.json)
 
@@ -243,7 +250,7 @@ def _run(args) -> int:
     from kiln.data import DataError
     from kiln.distributed import in_torchrun
     from kiln.train.guard import TrainingDiverged
-    from kiln.train.oom import OutOfMemoryExhausted, RestartForRung
+    from kiln.train.memory_ladder import OutOfMemoryExhausted, RestartForRung
 
     # Under torchrun every rank reports its own errors; the rank says whose they are.
     who = f"kiln [rank {os.environ.get('RANK')}]" if in_torchrun() and os.environ.get("WORLD_SIZE", "1") != "1" else "kiln"

@@ -11,7 +11,7 @@ import torch
 
 from conftest import tiny_overrides, token_sequences, train_tiny_gpt
 from kiln.checkpoint import latest_checkpoint, load_checkpoint
-from kiln.train.oom import OutOfMemoryExhausted, Rung, largest_fitting, micro_batch_options, next_rung
+from kiln.train.memory_ladder import OutOfMemoryExhausted, Rung, largest_fitting, micro_batch_options, next_rung
 
 
 def _records(run_dir):

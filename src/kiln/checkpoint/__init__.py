@@ -1,6 +1,5 @@
 """Atomic checkpoints: save, find the newest complete one, load, and RNG state capture."""
 
-from kiln.checkpoint.atomic import write_atomic
 from kiln.checkpoint.store import (
     CheckpointError,
     capture_rng,
@@ -21,5 +20,4 @@ __all__ = [
     "load_sharded",
     "restore_rng",
     "save_checkpoint",
-    "write_atomic",
 ]

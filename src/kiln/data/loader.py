@@ -14,6 +14,7 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader, Dataset, Sampler
 
+from kiln.data.batch import collate
 from kiln.data.batch_schedule import BatchSchedule
 from kiln.data.corpus import DataError
 
@@ -131,6 +132,47 @@ def make_train_loader(dataset: Dataset, *, schedule: BatchSchedule | int, seed: 
         # default); workers only slice a memmap and never touch CUDA, so forking is safe.
         multiprocessing_context="fork" if workers and sys.platform == "linux" else None,
     )
+
+
+class StepBatches:
+    """This rank's batches in the run's data order: a loader from any step on, and any one step's
+    batch rebuilt on its own (to run it again, or to say which sequences it held). Steps are
+    1-based, as logged."""
+
+    def __init__(self, dataset: Dataset, schedule: BatchSchedule, seed: int, *, num_workers: int, pin_memory: bool,
+                 rank: int = 0, world_size: int = 1):
+        self.dataset, self.schedule, self.seed = dataset, schedule, seed
+        self.num_workers, self.pin_memory = num_workers, pin_memory
+        self.rank, self.world_size = rank, world_size
+
+    def loader(self, done: int) -> Iterator:
+        """Batches of the steps after the first ``done``."""
+        return iter(make_train_loader(self.dataset, schedule=self.schedule, seed=self.seed, start_step=done,
+                                      num_workers=self.num_workers, pin_memory=self.pin_memory, rank=self.rank,
+                                      world_size=self.world_size))
+
+    def items(self, step: int) -> list[int]:
+        """This rank's dataset items of ``step``."""
+        sampler = StepSampler(len(self.dataset), self.schedule, self.seed, step - 1, self.rank, self.world_size)
+        return next(iter(sampler))
+
+    def batch(self, step: int, device: torch.device):
+        return collate(self.dataset, self.items(step), device)
+
+    def positions(self, step: int) -> list[int]:
+        """[first, end) positions of ``step``'s sequences in the run's data order (all ranks)."""
+        start = self.schedule.samples_before(step - 1)
+        return [start, start + self.schedule.batch_size(step - 1)]
+
+    def describe(self, step: int) -> str:
+        first, end = self.positions(step)
+        items = self.items(step)
+        shown = ", ".join(map(str, items[:8])) + (", ..." if len(items) > 8 else "")
+        return f"sequences {first}..{end - 1} of the data order (this rank's dataset items {shown})"
+
+    def position(self, done: int) -> dict[str, int]:
+        """Where the data order stands after ``done`` steps: all a resume needs to go on."""
+        return {"seed": self.seed, "step": done, "samples_seen": self.schedule.samples_before(done)}
 
 
 def val_batches(dataset: TokenSequences, micro_batch_size: int, num_batches: int) -> list[tuple[torch.Tensor, torch.Tensor]]:

@@ -10,7 +10,7 @@ from typing import Iterable
 import numpy as np
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
-from kiln.checkpoint.atomic import write_atomic
+from kiln.io import write_atomic
 from kiln.data.corpus import Corpus, DataError
 
 EOT = "<|endoftext|>"

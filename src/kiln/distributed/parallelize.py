@@ -1,8 +1,8 @@
 """Parallelism applied to a plain model from outside: tensor parallel, then FSDP2 or DDP.
 
-The model knows nothing of this. What it should offer: its repeated layers as ``model.blocks``
-(FSDP shards each as a unit), and, for tensor parallelism, kiln's block layout (``attn.wq/wk/wv/wo``, ``mlp.w1/w2/w3``) with
-head counts divisible by the degree.
+The model knows nothing of this. What to split comes from its ``ParallelPlan`` (the model
+family's, or inferred for a model without one): the repeated layers are FSDP's units, and the
+plan's tensor-parallel styles say which projections of each layer split how.
 """
 
 from __future__ import annotations
@@ -16,41 +16,24 @@ from torch import nn
 
 from kiln.config import ConfigError, ParallelConfig
 from kiln.distributed.world import World
+from kiln.models.family import ParallelPlan
 
 
-_TP_SPLIT_DIMS = ("n_head", "n_kv_head", "d_ff")
-
-
-def check_tensor_parallel_dims(cfg, tp: int) -> None:
-    """Each rank takes whole heads and an equal slice of the MLP: ``tp`` must divide them."""
-    bad = [f"model.{k}={getattr(cfg, k)}" for k in _TP_SPLIT_DIMS if getattr(cfg, k) % tp]
-    if bad:
-        raise ConfigError([f"parallel.tp: {tp} must divide {', '.join(bad)}"])
-
-
-def check_tensor_parallel(model: nn.Module, tp: int) -> None:
-    cfg = getattr(model, "config", None)
-    if cfg is None or not all(hasattr(cfg, k) for k in _TP_SPLIT_DIMS):
-        raise ConfigError([f"parallel.tp: tensor parallelism needs kiln's GPT layout; {type(model).__name__} is not one"])
-    check_tensor_parallel_dims(cfg, tp)
-
-
-def apply_tp(model: nn.Module, tp_mesh) -> None:
-    """Megatron-style split of every block: q/k/v and the MLP's input projections column-wise
-    (each rank owns whole heads / a slice of the hidden units), the output projections row-wise,
-    so each block needs one all-reduce forward and one backward. Embedding, norms and output
-    layer stay replicated."""
+def apply_tp(model: nn.Module, plan: ParallelPlan, tp_mesh) -> None:
+    """Split every repeated layer's projections as the plan says: column-wise ones produce a
+    slice of the features on each rank, row-wise ones take that slice and all-reduce the sum."""
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
-    plan = {name: ColwiseParallel() for name in ("attn.wq", "attn.wk", "attn.wv", "mlp.w1", "mlp.w3")}
-    plan.update({name: RowwiseParallel() for name in ("attn.wo", "mlp.w2")})
-    for block in model.blocks:
-        parallelize_module(block, tp_mesh, plan)
+    styles = {"colwise": ColwiseParallel, "rowwise": RowwiseParallel}
+    layout = {name: styles[style]() for name, style in plan.tensor_parallel.items()}
+    for block in plan.repeated_blocks(model):
+        parallelize_module(block, tp_mesh, layout)
 
 
-def apply_fsdp(model: nn.Module, dp_mesh, *, reshard_after_forward: bool, bf16: bool, cpu_offload: bool) -> None:
-    """FSDP2 per block, then the root (embedding, final norm, output layer) as one more unit.
-    A model without ``blocks`` is sharded as one unit."""
+def apply_fsdp(model: nn.Module, plan: ParallelPlan, dp_mesh, *, reshard_after_forward: bool, bf16: bool,
+               cpu_offload: bool) -> None:
+    """FSDP2 per repeated layer, then the root (embedding, final norm, output layer) as one more
+    unit. A model whose plan names no repeated layers is sharded as one unit."""
     from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
     kwargs = {
@@ -59,35 +42,36 @@ def apply_fsdp(model: nn.Module, dp_mesh, *, reshard_after_forward: bool, bf16: 
         "mp_policy": MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if bf16 else MixedPrecisionPolicy(),
         "offload_policy": CPUOffloadPolicy() if cpu_offload else OffloadPolicy(),
     }
-    blocks = list(getattr(model, "blocks", []))
+    blocks = plan.repeated_blocks(model)
     for i, block in enumerate(blocks):
         # The last block's parameters are needed again at once by backward: keep them gathered.
         fully_shard(block, reshard_after_forward=reshard_after_forward and i < len(blocks) - 1, **kwargs)
     fully_shard(model, reshard_after_forward=reshard_after_forward, **kwargs)
 
 
-def apply_ddp(model: nn.Module, device: torch.device, bucket_mb: int) -> nn.Module:
+def apply_ddp(model: nn.Module, plan: ParallelPlan, device: torch.device, bucket_mb: int) -> nn.Module:
     import inspect
 
     from torch.nn.parallel import DistributedDataParallel
 
-    # kiln's buffers (RoPE tables) are derived from the config and equal on every rank: no need
-    # to broadcast them before every forward (the keyword was renamed in PyTorch 2.13).
+    # Buffers derived from the config (kiln's RoPE tables) are equal on every rank: no need to
+    # broadcast them before every forward (the keyword was renamed in PyTorch 2.13).
     renamed = "forward_sync_buffers" in inspect.signature(DistributedDataParallel).parameters
-    no_buffer_sync = {"forward_sync_buffers" if renamed else "broadcast_buffers": False}
+    buffer_sync = {"forward_sync_buffers" if renamed else "broadcast_buffers": not plan.derived_buffers}
     return DistributedDataParallel(
         model,
         device_ids=[device.index] if device.type == "cuda" else None,
         bucket_cap_mb=bucket_mb,
-        **no_buffer_sync,
+        **buffer_sync,
     )
 
 
-def parallelize(model: nn.Module, world: World, pcfg: ParallelConfig, *, bf16: bool = False) -> nn.Module:
+def parallelize(model: nn.Module, plan: ParallelPlan, world: World, pcfg: ParallelConfig, *,
+                bf16: bool = False) -> nn.Module:
     """Return ``model`` ready for ``world``: unchanged in a single process."""
     if world.tp > 1:
-        check_tensor_parallel(model, world.tp)
-        apply_tp(model, world.mesh["tp"])
+        plan.check_tensor_parallel(world.tp, type(model).__name__)
+        apply_tp(model, plan, world.mesh["tp"])
     if world.dp == 1 and not pcfg.cpu_offload:
         return model
     if pcfg.strategy == "ddp":
@@ -96,11 +80,11 @@ def parallelize(model: nn.Module, world: World, pcfg: ParallelConfig, *, bf16: b
                                "use fsdp or fsdp_grad_op for 2-D (data x tensor) parallelism"])
         if pcfg.cpu_offload:
             raise ConfigError(["parallel.cpu_offload: needs parallel.strategy fsdp or fsdp_grad_op"])
-        return apply_ddp(model, world.device, pcfg.bucket_mb)
+        return apply_ddp(model, plan, world.device, pcfg.bucket_mb)
     if pcfg.cpu_offload and world.device.type != "cuda":
         raise ConfigError(["parallel.cpu_offload: offloads from a GPU; this run is on the CPU already"])
     mesh = world.mesh if world.distributed else world.mesh_of_one()
-    apply_fsdp(model, mesh["dp"], reshard_after_forward=pcfg.strategy == "fsdp", bf16=bf16,
+    apply_fsdp(model, plan, mesh["dp"], reshard_after_forward=pcfg.strategy == "fsdp", bf16=bf16,
                cpu_offload=pcfg.cpu_offload)
     return model
 

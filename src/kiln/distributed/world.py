@@ -18,6 +18,7 @@ from typing import Any, Iterator
 import torch
 
 from kiln.config import ConfigError
+from kiln.device import resolve_device
 
 
 @dataclass
@@ -104,15 +105,6 @@ class World:
 
 _WORLD: World | None = None
 _OWN_GROUP = False  # this module started the process group, so it ends it
-
-
-def resolve_device(name: str) -> torch.device:
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    device = torch.device(name)
-    if device.type == "cuda" and not torch.cuda.is_available():
-        raise ConfigError([f"run.device: {name!r} requested but CUDA is not available on this machine; use cpu or auto"])
-    return device
 
 
 def in_torchrun() -> bool:

@@ -1,8 +1,11 @@
-"""The model: a Llama-style GPT, its named sizes, FLOP accounting and sampling."""
+"""Models: the family interface (family.py), kiln's GPT family (gpt/), the fused output layer
+and loss, what causal language models share (lm.py), and sampling with a KV cache."""
 
-from kiln.models.flops import flops_per_token
+from kiln.models.family import (MemoryContext, MemoryModel, ModelFamily, ParallelPlan, StateDictAdapter, build_model,
+                                get_family, materialize)
 from kiln.models.generate import generate
-from kiln.models.gpt import GPT, GPTConfig
-from kiln.models.presets import PRESETS, build_gpt_config, param_count
+from kiln.models.gpt import GPT, PRESETS, GPTConfig, build_gpt_config, flops_per_token, param_count
 
-__all__ = ["GPT", "GPTConfig", "build_gpt_config", "PRESETS", "param_count", "flops_per_token", "generate"]
+__all__ = ["GPT", "GPTConfig", "MemoryContext", "MemoryModel", "ModelFamily", "PRESETS", "ParallelPlan",
+           "StateDictAdapter", "build_gpt_config", "build_model", "flops_per_token", "generate", "get_family",
+           "materialize", "param_count"]

@@ -1,10 +1,12 @@
-"""Autoregressive sampling with a KV cache: the prompt is processed once, then one token per step."""
+"""Autoregressive sampling with a KV cache: the prompt is processed once, then one token per step.
+
+Any model that offers ``new_kv_cache`` and takes ``kv_cache``/``start_pos`` in its forward (as
+kiln's GPT does) can be sampled this way."""
 
 from __future__ import annotations
 
 import torch
-
-from kiln.models.gpt import GPT
+from torch import nn
 
 
 def sample_next(
@@ -36,7 +38,7 @@ def sample_next(
 
 @torch.inference_mode()
 def generate(
-    model: GPT,
+    model: nn.Module,
     prompt: torch.Tensor,
     max_new_tokens: int,
     *,

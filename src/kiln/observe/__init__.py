@@ -1,4 +1,5 @@
-"""Seeing a run: metrics to the console, metrics.jsonl and TensorBoard."""
+"""Seeing a run: metric sinks (console, metrics.jsonl, TensorBoard, W&B), the step profiler,
+``kiln report`` and memory telemetry."""
 
 from kiln.observe.metrics import MetricsLogger, NullLogger, format_duration
 

@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from kiln.checkpoint import write_atomic
+from kiln.io import write_atomic
 from kiln.config import ConfigError
 
 METRICS_FILE = "metrics.jsonl"

@@ -13,7 +13,8 @@ from collections import Counter
 from pathlib import Path
 from typing import Any
 
-from kiln.checkpoint import CheckpointError, write_atomic
+from kiln.checkpoint import CheckpointError
+from kiln.io import write_atomic
 from kiln.config import ConfigError
 from kiln.observe.metrics import METRICS_FILE, format_duration
 

@@ -9,24 +9,23 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+from kiln.models.family import ParallelPlan
 
-def repeated_blocks(model: nn.Module) -> nn.ModuleList:
-    blocks = getattr(model, "blocks", None)
-    if not isinstance(blocks, nn.ModuleList):
+
+def apply_activation_checkpointing(model: nn.Module, plan: ParallelPlan | None = None) -> nn.Module:
+    """Recompute each repeated layer's activations during backward instead of keeping them.
+
+    The layers are the plan's (by default: the model's ``blocks``). Each one's ``forward`` is
+    replaced on the instance, so parameter names and state dicts stay exactly those of the plain
+    model (checkpoints stay interchangeable with and without it).
+    """
+    blocks = (plan or ParallelPlan.infer(model)).repeated_blocks(model)
+    if not blocks:
         raise ValueError(
             "train.activation_checkpointing: the model must expose its repeated layers as an "
-            f"nn.ModuleList named `blocks`; {type(model).__name__} has none"
+            f"nn.ModuleList named `blocks` (or a model family's plan must name them); {type(model).__name__} has none"
         )
-    return blocks
-
-
-def apply_activation_checkpointing(model: nn.Module) -> nn.Module:
-    """Recompute each block's activations during backward instead of keeping them.
-
-    The block's ``forward`` is replaced on the instance, so parameter names and state dicts stay
-    exactly those of the plain model (checkpoints stay interchangeable with and without it).
-    """
-    for block in repeated_blocks(model):
+    for block in blocks:
         block.forward = functools.partial(checkpoint, block.forward, use_reentrant=False)
     return model
 

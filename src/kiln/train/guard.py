@@ -6,12 +6,14 @@ mechanism, used here without a scale), so the loop never waits for the host to d
 per-step losses and norms are read at each log point (the loop's one host sync), where the guard
 counts bad steps, names the first module whose output is non-finite (by re-running the bad
 step's batch with forward hooks), decides on a rollback, and looks for loss spikes.
+
+The loop carries out a rollback (it owns the checkpoints); ``Guard`` decides on it, keeps the
+lowered learning rate and the counts across resumes, and logs what it found.
 """
 
 from __future__ import annotations
 
 import math
-import os
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
@@ -19,6 +21,7 @@ import torch
 from torch import nn
 
 from kiln.config import GuardConfig
+from kiln.data.loader import StepBatches
 
 
 class TrainingDiverged(RuntimeError):
@@ -92,6 +95,27 @@ class Guard:
             self._seen += 1
         return spike
 
+    def metrics(self) -> dict[str, int]:
+        """What the logged record says of the guard: the non-finite steps so far, once there are any."""
+        return {"nonfinite_steps": self.bad_total} if self.bad_total else {}
+
+    def report(self, review: StepReview, logger, batches: StepBatches,
+               locate: Callable[[int], str | None]) -> None:
+        """Log the review's bad steps (with the first non-finite module, found by ``locate(step)``)
+        and loss spikes (with the batch, from the data order) as events."""
+        if review.bad_steps:
+            step = review.bad_steps[0]
+            module = locate(step)
+            where = (f"the first non-finite output is module '{module}'" if module else
+                     "every module output was finite when the step's batch was run again (the loss or the backward "
+                     "pass went non-finite)")
+            logger.event(step, "non_finite", f"non-finite loss or gradient at step(s) "
+                         f"{', '.join(map(str, review.bad_steps))}: update skipped; {where}",
+                         steps=review.bad_steps, module=module)
+        for step, loss in review.spikes:
+            logger.event(step, "loss_spike", f"loss spike at step {step}: {loss:.4g}, far above its running mean; "
+                         f"batch = {batches.describe(step)}", loss=loss, batch=batches.positions(step))
+
     def start_rollback(self) -> None:
         if self.rollbacks >= self.cfg.max_rollbacks:
             raise TrainingDiverged(
@@ -100,6 +124,17 @@ class Guard:
         self.rollbacks += 1
         self.lr_scale *= self.cfg.lr_factor
         self.bad_streak = 0
+
+    def roll_back_from(self, bad_step: int, has_checkpoint: bool) -> None:
+        """Lower the learning rate for a rollback from ``bad_step``, or stop the run with a report."""
+        try:
+            if not has_checkpoint:
+                raise TrainingDiverged(f"{self.cfg.max_bad_steps} non-finite steps in a row by step {bad_step}, "
+                                       "and no checkpoint to roll back to yet.")
+            self.start_rollback()
+        except TrainingDiverged as e:
+            raise TrainingDiverged(f"{e} Stopped at step {bad_step}. Lower train.lr, use bf16 rather than fp16, check "
+                                   "the data (kiln doctor), or raise guard.max_bad_steps.") from None
 
 
 def first_non_finite_module(model: nn.Module, run: Callable[[], Any]) -> str | None:
@@ -123,39 +158,3 @@ def first_non_finite_module(model: nn.Module, run: Callable[[], Any]) -> str | N
         for h in handles:
             h.remove()
     return found[0] if found else None
-
-
-class InjectedNaN:
-    """A test hook: the output of one module becomes NaN at chosen optimizer steps. Set by
-    environment, so it works for ``kiln train`` and the Python API alike:
-
-    ``KILN_TEST_NAN_STEPS=7,8,9``: the steps (1-based, as logged) whose forward pass goes NaN,
-    until a rollback passes over them (as if the lower learning rate "fixed" it), or always with
-    ``KILN_TEST_NAN_PERSIST=1``;
-    ``KILN_TEST_NAN_MODULE=blocks.1.mlp``: the module whose output is poisoned (default: the
-    second block's MLP, or the model itself if it has no such module).
-    """
-
-    def __init__(self, model: nn.Module):
-        steps = os.environ.get("KILN_TEST_NAN_STEPS", "")
-        self.steps = {int(s) for s in steps.split(",") if s.strip()}
-        self.persist = os.environ.get("KILN_TEST_NAN_PERSIST") == "1"
-        self.step = 0  # the step being computed, set by the loop
-        self._done: set[int] = set()
-        if not self.steps:
-            return
-        modules = dict(model.named_modules())
-        name = os.environ.get("KILN_TEST_NAN_MODULE") or ("blocks.1.mlp" if "blocks.1.mlp" in modules else "")
-        if name not in modules:
-            raise ValueError(f"KILN_TEST_NAN_MODULE: the model has no module named {name!r}")
-        modules[name].register_forward_hook(self._poison)
-
-    def _poison(self, module, inputs, output):
-        if self.step in self.steps and (self.persist or self.step not in self._done):
-            return output * float("nan")
-        return output
-
-    def rolled_back(self, reached: int) -> None:
-        """A rollback from step ``reached``: the poisoned steps up to there are cured."""
-        if not self.persist:
-            self._done |= {s for s in self.steps if s <= reached}

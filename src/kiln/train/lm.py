@@ -1,5 +1,7 @@
-"""The built-in job: a GPT trained on a text corpus. It wires data, model and metrics into the
-generic ``Trainer`` and adds what only a language model has: bits per byte and text samples.
+"""The built-in job: a causal language model trained on a text corpus. It asks the model family
+(``model.family``, kiln's GPT by default) for the model, its loss, evaluation, FLOPs and parallel
+plan, wires them and the data into the generic ``Trainer``, and adds what only a language model
+has: bits per byte and text samples.
 
 A run directory holds everything needed to use the run later without the data cache:
 ``config.toml``, ``model.json`` (the resolved architecture), ``tokenizer.json`` and checkpoints.
@@ -9,51 +11,21 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import math
 import shutil
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from kiln.checkpoint import CheckpointError, latest_checkpoint, load_checkpoint, load_sharded
-from kiln.config import Config, ConfigError, from_dict
+from kiln.config import Config, ConfigError, from_dict, tomllib
 from kiln.data import TokenSequences, prepare, val_batches
+from kiln.data.batch import split_batch
 from kiln.data.tokenizer import eot_id
-from kiln.distributed.world import init_world, resolve_device
-from kiln.models import GPT, GPTConfig, build_gpt_config, flops_per_token, generate
-from kiln.train.trainer import FitResult, Trainer, split_batch
-
-
-def lm_loss(model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
-    """Mean next-token loss; kiln's GPT computes it fused with its output layer, in fp32."""
-    x, y = batch
-    return model(x, y)
-
-
-@torch.no_grad()
-def evaluate_lm(model: nn.Module, batches, token_bytes: torch.Tensor, device: torch.device) -> dict[str, float]:
-    """Mean loss, perplexity and bits per byte over fixed batches.
-
-    Bits per byte divides the summed loss (in bits) by the UTF-8 bytes the target tokens stand
-    for, so models with different tokenizers are compared on the same scale."""
-    nats = torch.zeros((), device=device, dtype=torch.float64)
-    tokens = 0
-    nbytes = torch.zeros((), device=device, dtype=torch.int64)
-    token_bytes = token_bytes.to(device)
-    for x, y in batches:
-        x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
-        logits = model(x)
-        nats += F.cross_entropy(logits.flatten(0, 1).float(), y.flatten(), reduction="sum").double()
-        tokens += y.numel()
-        nbytes += token_bytes[y].sum()
-    loss = nats.item() / tokens
-    return {
-        "val_loss": loss,
-        "val_ppl": math.exp(min(loss, 50.0)),
-        "val_bpb": nats.item() / (math.log(2) * max(1, nbytes.item())),
-    }
+from kiln.device import resolve_device
+from kiln.distributed.world import init_world
+from kiln.models.family import ModelFamily, build_model, get_family
+from kiln.train.trainer import FitResult, Trainer
 
 
 def rebatch(batches: list, size: int) -> list:
@@ -61,30 +33,30 @@ def rebatch(batches: list, size: int) -> list:
     return [piece for batch in batches for piece in split_batch(batch, size)]
 
 
-def sample_text(model: GPT, tokenizer, prompt: str, max_new_tokens: int, *, temperature: float = 0.8,
-                top_k: int | None = 50, top_p: float | None = None, seed: int = 0,
-                device: torch.device | None = None) -> str:
+def sample_text(family: ModelFamily, model: nn.Module, tokenizer, prompt: str, max_new_tokens: int, *,
+                temperature: float = 0.8, top_k: int | None = 50, top_p: float | None = None, seed: int = 0,
+                device: torch.device | None = None) -> str | None:
+    """``prompt`` continued by the model, as text; None if its family cannot sample."""
     device = device or next(model.parameters()).device
     ids = tokenizer.encode(prompt).ids or [eot_id(tokenizer)]
     generator = torch.Generator(device=device).manual_seed(seed)
-    out = generate(model, torch.tensor([ids], device=device), max_new_tokens, temperature=temperature,
-                   top_k=top_k, top_p=top_p, eos_id=eot_id(tokenizer), generator=generator)
-    return tokenizer.decode(out[0].tolist())
+    out = family.generate(model, torch.tensor([ids], device=device), max_new_tokens, temperature=temperature,
+                          top_k=top_k, top_p=top_p, eos_id=eot_id(tokenizer), generator=generator)
+    return None if out is None else tokenizer.decode(out[0].tolist())
 
 
 def build_trainer(cfg: Config, *, console: bool = True) -> Trainer:
     world = init_world(cfg.run.device, cfg.parallel.tp)
     console = console and world.is_main
+    family = get_family(cfg.model.family)
     # Rank 0 fills the cache (tokenizer, shards); the others then find it there.
     with world.main_first():
         prepared = prepare(cfg.data, progress=console)
-    gpt_cfg = build_gpt_config(cfg.model, vocab_size=prepared.vocab_size, max_seq_len=cfg.data.seq_len)
-    torch.manual_seed(cfg.train.seed)
-    model = GPT(gpt_cfg)
+    args = family.resolve(cfg.model, vocab_size=prepared.vocab_size, seq_len=cfg.data.seq_len)
+    # Initialised on the CPU on every rank and device alike: the same seed, the same weights.
+    model = build_model(family, args, "cpu", cfg.train.seed)
     if console:
-        print(f"kiln: model {cfg.model.preset}: {model.num_params():,} parameters "
-              f"({model.num_params(exclude_embedding=True):,} without embeddings), "
-              f"{gpt_cfg.n_layer} layers, d_model {gpt_cfg.d_model}, vocab {gpt_cfg.vocab_size}", flush=True)
+        print(f"kiln: model {family.describe(cfg.model, args, model)}", flush=True)
     seq_len = cfg.data.seq_len
     train_data = TokenSequences(prepared.tokens("train"), seq_len)
     val_data = TokenSequences(prepared.tokens("val"), seq_len)
@@ -100,13 +72,14 @@ def build_trainer(cfg: Config, *, console: bool = True) -> Trainer:
     trainer = Trainer(
         model,
         train_data,
-        lm_loss,
+        family.loss,
         cfg,
-        eval_fn=lambda m: evaluate_lm(m, rebatch(fixed_val, trainer.micro_batch_size), token_bytes, trainer.device),
-        sample_fn=(lambda m, step: sample_text(m, tokenizer, cfg.eval.prompt, cfg.eval.sample_tokens,
+        eval_fn=lambda m: family.evaluate(m, rebatch(fixed_val, trainer.micro_batch_size), token_bytes, trainer.device),
+        sample_fn=(lambda m, step: sample_text(family, m, tokenizer, cfg.eval.prompt, cfg.eval.sample_tokens,
                                                seed=cfg.train.seed + step)) if cfg.eval.sample_tokens else None,
         tokens_per_sample=seq_len,
-        flops_per_token=flops_per_token(gpt_cfg, seq_len),
+        flops_per_token=family.flops_per_token(args, seq_len),
+        plan=family.parallel_plan(args),
         console=console,
     )
     run_dir = Path(cfg.run.dir)
@@ -114,7 +87,7 @@ def build_trainer(cfg: Config, *, console: bool = True) -> Trainer:
         return trainer
     run_dir.mkdir(parents=True, exist_ok=True)
     shutil.copyfile(prepared.dir / "tokenizer.json", run_dir / "tokenizer.json")
-    (run_dir / "model.json").write_text(json.dumps(dataclasses.asdict(gpt_cfg), indent=2))
+    (run_dir / "model.json").write_text(json.dumps(family.args_to_dict(args), indent=2))
     # The corpus fingerprint, token counts and checksums of the data this run trained on.
     (run_dir / "data.json").write_text(json.dumps(prepared.manifest, indent=2))
     return trainer
@@ -130,7 +103,8 @@ def train(cfg: Config, *, console: bool = True) -> FitResult:
 @dataclasses.dataclass
 class LoadedRun:
     cfg: Config
-    model: GPT
+    family: ModelFamily
+    model: nn.Module
     tokenizer: object
     checkpoint: Path
     step: int
@@ -143,22 +117,22 @@ def load_run(run_dir: str | Path, checkpoint: str | Path | None = None, device: 
     for name in ("config.toml", "model.json", "tokenizer.json"):
         if not (run_dir / name).is_file():
             raise CheckpointError(f"{run_dir}: not a kiln run directory (missing {name})")
-    from kiln.config import tomllib
-
     cfg = from_dict(tomllib.loads((run_dir / "config.toml").read_text()))
     path = Path(checkpoint) if checkpoint else latest_checkpoint(run_dir / "checkpoints")
     if path is None:
         raise CheckpointError(f"{run_dir}: no complete checkpoint in {run_dir / 'checkpoints'}")
     model_state, _ = load_checkpoint(path)
     dev = resolve_device(device)
-    model = GPT(GPTConfig(**json.loads((run_dir / "model.json").read_text())))
+    family = get_family(cfg.model.family)
+    args = family.args_from_dict(json.loads((run_dir / "model.json").read_text()))
+    model = build_model(family, args, "cpu", cfg.train.seed)
     if model_state is None:  # saved sharded: gather it into this one process
         model_state = model.state_dict()
         load_sharded(path, {"model": model_state})
     model.load_state_dict(model_state)
     model.to(dev).eval()
     step = int(path.name.split("-")[-1])
-    return LoadedRun(cfg, model, Tokenizer.from_file(str(run_dir / "tokenizer.json")), path, step)
+    return LoadedRun(cfg, family, model, Tokenizer.from_file(str(run_dir / "tokenizer.json")), path, step)
 
 
 def evaluate_run(run_dir: str | Path, *, source: str | None = None, checkpoint: str | Path | None = None,
@@ -180,6 +154,6 @@ def evaluate_run(run_dir: str | Path, *, source: str | None = None, checkpoint: 
         raise ConfigError([f"data.seq_len: no sequence of {seq_len} tokens fits in {data_cfg.source}"])
     batches = batches[:max_batches]
     dev = next(run.model.parameters()).device
-    metrics = evaluate_lm(run.model, batches, torch.from_numpy(prepared.token_bytes()), dev)
+    metrics = run.family.evaluate(run.model, batches, torch.from_numpy(prepared.token_bytes()), dev)
     metrics.update(step=run.step, tokens=sum(y.numel() for _, y in batches))
     return metrics

@@ -59,6 +59,12 @@ class Precision:
         if self.scaler.get_scale() < before:
             self.skipped_steps += 1
 
+    def metrics(self) -> dict[str, float]:
+        """What the logged record says of the precision: fp16's skipped steps and loss scale."""
+        if not self.scaler.is_enabled():
+            return {}
+        return {"skipped_steps": self.skipped_steps, "loss_scale": self.scaler.get_scale()}
+
     def state_dict(self) -> dict:
         return {"scaler": self.scaler.state_dict(), "skipped_steps": self.skipped_steps}
 

@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .fused_loss import linear_cross_entropy
+from kiln.models.fused_loss import linear_cross_entropy
 
 
 @dataclass

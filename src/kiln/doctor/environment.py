@@ -10,16 +10,13 @@ import platform
 import shutil
 import sys
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
 
-from kiln.observe.doctor_report import first_line, fmt_bytes
+from kiln.doctor.job import DoctorJob
+from kiln.doctor.report import first_line, fmt_bytes
 from kiln.train.optim import build_optimizer
-
-if TYPE_CHECKING:
-    from kiln.observe.doctor import DoctorJob
 
 # A checkpoint holds fp32 weights and AdamW's two moments (12 bytes per parameter), rounded up
 # for the training state and file overheads.

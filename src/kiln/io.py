@@ -1,4 +1,5 @@
-"""Small files written whole or not at all."""
+"""Files written whole or not at all: the one atomic writer that data, checkpoints, the memory
+ladder and the metrics sinks share."""
 
 from __future__ import annotations
 

@@ -15,10 +15,10 @@ from torch.utils.data import Dataset
 from conftest import tiny_gpt, tiny_overrides, token_sequences
 from kiln.config import load_config
 from kiln.data import TokenSequences, prepare, split_of
-from kiln.observe import doctor_data
+from kiln.doctor import data as doctor_data
 from kiln.cli import main as kiln
-from kiln.observe.doctor import doctor_command, run_doctor
-from kiln.observe.doctor_report import STATUSES
+from kiln.doctor import doctor_command, run_doctor
+from kiln.doctor.report import STATUSES
 
 CHECK_FIELDS = {"name", "group", "status", "evidence", "fix", "seconds"}
 
@@ -218,7 +218,7 @@ def test_unusable_data_source_is_reported_not_raised(tmp_path, capsys):
 
 def test_cuda_setup_problems_are_explained(tmp_path, monkeypatch):
     """The GPU branches, on any machine: a GPU this PyTorch has no kernels for, an old driver."""
-    from kiln.observe import doctor_env
+    from kiln.doctor import environment as doctor_env
 
     gpu = SimpleNamespace(name="NVIDIA H100", major=9, minor=0, total_memory=80 * 2**30)
     job = SimpleNamespace(device_problem=None, device=torch.device("cuda"))

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from kiln.config import ConfigError, ModelConfig
-from kiln.models.gpt import GPTConfig
+from kiln.models.gpt.model import GPTConfig
 
 # Dimensions only: the vocabulary comes from the tokenizer. d_ff of the GPT-2-class sizes is
 # 8/3 * d_model (rounded up to a multiple of 256), which gives a SwiGLU MLP the parameter count

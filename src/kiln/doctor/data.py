@@ -14,17 +14,15 @@ import hashlib
 import time
 from dataclasses import dataclass
 from functools import cached_property
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 import torch
 from torch.utils.data import Dataset
 
 from kiln.data import DataError, TokenSequences, verify
-from kiln.observe.doctor_report import fmt_bytes
-
-if TYPE_CHECKING:
-    from kiln.observe.doctor import DoctorJob
+from kiln.doctor.job import DoctorJob
+from kiln.doctor.report import fmt_bytes
 
 SCAN_TOKENS = 50_000_000
 SCAN_WINDOWS = 16
@@ -154,6 +152,11 @@ class DataScan:
         return repr(text[:chars])
 
 
+def data_scan(job: DoctorJob) -> DataScan:
+    """The job's data statistics, computed once for every check that needs them."""
+    return job.shared(DataScan)
+
+
 # -- the checks -----------------------------------------------------------------------------------
 
 
@@ -187,7 +190,7 @@ def check_checksums(job: DoctorJob):
 def check_token_ids(job: DoctorJob):
     if job.train_data is None:
         return "skip", _NO_DATA, ""
-    scan, vocab = job.scan, job.vocab_size
+    scan, vocab = data_scan(job), job.vocab_size
     if vocab is None:
         return "skip", "the model's vocabulary size is unknown (no config.vocab_size or nn.Embedding)", ""
     ranges = {s: r for s, r in scan.token_ranges.items() if r is not None}
@@ -209,7 +212,7 @@ def check_token_ids(job: DoctorJob):
 def check_documents(job: DoctorJob):
     if job.train_data is None:
         return "skip", _NO_DATA, ""
-    scan = job.scan
+    scan = data_scan(job)
     if not scan.has_documents:
         return "skip", _no_documents(job), ""
     parts, worst, example = [], 0.0, ""
@@ -237,7 +240,7 @@ def check_documents(job: DoctorJob):
 def check_duplicates(job: DoctorJob):
     if job.train_data is None:
         return "skip", _NO_DATA, ""
-    scan = job.scan
+    scan = data_scan(job)
     parts, worst, example = [], 0.0, ""
     for split, rec in scan.records.items():
         seen, copies, copy_tokens = set(), 0, 0
@@ -262,7 +265,7 @@ def check_duplicates(job: DoctorJob):
 def check_overlap(job: DoctorJob):
     if job.train_data is None:
         return "skip", _NO_DATA, ""
-    scan = job.scan
+    scan = data_scan(job)
     if "val" not in scan.records or "train" not in scan.records:
         return "skip", "no validation set to compare with the training set", ""
     train, val = scan.records["train"], scan.records["val"]

@@ -13,20 +13,19 @@ import math
 import os
 import random
 import time
-from typing import TYPE_CHECKING, Any, Callable
+from typing import Any, Callable
 
 import numpy as np
 import torch
 from torch import nn
 
+from kiln.data.batch import collate, to_device
 from kiln.data.loader import make_train_loader
-from kiln.distributed.parallelize import clip_grad_norm_
+from kiln.doctor.data import data_scan
+from kiln.doctor.job import DoctorJob
 from kiln.train.optim import build_optimizer, lr_at
 from kiln.train.precision import Precision
-from kiln.train.trainer import collate, to_device
-
-if TYPE_CHECKING:
-    from kiln.observe.doctor import DoctorJob
+from kiln.train.step import TrainStep
 
 SMALL_BATCH = 4  # samples (sequences) in the one-batch checks
 INITIAL_LOSS_TOLERANCE = 1.5  # nats from ln(vocab)
@@ -44,32 +43,22 @@ DETERMINISM_NOISE = 1e-4  # relative loss difference still blamed on reduction o
 
 
 class _Run:
-    """A fresh model with kiln's optimizer and precision, stepped as the Trainer steps it."""
+    """A fresh model with kiln's optimizer and precision, stepped by the Trainer's own step."""
 
     def __init__(self, job: DoctorJob):
         t = job.cfg.train
-        self.job = job
         self.model = job.new_model()
         self.model.train()
-        self.optimizer = build_optimizer(self.model, t, job.device)
-        self.precision = Precision(t.precision, job.device)
-        self.params = [p for p in self.model.parameters() if p.requires_grad]
-        self.clip = t.grad_clip if t.grad_clip > 0 else math.inf
+        self.train_step = TrainStep(self.model, job.loss_fn, build_optimizer(self.model, t, job.device),
+                                    Precision(t.precision, job.device), grad_clip=t.grad_clip)
+        self.steps = 0
 
     def step(self, batch: Any, lr: float, inspect: Callable[[nn.Module], None] | None = None) -> float:
         """One optimizer step on ``batch``; the loss before it. ``inspect`` sees the unscaled
         gradients before clipping."""
-        with self.precision.autocast():
-            loss = self.job.loss_fn(self.model, batch)
-        self.precision.backward(loss)
-        self.precision.unscale_(self.optimizer)
-        if inspect is not None:
-            inspect(self.model)
-        for group in self.optimizer.param_groups:
-            group["lr"] = lr
-        norm = clip_grad_norm_(self.params, self.clip)
-        self.precision.step(self.optimizer, finite=torch.isfinite(norm))
-        self.optimizer.zero_grad(set_to_none=True)
+        self.steps += 1
+        loss = self.train_step.forward_backward([batch], self.steps)
+        self.train_step.update(lr, inspect)
         return loss.item()
 
 
@@ -103,15 +92,42 @@ class GradientProbe:
                 self.norms[name] = None if p.grad is None else float(p.grad.detach().float().norm())
 
 
+def gradient_probe(job: DoctorJob) -> GradientProbe:
+    """The job's gradient probe, run once for the initial-loss and gradient checks."""
+    return job.shared(GradientProbe)
+
+
+def model_blocker(job: DoctorJob) -> str | None:
+    """Why the model cannot be run on this data (then its checks are skipped), or None."""
+    if job.device_problem:
+        # Falling back to the CPU could take hours for a model sized for a GPU.
+        return f"run.device={job.cfg.run.device} cannot be used; see environment / device & CUDA"
+    if job.new_model is None:
+        return "no model to check: " + (job.data_problem or "the data could not be prepared")
+    if job.train_data is None:
+        return "no training data: " + (job.data_problem or "the data could not be prepared")
+    splits = (("train", job.train_data), ("val", job.val_data))
+    empty = [split for split, data in splits if data is not None and not len(data)]
+    if empty:
+        # Training would refuse this data too (and a data.seq_len this long makes each step slow).
+        return f"the {' and '.join(empty)} split holds no whole sequence; see data / data source"
+    bad = data_scan(job).out_of_vocab()
+    if bad:
+        # On a GPU an out-of-range embedding index is a device-side assert that breaks the
+        # CUDA context for everything after it, so the model is not run at all.
+        return f"token ids outside the vocabulary ({bad}); see data / token ids"
+    return None
+
+
 # -- model and optimizer --------------------------------------------------------------------------
 
 
 def check_initial_loss(job: DoctorJob):
-    if blocker := job.model_blocker():
+    if blocker := model_blocker(job):
         return "skip", blocker, ""
     if job.vocab_size is None:
         return "skip", "the model's vocabulary size is unknown, so the loss of a uniform guess is too", ""
-    loss, expected = job.probe.losses[0], math.log(job.vocab_size)
+    loss, expected = gradient_probe(job).losses[0], math.log(job.vocab_size)
     evidence = f"initial loss {loss:.3f}, ln(vocabulary {job.vocab_size:,}) = {expected:.3f} (a uniform guess)"
     if not math.isfinite(loss):
         return "fail", evidence, "the untrained model already gives a non-finite loss: check the loss and the inputs"
@@ -123,9 +139,9 @@ def check_initial_loss(job: DoctorJob):
 
 
 def check_gradient_flow(job: DoctorJob):
-    if blocker := job.model_blocker():
+    if blocker := model_blocker(job):
         return "skip", blocker, ""
-    probe = job.probe
+    probe = gradient_probe(job)
     missing = [n for n in probe.names if n not in probe.reached]
     if missing:
         none = [n for n in missing if probe.norms.get(n) is None]
@@ -138,14 +154,14 @@ def check_gradient_flow(job: DoctorJob):
 
 
 def check_gradient_norms(job: DoctorJob):
-    if blocker := job.model_blocker():
+    if blocker := model_blocker(job):
         return "skip", blocker, ""
-    norms = job.probe.norms
+    norms = gradient_probe(job).norms
     bad = [n for n, v in norms.items() if v is not None and not math.isfinite(v)]
     if bad:
         return ("fail", f"non-finite gradients at the first step in {len(bad)} parameters: {_names(bad)}",
                 f"find the first operation that overflows (a log or division by zero, an fp16 overflow, a too "
-                f"large initialisation); the loss itself was {job.probe.losses[0]:.4g}")
+                f"large initialisation); the loss itself was {gradient_probe(job).losses[0]:.4g}")
     layers: dict[str, float] = {}
     for name, v in norms.items():
         if v is not None:
@@ -166,7 +182,7 @@ _BROKEN = ("the setup cannot learn one batch: check the loss (targets shifted ag
 def check_overfit(job: DoctorJob):
     """Memorise one small batch at train.lr. When that fails, one more run at a rate 10x lower
     (after divergence) or higher (after no progress) tells a bad rate from a broken model."""
-    if blocker := job.model_blocker():
+    if blocker := model_blocker(job):
         return "skip", blocker, ""
     lr = job.cfg.train.lr
     first = _overfit(job, lr)
@@ -233,7 +249,7 @@ def _trajectory(lr: float, losses: list[float]) -> str:
 
 
 def check_input_pipeline(job: DoctorJob):
-    if blocker := job.model_blocker():
+    if blocker := model_blocker(job):
         return "skip", blocker, ""
     cfg = job.cfg
     workers, size = cfg.data.num_workers, min(job.micro_batch_size, len(job.train_data))
@@ -291,7 +307,7 @@ _DETERMINISM_FIX = ("find what is not seeded: random numbers drawn outside torch
 
 
 def check_determinism(job: DoctorJob):
-    if blocker := job.model_blocker():
+    if blocker := model_blocker(job):
         return "skip", blocker, ""
     (losses_a, weights_a), (losses_b, weights_b) = _short_run(job), _short_run(job)
     shown = f"losses {_losses(losses_a)} and {_losses(losses_b)}"

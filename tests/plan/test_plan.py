@@ -9,8 +9,9 @@ from kiln.cli import main
 from kiln.config import all_keys, load_config
 from kiln.distributed.parallelize import clip_grad_norm_
 from kiln.models import GPT, PRESETS, build_gpt_config, param_count
-from kiln.observe.memtrack import peak_memory
-from kiln.observe.plan import ModelShape, Setup, make_plan, model_state, parse_memory
+from kiln.models.gpt import FAMILY
+from memtrack import peak_memory
+from kiln.plan import ModelShape, Setup, make_plan, model_state, parse_memory
 from kiln.train.apply import apply_activation_checkpointing
 from kiln.train.optim import build_optimizer
 from kiln.train.precision import Precision
@@ -88,11 +89,11 @@ def test_parse_memory_refuses_what_is_not_a_size(text):
 def test_meta_model_agrees_with_the_closed_form(preset):
     cfg = load_config(None, [f"model.preset={preset}", "data.vocab_size=32000"])
     gpt_cfg = build_gpt_config(cfg.model, vocab_size=32000, max_seq_len=cfg.data.seq_len)
-    assert ModelShape.of(gpt_cfg).num_params() == param_count(gpt_cfg)
+    assert ModelShape.of(FAMILY, gpt_cfg).num_params() == param_count(gpt_cfg)
 
 
 def test_sharding_divides_the_model_state():
-    shape = ModelShape.of(build_gpt_config(load_config(None, ["model.preset=1b"]).model, 32000, 2048))
+    shape = ModelShape.of(FAMILY, build_gpt_config(load_config(None, ["model.preset=1b"]).model, 32000, 2048))
     one = model_state(shape, Setup(1, "bf16", False, "ddp", False))
     fsdp8 = model_state(shape, Setup(1, "bf16", False, "fsdp", False, world_size=8))
     fsdp4 = model_state(shape, Setup(1, "bf16", False, "fsdp", False, world_size=4))

@@ -1,0 +1,172 @@
+"""Building a Config: defaults, then a TOML file, then ``--set section.key=value`` overrides, then validation.
+
+Values are coerced to each field's annotated type here, so a wrong type is reported with the key that holds it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import os
+import sys
+import typing
+from pathlib import Path
+from typing import Any, Literal, Union, get_args, get_origin
+
+from kiln.config.schema import Config, ConfigError
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover
+    import tomli as tomllib
+
+
+def sections() -> dict[str, type]:
+    hints = typing.get_type_hints(Config)
+    return {f.name: hints[f.name] for f in dataclasses.fields(Config)}
+
+
+def _type_name(tp: Any) -> str:
+    if get_origin(tp) is Union:
+        return " or ".join(_type_name(a) for a in get_args(tp))
+    if get_origin(tp) is Literal:
+        return " | ".join(str(a) for a in get_args(tp))
+    return {bool: "true/false", int: "an integer", float: "a number", str: "a string"}.get(tp, str(tp))
+
+
+def _coerce(key: str, tp: Any, value: Any, from_text: bool) -> Any:
+    """Turn ``value`` into type ``tp`` or raise ConfigError naming ``key``."""
+    if get_origin(tp) is Union:
+        for option in get_args(tp):
+            try:
+                return _coerce(key, option, value, from_text)
+            except ConfigError:
+                pass
+        raise ConfigError([f"{key}: expected {_type_name(tp)}, got {value!r}"])
+    if get_origin(tp) is Literal:
+        allowed = get_args(tp)
+        if value not in allowed:
+            raise ConfigError([f"{key}: {value!r} is not allowed; choose one of {', '.join(map(str, allowed))}"])
+        return value
+    if tp is bool:
+        if isinstance(value, bool):
+            return value
+        if from_text and str(value).lower() in ("true", "1", "yes", "on", "false", "0", "no", "off"):
+            return str(value).lower() in ("true", "1", "yes", "on")
+    elif tp is int:
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+        if from_text:
+            try:
+                return int(str(value).replace("_", ""))
+            except ValueError:
+                pass
+    elif tp is float:
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return float(value)
+        if from_text:
+            try:
+                return float(value)
+            except ValueError:
+                pass
+    elif tp is str:
+        if isinstance(value, str):
+            return value
+        if from_text:
+            return str(value)
+    raise ConfigError([f"{key}: expected {_type_name(tp)}, got {value!r}"])
+
+
+def _unknown_key(key: str, known: list[str]) -> str:
+    hint = difflib.get_close_matches(key, known, n=1)
+    msg = f"{key}: unknown config key"
+    if hint:
+        msg += f"; did you mean {hint[0]}?"
+    section = key.split(".")[0]
+    same = [k for k in known if k.startswith(section + ".")]
+    if same and not hint:
+        msg += f"; keys in [{section}]: {', '.join(same)}"
+    elif not same:
+        msg += f"; sections are {', '.join(sections())}"
+    return msg
+
+
+def all_keys() -> list[str]:
+    return [f"{s}.{f.name}" for s, cls in sections().items() for f in dataclasses.fields(cls)]
+
+
+def _apply(values: dict[str, dict[str, Any]], pairs: list[tuple[str, Any, bool]], origin: str) -> list[str]:
+    """Set ``(dotted key, value, from_text)`` pairs into the nested ``values`` dict."""
+    errors = []
+    known = all_keys()
+    secs = sections()
+    for key, value, from_text in pairs:
+        if key not in known:
+            errors.append(origin + _unknown_key(key, known))
+            continue
+        section, name = key.split(".", 1)
+        tp = typing.get_type_hints(secs[section])[name]
+        try:
+            values[section][name] = _coerce(key, tp, value, from_text)
+        except ConfigError as e:
+            errors.extend(origin + line for line in e.errors)
+    return errors
+
+
+def _flatten(table: dict[str, Any], prefix: str = "") -> list[tuple[str, Any]]:
+    out = []
+    for k, v in table.items():
+        if isinstance(v, dict):
+            out.extend(_flatten(v, f"{prefix}{k}."))
+        else:
+            out.append((f"{prefix}{k}", v))
+    return out
+
+
+def parse_set(item: str) -> tuple[str, str]:
+    if "=" not in item:
+        raise ConfigError([f"--set {item!r}: expected KEY=VALUE, e.g. --set train.lr=3e-4"])
+    key, value = item.split("=", 1)
+    return key.strip(), value.strip()
+
+
+def load_config(path: str | os.PathLike | None = None, overrides: list[str] | None = None) -> Config:
+    """Defaults <- TOML file <- ``--set`` overrides, then validation. Raises ConfigError."""
+    values = Config().to_dict()
+    errors: list[str] = []
+    if path is not None:
+        p = Path(path)
+        if not p.is_file():
+            raise ConfigError([f"{p}: config file not found"])
+        try:
+            table = tomllib.loads(p.read_text())
+        except (tomllib.TOMLDecodeError, UnicodeDecodeError) as e:
+            raise ConfigError([f"{p}: not valid TOML: {e}"]) from None
+        errors += _apply(values, [(k, v, False) for k, v in _flatten(table)], f"{p}: ")
+    pairs = []
+    for item in overrides or []:
+        try:
+            pairs.append((*parse_set(item), True))
+        except ConfigError as e:
+            errors += e.errors
+    errors += _apply(values, pairs, "--set ")
+    if errors:
+        raise ConfigError(errors)
+    secs = sections()
+    cfg = Config(**{s: secs[s](**v) for s, v in values.items()})
+    validate(cfg)
+    return cfg
+
+
+def from_dict(values: dict[str, dict[str, Any]]) -> Config:
+    """Rebuild a Config saved with ``to_dict`` (e.g. from a checkpoint), ignoring unknown keys."""
+    secs = sections()
+    known = {s: {f.name for f in dataclasses.fields(cls)} for s, cls in secs.items()}
+    return Config(**{s: secs[s](**{k: v for k, v in values.get(s, {}).items() if k in known[s]}) for s in secs})
+
+
+def validate(cfg: Config) -> None:
+    """Check values that a type alone cannot; collect every problem, then raise once."""
+    errors = cfg.errors()
+    if errors:
+        raise ConfigError(errors)

@@ -1,0 +1,387 @@
+"""The configuration tree: ConfigError, one dataclass per section, and Config, which holds them.
+
+Each field's docstring (the string literal after it) is the user-facing description used by ``kiln config`` and the
+docs. Each section checks its own values in ``errors()``, which lists every problem rather than stopping at the first.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from dataclasses import dataclass, field
+from typing import Any, Literal, Union
+
+from kiln.config.units import parse_duration, parse_step_range
+
+
+class ConfigError(ValueError):
+    """A bad configuration: each line of the message names one key and what is allowed."""
+
+    def __init__(self, errors: list[str]):
+        self.errors = errors
+        super().__init__("\n".join(errors))
+
+
+def _failed(*checks: tuple[bool, str]) -> list[str]:
+    """The messages of the checks that do not hold, in order; each check is ``(ok, message)``."""
+    return [message for ok, message in checks if not ok]
+
+
+@dataclass
+class RunConfig:
+    dir: str = "runs/default"
+    """Run directory: config, metrics, TensorBoard events and checkpoints are written here."""
+    device: str = "auto"
+    """Device to train on: auto (cuda if available, else cpu), cpu, cuda or cuda:N."""
+    threads: int = 0
+    """CPU threads for intra-op parallelism; 0 keeps PyTorch's default."""
+
+    def errors(self) -> list[str]:
+        dev = self.device
+        return _failed(
+            (bool(self.dir), "run.dir: must not be empty"),
+            (self.threads >= 0, f"run.threads: must be >= 0, got {self.threads}"),
+            (dev in ("auto", "cpu", "cuda") or (dev.startswith("cuda:") and dev[5:].isdigit()),
+             f"run.device: {dev!r} is not allowed; choose auto, cpu, cuda or cuda:N"),
+        )
+
+
+@dataclass
+class ModelConfig:
+    family: str = "gpt"
+    """Model family: gpt (kiln's own Llama-style Transformer), or a plug-in given as
+    package.module:object, an object implementing kiln.models.ModelFamily."""
+    preset: str = "tiny"
+    """Model preset of the gpt family: tiny, small, gpt2-124m, 350m, 1b or 7b (see `kiln presets`)."""
+    n_layer: int = 0
+    """Number of Transformer blocks; 0 keeps the preset's."""
+    d_model: int = 0
+    """Residual stream width; 0 keeps the preset's."""
+    n_head: int = 0
+    """Attention heads; 0 keeps the preset's."""
+    n_kv_head: int = 0
+    """Key/value heads for grouped-query attention (divides n_head); 0 keeps the preset's."""
+    d_ff: int = 0
+    """Hidden width of the SwiGLU MLP; 0 keeps the preset's."""
+    tie_embeddings: str = "preset"
+    """Share input embedding and output projection: true, false or preset."""
+    rope_theta: float = 0.0
+    """RoPE base frequency; 0 keeps the preset's."""
+
+    def errors(self) -> list[str]:
+        # Only the family knows its presets and which dimensions fit together: it checks the rest when it builds.
+        return _failed((bool(self.family), "model.family: must not be empty; use gpt or package.module:object"))
+
+
+@dataclass
+class DataConfig:
+    source: str = "stdlib"
+    """Training text: 'stdlib' (the Python standard library on this machine, no download) or a
+    file, directory or glob of .txt or .py files (one document each), .jsonl (one document per
+    line) and .parquet files (one per row)."""
+    text_field: str = "text"
+    """Field holding the text in .jsonl and .parquet records."""
+    tokenizer: str = "bpe"
+    """'bpe' trains a byte-level BPE on the training split (cached), or a path to a tokenizer.json."""
+    vocab_size: int = 4096
+    """Vocabulary size of the trained BPE tokenizer."""
+    seq_len: int = 128
+    """Tokens per training sequence (context length)."""
+    val_fraction: float = 0.05
+    """Share of documents held out for validation, chosen by a stable hash of each document's name."""
+    num_workers: int = 2
+    """DataLoader worker processes (0 loads in the training process)."""
+    prepare_workers: int = 0
+    """Processes that tokenize during preparation; 0 uses every CPU core."""
+    cache_dir: str = ""
+    """Where tokenizers and token shards are cached; empty means $KILN_CACHE or ~/.cache/kiln."""
+
+    def errors(self) -> list[str]:
+        return _failed(
+            (self.vocab_size >= 260,
+             f"data.vocab_size: must be >= 260 (256 bytes and special tokens), got {self.vocab_size}"),
+            (self.seq_len >= 2, f"data.seq_len: must be >= 2, got {self.seq_len}"),
+            (0 < self.val_fraction < 1, f"data.val_fraction: must be in (0, 1), got {self.val_fraction}"),
+            (self.num_workers >= 0, f"data.num_workers: must be >= 0, got {self.num_workers}"),
+            (self.prepare_workers >= 0, f"data.prepare_workers: must be >= 0, got {self.prepare_workers}"),
+            (bool(self.text_field), "data.text_field: must not be empty"),
+            (bool(self.source), "data.source: must not be empty; use 'stdlib' or a path"),
+        )
+
+
+@dataclass
+class TrainConfig:
+    max_steps: int = 1050
+    """Optimizer steps to train for (the default run takes about five minutes on 2 CPU cores)."""
+    micro_batch_size: Union[int, Literal["auto"]] = 32
+    """Sequences per forward/backward pass on each rank, or "auto": before training, find the
+    largest that fits in device memory by probing real steps (accumulation then makes up the
+    global batch). A run that meets an out-of-memory error lowers it by itself (see docs/memory.md)."""
+    global_batch_size: int = 32
+    """Sequences per optimizer step over all ranks; a multiple of micro_batch_size times the
+    data-parallel degree (the ratio is the number of gradient accumulation steps)."""
+    batch_ramp_start: int = 0
+    """Global batch size at the first step of a batch-size ramp, which grows it in equal
+    increments to global_batch_size; 0 turns the ramp off."""
+    batch_ramp_increment: int = 0
+    """How much the global batch grows at each stage of the ramp; 0 means by batch_ramp_start."""
+    batch_ramp_steps: int = 0
+    """Length of the ramp in optimizer steps (stages of equal length); set this or batch_ramp_tokens."""
+    batch_ramp_tokens: int = 0
+    """Length of the ramp in training tokens (stages of equal token counts); set this or batch_ramp_steps."""
+    lr: float = 3e-3
+    """Peak learning rate."""
+    min_lr_ratio: float = 0.1
+    """Final learning rate as a fraction of lr (cosine, linear and wsd schedules)."""
+    schedule: Literal["cosine", "linear", "constant", "wsd"] = "wsd"
+    """Learning-rate schedule after warmup: cosine, linear, constant or wsd (warmup-stable-decay)."""
+    warmup_steps: int = 50
+    """Steps of linear warmup from 0 to lr."""
+    decay_fraction: float = 0.2
+    """For wsd: the final share of steps in which the rate decays."""
+    weight_decay: float = 0.1
+    """AdamW weight decay, applied to matrices only (not to norms, biases or embeddings)."""
+    beta1: float = 0.9
+    """AdamW beta1."""
+    beta2: float = 0.95
+    """AdamW beta2."""
+    eps: float = 1e-8
+    """AdamW epsilon."""
+    grad_clip: float = 1.0
+    """Clip gradients to this global L2 norm; 0 turns clipping off."""
+    seed: int = 1337
+    """Seed for initialisation, data order and sampling."""
+    precision: Literal["fp32", "bf16", "fp16"] = "fp32"
+    """Numeric precision: fp32, bf16 (autocast) or fp16 (autocast with a gradient scaler)."""
+    compile: bool = False
+    """Compile the model with torch.compile."""
+    activation_checkpointing: bool = False
+    """Recompute each block's activations in the backward pass to save memory."""
+    log_every: int = 10
+    """Log metrics every N steps (the only points where the loop waits for the device)."""
+    time_budget: str = ""
+    """Wall-clock limit of the training loop, e.g. "300s", "5m", "1h30m" (empty: none). The run
+    stops at the step boundary that would cross it, then evaluates and checkpoints; running the
+    same command again resumes and trains for another budget. The schedule still follows
+    max_steps."""
+
+    def errors(self) -> list[str]:
+        micro, batch = self.micro_batch_size, self.global_batch_size
+        # Divisibility means something only once both sizes are valid; the checks before it report them if not.
+        whole = micro == "auto" or micro < 1 or batch < 1 or batch % micro == 0
+        errors = _failed(
+            (self.max_steps >= 1, f"train.max_steps: must be >= 1, got {self.max_steps}"),
+            (micro == "auto" or micro >= 1, f"train.micro_batch_size: must be >= 1 or auto, got {micro}"),
+            (batch >= 1, f"train.global_batch_size: must be >= 1, got {batch}"),
+            (whole, (f"train.global_batch_size: {batch} is not a multiple of train.micro_batch_size {micro}; "
+                     "accumulation steps must be a whole number")),
+        )
+        errors += self._ramp_errors()
+        errors += _failed(
+            (self.lr > 0, f"train.lr: must be > 0, got {self.lr}"),
+            (0 <= self.min_lr_ratio <= 1, f"train.min_lr_ratio: must be in [0, 1], got {self.min_lr_ratio}"),
+            (self.warmup_steps >= 0, f"train.warmup_steps: must be >= 0, got {self.warmup_steps}"),
+            (0 < self.decay_fraction <= 1, f"train.decay_fraction: must be in (0, 1], got {self.decay_fraction}"),
+            (self.weight_decay >= 0, f"train.weight_decay: must be >= 0, got {self.weight_decay}"),
+            (0 <= self.beta1 < 1, f"train.beta1: must be in [0, 1), got {self.beta1}"),
+            (0 <= self.beta2 < 1, f"train.beta2: must be in [0, 1), got {self.beta2}"),
+            (self.eps > 0, f"train.eps: must be > 0, got {self.eps}"),
+            (self.grad_clip >= 0, f"train.grad_clip: must be >= 0 (0 is off), got {self.grad_clip}"),
+            (self.seed >= 0, f"train.seed: must be >= 0, got {self.seed}"),
+            (self.log_every >= 1, f"train.log_every: must be >= 1, got {self.log_every}"),
+        )
+        if self.time_budget:
+            try:
+                if parse_duration(self.time_budget) <= 0:
+                    errors.append(f"train.time_budget: must be more than 0, got {self.time_budget!r}")
+            except ValueError:
+                errors.append(f"train.time_budget: {self.time_budget!r} is not a duration; use e.g. 300s, 5m, 1h30m")
+        return errors
+
+    def _ramp_errors(self) -> list[str]:
+        if self.batch_ramp_start == 0:
+            unused = [k for k in ("batch_ramp_increment", "batch_ramp_steps", "batch_ramp_tokens") if getattr(self, k)]
+            return [f"train.{k}: set, but the ramp is off; set train.batch_ramp_start too" for k in unused]
+        start, end = self.batch_ramp_start, self.global_batch_size
+        inc = self.batch_ramp_increment or start
+        if start < 0 or inc < 0:
+            got = f"{start} / {self.batch_ramp_increment}"
+            return [f"train.batch_ramp_start / batch_ramp_increment: must be >= 0, got {got}"]
+        errors = []
+        if not 0 < start < end:
+            errors.append(f"train.batch_ramp_start: {start} must be below train.global_batch_size {end}")
+        elif (end - start) % inc:
+            errors.append(f"train.batch_ramp_increment: {inc} does not divide train.global_batch_size - "
+                          f"train.batch_ramp_start = {end - start}; the ramp must end on global_batch_size")
+        micro = self.micro_batch_size
+        if micro != "auto" and micro >= 1:
+            errors += [f"train.{k}: {v} is not a multiple of train.micro_batch_size {micro}"
+                       for k, v in (("batch_ramp_start", start), ("batch_ramp_increment", inc)) if v % micro]
+        steps, tokens = self.batch_ramp_steps, self.batch_ramp_tokens
+        if (steps > 0) == (tokens > 0) or min(steps, tokens) < 0:
+            errors.append("train.batch_ramp_steps / train.batch_ramp_tokens: set exactly one of them to a positive "
+                          f"length, got {steps} / {tokens}")
+        return errors
+
+
+@dataclass
+class EvalConfig:
+    every: int = 350
+    """Evaluate every N steps (and at the end); 0 only at the end."""
+    batches: int = 8
+    """Validation micro-batches per evaluation (a fixed sample, the same each time)."""
+    sample_tokens: int = 64
+    """Tokens to generate as a sample at each evaluation; 0 turns samples off."""
+    prompt: str = "def "
+    """Prompt for the generated sample."""
+
+    def errors(self) -> list[str]:
+        return _failed(
+            (self.every >= 0, f"eval.every: must be >= 0 (0 evaluates only at the end), got {self.every}"),
+            (self.batches >= 1, f"eval.batches: must be >= 1, got {self.batches}"),
+            (self.sample_tokens >= 0, f"eval.sample_tokens: must be >= 0, got {self.sample_tokens}"),
+        )
+
+
+@dataclass
+class CheckpointConfig:
+    every: int = 350
+    """Save a checkpoint every N steps (and at the end); 0 only at the end."""
+    keep: int = 2
+    """Complete checkpoints to keep; older ones are deleted."""
+    resume: str = "auto"
+    """'auto' resumes from the newest complete checkpoint in run.dir if there is one, 'never'
+    starts fresh (refusing a run.dir that already has checkpoints), or a checkpoint path."""
+
+    def errors(self) -> list[str]:
+        return _failed(
+            (self.every >= 0, f"checkpoint.every: must be >= 0 (0 saves only at the end), got {self.every}"),
+            (self.keep >= 1, f"checkpoint.keep: must be >= 1, got {self.keep}"),
+        )
+
+
+@dataclass
+class ParallelConfig:
+    strategy: Literal["ddp", "fsdp", "fsdp_grad_op"] = "ddp"
+    """How data-parallel ranks share the model when the world size is above 1: ddp (replicas,
+    gradients all-reduced), fsdp (FSDP2, parameters, gradients and optimizer state sharded, like
+    ZeRO-3) or fsdp_grad_op (as fsdp, but parameters stay gathered from forward to backward, like
+    ZeRO-2: less communication, more memory). Ignored in a single process unless
+    parallel.cpu_offload is on."""
+    tp: int = 1
+    """Tensor-parallel degree: each block's attention and MLP are split over this many ranks
+    (a divisor of the world size; the rest of the world is data-parallel). Needs fsdp or
+    fsdp_grad_op when the data-parallel degree is above 1."""
+    bucket_mb: int = 25
+    """DDP gradient bucket size in MiB: larger buckets mean fewer, bigger all-reduces."""
+    cpu_offload: bool = False
+    """With fsdp/fsdp_grad_op on CUDA: keep sharded parameters, gradients and optimizer state in
+    CPU memory, and run the optimizer there (slower; fits much larger models). Works in a single
+    process too (FSDP over a group of one), e.g. to train a 7B model on one GPU."""
+
+    def errors(self) -> list[str]:
+        return _failed(
+            (self.tp >= 1, f"parallel.tp: must be >= 1, got {self.tp}"),
+            (self.bucket_mb >= 1, f"parallel.bucket_mb: must be >= 1, got {self.bucket_mb}"),
+        )
+
+
+@dataclass
+class GuardConfig:
+    max_bad_steps: int = 3
+    """Non-finite steps (loss or gradient norm NaN/Inf) in a row, each skipped, before the run rolls
+    back to its last checkpoint with a lower learning rate; 0 turns the rollback off (bad steps
+    are still skipped)."""
+    lr_factor: float = 0.5
+    """The learning rate is multiplied by this at each rollback."""
+    max_rollbacks: int = 2
+    """Rollbacks allowed before the run stops with a report."""
+    spike_threshold: float = 6.0
+    """Warn when a step's loss exceeds its running mean by this many running standard deviations; 0 is off."""
+
+    def errors(self) -> list[str]:
+        return _failed(
+            (self.max_bad_steps >= 0,
+             f"guard.max_bad_steps: must be >= 0 (0 turns rollback off), got {self.max_bad_steps}"),
+            (0 < self.lr_factor <= 1, f"guard.lr_factor: must be in (0, 1], got {self.lr_factor}"),
+            (self.max_rollbacks >= 0, f"guard.max_rollbacks: must be >= 0, got {self.max_rollbacks}"),
+            (self.spike_threshold >= 0, f"guard.spike_threshold: must be >= 0 (0 is off), got {self.spike_threshold}"),
+        )
+
+
+@dataclass
+class ObserveConfig:
+    histograms_every: int = 0
+    """Write weight and gradient histograms to TensorBoard every N steps; 0 is off."""
+    wandb: bool = False
+    """Also log to Weights & Biases (needs the wandb package; WANDB_MODE=offline logs without a network)."""
+    wandb_project: str = "kiln"
+    """Weights & Biases project name."""
+
+    def errors(self) -> list[str]:
+        return _failed(
+            (self.histograms_every >= 0, f"observe.histograms_every: must be >= 0, got {self.histograms_every}"),
+        )
+
+
+@dataclass
+class ProfileConfig:
+    steps: str = ""
+    """Optimizer steps to profile with torch.profiler, as START:END (1-based, inclusive), e.g. 5:8;
+    empty is off. The trace goes to profile.dir (TensorBoard, Perfetto or chrome://tracing)."""
+    dir: str = ""
+    """Where the trace and breakdown.json are written; empty means RUN_DIR/profile."""
+
+    def errors(self) -> list[str]:
+        if self.steps:
+            try:
+                parse_step_range(self.steps)
+            except ValueError as e:
+                return [f"profile.steps: {e}"]
+        return []
+
+
+@dataclass
+class Config:
+    run: RunConfig = field(default_factory=RunConfig)
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    guard: GuardConfig = field(default_factory=GuardConfig)
+    observe: ObserveConfig = field(default_factory=ObserveConfig)
+    profile: ProfileConfig = field(default_factory=ProfileConfig)
+
+    def grad_accum_steps(self, data_parallel: int = 1) -> int:
+        """Micro-batches per rank per optimizer step (at the full global batch, with a fixed micro-batch)."""
+        if self.train.micro_batch_size == "auto":
+            raise ValueError("train.micro_batch_size is 'auto': the accumulation is known only once it is probed")
+        return self.train.global_batch_size // (self.train.micro_batch_size * data_parallel)
+
+    def errors(self) -> list[str]:
+        """Every problem in every section; no check needs to read two sections."""
+        # The order validate() has always reported them in, so that what users see does not reshuffle.
+        order = (self.model, self.train, self.data, self.eval, self.checkpoint, self.parallel, self.guard,
+                 self.observe, self.profile, self.run)
+        return [message for section in order for message in section.errors()]
+
+    def to_dict(self) -> dict[str, dict[str, Any]]:
+        return dataclasses.asdict(self)
+
+    def to_toml(self) -> str:
+        lines = []
+        for section, values in self.to_dict().items():
+            lines.append(f"[{section}]")
+            lines.extend(f"{key} = {_toml_value(value)}" for key, value in values.items())
+            lines.append("")
+        return "\n".join(lines)
+
+
+def _toml_value(value: Any) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, (int, float)):
+        return repr(value)
+    return json.dumps(value)  # a JSON string is a valid TOML basic string

@@ -1,0 +1,44 @@
+"""The device a run computes on, and what it can do: which device "auto" means, and the peak
+throughput of known accelerators (the denominator of model FLOPs utilisation, MFU)."""
+
+from __future__ import annotations
+
+import torch
+
+from kiln.config import ConfigError
+
+# Dense (no sparsity) bf16 tensor-core peak per device, in FLOP/s, from the vendors' datasheets.
+# Matched as substrings of torch.cuda.get_device_name(), longest first ("H100 PCIe" before "H100").
+PEAK_FLOPS: dict[str, float] = {
+    "H100 PCIe": 756e12,
+    "H100 NVL": 835e12,
+    "H100": 989e12,  # SXM
+    "H200": 989e12,
+    "B200": 2250e12,
+    "A100": 312e12,
+}
+
+
+def resolve_device(name: str) -> torch.device:
+    """``run.device``: auto (cuda if available, else cpu), cpu, cuda or cuda:N."""
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    device = torch.device(name)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ConfigError([f"run.device: {name!r} requested but CUDA is not available on this machine; use cpu or auto"])
+    return device
+
+
+def gpu_key(name: str) -> str | None:
+    """The PEAK_FLOPS entry a GPU name ("NVIDIA H100 80GB HBM3", "h100") falls under: the longest
+    key it contains, case aside; None for a GPU not in the table."""
+    lowered = name.strip().lower()
+    return next((key for key in sorted(PEAK_FLOPS, key=len, reverse=True) if key.lower() in lowered), None)
+
+
+def peak_flops(device: torch.device) -> float | None:
+    """The device's dense bf16 peak FLOP/s, or None on CPU and on accelerators not in PEAK_FLOPS."""
+    if device.type != "cuda":
+        return None
+    key = gpu_key(torch.cuda.get_device_name(device))
+    return PEAK_FLOPS[key] if key else None

@@ -1,0 +1,282 @@
+"""Model families: the one interface through which kiln builds, splits, counts and names a kind
+of model.
+
+A family turns the user's ``[model]`` section into validated model arguments and a plain
+``nn.Module``, and describes that module to the generic code from the outside: which layers
+repeat (FSDP units, activation checkpointing), how its projections split over tensor-parallel
+ranks, its training FLOPs per token, the memory ``kiln plan`` should expect, the names its
+weights have in the Hugging Face format, and the loss, evaluation and sampling of its job.
+``kiln.distributed``, ``kiln.plan``, the LM job and the doctor ask the family; none of them
+names a model's modules.
+
+kiln's GPT is the family ``gpt`` (``kiln.models.gpt``). Any other is a plug-in: an object with
+the methods of ``ModelFamily`` (subclass it), named in the config as
+``model.family = "package.module:object"``. ``kiln.Trainer`` trains any ``nn.Module`` without a
+family; families are for the built-in jobs.
+"""
+
+from __future__ import annotations
+
+import importlib
+from dataclasses import dataclass, field
+from typing import Any, Mapping
+
+import torch
+from torch import nn
+
+from kiln.config import Config, ConfigError, ModelConfig
+from kiln.models.lm import evaluate_lm, lm_loss
+
+TP_STYLES = ("colwise", "rowwise")
+
+
+@dataclass(frozen=True)
+class ParallelPlan:
+    """How parallelism and activation checkpointing apply to a model, as data: the model stays
+    plain and free of distributed imports, and ``kiln.distributed`` does the applying.
+
+    ``blocks``: the attribute holding the repeated layers (an ``nn.ModuleList``): each is an FSDP
+    unit and an activation-checkpointing unit; None if the model has none (FSDP then shards it
+    as one unit). ``tensor_parallel``: within a block, each ``nn.Linear`` to split and how:
+    ``colwise`` splits its output features (whole heads, a slice of hidden units), ``rowwise``
+    its input features (the projection back, followed by one all-reduce). ``tp_divisors``: the
+    config keys whose values the tensor-parallel degree must divide, with those values.
+    ``derived_buffers``: the model's buffers are computed from its config and equal on every rank,
+    so DDP need not broadcast them before each forward.
+    """
+
+    blocks: str | None = "blocks"
+    tensor_parallel: Mapping[str, str] = field(default_factory=dict)
+    tp_divisors: Mapping[str, int] = field(default_factory=dict)
+    derived_buffers: bool = False
+
+    def __post_init__(self):
+        bad = {name: style for name, style in self.tensor_parallel.items() if style not in TP_STYLES}
+        if bad:
+            raise ValueError(f"tensor-parallel styles must be one of {TP_STYLES}, got {bad}")
+
+    @classmethod
+    def infer(cls, model: nn.Module) -> "ParallelPlan":
+        """The plan of a model without a family: its ``blocks`` if it has them, no tensor parallelism."""
+        return cls(blocks="blocks" if isinstance(getattr(model, "blocks", None), nn.ModuleList) else None)
+
+    def repeated_blocks(self, model: nn.Module) -> list[nn.Module]:
+        """The repeated layers; an empty list if the plan names none."""
+        if self.blocks is None:
+            return []
+        blocks = model.get_submodule(self.blocks)
+        if not isinstance(blocks, nn.ModuleList):
+            raise ValueError(f"the parallel plan names {self.blocks!r} as the repeated layers of "
+                             f"{type(model).__name__}, but it is a {type(blocks).__name__}, not an nn.ModuleList")
+        return list(blocks)
+
+    def tp_split_dim(self, name: str) -> int | None:
+        """The dimension of a block parameter's weight (``[out, in]``) that tensor parallelism
+        divides among the ranks, or None if it stays whole. ``name`` is relative to the block
+        (``attn.wq`` or ``attn.wq.weight``)."""
+        style = self.tensor_parallel.get(name.removesuffix(".weight"))
+        return None if style is None else TP_STYLES.index(style)
+
+    def check_tensor_parallel(self, tp: int, what: str) -> None:
+        """Raise ConfigError unless ``tp`` can split this model; ``what`` names the model."""
+        if tp == 1:
+            return
+        if not self.tensor_parallel:
+            raise ConfigError([f"parallel.tp: tensor parallelism needs a model family's plan of which projections "
+                               f"to split; {what} has none"])
+        bad = [f"{key}={value}" for key, value in self.tp_divisors.items() if value % tp]
+        if bad:
+            raise ConfigError([f"parallel.tp: {tp} must divide {', '.join(bad)}"])
+
+
+@dataclass(frozen=True)
+class MemoryContext:
+    """What a family's memory model needs to know of a setup: ``tokens`` of one micro-batch on
+    one device; ``autocast``: matmuls run in 16 bits and return 16-bit activations;
+    ``residual_bytes``: bytes per element of the residual stream between blocks (4, or 2 when FSDP
+    computes with gathered bf16 weights); ``tp``: the tensor-parallel degree; ``casts_weights``:
+    autocast makes 16-bit copies of the fp32 weights (and keeps them for the backward pass)."""
+
+    tokens: int
+    autocast: bool
+    residual_bytes: int
+    tp: int
+    casts_weights: bool
+
+    @property
+    def act_bytes(self) -> int:
+        """Bytes per element of what a matmul returns."""
+        return 2 if self.autocast else 4
+
+
+class MemoryModel:
+    """The bytes a family's model keeps for its backward pass, for ``kiln plan``. The planner
+    itself counts parameters, gradients, optimizer state, sharding, gathered weights and
+    autocast copies of the blocks' matrices from the model's parameter list; a family adds what
+    only it knows: activations, the loss, and the transients of its backward pass."""
+
+    n_layer: int
+    d_model: int
+    vocab_size: int
+    buffers: str = "model buffers"
+    """What the model's buffers hold, as the plan's label says it."""
+    backward_peak_grad: str | None = None
+    """The block parameter (relative to the block) whose new gradient exists at the peak of a
+    block's backward pass, or None."""
+
+    def block_activations(self, ctx: MemoryContext) -> int:
+        """Bytes one block keeps from its forward for its backward."""
+        raise NotImplementedError
+
+    def checkpointed_block(self, ctx: MemoryContext) -> int:
+        """Bytes one block keeps under activation checkpointing (its input)."""
+        return ctx.tokens * self.d_model * ctx.residual_bytes
+
+    def block_backward_workspace(self, ctx: MemoryContext) -> int:
+        """Transient bytes at the peak of one block's backward pass (gradients flowing through it)."""
+        raise NotImplementedError
+
+    def after_blocks(self, ctx: MemoryContext) -> int:
+        """Bytes kept between the last block and the loss (e.g. a final norm's saved tensors)."""
+        return 0
+
+    def head(self, ctx: MemoryContext) -> tuple[int, int]:
+        """The output layer and loss: (bytes kept for the backward pass, largest transient in forward)."""
+        raise NotImplementedError
+
+    def head_weight_copy(self, ctx: MemoryContext) -> int:
+        """Bytes of autocast's low-precision copy of the output layer's weight, if it makes one."""
+        return 0
+
+    def embedding_backward(self, ctx: MemoryContext, accumulating: bool) -> int:
+        """Transient bytes of the embedding's backward; ``accumulating``: earlier micro-batches'
+        gradients are already held."""
+        raise NotImplementedError
+
+
+class StateDictAdapter:
+    """Weight names to and from a Hugging Face model's, so kiln's checkpoints load there and back."""
+
+    def to_hf(self, state: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        raise NotImplementedError
+
+    def from_hf(self, state: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        raise NotImplementedError
+
+    def hf_config(self) -> dict[str, Any]:
+        """The ``config.json`` of the equivalent Hugging Face model."""
+        raise NotImplementedError
+
+
+class ModelFamily:
+    """One kind of model, as kiln's jobs and tools see it. Subclass it for a plug-in family."""
+
+    name: str = ""
+
+    # -- building ------------------------------------------------------------------------------
+
+    def resolve(self, model_cfg: ModelConfig, *, vocab_size: int, seq_len: int) -> Any:
+        """The model's arguments from the ``[model]`` section, the tokenizer's vocabulary and the
+        context length; ConfigError listing every invalid ``model.*`` value."""
+        raise NotImplementedError
+
+    def build(self, args: Any) -> nn.Module:
+        """The plain model, constructed on the current default device: ``kiln plan`` builds it on
+        the ``meta`` device (shapes, no storage); ``materialize`` then allocates and initialises."""
+        raise NotImplementedError
+
+    def args_to_dict(self, args: Any) -> dict[str, Any]:
+        """The arguments as JSON (the run's ``model.json``)."""
+        raise NotImplementedError
+
+    def args_from_dict(self, values: Mapping[str, Any]) -> Any:
+        raise NotImplementedError
+
+    def describe(self, args: Any, model: nn.Module) -> str:
+        """One line about the model for the console."""
+        return f"{sum(p.numel() for p in model.parameters()):,} parameters"
+
+    # -- how it splits and what it costs ------------------------------------------------------
+
+    def parallel_plan(self, args: Any) -> ParallelPlan:
+        return ParallelPlan()
+
+    def flops_per_token(self, args: Any, seq_len: int) -> float:
+        """Training (forward + backward) FLOPs per token, for MFU and ``kiln plan``."""
+        raise NotImplementedError
+
+    def memory_model(self, args: Any) -> MemoryModel:
+        raise NotImplementedError
+
+    def head_dim(self, args: Any) -> int | None:
+        """The attention head width (the doctor checks the flash kernel with it), or None."""
+        return None
+
+    def state_dict_adapter(self, args: Any) -> StateDictAdapter | None:
+        return None
+
+    # -- its job ---------------------------------------------------------------------------------
+
+    def loss(self, model: nn.Module, batch: Any) -> torch.Tensor:
+        """Mean loss of one micro-batch (the Trainer's ``loss_fn``)."""
+        return lm_loss(model, batch)
+
+    def evaluate(self, model: nn.Module, batches: list, token_bytes: torch.Tensor, device: torch.device) -> dict[str, float]:
+        """Validation metrics over fixed batches (eval mode, no_grad, the run's precision)."""
+        return evaluate_lm(model, batches, token_bytes, device)
+
+    def generate(self, model: nn.Module, prompt: torch.Tensor, max_new_tokens: int, **sampling: Any) -> torch.Tensor | None:
+        """Continue ``prompt`` [B, T]: [B, T + new] token ids; None if the family cannot sample."""
+        return None
+
+
+def materialize(model: nn.Module, device: torch.device | str, seed: int) -> nn.Module:
+    """Allocate a model built on the ``meta`` device on ``device`` and initialise it from ``seed``.
+
+    PyTorch's own initialisation of every module (``reset_parameters``, in construction order)
+    runs first, then the model's ``init_weights``: the same draws from the same generator as
+    constructing the model eagerly after ``torch.manual_seed(seed)``, so either way gives
+    bitwise the same weights."""
+    model.to_empty(device=device)
+    torch.manual_seed(seed)
+    with torch.no_grad():
+        for module in model.modules():
+            if module is not model and hasattr(module, "reset_parameters"):
+                module.reset_parameters()
+        if hasattr(model, "init_weights"):
+            model.init_weights()
+    return model
+
+
+def build_model(family: ModelFamily, args: Any, device: torch.device | str, seed: int) -> nn.Module:
+    """The family's model for ``args``, built on ``meta`` and materialised on ``device`` from ``seed``."""
+    with torch.device("meta"):
+        model = family.build(args)
+    return materialize(model, device, seed)
+
+
+BUILT_IN = {"gpt": "kiln.models.gpt:FAMILY"}
+
+
+def get_family(name: str) -> ModelFamily:
+    """The family ``model.family`` names: a built-in one, or ``package.module:object``."""
+    target = BUILT_IN.get(name, name)
+    module_name, _, attr = target.partition(":")
+    if not attr:
+        raise ConfigError([f"model.family: {name!r} is not one of {', '.join(BUILT_IN)}, nor a plug-in given as "
+                           "package.module:object"])
+    try:
+        family = getattr(importlib.import_module(module_name), attr)
+    except (ImportError, AttributeError) as e:
+        raise ConfigError([f"model.family: cannot load {name!r}: {e}"]) from None
+    if isinstance(family, type):
+        family = family()
+    if not isinstance(family, ModelFamily):
+        raise ConfigError([f"model.family: {name!r} is a {type(family).__name__}, not a kiln.models.ModelFamily"])
+    return family
+
+
+def check_model_config(cfg: Config) -> None:
+    """Check ``[model]`` with its family before anything runs (ConfigError naming the keys); the
+    vocabulary is ``data.vocab_size`` here, the tokenizer's once the data is prepared."""
+    get_family(cfg.model.family).resolve(cfg.model, vocab_size=cfg.data.vocab_size, seq_len=cfg.data.seq_len)

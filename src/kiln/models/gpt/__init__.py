@@ -1,0 +1,89 @@
+"""kiln's own model family, ``gpt``: a Llama-style decoder-only Transformer (model.py), its named
+sizes (presets.py), what it keeps in memory for ``kiln plan`` (memory.py) and its Hugging Face
+names (hf.py)."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Mapping
+
+import torch
+from torch import nn
+
+from kiln.config import ModelConfig
+from kiln.models.family import ModelFamily, ParallelPlan
+from kiln.models.generate import generate
+from kiln.models.gpt.hf import LlamaAdapter
+from kiln.models.gpt.memory import GPTMemory
+from kiln.models.gpt.model import GPT, GPTConfig
+from kiln.models.gpt.presets import PRESETS, build_gpt_config, param_count
+
+__all__ = ["FAMILY", "GPT", "GPTConfig", "GPTFamily", "PRESETS", "build_gpt_config", "flops_per_token", "param_count"]
+
+
+def flops_per_token(cfg: GPTConfig, seq_len: int) -> float:
+    """Training (forward + backward) FLOPs per token, in the PaLM / nanoGPT convention::
+
+        6 * N + 12 * n_layer * d_model * seq_len
+
+    N counts the parameters of every matmul a token goes through: the attention and MLP
+    projections of each layer and the lm_head (tied or not); not the input embedding (a lookup)
+    nor the norms' gains. Each such weight costs 2 FLOPs per token forward (multiply and add) and
+    4 backward (gradients of input and weight): 6 * N. The second term is attention itself,
+    QK^T and AV, 2 * 2 * d_model * seq_len per layer forward, times 3 with the backward;
+    the causal mask's skipped half is counted too, as is conventional.
+    """
+    norm_gains = (2 * cfg.n_layer + 1) * cfg.d_model
+    # A tied matrix is counted once, as the lm_head's; an untied input embedding is only a lookup.
+    input_embedding = 0 if cfg.tie_embeddings else cfg.vocab_size * cfg.d_model
+    n_matmul = param_count(cfg) - norm_gains - input_embedding
+    return 6.0 * n_matmul + 12.0 * cfg.n_layer * cfg.n_head * cfg.head_dim * seq_len
+
+
+class GPTFamily(ModelFamily):
+    name = "gpt"
+
+    def resolve(self, model_cfg: ModelConfig, *, vocab_size: int, seq_len: int) -> GPTConfig:
+        return build_gpt_config(model_cfg, vocab_size=vocab_size, max_seq_len=seq_len)
+
+    def build(self, args: GPTConfig) -> GPT:
+        return GPT(args)
+
+    def args_to_dict(self, args: GPTConfig) -> dict[str, Any]:
+        return dataclasses.asdict(args)
+
+    def args_from_dict(self, values: Mapping[str, Any]) -> GPTConfig:
+        return GPTConfig(**values)
+
+    def describe(self, model_cfg: ModelConfig, args: GPTConfig, model: nn.Module) -> str:
+        return (f"{model_cfg.preset}: {model.num_params():,} parameters "
+                f"({model.num_params(exclude_embedding=True):,} without embeddings), "
+                f"{args.n_layer} layers, d_model {args.d_model}, vocab {args.vocab_size}")
+
+    def parallel_plan(self, args: GPTConfig) -> ParallelPlan:
+        """Megatron-style tensor parallelism: q/k/v and the MLP's input projections split
+        column-wise (each rank owns whole heads and a slice of the hidden units), the output
+        projections row-wise, so each block needs one all-reduce forward and one backward.
+        Embedding, norms and output layer stay whole. The RoPE tables are derived buffers."""
+        tp = {name: "colwise" for name in ("attn.wq", "attn.wk", "attn.wv", "mlp.w1", "mlp.w3")}
+        tp.update({name: "rowwise" for name in ("attn.wo", "mlp.w2")})
+        divisors = {f"model.{key}": getattr(args, key) for key in ("n_head", "n_kv_head", "d_ff")}
+        return ParallelPlan(blocks="blocks", tensor_parallel=tp, tp_divisors=divisors, derived_buffers=True)
+
+    def flops_per_token(self, args: GPTConfig, seq_len: int) -> float:
+        return flops_per_token(args, seq_len)
+
+    def memory_model(self, args: GPTConfig) -> GPTMemory:
+        return GPTMemory(args)
+
+    def head_dim(self, args: GPTConfig) -> int:
+        return args.head_dim
+
+    def state_dict_adapter(self, args: GPTConfig) -> LlamaAdapter:
+        return LlamaAdapter(args)
+
+    def generate(self, model: nn.Module, prompt: torch.Tensor, max_new_tokens: int, **sampling: Any) -> torch.Tensor:
+        return generate(model, prompt, max_new_tokens, **sampling)
+
+
+FAMILY = GPTFamily()

@@ -1,0 +1,80 @@
+"""What kiln's GPT keeps for its backward pass, tensor by tensor, for ``kiln plan``.
+
+Counted from what autograd saves in kiln's block (pre-norm RMSNorm, q/k/v with RoPE, SDPA,
+SwiGLU MLP) and in its fused output layer + loss; the figures were checked against live-tensor
+measurements of real training steps (tests/plan/test_plan.py).
+"""
+
+from __future__ import annotations
+
+from kiln.models.family import MemoryContext, MemoryModel
+from kiln.models.fused_loss import default_chunk_size
+from kiln.models.gpt.model import GPTConfig
+
+
+class GPTMemory(MemoryModel):
+    buffers = "RoPE tables"
+    # At the MLP product's backward, the gradients of w1 x, w3 x and the product are alive at
+    # once, next to the block's activations and w2's new gradient.
+    backward_peak_grad = "mlp.w2"
+
+    def __init__(self, cfg: GPTConfig):
+        self.cfg = cfg
+        self.n_layer, self.d_model, self.vocab_size = cfg.n_layer, cfg.d_model, cfg.vocab_size
+
+    def block_activations(self, ctx: MemoryContext) -> int:
+        """Per tensor autograd saves (checked against saved-tensor hooks on CPU): the block's
+        input and the residual after attention; per RMSNorm, x / rms in fp32 (for its gain's
+        gradient) and 1 / rms; the normed input of each projection (under autocast each of the
+        five casts it separately); rotated q, k (repeated to every head under GQA), v, SDPA's
+        output and log-sum-exp, and the [B, T, heads * head_dim] copy of the output that wo
+        reads; the SwiGLU MLP's w1 x, w3 x, silu(w1 x) and their product. Heads and d_ff are
+        divided among tensor-parallel ranks."""
+        cfg, act = self.cfg, ctx.act_bytes
+        d = cfg.d_model
+        heads = cfg.n_head // ctx.tp
+        width = heads * cfg.head_dim  # q, and k and v once repeated to every head
+        ff = cfg.d_ff // ctx.tp
+        per_token = (
+            2 * ctx.residual_bytes * d
+            + 2 * (4 * d + 4)
+            + (5 if ctx.autocast else 2) * act * d
+            + act * 5 * width + 4 * heads
+            + act * 4 * ff
+        )
+        return ctx.tokens * per_token
+
+    def block_backward_workspace(self, ctx: MemoryContext) -> int:
+        """The residual stream's fp32 gradient, and two [tokens, d_ff] gradients of the MLP."""
+        return 4 * ctx.tokens * self.d_model + 2 * ctx.act_bytes * ctx.tokens * (self.cfg.d_ff // ctx.tp)
+
+    def after_blocks(self, ctx: MemoryContext) -> int:
+        """The final RMSNorm keeps its input (the last block's output), x / rms and 1 / rms."""
+        return ctx.tokens * (ctx.residual_bytes * self.d_model + 4 * self.d_model + 4)
+
+    def head(self, ctx: MemoryContext) -> tuple[int, int]:
+        """kiln's fused output projection + cross-entropy (models/fused_loss.py): what it keeps
+        from forward to backward (the fp32 gradients of the hidden states and of the output
+        weight), and its largest transient during forward: the final norm's output, and a
+        chunk's [chunk, vocab] fp32 logits, which become that chunk's gradient. The next chunk's
+        logits are made while the previous chunk's gradient is still held; under autocast they
+        come from low-precision logits, and the gradient is cast down again for the two matmuls
+        that use it."""
+        tokens, d, vocab = ctx.tokens, self.d_model, self.vocab_size
+        saved = 4 * tokens * d + 4 * vocab * d
+        chunk = min(default_chunk_size(vocab), tokens)
+        held = 4 * chunk * vocab if tokens > chunk else 0
+        low = 2 if ctx.autocast else 0
+        making_logits = held + (4 + low) * chunk * vocab + low * chunk * d
+        using_gradient = (4 + low) * chunk * vocab + (low or 4) * chunk * d + low * vocab * d
+        return saved, 4 * tokens * (d + 1) + max(making_logits, using_gradient)
+
+    def head_weight_copy(self, ctx: MemoryContext) -> int:
+        return 2 * self.vocab_size * self.d_model if ctx.casts_weights else 0
+
+    def embedding_backward(self, ctx: MemoryContext, accumulating: bool) -> int:
+        """The embedding's gradient is a new dense tensor. Tied to the output layer, autograd adds
+        the two gradients out of place before storing the sum; earlier micro-batches' one is
+        added to in place."""
+        copies = 2 if self.cfg.tie_embeddings else 1 if accumulating else 0
+        return 4 * ctx.tokens * self.d_model + 4 * self.vocab_size * self.d_model * copies

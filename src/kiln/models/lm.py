@@ -1,0 +1,40 @@
+"""What causal language models share: the training loss and evaluation in bits per byte."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+def lm_loss(model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+    """Mean next-token loss of ``(inputs, targets)``; the model computes it given targets (kiln's
+    GPT fuses it with its output layer, in fp32)."""
+    x, y = batch
+    return model(x, y)
+
+
+@torch.no_grad()
+def evaluate_lm(model: nn.Module, batches, token_bytes: torch.Tensor, device: torch.device) -> dict[str, float]:
+    """Mean loss, perplexity and bits per byte over fixed batches.
+
+    Bits per byte divides the summed loss (in bits) by the UTF-8 bytes the target tokens stand
+    for, so models with different tokenizers are compared on the same scale."""
+    nats = torch.zeros((), device=device, dtype=torch.float64)
+    tokens = 0
+    nbytes = torch.zeros((), device=device, dtype=torch.int64)
+    token_bytes = token_bytes.to(device)
+    for x, y in batches:
+        x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
+        logits = model(x)
+        nats += F.cross_entropy(logits.flatten(0, 1).float(), y.flatten(), reduction="sum").double()
+        tokens += y.numel()
+        nbytes += token_bytes[y].sum()
+    loss = nats.item() / tokens
+    return {
+        "val_loss": loss,
+        "val_ppl": math.exp(min(loss, 50.0)),
+        "val_bpb": nats.item() / (math.log(2) * max(1, nbytes.item())),
+    }

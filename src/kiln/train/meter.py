@@ -1,0 +1,84 @@
+"""The loop's metrics: each step's loss and gradient norm stay on the device until a log point,
+where the interval is read in one go (the loop's one host sync) and turned into the logged
+record: loss, learning rate, gradient norm, throughput, MFU, batch sizes, memory."""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import time
+from typing import Any, Iterator
+
+import torch
+
+from kiln.data.batch_schedule import BatchSchedule
+from kiln.device import peak_flops
+from kiln.distributed.world import World
+from kiln.observe.memory import memory_stats
+
+
+class StepMeter:
+    """``tokens_per_sample`` turns samples/s into tokens/s; ``flops_per_token`` gives MFU where
+    the device's peak is known."""
+
+    def __init__(self, world: World, every: int, schedule: BatchSchedule, *, tokens_per_sample: int,
+                 flops_per_token: float | None):
+        self.world, self.every, self.schedule = world, every, schedule
+        self.tokens_per_sample, self.flops_per_token = tokens_per_sample, flops_per_token
+        self.start()
+
+    def start(self) -> None:
+        """Begin an interval: no steps yet, the clock from now."""
+        self.losses: list[torch.Tensor] = []
+        self.grad_norms: list[torch.Tensor] = []
+        self.samples = 0
+        self._t0 = time.perf_counter()
+        self._paused_s = 0.0
+
+    def due(self, step: int, now: bool = False) -> bool:
+        """Is ``step`` (just done) a log point? ``now``: the run ends or stops here."""
+        return now or step % self.every == 0
+
+    @contextlib.contextmanager
+    def paused(self) -> Iterator[None]:
+        """Work that is not training throughput (evaluation, saving): the clock stops."""
+        t0 = time.perf_counter()
+        try:
+            yield
+        finally:
+            self._paused_s += time.perf_counter() - t0
+
+    def end_step(self, loss: torch.Tensor, grad_norm: torch.Tensor, samples: int) -> None:
+        self.losses.append(loss)
+        self.grad_norms.append(grad_norm.detach().float())
+        self.samples += samples
+
+    def flush(self) -> dict[str, Any]:
+        """Per-step losses (averaged over ranks) and gradient norms of the interval, read in one go;
+        a new interval starts."""
+        per_step = torch.stack([self.world.mean(torch.stack(self.losses)).float(), torch.stack(self.grad_norms)])
+        losses, grad_norms = per_step.tolist() if self.losses else ([], [])
+        values = {
+            "losses": losses,
+            "grad_norms": grad_norms,
+            "samples": self.samples,
+            "seconds": max(1e-9, time.perf_counter() - self._t0 - self._paused_s),
+        }
+        self.start()
+        return values
+
+    def record(self, values: dict[str, Any], *, step: int, lr: float, elapsed_s: float,
+               micro_batch_size: int) -> dict[str, Any]:
+        """The logged record of an interval ending at ``step``: means over its finite steps."""
+        finite = [(l, g) for l, g in zip(values["losses"], values["grad_norms"]) if math.isfinite(l) and math.isfinite(g)]
+        loss, grad_norm = (sum(v) / len(finite) for v in zip(*finite)) if finite else (math.nan, math.nan)
+        tokens_per_s = values["samples"] * self.world.dp * self.tokens_per_sample / values["seconds"]
+        record = {"loss": loss, "lr": lr, "grad_norm": grad_norm, "tokens_per_s": tokens_per_s,
+                  "elapsed_s": elapsed_s, "global_batch": self.schedule.batch_size(step - 1),
+                  "micro_batch_size": micro_batch_size,
+                  "tokens": self.schedule.samples_before(step) * self.tokens_per_sample}
+        peak = peak_flops(self.world.device)
+        if peak and self.flops_per_token:
+            record["mfu"] = self.flops_per_token * tokens_per_s / (peak * self.world.size)
+        record.update(memory_stats(self.world.device))
+        return record
