@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import importlib
 from dataclasses import dataclass, field
-from typing import Any, Mapping
+from typing import Any, Mapping, NamedTuple
 
 import torch
 from torch import nn
@@ -109,6 +109,15 @@ class MemoryContext:
         return 2 if self.autocast else 4
 
 
+class HeadMemory(NamedTuple):
+    """Bytes of the output layer and loss: ``saved`` from its forward for its backward, the largest
+    ``transient`` beyond that during its forward, and all it holds at the peak of its backward."""
+
+    saved: int
+    transient: int
+    backward: int
+
+
 class MemoryModel:
     """The bytes a family's model keeps for its backward pass, for ``kiln plan``. The planner
     itself counts parameters, gradients, optimizer state, sharding, gathered weights and
@@ -140,8 +149,8 @@ class MemoryModel:
         """Bytes kept between the last block and the loss (e.g. a final norm's saved tensors)."""
         return 0
 
-    def head(self, ctx: MemoryContext) -> tuple[int, int]:
-        """The output layer and loss: (bytes kept for the backward pass, largest transient in forward)."""
+    def head(self, ctx: MemoryContext) -> "HeadMemory":
+        """The output layer and loss."""
         raise NotImplementedError
 
     def head_weight_copy(self, ctx: MemoryContext) -> int:
@@ -269,7 +278,7 @@ def get_family(name: str) -> ModelFamily:
         family = getattr(importlib.import_module(module_name), attr)
     except (ImportError, AttributeError) as e:
         raise ConfigError([f"model.family: cannot load {name!r}: {e}"]) from None
-    if isinstance(family, type):
+    if isinstance(family, type) and issubclass(family, ModelFamily):
         family = family()
     if not isinstance(family, ModelFamily):
         raise ConfigError([f"model.family: {name!r} is a {type(family).__name__}, not a kiln.models.ModelFamily"])

@@ -240,7 +240,7 @@ def memory_phases(shape: ModelShape, s: Setup, seq_len: int, rank_batch: int, de
     acts = mem.block_activations(ctx)
     # Activation checkpointing keeps each block's input and recomputes the rest in backward.
     kept = mem.checkpointed_block(ctx) if s.activation_checkpointing else acts
-    loss_saved, loss_transient = mem.head(ctx)
+    head = mem.head(ctx)
 
     matrices = tuple(p for p in shape.block if len(p.shape) == 2)
     block_copies = 2 * _gathered_numel(matrices, s) if ctx.casts_weights else 0
@@ -272,10 +272,10 @@ def memory_phases(shape: ModelShape, s: Setup, seq_len: int, rank_batch: int, de
     phases = {
         "forward: output layer and loss": {**forward_end,
                                            "autocast_weight_copies": blocks * block_copies + head_copy,
-                                           "output_layer_and_loss": loss_saved + loss_transient},
+                                           "output_layer_and_loss": head.saved + head.transient},
         # Leaving autocast dropped the weight copies nothing saved (the output layer's; all of
-        # them with checkpointing); the loss's backward scales copies of its two saved gradients.
-        "backward: output layer": {**forward_end, "output_layer_and_loss": 2 * loss_saved,
+        # them with checkpointing).
+        "backward: output layer": {**forward_end, "output_layer_and_loss": head.backward,
                                    "autocast_weight_copies": (0 if s.activation_checkpointing
                                                               else blocks * block_copies)},
         "backward: last block": block_backward(blocks - 1),

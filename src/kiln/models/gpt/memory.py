@@ -7,7 +7,7 @@ measurements of real training steps (tests/plan/test_plan.py).
 
 from __future__ import annotations
 
-from kiln.models.family import MemoryContext, MemoryModel
+from kiln.models.family import HeadMemory, MemoryContext, MemoryModel
 from kiln.models.fused_loss import default_chunk_size
 from kiln.models.gpt.model import GPTConfig
 
@@ -52,14 +52,14 @@ class GPTMemory(MemoryModel):
         """The final RMSNorm keeps its input (the last block's output), x / rms and 1 / rms."""
         return ctx.tokens * (ctx.residual_bytes * self.d_model + 4 * self.d_model + 4)
 
-    def head(self, ctx: MemoryContext) -> tuple[int, int]:
+    def head(self, ctx: MemoryContext) -> HeadMemory:
         """kiln's fused output projection + cross-entropy (models/fused_loss.py): what it keeps
         from forward to backward (the fp32 gradients of the hidden states and of the output
         weight), and its largest transient during forward: the final norm's output, and a
         chunk's [chunk, vocab] fp32 logits, which become that chunk's gradient. The next chunk's
         logits are made while the previous chunk's gradient is still held; under autocast they
         come from low-precision logits, and the gradient is cast down again for the two matmuls
-        that use it."""
+        that use it. Its backward only scales copies of the two saved gradients."""
         tokens, d, vocab = ctx.tokens, self.d_model, self.vocab_size
         saved = 4 * tokens * d + 4 * vocab * d
         chunk = min(default_chunk_size(vocab), tokens)
@@ -67,7 +67,7 @@ class GPTMemory(MemoryModel):
         low = 2 if ctx.autocast else 0
         making_logits = held + (4 + low) * chunk * vocab + low * chunk * d
         using_gradient = (4 + low) * chunk * vocab + (low or 4) * chunk * d + low * vocab * d
-        return saved, 4 * tokens * (d + 1) + max(making_logits, using_gradient)
+        return HeadMemory(saved, 4 * tokens * (d + 1) + max(making_logits, using_gradient), 2 * saved)
 
     def head_weight_copy(self, ctx: MemoryContext) -> int:
         return 2 * self.vocab_size * self.d_model if ctx.casts_weights else 0
