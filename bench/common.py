@@ -20,6 +20,6 @@ def kiln_tokens_per_s(run_dir: Path, after_step: int) -> float:
     """Tokens/s of a finished kiln run from its metrics.jsonl, over the intervals after ``after_step``.
 
     Intervals are equal in steps, so the harmonic mean of their rates is total tokens / total time."""
-    lines = [json.loads(l) for l in (Path(run_dir) / "metrics.jsonl").read_text().splitlines()]
-    rates = [l["tokens_per_s"] for l in lines if "tokens_per_s" in l and l["step"] > after_step]
+    lines = [json.loads(line) for line in (Path(run_dir) / "metrics.jsonl").read_text().splitlines()]
+    rates = [record["tokens_per_s"] for record in lines if "tokens_per_s" in record and record["step"] > after_step]
     return len(rates) / sum(1 / r for r in rates)

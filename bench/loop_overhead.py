@@ -21,7 +21,6 @@ import time
 from pathlib import Path
 
 import torch
-from common import kiln_tokens_per_s, random_tokens
 
 from kiln import Trainer
 from kiln.config import ModelConfig, load_config
@@ -30,13 +29,18 @@ from kiln.models import GPT, build_gpt_config
 from kiln.models.lm import lm_loss
 from kiln.train.optim import build_optimizer, lr_at
 
+from common import kiln_tokens_per_s, random_tokens
+
 
 def hand_written(model, data, cfg, warmup: int) -> float:
     """The loop a person would write, with the same data order and optimizer; tokens/s."""
     t = cfg.train
     opt = build_optimizer(model, t, torch.device("cpu"))
-    batches = iter(make_train_loader(data, schedule=t.global_batch_size, seed=t.seed, start_step=0, num_workers=0,
-                                     pin_memory=False))
+    batches = iter(
+        make_train_loader(
+            data, schedule=t.global_batch_size, seed=t.seed, start_step=0, num_workers=0, pin_memory=False
+        )
+    )
     accum = cfg.grad_accum_steps()
     start = None
     for step in range(t.max_steps):
@@ -45,7 +49,7 @@ def hand_written(model, data, cfg, warmup: int) -> float:
         for g in opt.param_groups:
             g["lr"] = lr_at(step, t)
         xs, ys = next(batches)
-        for x, y in zip(xs.split(t.micro_batch_size), ys.split(t.micro_batch_size)):
+        for x, y in zip(xs.split(t.micro_batch_size), ys.split(t.micro_batch_size), strict=True):
             loss = model(x, y)  # the same fused output layer + loss the Trainer's lm_loss calls
             (loss / accum).backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), t.grad_clip)
@@ -79,16 +83,26 @@ def main() -> None:
         gpt_cfg = build_gpt_config(ModelConfig(preset=args.preset), args.vocab, args.seq_len)
         ratios, kiln_rates, hand_rates = [], [], []
         for r in range(args.rounds + 1):
-            cfg = load_config(None, [
-                f"run.dir={tmp / f'run{r}'}", "run.device=cpu", f"train.max_steps={args.steps}",
-                f"train.micro_batch_size={args.micro_batch}", f"train.global_batch_size={args.micro_batch * args.accum}",
-                f"train.log_every={args.warmup}", "train.warmup_steps=5", "data.num_workers=0",
-                "eval.every=0", "checkpoint.every=0", "checkpoint.resume=never",
-            ])
+            cfg = load_config(
+                None,
+                [
+                    f"run.dir={tmp / f'run{r}'}",
+                    "run.device=cpu",
+                    f"train.max_steps={args.steps}",
+                    f"train.micro_batch_size={args.micro_batch}",
+                    f"train.global_batch_size={args.micro_batch * args.accum}",
+                    f"train.log_every={args.warmup}",
+                    "train.warmup_steps=5",
+                    "data.num_workers=0",
+                    "eval.every=0",
+                    "checkpoint.every=0",
+                    "checkpoint.resume=never",
+                ],
+            )
             # Alternate which loop goes first, so neither always gets the warmer (or cooler) machine.
             runs = {"kiln": kiln_loop, "hand": hand_written}
             rates = {}
-            for name in (("kiln", "hand") if r % 2 else ("hand", "kiln")):
+            for name in ("kiln", "hand") if r % 2 else ("hand", "kiln"):
                 torch.manual_seed(0)
                 rates[name] = runs[name](GPT(gpt_cfg), data, cfg, args.warmup)
             k, h = rates["kiln"], rates["hand"]
@@ -99,13 +113,24 @@ def main() -> None:
             hand_rates.append(h)
             ratios.append(k / h)
             print(f"round {r}: kiln {k:,.0f} tok/s, hand-written {h:,.0f} tok/s, ratio {k / h:.3f}", flush=True)
-    print(json.dumps({
-        "bench": "loop_overhead", "preset": args.preset, "seq_len": args.seq_len, "micro_batch": args.micro_batch,
-        "accum": args.accum, "threads": torch.get_num_threads(), "torch": torch.__version__,
-        "machine": platform.machine(), "processor": platform.processor() or platform.machine(),
-        "kiln_tokens_per_s": statistics.median(kiln_rates), "hand_tokens_per_s": statistics.median(hand_rates),
-        "ratio_median": statistics.median(ratios),
-    }))
+    print(
+        json.dumps(
+            {
+                "bench": "loop_overhead",
+                "preset": args.preset,
+                "seq_len": args.seq_len,
+                "micro_batch": args.micro_batch,
+                "accum": args.accum,
+                "threads": torch.get_num_threads(),
+                "torch": torch.__version__,
+                "machine": platform.machine(),
+                "processor": platform.processor() or platform.machine(),
+                "kiln_tokens_per_s": statistics.median(kiln_rates),
+                "hand_tokens_per_s": statistics.median(hand_rates),
+                "ratio_median": statistics.median(ratios),
+            }
+        )
+    )
 
 
 if __name__ == "__main__":

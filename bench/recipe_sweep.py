@@ -40,25 +40,48 @@ PROBE_STEPS = 12
 
 
 def run_candidate(name: str, overrides: list[str], budget_s: float, work: Path) -> dict:
-    base = ["eval.every=0", "eval.sample_tokens=0", "checkpoint.every=0", "checkpoint.resume=never",
-            "train.log_every=4", *overrides]
-    probe_cfg = load_config(None, [*base, f"run.dir={work / name / 'probe'}", f"train.max_steps={PROBE_STEPS}",
-                                   "train.warmup_steps=1"])
+    base = [
+        "eval.every=0",
+        "eval.sample_tokens=0",
+        "checkpoint.every=0",
+        "checkpoint.resume=never",
+        "train.log_every=4",
+        *overrides,
+    ]
+    probe_cfg = load_config(
+        None, [*base, f"run.dir={work / name / 'probe'}", f"train.max_steps={PROBE_STEPS}", "train.warmup_steps=1"]
+    )
     build_trainer(probe_cfg, console=False).fit()  # also prepares data and warms compile caches
-    lines = [json.loads(l) for l in (work / name / "probe" / "metrics.jsonl").read_text().splitlines()]
-    rates = [l["tokens_per_s"] for l in lines if "tokens_per_s" in l and l["step"] > 4]
+    lines = [json.loads(line) for line in (work / name / "probe" / "metrics.jsonl").read_text().splitlines()]
+    rates = [record["tokens_per_s"] for record in lines if "tokens_per_s" in record and record["step"] > 4]
     tokens_per_step = probe_cfg.train.global_batch_size * probe_cfg.data.seq_len
     # Leave a little of the budget for the final evaluation and checkpoint.
     steps = max(20, int(0.97 * budget_s * min(rates) / tokens_per_step))
-    cfg = load_config(None, [*base, f"run.dir={work / name / 'run'}", f"train.max_steps={steps}",
-                             f"train.time_budget={budget_s}s", f"train.warmup_steps={max(1, steps // 20)}"])
+    cfg = load_config(
+        None,
+        [
+            *base,
+            f"run.dir={work / name / 'run'}",
+            f"train.max_steps={steps}",
+            f"train.time_budget={budget_s}s",
+            f"train.warmup_steps={max(1, steps // 20)}",
+        ],
+    )
     t0 = time.perf_counter()
     result = build_trainer(cfg, console=False).fit()
     wall = time.perf_counter() - t0
     scores = evaluate_run(work / name / "run", max_batches=10**6, device="cpu")
-    return {"name": name, "overrides": overrides, "steps": result.step, "planned_steps": steps,
-            "tokens": result.step * tokens_per_step, "wall_s": round(wall, 1),
-            "val_loss": scores["val_loss"], "val_bpb": scores["val_bpb"], "val_tokens": scores["tokens"]}
+    return {
+        "name": name,
+        "overrides": overrides,
+        "steps": result.step,
+        "planned_steps": steps,
+        "tokens": result.step * tokens_per_step,
+        "wall_s": round(wall, 1),
+        "val_loss": scores["val_loss"],
+        "val_bpb": scores["val_bpb"],
+        "val_tokens": scores["tokens"],
+    }
 
 
 def main() -> None:
@@ -83,7 +106,10 @@ def main() -> None:
                     f.write(json.dumps(row) + "\n")
     print("\n| candidate | overrides | steps | tokens | val bpb |\n|---|---|---|---|---|")
     for r in sorted(rows, key=lambda r: r["val_bpb"]):
-        print(f"| {r['name']} | {' '.join(r['overrides']) or '(defaults)'} | {r['steps']} | {r['tokens']:,} | {r['val_bpb']:.4f} |")
+        print(
+            f"| {r['name']} | {' '.join(r['overrides']) or '(defaults)'} | {r['steps']} | "
+            f"{r['tokens']:,} | {r['val_bpb']:.4f} |"
+        )
 
 
 if __name__ == "__main__":

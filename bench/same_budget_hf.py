@@ -23,13 +23,14 @@ from pathlib import Path
 
 import torch
 from torch.utils.data import Dataset
-from vs_hf_trainer import hf_model
 
 from kiln.config import ModelConfig, load_config, parse_duration
 from kiln.data import TokenSequences, prepare
 from kiln.models import build_gpt_config
 from kiln.models.lm import evaluate_lm
 from kiln.train.lm import build_trainer, evaluate_run
+
+from vs_hf_trainer import hf_model
 
 
 class Windows(Dataset):
@@ -61,10 +62,24 @@ def train_hf(prepared, args, budget_s: float, out: Path, max_steps: int):
     torch.manual_seed(args.seed)
     model = hf_model(gpt_cfg)
     targs = TrainingArguments(
-        output_dir=str(out), max_steps=max_steps, per_device_train_batch_size=args.hf_batch,
-        learning_rate=args.hf_lr, weight_decay=0.1, adam_beta1=0.9, adam_beta2=0.95, max_grad_norm=1.0,
-        lr_scheduler_type="cosine", warmup_steps=max(1, min(max_steps, 10**4) // 20), logging_steps=50, save_strategy="no", eval_strategy="no",
-        report_to=[], use_cpu=True, seed=args.seed, dataloader_num_workers=0, disable_tqdm=True,
+        output_dir=str(out),
+        max_steps=max_steps,
+        per_device_train_batch_size=args.hf_batch,
+        learning_rate=args.hf_lr,
+        weight_decay=0.1,
+        adam_beta1=0.9,
+        adam_beta2=0.95,
+        max_grad_norm=1.0,
+        lr_scheduler_type="cosine",
+        warmup_steps=max(1, min(max_steps, 10**4) // 20),
+        logging_steps=50,
+        save_strategy="no",
+        eval_strategy="no",
+        report_to=[],
+        use_cpu=True,
+        seed=args.seed,
+        dataloader_num_workers=0,
+        disable_tqdm=True,
     )
     clock = Budget()
     # HF shifts labels inside the model, so each item holds seq_len + 1 tokens.
@@ -77,7 +92,7 @@ def score(model_fn, prepared, seq_len: int) -> dict[str, float]:
     val = TokenSequences(prepared.tokens("val"), seq_len)
     batches = []
     for start in range(0, len(val), 16):
-        xs, ys = zip(*(val[i] for i in range(start, min(start + 16, len(val)))))
+        xs, ys = zip(*(val[i] for i in range(start, min(start + 16, len(val)))), strict=True)
         batches.append((torch.stack(xs), torch.stack(ys)))
     with torch.no_grad():
         return evaluate_lm(model_fn, batches, torch.from_numpy(prepared.token_bytes()), torch.device("cpu"))
@@ -96,17 +111,29 @@ def main() -> None:
     results = {}
     with tempfile.TemporaryDirectory() as tmp:
         tmp = Path(tmp)
-        cfg = load_config(None, [f"run.dir={tmp / 'kiln'}", f"train.time_budget={args.budget}",
-                                 f"train.seed={1337 + args.seed}",
-                                 "eval.sample_tokens=0", "checkpoint.resume=never"])
+        cfg = load_config(
+            None,
+            [
+                f"run.dir={tmp / 'kiln'}",
+                f"train.time_budget={args.budget}",
+                f"train.seed={1337 + args.seed}",
+                "eval.sample_tokens=0",
+                "checkpoint.resume=never",
+            ],
+        )
         prepared = prepare(cfg.data, progress=False)
         if not args.skip_kiln:
             t0 = time.perf_counter()
             result = build_trainer(cfg, console=False).fit()
             wall = time.perf_counter() - t0
             kiln_scores = evaluate_run(tmp / "kiln", max_batches=10**6, device="cpu")
-            results["kiln"] = {"steps": result.step, "wall_s": round(wall, 1), "seq_len": cfg.data.seq_len,
-                               "val_bpb": kiln_scores["val_bpb"], "val_loss": kiln_scores["val_loss"]}
+            results["kiln"] = {
+                "steps": result.step,
+                "wall_s": round(wall, 1),
+                "seq_len": cfg.data.seq_len,
+                "val_bpb": kiln_scores["val_bpb"],
+                "val_loss": kiln_scores["val_loss"],
+            }
             print(json.dumps({"kiln": results["kiln"]}), flush=True)
 
         # Calibrate the HF schedule's length: a short probe of its steps per second.
@@ -117,9 +144,16 @@ def main() -> None:
         wall = time.perf_counter() - t0
         model.eval()
         hf_scores = score(lambda x: model(input_ids=x).logits, prepared, args.hf_seq_len)
-        results["hf_trainer"] = {"steps": steps, "planned_steps": max_steps, "wall_s": round(wall, 1),
-                                 "seq_len": args.hf_seq_len, "lr": args.hf_lr, "batch": args.hf_batch,
-                                 "val_bpb": hf_scores["val_bpb"], "val_loss": hf_scores["val_loss"]}
+        results["hf_trainer"] = {
+            "steps": steps,
+            "planned_steps": max_steps,
+            "wall_s": round(wall, 1),
+            "seq_len": args.hf_seq_len,
+            "lr": args.hf_lr,
+            "batch": args.hf_batch,
+            "val_bpb": hf_scores["val_bpb"],
+            "val_loss": hf_scores["val_loss"],
+        }
         print(json.dumps({"hf_trainer": results["hf_trainer"]}), flush=True)
     print(json.dumps({"bench": "same_budget_hf", "budget": args.budget, "seed": args.seed, **results}))
 

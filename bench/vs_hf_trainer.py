@@ -22,7 +22,6 @@ import time
 from pathlib import Path
 
 import torch
-from common import kiln_tokens_per_s, random_tokens
 from torch.utils.data import Dataset
 
 from kiln import Trainer
@@ -30,6 +29,8 @@ from kiln.config import ModelConfig, load_config
 from kiln.data.loader import StepSampler
 from kiln.models import GPT, build_gpt_config
 from kiln.models.lm import lm_loss
+
+from common import kiln_tokens_per_s, random_tokens
 
 
 class InKilnOrder(Dataset):
@@ -53,11 +54,20 @@ def hf_model(gpt_cfg):
     from transformers import LlamaConfig, LlamaForCausalLM
 
     cfg = LlamaConfig(
-        vocab_size=gpt_cfg.vocab_size, hidden_size=gpt_cfg.d_model, intermediate_size=gpt_cfg.d_ff,
-        num_hidden_layers=gpt_cfg.n_layer, num_attention_heads=gpt_cfg.n_head,
-        num_key_value_heads=gpt_cfg.n_kv_head, max_position_embeddings=gpt_cfg.max_seq_len,
-        rms_norm_eps=gpt_cfg.norm_eps, rope_theta=gpt_cfg.rope_theta, tie_word_embeddings=gpt_cfg.tie_embeddings,
-        initializer_range=gpt_cfg.init_std, attention_bias=False, mlp_bias=False, attn_implementation="sdpa",
+        vocab_size=gpt_cfg.vocab_size,
+        hidden_size=gpt_cfg.d_model,
+        intermediate_size=gpt_cfg.d_ff,
+        num_hidden_layers=gpt_cfg.n_layer,
+        num_attention_heads=gpt_cfg.n_head,
+        num_key_value_heads=gpt_cfg.n_kv_head,
+        max_position_embeddings=gpt_cfg.max_seq_len,
+        rms_norm_eps=gpt_cfg.norm_eps,
+        rope_theta=gpt_cfg.rope_theta,
+        tie_word_embeddings=gpt_cfg.tie_embeddings,
+        initializer_range=gpt_cfg.init_std,
+        attention_bias=False,
+        mlp_bias=False,
+        attn_implementation="sdpa",
     )
     return LlamaForCausalLM(cfg)
 
@@ -73,11 +83,26 @@ def hf_tokens_per_s(model, data, args, out_dir: Path) -> float:
             stamps.append(time.perf_counter())
 
     targs = TrainingArguments(
-        output_dir=str(out_dir), max_steps=args.steps, per_device_train_batch_size=args.micro_batch,
-        learning_rate=3e-3, weight_decay=0.1, adam_beta1=0.9, adam_beta2=0.95, adam_epsilon=1e-8,
-        max_grad_norm=1.0, lr_scheduler_type="cosine", warmup_steps=5, logging_steps=args.warmup,
-        save_strategy="no", eval_strategy="no", report_to=[], use_cpu=True, seed=1337,
-        dataloader_num_workers=0, disable_tqdm=True, dataloader_drop_last=True,
+        output_dir=str(out_dir),
+        max_steps=args.steps,
+        per_device_train_batch_size=args.micro_batch,
+        learning_rate=3e-3,
+        weight_decay=0.1,
+        adam_beta1=0.9,
+        adam_beta2=0.95,
+        adam_epsilon=1e-8,
+        max_grad_norm=1.0,
+        lr_scheduler_type="cosine",
+        warmup_steps=5,
+        logging_steps=args.warmup,
+        save_strategy="no",
+        eval_strategy="no",
+        report_to=[],
+        use_cpu=True,
+        seed=1337,
+        dataloader_num_workers=0,
+        disable_tqdm=True,
+        dataloader_drop_last=True,
     )
     # The dataset is already in kiln's order; a sequential sampler keeps it so.
     trainer = HFTrainer(model=model, args=targs, train_dataset=data, callbacks=[Clock()])
@@ -105,15 +130,27 @@ def main() -> None:
         windows = random_tokens(tmp / "tokens.bin", args.vocab, 2_000_000, args.seq_len)
         hf_data = InKilnOrder(windows, args.micro_batch, 1337, args.steps)
         for r in range(args.rounds + 1):
-            cfg = load_config(None, [
-                f"run.dir={tmp / f'kiln{r}'}", "run.device=cpu", f"train.max_steps={args.steps}",
-                f"train.micro_batch_size={args.micro_batch}", f"train.global_batch_size={args.micro_batch}",
-                f"train.log_every={args.warmup}", "train.warmup_steps=5", "train.lr=3e-3",
-                f"data.seq_len={args.seq_len}", "data.num_workers=0", "eval.every=0", "checkpoint.every=0",
-                "checkpoint.resume=never", f"train.compile={str(args.compile).lower()}",
-            ])
+            cfg = load_config(
+                None,
+                [
+                    f"run.dir={tmp / f'kiln{r}'}",
+                    "run.device=cpu",
+                    f"train.max_steps={args.steps}",
+                    f"train.micro_batch_size={args.micro_batch}",
+                    f"train.global_batch_size={args.micro_batch}",
+                    f"train.log_every={args.warmup}",
+                    "train.warmup_steps=5",
+                    "train.lr=3e-3",
+                    f"data.seq_len={args.seq_len}",
+                    "data.num_workers=0",
+                    "eval.every=0",
+                    "checkpoint.every=0",
+                    "checkpoint.resume=never",
+                    f"train.compile={str(args.compile).lower()}",
+                ],
+            )
             rates = {}
-            for name in (("kiln", "hf") if r % 2 else ("hf", "kiln")):
+            for name in ("kiln", "hf") if r % 2 else ("hf", "kiln"):
                 torch.manual_seed(0)
                 if name == "kiln":
                     Trainer(GPT(gpt_cfg), windows, lm_loss, cfg, tokens_per_sample=args.seq_len, console=False).fit()
@@ -129,13 +166,24 @@ def main() -> None:
                 ratios.append(k / h)
     import transformers
 
-    print(json.dumps({
-        "bench": "vs_hf_trainer", "seq_len": args.seq_len, "micro_batch": args.micro_batch, "vocab": args.vocab,
-        "threads": torch.get_num_threads(), "kiln_compile": args.compile, "torch": torch.__version__, "transformers": transformers.__version__,
-        "processor": platform.processor() or platform.machine(),
-        "kiln_tokens_per_s": statistics.median(kiln_rates), "hf_tokens_per_s": statistics.median(hf_rates),
-        "ratio_median": statistics.median(ratios),
-    }))
+    print(
+        json.dumps(
+            {
+                "bench": "vs_hf_trainer",
+                "seq_len": args.seq_len,
+                "micro_batch": args.micro_batch,
+                "vocab": args.vocab,
+                "threads": torch.get_num_threads(),
+                "kiln_compile": args.compile,
+                "torch": torch.__version__,
+                "transformers": transformers.__version__,
+                "processor": platform.processor() or platform.machine(),
+                "kiln_tokens_per_s": statistics.median(kiln_rates),
+                "hf_tokens_per_s": statistics.median(hf_rates),
+                "ratio_median": statistics.median(ratios),
+            }
+        )
+    )
 
 
 if __name__ == "__main__":

@@ -53,8 +53,11 @@ def token_sequences(tmp_path, n=20000, vocab=97, seed=0):
 
 def tiny_gpt(seed=0):
     torch.manual_seed(seed)
-    return GPT(GPTConfig(vocab_size=97, n_layer=2, d_model=32, n_head=4, n_kv_head=2, d_ff=64,
-                         max_seq_len=16, tie_embeddings=True))
+    return GPT(
+        GPTConfig(
+            vocab_size=97, n_layer=2, d_model=32, n_head=4, n_kv_head=2, d_ff=64, max_seq_len=16, tie_embeddings=True
+        )
+    )
 
 
 def train_tiny_gpt(run_dir, data, micro, global_, steps=4, **extra):
@@ -63,9 +66,17 @@ def train_tiny_gpt(run_dir, data, micro, global_, steps=4, **extra):
     from kiln.config import load_config
     from kiln.models.lm import lm_loss
 
-    sets = [f"run.dir={run_dir}", f"train.micro_batch_size={micro}", f"train.global_batch_size={global_}",
-            f"train.max_steps={steps}", "train.warmup_steps=1", "train.lr=1e-2", "data.num_workers=0",
-            "train.log_every=1", "run.device=cpu"]
+    sets = [
+        f"run.dir={run_dir}",
+        f"train.micro_batch_size={micro}",
+        f"train.global_batch_size={global_}",
+        f"train.max_steps={steps}",
+        "train.warmup_steps=1",
+        "train.lr=1e-2",
+        "data.num_workers=0",
+        "train.log_every=1",
+        "run.device=cpu",
+    ]
     sets += [f"{k}={v}" for k, v in {"checkpoint.every": 0, **extra}.items()]
     model = tiny_gpt()
     trainer = Trainer(model, data, lm_loss, load_config(None, sets), tokens_per_sample=data.seq_len, console=False)

@@ -11,7 +11,7 @@ privately for themselves (small scratch buffers).
 from __future__ import annotations
 
 import weakref
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode

@@ -14,8 +14,13 @@ from conftest import tiny_overrides
 
 
 def kiln(*args, env=None, check=True, **kw):
-    proc = subprocess.run([sys.executable, "-m", "kiln", *map(str, args)], capture_output=True, text=True,
-                          env={**os.environ, **(env or {})}, **kw)
+    proc = subprocess.run(
+        [sys.executable, "-m", "kiln", *map(str, args)],
+        capture_output=True,
+        text=True,
+        env={**os.environ, **(env or {})},
+        **kw,
+    )
     if check and proc.returncode != 0:
         raise AssertionError(f"kiln {args} exited {proc.returncode}\n{proc.stdout}\n{proc.stderr}")
     return proc
@@ -44,15 +49,16 @@ def test_bad_config_exits_2_and_writes_nothing(tmp_path, override, message):
 
 
 def test_bad_data_path_exits_2(tmp_path):
-    proc = kiln("train", "--set", f"run.dir={tmp_path / 'run'}", "--set", f"data.source={tmp_path / 'nope.txt'}",
-                check=False)
+    proc = kiln(
+        "train", "--set", f"run.dir={tmp_path / 'run'}", "--set", f"data.source={tmp_path / 'nope.txt'}", check=False
+    )
     assert proc.returncode == 2 and "nope.txt" in proc.stderr
     assert not (tmp_path / "run").exists()
 
 
 def _losses(run_dir):
-    lines = [json.loads(l) for l in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    return [(l["step"], l["loss"]) for l in lines if "loss" in l]
+    lines = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return [(record["step"], record["loss"]) for record in lines if "loss" in record]
 
 
 def test_sigkill_then_resume_is_bitwise_identical(tmp_path, corpus_dir):
@@ -87,7 +93,7 @@ def test_train_generate_eval(tmp_path, corpus_dir):
     run = tmp_path / "run"
     proc = kiln("train", *sets(tiny_overrides(run, corpus_dir, train__max_steps=40, eval__every=20)))
     assert "parameters" in proc.stdout and "sample" in proc.stdout
-    metrics = [json.loads(l) for l in (run / "metrics.jsonl").read_text().splitlines()]
+    metrics = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     evals = [m for m in metrics if "val_loss" in m]
     assert [m["step"] for m in evals] == [20, 40]
     assert all(m["val_bpb"] > 0 for m in evals)

@@ -3,9 +3,19 @@ import pytest
 from kiln.config import Config, ConfigError, all_keys, field_docs, from_dict, load_config, sections
 
 REQUIRED_KEYS = [
-    "run.dir", "model.preset", "data.source", "train.max_steps", "train.micro_batch_size",
-    "train.global_batch_size", "train.lr", "train.seed", "train.precision", "train.compile",
-    "train.activation_checkpointing", "checkpoint.every", "eval.every",
+    "run.dir",
+    "model.preset",
+    "data.source",
+    "train.max_steps",
+    "train.micro_batch_size",
+    "train.global_batch_size",
+    "train.lr",
+    "train.seed",
+    "train.precision",
+    "train.compile",
+    "train.activation_checkpointing",
+    "checkpoint.every",
+    "eval.every",
 ]
 
 
@@ -29,7 +39,7 @@ def test_toml_then_overrides(tmp_path):
 
 
 def test_round_trip_through_toml(tmp_path):
-    cfg = load_config(None, ["train.lr=0.5", "eval.prompt=say \"hi\"\\n", "train.global_batch_size=64"])
+    cfg = load_config(None, ["train.lr=0.5", 'eval.prompt=say "hi"\\n', "train.global_batch_size=64"])
     p = tmp_path / "resolved.toml"
     p.write_text(cfg.to_toml())
     again = load_config(p)

@@ -22,11 +22,25 @@ def _data(tmp_path, vocab=256, n=100_000):
 
 def _fit(tmp_path, precision, **extra):
     torch.manual_seed(0)
-    model = GPT(GPTConfig(vocab_size=256, n_layer=2, d_model=128, n_head=4, n_kv_head=2, d_ff=256,
-                          max_seq_len=64, tie_embeddings=True))
-    sets = [f"run.dir={tmp_path / precision}", "run.device=cuda", "train.max_steps=40", "train.micro_batch_size=8",
-            "train.global_batch_size=16", "train.lr=3e-3", "train.warmup_steps=5", "train.log_every=5",
-            f"train.precision={precision}", "data.num_workers=2", "eval.every=0", "checkpoint.every=0"]
+    model = GPT(
+        GPTConfig(
+            vocab_size=256, n_layer=2, d_model=128, n_head=4, n_kv_head=2, d_ff=256, max_seq_len=64, tie_embeddings=True
+        )
+    )
+    sets = [
+        f"run.dir={tmp_path / precision}",
+        "run.device=cuda",
+        "train.max_steps=40",
+        "train.micro_batch_size=8",
+        "train.global_batch_size=16",
+        "train.lr=3e-3",
+        "train.warmup_steps=5",
+        "train.log_every=5",
+        f"train.precision={precision}",
+        "data.num_workers=2",
+        "eval.every=0",
+        "checkpoint.every=0",
+    ]
     sets += [f"{k}={v}" for k, v in extra.items()]
     trainer = Trainer(model, _data(tmp_path), lm_loss, load_config(None, sets), tokens_per_sample=64, console=False)
     return trainer, trainer.fit()
@@ -53,8 +67,18 @@ def test_compile_and_activation_checkpointing_on_cuda(tmp_path):
 def test_flash_attention_kernel_runs():
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
-    model = GPT(GPTConfig(vocab_size=256, n_layer=2, d_model=128, n_head=4, n_kv_head=2, d_ff=256,
-                          max_seq_len=128, tie_embeddings=True)).cuda()
+    model = GPT(
+        GPTConfig(
+            vocab_size=256,
+            n_layer=2,
+            d_model=128,
+            n_head=4,
+            n_kv_head=2,
+            d_ff=256,
+            max_seq_len=128,
+            tie_embeddings=True,
+        )
+    ).cuda()
     idx = torch.randint(0, 256, (2, 128), device="cuda")
     with sdpa_kernel(SDPBackend.FLASH_ATTENTION), torch.autocast("cuda", dtype=torch.bfloat16):
         logits = model(idx)
@@ -66,8 +90,9 @@ def test_fsdp_cpu_offload_in_one_process(tmp_path):
     """parallel.cpu_offload alone on one GPU: FSDP over a group of one keeps the state in CPU memory."""
     from torch.distributed.tensor import DTensor
 
-    trainer, result = _fit(tmp_path, "bf16", **{"parallel.strategy": "fsdp", "parallel.cpu_offload": "true",
-                                                "checkpoint.every": "20"})
+    trainer, result = _fit(
+        tmp_path, "bf16", **{"parallel.strategy": "fsdp", "parallel.cpu_offload": "true", "checkpoint.every": "20"}
+    )
     assert result.metrics["loss"] < 3.0
     params = list(trainer.model.parameters())
     assert all(isinstance(p, DTensor) and p.to_local().device.type == "cpu" for p in params)
@@ -77,13 +102,33 @@ def test_fsdp_cpu_offload_in_one_process(tmp_path):
 def _overflowing_run(tmp_path, micro):
     """A step of 4M tokens: as one micro-batch its activations need several times an 80 GB card."""
     torch.manual_seed(0)
-    model = GPT(GPTConfig(vocab_size=256, n_layer=4, d_model=512, n_head=8, n_kv_head=8, d_ff=1536,
-                          max_seq_len=64, tie_embeddings=True))
-    sets = [f"run.dir={tmp_path / str(micro)}", "run.device=cuda", "train.max_steps=2", f"train.micro_batch_size={micro}",
-            "train.global_batch_size=65536", "train.precision=bf16", "data.num_workers=2", "eval.every=0",
-            "checkpoint.every=0", "train.log_every=1"]
-    trainer = Trainer(model, _data(tmp_path, n=5_000_000), lm_loss, load_config(None, sets), tokens_per_sample=64,
-                      console=False)
+    model = GPT(
+        GPTConfig(
+            vocab_size=256,
+            n_layer=4,
+            d_model=512,
+            n_head=8,
+            n_kv_head=8,
+            d_ff=1536,
+            max_seq_len=64,
+            tie_embeddings=True,
+        )
+    )
+    sets = [
+        f"run.dir={tmp_path / str(micro)}",
+        "run.device=cuda",
+        "train.max_steps=2",
+        f"train.micro_batch_size={micro}",
+        "train.global_batch_size=65536",
+        "train.precision=bf16",
+        "data.num_workers=2",
+        "eval.every=0",
+        "checkpoint.every=0",
+        "train.log_every=1",
+    ]
+    trainer = Trainer(
+        model, _data(tmp_path, n=5_000_000), lm_loss, load_config(None, sets), tokens_per_sample=64, console=False
+    )
     return trainer, trainer.fit()
 
 
@@ -92,7 +137,7 @@ def test_real_out_of_memory_is_recovered_by_the_ladder(tmp_path):
 
     trainer, result = _overflowing_run(tmp_path, 65536)
     assert result.step == 2 and trainer.micro_batch_size < 65536
-    records = [json.loads(l) for l in (tmp_path / "65536" / "metrics.jsonl").read_text().splitlines()]
+    records = [json.loads(line) for line in (tmp_path / "65536" / "metrics.jsonl").read_text().splitlines()]
     events = [r for r in records if r.get("event") == "out_of_memory"]
     assert events and "out of memory" in events[0]["error"].lower()
     assert {r["global_batch"] for r in records if "loss" in r} == {65536}

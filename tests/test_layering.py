@@ -13,11 +13,14 @@ LAYERS = {
     "io": 0,
     "config": 1,
     "device": 2,
-    "checkpoint": 3, "data": 3, "models": 3,
+    "checkpoint": 3,
+    "data": 3,
+    "models": 3,
     "distributed": 4,
     "observe": 5,
     "train": 6,
-    "doctor": 7, "plan": 7,
+    "doctor": 7,
+    "plan": 7,
     "cli": 8,
     "__main__": 9,  # python -m kiln: runs the cli
 }
@@ -44,7 +47,9 @@ def _imports(module: str, path: Path, known: dict[str, Path]) -> set[str]:
         elif isinstance(node, ast.ImportFrom):
             base = node.module or ""
             if node.level:
-                base = ".".join(package.split(".")[: len(package.split(".")) - node.level + 1] + ([base] if base else []))
+                base = ".".join(
+                    package.split(".")[: len(package.split(".")) - node.level + 1] + ([base] if base else [])
+                )
             for alias in node.names:
                 found.add(f"{base}.{alias.name}" if f"{base}.{alias.name}" in known else base)
     return {name for name in found if name in known and name != module}

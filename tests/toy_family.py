@@ -41,7 +41,7 @@ class TokenMix(nn.Module):
         nn.init.normal_(self.weight, std=0.02)
 
     def forward(self, x):
-        T = x.size(1)
+        T = x.size(1)  # noqa: N806
         mix = self.weight[:T, :T].masked_fill(~self.causal[:T, :T], 0.0)
         return mix @ x
 
@@ -135,9 +135,12 @@ class MixerFamily(ModelFamily):
     name = "mixer"
 
     def resolve(self, model_cfg, *, vocab_size: int, seq_len: int) -> MixerArgs:
-        dims = {key: getattr(model_cfg, key) or default for key, default in
-                (("n_layer", 2), ("d_model", 64), ("d_ff", 128))}
-        bad = [f"model.{key}: must be positive (or 0 for the toy's default), got {v}" for key, v in dims.items() if v < 0]
+        dims = {
+            key: getattr(model_cfg, key) or default for key, default in (("n_layer", 2), ("d_model", 64), ("d_ff", 128))
+        }
+        bad = [
+            f"model.{key}: must be positive (or 0 for the toy's default), got {v}" for key, v in dims.items() if v < 0
+        ]
         if bad:
             raise ConfigError(bad)
         return MixerArgs(vocab_size=vocab_size, seq_len=seq_len, **dims)
@@ -155,8 +158,12 @@ class MixerFamily(ModelFamily):
         return f"mixer: {sum(p.numel() for p in model.parameters()):,} parameters, {args.n_layer} layers"
 
     def parallel_plan(self, args: MixerArgs) -> ParallelPlan:
-        return ParallelPlan(blocks="layers", tensor_parallel={"channel.up": "colwise", "channel.down": "rowwise"},
-                            tp_divisors={"model.d_ff": args.d_ff}, derived_buffers=True)
+        return ParallelPlan(
+            blocks="layers",
+            tensor_parallel={"channel.up": "colwise", "channel.down": "rowwise"},
+            tp_divisors={"model.d_ff": args.d_ff},
+            derived_buffers=True,
+        )
 
     def flops_per_token(self, args: MixerArgs, seq_len: int) -> float:
         """6 FLOPs per matmul weight and token, plus the token mix: about seq_len / 2 inputs per

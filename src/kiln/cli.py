@@ -21,8 +21,14 @@ DIVERGED = 4
 
 def _add_config_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("config", nargs="?", help="TOML config file (defaults apply to anything it leaves out)")
-    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
-                   help="override one config key, e.g. --set train.lr=3e-4 (repeatable)")
+    p.add_argument(
+        "--set",
+        dest="overrides",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="override one config key, e.g. --set train.lr=3e-4 (repeatable)",
+    )
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -31,9 +37,12 @@ def _parser() -> argparse.ArgumentParser:
 
     t = sub.add_parser("train", help="train a model (the embedded default corpus if no data is set)")
     _add_config_args(t)
-    t.add_argument("--resume", metavar="auto|never|PATH",
-                   help="resume from the newest complete checkpoint (auto, the default), start fresh "
-                        "(never), or from a checkpoint directory; same as --set checkpoint.resume=...")
+    t.add_argument(
+        "--resume",
+        metavar="auto|never|PATH",
+        help="resume from the newest complete checkpoint (auto, the default), start fresh "
+        "(never), or from a checkpoint directory; same as --set checkpoint.resume=...",
+    )
 
     pr = sub.add_parser("prepare", help="train the tokenizer and tokenize the data into shards (cached)")
     _add_config_args(pr)
@@ -60,45 +69,68 @@ def _parser() -> argparse.ArgumentParser:
 
     c = sub.add_parser("config", help="print the resolved config as TOML, or the reference of every key")
     _add_config_args(c)
-    c.add_argument("--reference", action="store_true", help="print every key with its default and meaning (Markdown, as in docs/config.md)")
+    c.add_argument(
+        "--reference",
+        action="store_true",
+        help="print every key with its default and meaning (Markdown, as in docs/config.md)",
+    )
 
     sub.add_parser("presets", help="list the model presets with their parameter counts")
 
-    pl = sub.add_parser("plan", help="estimate memory per device and time per step of a config, before running it",
-                        description="Estimate the memory each device needs for a config and its time per step, "
-                                    "without allocating the model; if it does not fit, recommend --set changes "
-                                    "that do (docs/plan.md).")
+    pl = sub.add_parser(
+        "plan",
+        help="estimate memory per device and time per step of a config, before running it",
+        description="Estimate the memory each device needs for a config and its time per step, "
+        "without allocating the model; if it does not fit, recommend --set changes "
+        "that do (docs/plan.md).",
+    )
     _add_config_args(pl)
-    pl.add_argument("--device-memory", metavar="SIZE", help="memory per device: 80GB, 80GiB, 24G, 512MB or bytes "
-                                                             "(default: this machine's GPU, else its RAM)")
+    pl.add_argument(
+        "--device-memory",
+        metavar="SIZE",
+        help="memory per device: 80GB, 80GiB, 24G, 512MB or bytes (default: this machine's GPU, else its RAM)",
+    )
     pl.add_argument("--world-size", type=int, default=1, metavar="N", help="number of devices (default 1)")
     pl.add_argument("--gpu", metavar="NAME", help="plan for this GPU, e.g. h100, a100 (default: this machine's GPU)")
     pl.add_argument("--json", action="store_true", help="print one JSON object (bytes, seconds) instead of the table")
 
-    pf = sub.add_parser("profile", help="profile a few training steps: a trace and where the step time goes",
-                        description="Train the config for a few steps in a throw-away run directory with "
-                                    "torch.profiler over --steps; keep only the trace and the breakdown "
-                                    "(docs/debugging.md). Same as kiln train --set profile.steps=START:END, "
-                                    "without the run.")
+    pf = sub.add_parser(
+        "profile",
+        help="profile a few training steps: a trace and where the step time goes",
+        description="Train the config for a few steps in a throw-away run directory with "
+        "torch.profiler over --steps; keep only the trace and the breakdown "
+        "(docs/debugging.md). Same as kiln train --set profile.steps=START:END, "
+        "without the run.",
+    )
     _add_config_args(pf)
-    pf.add_argument("--steps", default="5:8", metavar="START:END", help="steps to profile, 1-based, inclusive (default 5:8)")
+    pf.add_argument(
+        "--steps", default="5:8", metavar="START:END", help="steps to profile, 1-based, inclusive (default 5:8)"
+    )
     pf.add_argument("--out", help="where the trace and breakdown.json go (default: RUN_DIR/profile)")
 
-    d = sub.add_parser("doctor", help="preflight: environment, data, gradients, input pipeline and determinism",
-                       description="Check a config before a long run: each check passes, warns or fails with its "
-                                   "evidence and the fix (docs/doctor.md). Exit status 1 when a check fails.")
+    d = sub.add_parser(
+        "doctor",
+        help="preflight: environment, data, gradients, input pipeline and determinism",
+        description="Check a config before a long run: each check passes, warns or fails with its "
+        "evidence and the fix (docs/doctor.md). Exit status 1 when a check fails.",
+    )
     _add_config_args(d)
     d.add_argument("--json", action="store_true", help="print the report as one JSON object")
 
     r = sub.add_parser("report", help="plot a run's curves into a PNG and summarise it (no server needed)")
     r.add_argument("run_dir", help="run directory")
-    r.add_argument("--out", help="figure path (.png, .svg or .pdf; default RUN_DIR/report.png); the summary goes beside it")
+    r.add_argument(
+        "--out", help="figure path (.png, .svg or .pdf; default RUN_DIR/report.png); the summary goes beside it"
+    )
     r.add_argument("--json", action="store_true", help="print the summary as one JSON object")
 
     from kiln.distributed.launch import add_arguments
 
-    la = sub.add_parser("launch", help="run a kiln command on several processes/nodes with torchrun",
-                        description="A thin wrapper over torchrun: kiln launch --nproc-per-node 2 -- train my.toml")
+    la = sub.add_parser(
+        "launch",
+        help="run a kiln command on several processes/nodes with torchrun",
+        description="A thin wrapper over torchrun: kiln launch --nproc-per-node 2 -- train my.toml",
+    )
     add_arguments(la)
     return p
 
@@ -138,8 +170,14 @@ def cmd_prepare(args) -> int:
 def cmd_eval(args) -> int:
     from kiln.train.lm import evaluate_run
 
-    metrics = evaluate_run(args.run_dir, source=args.data, checkpoint=args.checkpoint, max_batches=args.max_batches,
-                           micro_batch_size=args.batch_size, device=args.device)
+    metrics = evaluate_run(
+        args.run_dir,
+        source=args.data,
+        checkpoint=args.checkpoint,
+        max_batches=args.max_batches,
+        micro_batch_size=args.batch_size,
+        device=args.device,
+    )
     print(json.dumps(metrics))
     return 0
 
@@ -148,14 +186,24 @@ def cmd_generate(args) -> int:
     from kiln.train.lm import load_run, sample_text
 
     if args.max_new_tokens < 1 or args.temperature < 0 or not 0 < args.top_p <= 1 or args.top_k < 0:
-        print("kiln: error: need --max-new-tokens >= 1, --temperature >= 0, 0 < --top-p <= 1, --top-k >= 0",
-              file=sys.stderr)
+        print(
+            "kiln: error: need --max-new-tokens >= 1, --temperature >= 0, 0 < --top-p <= 1, --top-k >= 0",
+            file=sys.stderr,
+        )
         return USAGE_ERROR
     run = load_run(args.run_dir, args.checkpoint, args.device)
     for i in range(args.num_samples):
-        text = sample_text(run.family, run.model, run.tokenizer, args.prompt, args.max_new_tokens,
-                           temperature=args.temperature, top_k=args.top_k or None,
-                           top_p=args.top_p if args.top_p < 1 else None, seed=args.seed + i)
+        text = sample_text(
+            run.family,
+            run.model,
+            run.tokenizer,
+            args.prompt,
+            args.max_new_tokens,
+            temperature=args.temperature,
+            top_k=args.top_k or None,
+            top_p=args.top_p if args.top_p < 1 else None,
+            seed=args.seed + i,
+        )
         if text is None:
             print(f"kiln: error: model family {run.cfg.model.family} cannot generate text", file=sys.stderr)
             return USAGE_ERROR
@@ -206,9 +254,16 @@ def cmd_profile(args) -> int:
     out = Path(args.out or Path(_load(args).run.dir) / "profile")
     scratch = out / "run"  # the throw-away run: its checkpoints and logs are not what was asked for
     shutil.rmtree(scratch, ignore_errors=True)
-    args.overrides += [f"profile.steps={args.steps}", f"profile.dir={out}", f"run.dir={scratch}",
-                       f"train.max_steps={end}", "checkpoint.every=0", "checkpoint.resume=never", "eval.every=0",
-                       "eval.sample_tokens=0"]
+    args.overrides += [
+        f"profile.steps={args.steps}",
+        f"profile.dir={out}",
+        f"run.dir={scratch}",
+        f"train.max_steps={end}",
+        "checkpoint.every=0",
+        "checkpoint.resume=never",
+        "eval.every=0",
+        "eval.sample_tokens=0",
+    ]
     try:
         train(_load(args))
     finally:
@@ -239,9 +294,19 @@ def cmd_launch(args) -> int:
     return launch(argv)
 
 
-COMMANDS = {"train": cmd_train, "prepare": cmd_prepare, "eval": cmd_eval, "generate": cmd_generate,
-            "config": cmd_config, "presets": cmd_presets, "plan": cmd_plan, "profile": cmd_profile,
-            "doctor": cmd_doctor, "report": cmd_report, "launch": cmd_launch}
+COMMANDS = {
+    "train": cmd_train,
+    "prepare": cmd_prepare,
+    "eval": cmd_eval,
+    "generate": cmd_generate,
+    "config": cmd_config,
+    "presets": cmd_presets,
+    "plan": cmd_plan,
+    "profile": cmd_profile,
+    "doctor": cmd_doctor,
+    "report": cmd_report,
+    "launch": cmd_launch,
+}
 
 
 def _run(args) -> int:
@@ -253,7 +318,11 @@ def _run(args) -> int:
     from kiln.train.memory_ladder import OutOfMemoryExhausted, RestartForRung
 
     # Under torchrun every rank reports its own errors; the rank says whose they are.
-    who = f"kiln [rank {os.environ.get('RANK')}]" if in_torchrun() and os.environ.get("WORLD_SIZE", "1") != "1" else "kiln"
+    who = (
+        f"kiln [rank {os.environ.get('RANK')}]"
+        if in_torchrun() and os.environ.get("WORLD_SIZE", "1") != "1"
+        else "kiln"
+    )
     try:
         return COMMANDS[args.command](args)
     except ConfigError as e:

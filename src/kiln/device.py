@@ -25,7 +25,9 @@ def resolve_device(name: str) -> torch.device:
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     device = torch.device(name)
     if device.type == "cuda" and not torch.cuda.is_available():
-        raise ConfigError([f"run.device: {name!r} requested but CUDA is not available on this machine; use cpu or auto"])
+        raise ConfigError(
+            [f"run.device: {name!r} requested but CUDA is not available on this machine; use cpu or auto"]
+        )
     return device
 
 

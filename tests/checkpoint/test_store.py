@@ -5,8 +5,15 @@ import numpy as np
 import pytest
 import torch
 
-from kiln.checkpoint import (CheckpointError, capture_rng, latest_checkpoint, list_checkpoints, load_checkpoint,
-                             restore_rng, save_checkpoint)
+from kiln.checkpoint import (
+    CheckpointError,
+    capture_rng,
+    latest_checkpoint,
+    list_checkpoints,
+    load_checkpoint,
+    restore_rng,
+    save_checkpoint,
+)
 
 
 def _state():

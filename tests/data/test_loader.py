@@ -44,7 +44,7 @@ def test_sampler_is_a_function_of_seed_and_step():
     assert a == take(StepSampler(50, 8, seed=3), 200)
     assert a != take(StepSampler(50, 8, seed=4), 200)
     for k in (1, 6, 7, 13):  # within the first epoch, at its boundary, and later
-        assert take(StepSampler(50, 8, seed=3, start_step=k), 200 - 8 * k) == a[8 * k:]
+        assert take(StepSampler(50, 8, seed=3, start_step=k), 200 - 8 * k) == a[8 * k :]
 
 
 def test_sampler_covers_each_epoch_once():
@@ -83,7 +83,10 @@ def test_sampler_follows_a_batch_ramp():
     assert [ramp.samples_before(s) for s in range(8)] == [0, 2, 4, 6, 10, 14, 22, 30]
     whole = take(StepSampler(50, ramp, seed=2), 60)
     for k in range(8):  # starting anywhere, even mid-ramp, continues the same stream
-        assert take(StepSampler(50, ramp, seed=2, start_step=k), 60 - ramp.samples_before(k)) == whole[ramp.samples_before(k):]
+        assert (
+            take(StepSampler(50, ramp, seed=2, start_step=k), 60 - ramp.samples_before(k))
+            == whole[ramp.samples_before(k) :]
+        )
     shares = [next(iter(StepSampler(50, ramp, seed=2, start_step=3, rank=r, world_size=2))) for r in range(2)]
     assert shares[0] + shares[1] == whole[6:10]
     with pytest.raises(ValueError, match="not divisible by world_size"):
@@ -97,7 +100,7 @@ def test_val_batches_are_fixed_and_spread(tmp_path):
     firsts = [int(x[0]) // 10 for xb, _ in batches for x in xb]
     assert firsts == [i * 5 for i in range(20)]
     again = val_batches(ds, micro_batch_size=4, num_batches=5)
-    assert all(torch.equal(a[0], b[0]) and torch.equal(a[1], b[1]) for a, b in zip(batches, again))
+    assert all(torch.equal(a[0], b[0]) and torch.equal(a[1], b[1]) for a, b in zip(batches, again, strict=True))
 
     small = val_batches(TokenSequences(token_file(tmp_path, 61), seq_len=10), micro_batch_size=4, num_batches=5)
     assert [len(x) for x, _ in small] == [4, 2]

@@ -18,16 +18,25 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import tiny_overrides
 from kiln.train.lm import load_run
+
+from conftest import tiny_overrides
 
 STEPS = 6
 GLOBAL = 8
 
 
 def _sets(run_dir: Path, corpus: Path, micro: int, **extra) -> list[str]:
-    items = tiny_overrides(run_dir, corpus, train__max_steps=STEPS, train__micro_batch_size=micro,
-                           train__global_batch_size=GLOBAL, checkpoint__every=3, eval__sample_tokens=0, **extra)
+    items = tiny_overrides(
+        run_dir,
+        corpus,
+        train__max_steps=STEPS,
+        train__micro_batch_size=micro,
+        train__global_batch_size=GLOBAL,
+        checkpoint__every=3,
+        eval__sample_tokens=0,
+        **extra,
+    )
     return [a for item in items for a in ("--set", item)]
 
 
@@ -43,8 +52,8 @@ def _launch(nproc: int, sets: list[str], *launch_args: str, **kw) -> subprocess.
 
 
 def _losses(run_dir: Path) -> dict[int, float]:
-    lines = [json.loads(l) for l in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    return {l["step"]: l["loss"] for l in lines if "loss" in l}
+    lines = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return {record["step"]: record["loss"] for record in lines if "loss" in record}
 
 
 def _weights(run_dir: Path) -> dict[str, torch.Tensor]:
@@ -59,7 +68,7 @@ def _assert_same_training(run_dir: Path, ref_dir: Path, steps=None) -> None:
     # Adam's division by sqrt(v) magnifies that where a gradient is near zero. Each Adam step
     # moves a weight by up to lr = 1e-2; a real fault (a missing reduction, a wrong shard) shows
     # at that scale, 100x above this tolerance.
-    for (name, a), b in zip(_weights(run_dir).items(), _weights(ref_dir).values()):
+    for (name, a), b in zip(_weights(run_dir).items(), _weights(ref_dir).values(), strict=True):
         torch.testing.assert_close(a, b, rtol=0, atol=1e-4, msg=name)
 
 
@@ -80,11 +89,14 @@ def test_ddp_two_ranks_equal_one_process_with_twice_the_micro_batch(tmp_path, co
     assert json.loads((run_dir / "env.json").read_text())["world_size"] == 2
 
 
-@pytest.mark.parametrize("strategy, micro, extra", [
-    ("fsdp", 2, {}),
-    ("fsdp_grad_op", 2, {}),
-    ("ddp", 4, {"parallel__tp": 2}),  # tensor parallel over both ranks, data-parallel degree 1
-])
+@pytest.mark.parametrize(
+    "strategy, micro, extra",
+    [
+        ("fsdp", 2, {}),
+        ("fsdp_grad_op", 2, {}),
+        ("ddp", 4, {"parallel__tp": 2}),  # tensor parallel over both ranks, data-parallel degree 1
+    ],
+)
 def test_sharded_strategies_equal_one_process(tmp_path, corpus_dir, single, strategy, micro, extra):
     run_dir = tmp_path / "run"
     _launch(2, _sets(run_dir, corpus_dir, micro=micro, parallel__strategy=strategy, **extra))
@@ -169,9 +181,23 @@ def _free_port() -> int:
 def test_two_nodes_meet_at_a_c10d_rendezvous(tmp_path, corpus_dir, single):
     run_dir = tmp_path / "nodes"
     port = _free_port()
-    cmd = [sys.executable, "-m", "kiln", "launch", "--nproc-per-node", "1", "--nnodes", "2",
-           "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", "kiln-test", "--", "train",
-           *_sets(run_dir, corpus_dir, micro=2)]
+    cmd = [
+        sys.executable,
+        "-m",
+        "kiln",
+        "launch",
+        "--nproc-per-node",
+        "1",
+        "--nnodes",
+        "2",
+        "--rdzv-endpoint",
+        f"127.0.0.1:{port}",
+        "--rdzv-id",
+        "kiln-test",
+        "--",
+        "train",
+        *_sets(run_dir, corpus_dir, micro=2),
+    ]
     agents = [subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for _ in range(2)]
     outs = [a.communicate(timeout=300) for a in agents]
     assert [a.returncode for a in agents] == [0, 0], [err[-3000:] for _, err in outs]
@@ -189,15 +215,34 @@ def test_elastic_restart_after_a_worker_is_killed(tmp_path, corpus_dir):
     extra = dict(train__max_steps=steps, checkpoint__every=10, train__log_every=1)
 
     def sets(run_dir):
-        items = tiny_overrides(run_dir, corpus_dir, train__micro_batch_size=2, train__global_batch_size=GLOBAL,
-                               eval__sample_tokens=0, **extra)
+        items = tiny_overrides(
+            run_dir,
+            corpus_dir,
+            train__micro_batch_size=2,
+            train__global_batch_size=GLOBAL,
+            eval__sample_tokens=0,
+            **extra,
+        )
         return [a for item in items for a in ("--set", item)]
 
     ref = tmp_path / "uninterrupted"
     _launch(2, sets(ref))
     run_dir = tmp_path / "killed"
-    cmd = [sys.executable, "-m", "kiln", "launch", "--nproc-per-node", "2", "--max-restarts", "1",
-           "--monitor-interval", "0.2", "--", "train", *sets(run_dir)]
+    cmd = [
+        sys.executable,
+        "-m",
+        "kiln",
+        "launch",
+        "--nproc-per-node",
+        "2",
+        "--max-restarts",
+        "1",
+        "--monitor-interval",
+        "0.2",
+        "--",
+        "train",
+        *sets(run_dir),
+    ]
     launcher = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     deadline = time.time() + 120
     while time.time() < deadline:
@@ -211,7 +256,7 @@ def test_elastic_restart_after_a_worker_is_killed(tmp_path, corpus_dir):
     out, err = launcher.communicate(timeout=300)
     assert launcher.returncode == 0, err[-4000:]
     assert "resumed from" in out
-    for (name, a), b in zip(_weights(run_dir).items(), _weights(ref).values()):
+    for (name, a), b in zip(_weights(run_dir).items(), _weights(ref).values(), strict=True):
         torch.testing.assert_close(a, b, rtol=0, atol=0, msg=name)
 
 
@@ -221,14 +266,29 @@ def test_nccl_on_every_visible_gpu(tmp_path, corpus_dir, strategy):
     """DDP and FSDP over NCCL, one rank per GPU, against one process on one GPU."""
     n = torch.cuda.device_count()
     global_batch = 8 * n
-    common = dict(train__global_batch_size=global_batch, eval__sample_tokens=0, run__device="cuda", checkpoint__every=3,
-                  train__max_steps=STEPS)
+    common = dict(
+        train__global_batch_size=global_batch,
+        eval__sample_tokens=0,
+        run__device="cuda",
+        checkpoint__every=3,
+        train__max_steps=STEPS,
+    )
     ref = tmp_path / "one"
-    _kiln("train", *[a for i in tiny_overrides(ref, corpus_dir, train__micro_batch_size=8 * n, **common)
-                     for a in ("--set", i)])
+    _kiln(
+        "train",
+        *[a for i in tiny_overrides(ref, corpus_dir, train__micro_batch_size=8 * n, **common) for a in ("--set", i)],
+    )
     run_dir = tmp_path / "all"
-    _launch(n, [a for i in tiny_overrides(run_dir, corpus_dir, train__micro_batch_size=8, parallel__strategy=strategy,
-                                          **common) for a in ("--set", i)])
+    _launch(
+        n,
+        [
+            a
+            for i in tiny_overrides(
+                run_dir, corpus_dir, train__micro_batch_size=8, parallel__strategy=strategy, **common
+            )
+            for a in ("--set", i)
+        ],
+    )
     got, want = _losses(run_dir), _losses(ref)
     for step in range(1, STEPS + 1):
         assert got[step] == pytest.approx(want[step], rel=1e-3)

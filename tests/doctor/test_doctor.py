@@ -12,13 +12,14 @@ import torch
 from torch import nn
 from torch.utils.data import Dataset
 
-from conftest import tiny_gpt, tiny_overrides, token_sequences
+from kiln.cli import main as kiln
 from kiln.config import load_config
 from kiln.data import TokenSequences, prepare, split_of
 from kiln.doctor import data as doctor_data
-from kiln.cli import main as kiln
 from kiln.doctor import doctor_command, run_doctor
 from kiln.doctor.report import STATUSES
+
+from conftest import tiny_gpt, tiny_overrides, token_sequences
 
 CHECK_FIELDS = {"name", "group", "status", "evidence", "fix", "seconds"}
 
@@ -30,9 +31,19 @@ def builtin_cfg(tmp_path, corpus, **extra):
 
 def own_cfg(tmp_path, *sets):
     """A config for run_doctor with a user's model and data (the data keys are unused then)."""
-    return load_config(None, [f"run.dir={tmp_path / 'run'}", "run.device=cpu", "train.micro_batch_size=8",
-                              "train.global_batch_size=8", "train.lr=1e-2", "train.warmup_steps=2",
-                              "data.num_workers=0", *sets])
+    return load_config(
+        None,
+        [
+            f"run.dir={tmp_path / 'run'}",
+            "run.device=cpu",
+            "train.micro_batch_size=8",
+            "train.global_batch_size=8",
+            "train.lr=1e-2",
+            "train.warmup_steps=2",
+            "data.num_workers=0",
+            *sets,
+        ],
+    )
 
 
 def statuses(report):
@@ -44,8 +55,15 @@ def test_clean_setup_passes(tmp_path, corpus_dir):
     assert report.exit_status == 0, report.render()
     assert {c.group for c in report.checks} == {"environment", "data", "model", "pipeline", "determinism"}
     assert all(c.status in STATUSES for c in report.checks)
-    for name in ("checksums", "token ids", "train/val overlap", "gradient flow", "single-batch overfit",
-                 "input pipeline", "determinism"):
+    for name in (
+        "checksums",
+        "token ids",
+        "train/val overlap",
+        "gradient flow",
+        "single-batch overfit",
+        "input pipeline",
+        "determinism",
+    ):
         assert report.get(name).status == "pass", report.render()
     assert "ln(vocabulary 512)" in report.get("initial loss").evidence
     text = report.render()
@@ -66,8 +84,9 @@ def test_doctor_command_clean_prints_one_json_object(tmp_path, corpus_dir, capsy
 def private_cache(tmp_path, corpus_dir):
     """The tiny corpus prepared into a cache of this test's own, safe to damage."""
     cache = tmp_path / "cache"
-    prepared = prepare(load_config(None, tiny_overrides(tmp_path, corpus_dir, data__cache_dir=cache)).data,
-                       progress=False)
+    prepared = prepare(
+        load_config(None, tiny_overrides(tmp_path, corpus_dir, data__cache_dir=cache)).data, progress=False
+    )
     return cache, prepared
 
 
@@ -125,8 +144,9 @@ class WithUnusedParameter(nn.Module):
 
 
 def test_detached_parameter_is_named(tmp_path):
-    report = run_doctor(own_cfg(tmp_path), model=WithUnusedParameter(), train_data=token_sequences(tmp_path),
-                        groups=["model"])
+    report = run_doctor(
+        own_cfg(tmp_path), model=WithUnusedParameter(), train_data=token_sequences(tmp_path), groups=["model"]
+    )
     flow = report.get("gradient flow")
     assert flow.status == "fail" and "unused.weight" in flow.evidence and "unused.bias" in flow.evidence
     assert "gpt." not in flow.evidence
@@ -135,8 +155,9 @@ def test_detached_parameter_is_named(tmp_path):
 
 def test_learning_rate_too_high_does_not_overfit(tmp_path):
     # The same setup at train.lr=1e-2 memorises its batch: test_clean_setup_passes.
-    report = run_doctor(own_cfg(tmp_path, "train.lr=10"), model=tiny_gpt(), train_data=token_sequences(tmp_path),
-                        groups=["model"])
+    report = run_doctor(
+        own_cfg(tmp_path, "train.lr=10"), model=tiny_gpt(), train_data=token_sequences(tmp_path), groups=["model"]
+    )
     overfit = report.get("single-batch overfit")
     assert overfit.status == "fail" and "train.lr=10" in overfit.evidence and "diverges" in overfit.evidence
     assert "lower train.lr" in overfit.fix
@@ -192,16 +213,19 @@ def test_documents_are_cut_at_end_of_text_within_windows():
 
 def test_big_streams_are_sampled_and_the_evidence_says_so(tmp_path, monkeypatch):
     monkeypatch.setattr(doctor_data, "SCAN_TOKENS", 1600)
-    report = run_doctor(own_cfg(tmp_path), model=tiny_gpt(), train_data=token_sequences(tmp_path),
-                        groups=["data"])
+    report = run_doctor(own_cfg(tmp_path), model=tiny_gpt(), train_data=token_sequences(tmp_path), groups=["data"])
     assert "1,600 of 20,000 tokens in 16 evenly spaced windows" in report.get("token ids").evidence
     assert report.get("checksums").status == "skip"  # user data has no manifest
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without CUDA")
 def test_unavailable_device_fails_and_skips_the_model(tmp_path):
-    report = run_doctor(own_cfg(tmp_path, "run.device=cuda"), model=tiny_gpt(), train_data=token_sequences(tmp_path),
-                        groups=["environment", "model"])
+    report = run_doctor(
+        own_cfg(tmp_path, "run.device=cuda"),
+        model=tiny_gpt(),
+        train_data=token_sequences(tmp_path),
+        groups=["environment", "model"],
+    )
     device = report.get("device & CUDA")
     assert device.status == "fail" and "run.device" in device.evidence
     assert {c.status for c in report.checks if c.group == "model"} == {"skip"}

@@ -19,7 +19,7 @@ def test_meta_build_then_materialize_equals_eager_construction(tie):
     eager = GPT(cfg)
     built = build_model(FAMILY, cfg, "cpu", seed=7)
     assert list(eager.state_dict()) == list(built.state_dict())
-    for (name, a), b in zip(eager.state_dict().items(), built.state_dict().values()):
+    for (name, a), b in zip(eager.state_dict().items(), built.state_dict().values(), strict=True):
         assert torch.equal(a, b), name
     assert (built.lm_head.weight is built.tok_emb.weight) == tie
     for name in ("rope_cos", "rope_sin"):  # derived buffers are filled too
@@ -30,7 +30,13 @@ def test_gpt_plan_names_its_layers_and_tp_splits():
     plan = FAMILY.parallel_plan(GPTConfig(**DIMS, tie_embeddings=True))
     model = build_model(FAMILY, GPTConfig(**DIMS, tie_embeddings=True), "cpu", 0)
     assert plan.repeated_blocks(model) == list(model.blocks)
-    assert [plan.tp_split_dim(n) for n in ("attn.wq", "attn.wo.weight", "mlp.w1", "mlp.w2", "attn_norm")] == [0, 1, 0, 1, None]
+    assert [plan.tp_split_dim(n) for n in ("attn.wq", "attn.wo.weight", "mlp.w1", "mlp.w2", "attn_norm")] == [
+        0,
+        1,
+        0,
+        1,
+        None,
+    ]
     plan.check_tensor_parallel(2, "gpt")
     with pytest.raises(ConfigError, match=r"parallel.tp: 4 must divide model.n_kv_head=2"):
         plan.check_tensor_parallel(4, "gpt")
@@ -45,11 +51,14 @@ def test_a_model_without_a_plan_cannot_be_split():
         ParallelPlan(tensor_parallel={"fc": "diagonal"})
 
 
-@pytest.mark.parametrize("name, message", [
-    ("transformer", "model.family: 'transformer' is not one of gpt"),
-    ("no_such_module:FAMILY", "model.family: cannot load 'no_such_module:FAMILY'"),
-    ("kiln.models.gpt:GPT", "not a kiln.models.ModelFamily"),
-])
+@pytest.mark.parametrize(
+    "name, message",
+    [
+        ("transformer", "model.family: 'transformer' is not one of gpt"),
+        ("no_such_module:FAMILY", "model.family: cannot load 'no_such_module:FAMILY'"),
+        ("kiln.models.gpt:GPT", "not a kiln.models.ModelFamily"),
+    ],
+)
 def test_unknown_family_is_a_config_error(name, message):
     with pytest.raises(ConfigError, match=message):
         get_family(name)
@@ -64,11 +73,14 @@ def test_model_keys_are_checked_by_the_family_before_anything_runs(tmp_path, cap
     assert FAMILY.resolve(ModelConfig(preset="small"), vocab_size=100, seq_len=64).d_model == 256
 
 
-@pytest.mark.parametrize("dims", [
-    dict(tie_embeddings=True),
-    dict(tie_embeddings=False),
-    dict(tie_embeddings=True, n_kv_head=1, rope_theta=500.0),  # grouped-query attention, another RoPE base
-])
+@pytest.mark.parametrize(
+    "dims",
+    [
+        dict(tie_embeddings=True),
+        dict(tie_embeddings=False),
+        dict(tie_embeddings=True, n_kv_head=1, rope_theta=500.0),  # grouped-query attention, another RoPE base
+    ],
+)
 def test_llama_names_load_into_transformers_with_the_same_logits(dims):
     transformers = pytest.importorskip("transformers")
     cfg = GPTConfig(**{**DIMS, **dims})

@@ -25,7 +25,7 @@ def test_loss_and_gradients_equal_plain_cross_entropy(chunk_size):
     loss = linear_cross_entropy(hidden, weight, targets, chunk_size)
     got = torch.autograd.grad(loss * 3.0, (hidden, weight))
     torch.testing.assert_close(loss, expected)
-    for a, b in zip(got, want):
+    for a, b in zip(got, want, strict=True):
         torch.testing.assert_close(a, b)
 
 
@@ -56,7 +56,9 @@ def test_bf16_weights_get_bf16_gradients_close_to_fp32():
 
 def test_gpt_with_targets_returns_the_loss_of_its_logits_with_tied_gradients():
     torch.manual_seed(0)
-    cfg = GPTConfig(vocab_size=97, n_layer=2, d_model=32, n_head=4, n_kv_head=2, d_ff=64, max_seq_len=16, tie_embeddings=True)
+    cfg = GPTConfig(
+        vocab_size=97, n_layer=2, d_model=32, n_head=4, n_kv_head=2, d_ff=64, max_seq_len=16, tie_embeddings=True
+    )
     model = GPT(cfg).double()
     x, y = torch.randint(0, 97, (3, 16)), torch.randint(0, 97, (3, 16))
     plain = F.cross_entropy(model(x).flatten(0, 1), y.flatten())
@@ -64,5 +66,5 @@ def test_gpt_with_targets_returns_the_loss_of_its_logits_with_tied_gradients():
     fused = model(x, y)
     got = torch.autograd.grad(fused, list(model.parameters()))
     torch.testing.assert_close(fused, plain)
-    for a, b in zip(got, want):
+    for a, b in zip(got, want, strict=True):
         torch.testing.assert_close(a, b)

@@ -109,5 +109,5 @@ def test_blocks_can_be_wrapped_with_activation_checkpointing():
     idx = torch.randint(0, 97, (2, 12))
     for m in (model, wrapped):
         F.cross_entropy(m(idx).flatten(0, 1), idx.flatten()).backward()
-    for p, q in zip(model.parameters(), wrapped.parameters()):
+    for p, q in zip(model.parameters(), wrapped.parameters(), strict=True):
         torch.testing.assert_close(p.grad, q.grad)

@@ -5,8 +5,8 @@ import pytest
 import torch
 
 from kiln.config import ConfigError, ModelConfig
-from kiln.models import GPT, PRESETS, build_gpt_config, flops_per_token, param_count
 from kiln.device import peak_flops
+from kiln.models import GPT, PRESETS, build_gpt_config, flops_per_token, param_count
 
 VOCAB = 32000
 
@@ -42,7 +42,14 @@ def test_param_count_matches_model_for_tiny_variants(overrides):
 def test_overrides_and_context_length():
     cfg = build_gpt_config(
         ModelConfig(
-            preset="tiny", n_layer=2, d_model=64, n_head=2, n_kv_head=1, d_ff=96, tie_embeddings="false", rope_theta=500.0
+            preset="tiny",
+            n_layer=2,
+            d_model=64,
+            n_head=2,
+            n_kv_head=1,
+            d_ff=96,
+            tie_embeddings="false",
+            rope_theta=500.0,
         ),
         vocab_size=100,
         max_seq_len=4096,
@@ -67,7 +74,7 @@ def test_bad_dimensions_raise_config_error_naming_keys(overrides, expected):
     with pytest.raises(ConfigError) as info:
         build_gpt_config(ModelConfig(**overrides), VOCAB, 128)
     assert len(info.value.errors) == len(expected)
-    for line, start in zip(info.value.errors, expected):
+    for line, start in zip(info.value.errors, expected, strict=True):
         assert line.startswith(start)
 
 
@@ -79,7 +86,7 @@ def test_every_problem_is_reported_at_once():
 
 def test_flops_per_token_gpt2_124m():
     cfg = build_gpt_config(ModelConfig(preset="gpt2-124m"), 50257, 1024)
-    L, d, V, ff = 12, 768, 50257, 2048
+    L, d, V, ff = 12, 768, 50257, 2048  # noqa: N806
     n_matmul = L * (4 * d * d + 3 * d * ff) + V * d
     assert flops_per_token(cfg, 1024) == 6 * n_matmul + 12 * L * d * 1024
     # GPT-2 small: ~124M parameters, and attention adds ~10% at a 1024-token context.

@@ -11,7 +11,6 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import tiny_overrides
 from kiln.cli import main
 from kiln.config import load_config
 from kiln.models import build_model, get_family
@@ -20,6 +19,8 @@ from kiln.train.lm import load_run
 from kiln.train.optim import build_optimizer
 from kiln.train.precision import Precision
 from kiln.train.step import TrainStep
+
+from conftest import tiny_overrides
 from memtrack import peak_memory
 
 TESTS = Path(__file__).parents[1]
@@ -28,8 +29,9 @@ ENV = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(TESTS), os.
 
 
 def _kiln(*args, check=True, timeout=300):
-    proc = subprocess.run([sys.executable, "-m", "kiln", *map(str, args)], capture_output=True, text=True, env=ENV,
-                          timeout=timeout)
+    proc = subprocess.run(
+        [sys.executable, "-m", "kiln", *map(str, args)], capture_output=True, text=True, env=ENV, timeout=timeout
+    )
     if check:
         assert proc.returncode == 0, proc.stderr[-4000:]
     return proc
@@ -84,8 +86,15 @@ def test_tensor_parallel_on_two_ranks_equals_one_process(tmp_path, corpus_dir, s
 
 
 def test_tensor_parallel_degree_is_checked_against_the_family_plan(tmp_path, corpus_dir):
-    proc = _kiln("launch", "--nproc-per-node", "2", "--", "train",
-                 *_sets(tmp_path / "run", corpus_dir, parallel__tp=2, model__d_ff=127), check=False)
+    proc = _kiln(
+        "launch",
+        "--nproc-per-node",
+        "2",
+        "--",
+        "train",
+        *_sets(tmp_path / "run", corpus_dir, parallel__tp=2, model__d_ff=127),
+        check=False,
+    )
     assert proc.returncode != 0 and "parallel.tp: 2 must divide model.d_ff=127" in proc.stderr
 
 
@@ -96,24 +105,40 @@ def _measured_peak(cfg) -> int:
     def two_steps():
         args = family.resolve(cfg.model, vocab_size=cfg.data.vocab_size, seq_len=cfg.data.seq_len)
         model = build_model(family, args, "cpu", 0)
-        step = TrainStep(model, family.loss, build_optimizer(model, cfg.train, torch.device("cpu")),
-                         Precision("fp32", torch.device("cpu")), grad_clip=1.0, plan=family.parallel_plan(args))
+        step = TrainStep(
+            model,
+            family.loss,
+            build_optimizer(model, cfg.train, torch.device("cpu")),
+            Precision("fp32", torch.device("cpu")),
+            grad_clip=1.0,
+            plan=family.parallel_plan(args),
+        )
         if cfg.train.activation_checkpointing:
             step.recompute_activations()
         rows, micro = cfg.train.global_batch_size, cfg.train.micro_batch_size
         for _ in range(2):
             x, y = (torch.randint(0, cfg.data.vocab_size, (rows, cfg.data.seq_len)) for _ in range(2))
-            step.forward_backward([(x[i:i + micro], y[i:i + micro]) for i in range(0, rows, micro)], 1)
+            step.forward_backward([(x[i : i + micro], y[i : i + micro]) for i in range(0, rows, micro)], 1)
             step.update(1e-3)
+
     return peak_memory(two_steps)
 
 
-@pytest.mark.parametrize("sets", [
-    ["train.micro_batch_size=4", "train.global_batch_size=8"],
-    ["train.micro_batch_size=8", "train.global_batch_size=8", "train.activation_checkpointing=true"],
-    ["train.micro_batch_size=8", "train.global_batch_size=8", "model.d_model=256", "model.d_ff=1024",
-     "model.n_layer=4", "data.vocab_size=2048"],
-])
+@pytest.mark.parametrize(
+    "sets",
+    [
+        ["train.micro_batch_size=4", "train.global_batch_size=8"],
+        ["train.micro_batch_size=8", "train.global_batch_size=8", "train.activation_checkpointing=true"],
+        [
+            "train.micro_batch_size=8",
+            "train.global_batch_size=8",
+            "model.d_model=256",
+            "model.d_ff=1024",
+            "model.n_layer=4",
+            "data.vocab_size=2048",
+        ],
+    ],
+)
 def test_plan_counts_its_state_exactly_and_its_peak_within_15_percent(sets):
     cfg = load_config(None, [TOY, "data.seq_len=64", "data.vocab_size=512", *sets])
     plan = make_plan(cfg, device_memory="8GiB")
@@ -126,14 +151,31 @@ def test_plan_counts_its_state_exactly_and_its_peak_within_15_percent(sets):
     planned = model_state(plan.job.shape, plan.base)
     params = list(model.parameters())
     assert planned["parameters"] == planned["gradients"] == sum(p.numel() * 4 for p in params)
-    assert planned["optimizer_state"] == sum(t.numel() * t.element_size() for s in optimizer.state.values()
-                                             for t in s.values())
+    assert planned["optimizer_state"] == sum(
+        t.numel() * t.element_size() for s in optimizer.state.values() for t in s.values()
+    )
     measured = _measured_peak(cfg)
     assert abs(plan.memory.allocated - measured) <= 0.15 * measured, (plan.memory.allocated, measured)
 
 
 def test_plan_command_takes_the_family(capsys):
-    assert main(["plan", "--set", TOY, "--set", "parallel.tp=2", "--world-size", "2", "--set", "parallel.strategy=fsdp",
-                 "--device-memory", "8GiB"]) == 0
+    assert (
+        main(
+            [
+                "plan",
+                "--set",
+                TOY,
+                "--set",
+                "parallel.tp=2",
+                "--world-size",
+                "2",
+                "--set",
+                "parallel.strategy=fsdp",
+                "--device-memory",
+                "8GiB",
+            ]
+        )
+        == 0
+    )
     out = capsys.readouterr().out
     assert "model buffers (causal masks)" in out and "fits" in out

@@ -94,6 +94,7 @@ def test_histograms_of_sharded_parameters_show_the_local_shard(tmp_path):
 
 # -- Weights & Biases, offline ----------------------------------------------------------------------
 
+
 def _wandb_records(path: Path):
     """The protobuf records of a W&B run file (``run-ID.wandb``): a LevelDB-style log of 32 KiB
     blocks after a 7-byte header, each record chunk prefixed by crc32 (4 bytes), length
@@ -107,13 +108,13 @@ def _wandb_records(path: Path):
         if block - pos % block < 7:  # a block's tail too short for a header is padding
             pos += block - pos % block
             continue
-        _, length, kind = struct.unpack("<IHB", data[pos:pos + 7])
+        _, length, kind = struct.unpack("<IHB", data[pos : pos + 7])
         if kind == 0:
             pos += block - pos % block
             continue
         if pos + 7 + length > len(data):  # still being written
             return
-        chunk += data[pos + 7:pos + 7 + length]
+        chunk += data[pos + 7 : pos + 7 + length]
         pos += 7 + length
         if kind in (1, 4):
             record = wandb_internal_pb2.Record()
@@ -167,8 +168,9 @@ def _run_files(run_dir: Path) -> list[Path]:
 def test_wandb_offline_logs_every_record(tmp_path, wandb_offline):
     run = tmp_path / "run"
     run.mkdir()
-    with MetricsLogger(run, total_steps=4, console=False, wandb_project="kiln-test",
-                       config={"train": {"lr": 0.003}}) as logger:
+    with MetricsLogger(
+        run, total_steps=4, console=False, wandb_project="kiln-test", config={"train": {"lr": 0.003}}
+    ) as logger:
         logger.log(1, {"loss": 5.0, "lr": 1e-3, "memory/rss_gib": 0.5})
         logger.log(2, {"loss": math.nan, "lr": 2e-3})
         logger.log(2, {"val_loss": 4.5, "val_bpb": 1.9})
@@ -217,8 +219,9 @@ def test_wandb_missing_names_the_key_and_the_fix(tmp_path, monkeypatch):
 def test_training_writes_histograms_every_n_steps(tmp_path):
     from conftest import token_sequences, train_tiny_gpt
 
-    train_tiny_gpt(tmp_path / "run", token_sequences(tmp_path), micro=4, global_=8, steps=6,
-                   **{"observe.histograms_every": 3})
+    train_tiny_gpt(
+        tmp_path / "run", token_sequences(tmp_path), micro=4, global_=8, steps=6, **{"observe.histograms_every": 3}
+    )
     hist = _histograms(tmp_path / "run")
     assert "weights/blocks.0.attn.wq.weight" in hist and "grads/blocks.0.attn.wq.weight" in hist
     assert [e.step for e in hist["grads/blocks.0.attn.wq.weight"]] == [3, 6]

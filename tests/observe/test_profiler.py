@@ -4,8 +4,9 @@ import json
 
 import pytest
 
-from conftest import token_sequences, train_tiny_gpt
 from kiln.config import ConfigError, load_config
+
+from conftest import token_sequences, train_tiny_gpt
 
 
 def test_profile_window_writes_trace_and_breakdown(tmp_path, capsys):
@@ -38,12 +39,14 @@ def test_kiln_profile_keeps_only_the_profile(tmp_path, corpus_dir):
     from conftest import tiny_overrides
 
     sets = [a for i in tiny_overrides(tmp_path / "run", corpus_dir) for a in ("--set", i)]
-    proc = subprocess.run([sys.executable, "-m", "kiln", "profile", *sets, "--steps", "2:3"], capture_output=True,
-                          text=True, timeout=300)
+    proc = subprocess.run(
+        [sys.executable, "-m", "kiln", "profile", *sets, "--steps", "2:3"], capture_output=True, text=True, timeout=300
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "kiln profile: steps 2-3" in proc.stdout and "top operators" in proc.stdout
     out = tmp_path / "run" / "profile"
     assert sorted(p.name for p in out.iterdir()) == ["breakdown.json", "trace-steps-2-3.pt.trace.json"]
-    bad = subprocess.run([sys.executable, "-m", "kiln", "profile", *sets, "--steps", "4:2"], capture_output=True,
-                         text=True, timeout=300)
+    bad = subprocess.run(
+        [sys.executable, "-m", "kiln", "profile", *sets, "--steps", "4:2"], capture_output=True, text=True, timeout=300
+    )
     assert bad.returncode == 2 and "--steps: '4:2' is not a step range" in bad.stderr

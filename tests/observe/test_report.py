@@ -10,11 +10,12 @@ from pathlib import Path
 import pytest
 from PIL import Image
 
-from conftest import tiny_overrides
 from kiln.checkpoint import CheckpointError
 from kiln.cli import main as kiln
 from kiln.config import ConfigError
 from kiln.observe.report import report_command, write_report
+
+from conftest import tiny_overrides
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 
@@ -111,8 +112,17 @@ def _write_metrics(run: Path, records: list[dict], tail: str = "") -> None:
 
 
 def _step(step, loss, **extra):
-    return {"step": step, "loss": loss, "lr": 1e-3, "grad_norm": 1.0, "tokens_per_s": 100.0 * step,
-            "elapsed_s": float(step), "global_batch": 4, "tokens": 64 * step, **extra}
+    return {
+        "step": step,
+        "loss": loss,
+        "lr": 1e-3,
+        "grad_norm": 1.0,
+        "tokens_per_s": 100.0 * step,
+        "elapsed_s": float(step),
+        "global_batch": 4,
+        "tokens": 64 * step,
+        **extra,
+    }
 
 
 def test_non_finite_values_events_and_a_torn_last_line(tmp_path, capsys):
@@ -150,14 +160,17 @@ def test_non_finite_values_events_and_a_torn_last_line(tmp_path, capsys):
     assert summary["loss_last"] is None and summary["loss_min"] == 3.0
 
 
-@pytest.mark.parametrize("case, message", [
-    ("missing", "no such run directory"),
-    ("file", "not a directory"),
-    ("no_metrics", "missing metrics.jsonl"),
-    ("empty", "no training steps logged yet"),
-    ("events_only", "no training steps logged yet"),
-    ("corrupt", "metrics.jsonl:2: not a JSON record"),
-])
+@pytest.mark.parametrize(
+    "case, message",
+    [
+        ("missing", "no such run directory"),
+        ("file", "not a directory"),
+        ("no_metrics", "missing metrics.jsonl"),
+        ("empty", "no training steps logged yet"),
+        ("events_only", "no training steps logged yet"),
+        ("corrupt", "metrics.jsonl:2: not a JSON record"),
+    ],
+)
 def test_unreportable_directories_name_the_path_and_write_nothing(tmp_path, case, message):
     run = tmp_path / "run"
     if case == "file":

@@ -10,15 +10,22 @@ from kiln.config import all_keys, load_config
 from kiln.distributed.parallelize import clip_grad_norm_
 from kiln.models import GPT, PRESETS, build_gpt_config, param_count
 from kiln.models.gpt import FAMILY
-from memtrack import peak_memory
 from kiln.plan import ModelShape, Setup, make_plan, model_state, parse_memory
 from kiln.train.apply import apply_activation_checkpointing
 from kiln.train.optim import build_optimizer
 from kiln.train.precision import Precision
 
+from memtrack import peak_memory
+
 CPU = torch.device("cpu")
-SEVEN_B = ["model.preset=7b", "data.seq_len=4096", "data.vocab_size=32000", "train.micro_batch_size=1",
-           "train.global_batch_size=64", "train.precision=bf16"]
+SEVEN_B = [
+    "model.preset=7b",
+    "data.seq_len=4096",
+    "data.vocab_size=32000",
+    "train.micro_batch_size=1",
+    "train.global_batch_size=64",
+    "train.precision=bf16",
+]
 ON_ONE_H100 = ["--device-memory", "80GB", "--world-size", "1", "--gpu", "h100"]
 
 
@@ -46,7 +53,7 @@ def train_step(cfg, model, optimizer, precision, device=CPU):
     accum = rows // micro
     for i in range(accum):
         with precision.autocast():
-            loss = model(x[i * micro:(i + 1) * micro], y[i * micro:(i + 1) * micro])
+            loss = model(x[i * micro : (i + 1) * micro], y[i * micro : (i + 1) * micro])
         precision.backward(loss / accum)
     precision.unscale_(optimizer)
     grad_norm = clip_grad_norm_([p for p in model.parameters() if p.requires_grad], cfg.train.grad_clip)
@@ -56,11 +63,13 @@ def train_step(cfg, model, optimizer, precision, device=CPU):
 def measured_peak(cfg, device=CPU) -> int:
     """Peak live tensor bytes over two training steps, the model built inside the measurement:
     the second step is the steady state, with AdamW's moments allocated throughout."""
+
     def two_steps():
         model, optimizer, precision = build(cfg, device)
         for _ in range(2):
             train_step(cfg, model, optimizer, precision, device)
             optimizer.zero_grad(set_to_none=True)
+
     return peak_memory(two_steps, device)
 
 
@@ -71,10 +80,18 @@ def nbytes(tensors):
 # -- memory sizes and the model's shape ----------------------------------------------------------
 
 
-@pytest.mark.parametrize("text, expected", [
-    ("80GB", 80 * 10**9), ("80GiB", 80 * 2**30), ("24G", 24 * 2**30), ("512MB", 512 * 10**6),
-    ("1.5gib", int(1.5 * 2**30)), ("123456", 123456), ("64 KiB", 64 * 1024),
-])
+@pytest.mark.parametrize(
+    "text, expected",
+    [
+        ("80GB", 80 * 10**9),
+        ("80GiB", 80 * 2**30),
+        ("24G", 24 * 2**30),
+        ("512MB", 512 * 10**6),
+        ("1.5gib", int(1.5 * 2**30)),
+        ("123456", 123456),
+        ("64 KiB", 64 * 1024),
+    ],
+)
 def test_parse_memory(text, expected):
     assert parse_memory(text) == expected
 
@@ -106,14 +123,25 @@ def test_sharding_divides_the_model_state():
 # -- acceptance 1: parameters, gradients and optimizer state are exact ---------------------------
 
 
-@pytest.mark.parametrize("precision, model", [
-    ("fp32", []),
-    ("bf16", []),
-    ("bf16", ["model.tie_embeddings=false", "model.n_kv_head=2"]),  # untied output layer, grouped-query attention
-])
+@pytest.mark.parametrize(
+    "precision, model",
+    [
+        ("fp32", []),
+        ("bf16", []),
+        ("bf16", ["model.tie_embeddings=false", "model.n_kv_head=2"]),  # untied output layer, grouped-query attention
+    ],
+)
 def test_model_state_bytes_are_exact(precision, model):
-    cfg = load_config(None, [*model, f"train.precision={precision}", "data.seq_len=64", "train.micro_batch_size=2",
-                             "train.global_batch_size=4"])
+    cfg = load_config(
+        None,
+        [
+            *model,
+            f"train.precision={precision}",
+            "data.seq_len=64",
+            "train.micro_batch_size=2",
+            "train.global_batch_size=4",
+        ],
+    )
     trained, optimizer, amp = build(cfg)
     train_step(cfg, trained, optimizer, amp)
 
@@ -130,28 +158,41 @@ def test_model_state_bytes_are_exact(precision, model):
 # -- acceptance 2: the total is within 15% of a measured training step ---------------------------
 
 
-@pytest.mark.parametrize("preset, seq, micro, batch, precision, checkpointing", [
-    ("tiny", 128, 1, 1, "fp32", False),
-    ("tiny", 64, 4, 8, "fp32", False),
-    ("tiny", 64, 16, 16, "bf16", False),
-    ("tiny", 128, 4, 4, "bf16", True),
-    ("small", 128, 4, 4, "fp32", True),
-    ("small", 64, 16, 16, "fp32", False),
-    ("small", 64, 4, 8, "bf16", False),
-    ("gpt2-124m", 32, 1, 1, "fp32", False),
-    ("gpt2-124m", 16, 4, 4, "bf16", True),
-    ("gpt2-124m", 16, 16, 16, "bf16", False),
-])
+@pytest.mark.parametrize(
+    "preset, seq, micro, batch, precision, checkpointing",
+    [
+        ("tiny", 128, 1, 1, "fp32", False),
+        ("tiny", 64, 4, 8, "fp32", False),
+        ("tiny", 64, 16, 16, "bf16", False),
+        ("tiny", 128, 4, 4, "bf16", True),
+        ("small", 128, 4, 4, "fp32", True),
+        ("small", 64, 16, 16, "fp32", False),
+        ("small", 64, 4, 8, "bf16", False),
+        ("gpt2-124m", 32, 1, 1, "fp32", False),
+        ("gpt2-124m", 16, 4, 4, "bf16", True),
+        ("gpt2-124m", 16, 16, 16, "bf16", False),
+    ],
+)
 def test_peak_estimate_is_within_15_percent_of_a_measured_step(preset, seq, micro, batch, precision, checkpointing):
-    cfg = load_config(None, [f"model.preset={preset}", f"data.seq_len={seq}", f"train.micro_batch_size={micro}",
-                             f"train.global_batch_size={batch}", f"train.precision={precision}",
-                             f"train.activation_checkpointing={str(checkpointing).lower()}"])
+    cfg = load_config(
+        None,
+        [
+            f"model.preset={preset}",
+            f"data.seq_len={seq}",
+            f"train.micro_batch_size={micro}",
+            f"train.global_batch_size={batch}",
+            f"train.precision={precision}",
+            f"train.activation_checkpointing={str(checkpointing).lower()}",
+        ],
+    )
     measured = measured_peak(cfg)
     # On the CPU the overhead term is the process itself, not tensors: compare tensor bytes.
     memory = make_plan(cfg, device_memory="64GiB").memory
-    print(f"\n{preset:>10} seq {seq:>3} micro {micro:>2} batch {batch:>2} {precision} AC {checkpointing!s:5}: "
-          f"measured {measured / 2**20:8.2f} MiB, estimated {memory.allocated / 2**20:8.2f} MiB "
-          f"({memory.allocated / measured - 1:+.1%}, peak at {memory.peak_phase})")
+    print(
+        f"\n{preset:>10} seq {seq:>3} micro {micro:>2} batch {batch:>2} {precision} AC {checkpointing!s:5}: "
+        f"measured {measured / 2**20:8.2f} MiB, estimated {memory.allocated / 2**20:8.2f} MiB "
+        f"({memory.allocated / measured - 1:+.1%}, peak at {memory.peak_phase})"
+    )
     assert abs(memory.allocated - measured) <= 0.15 * measured
 
 
@@ -191,8 +232,12 @@ def test_7b_json_recommendations_fit_when_applied(capsys):
     for rec in plan["recommendations"]:
         assert rec["fits"] and rec["memory"]["total"] <= 80 * 10**9
         assert all(item.split("=")[0] in all_keys() for item in rec["overrides"])
-        again = make_plan(load_config(None, SEVEN_B + rec["overrides"]), world_size=rec["world_size"],
-                          device_memory="80GB", gpu="h100")
+        again = make_plan(
+            load_config(None, SEVEN_B + rec["overrides"]),
+            world_size=rec["world_size"],
+            device_memory="80GB",
+            gpu="h100",
+        )
         assert again.fits and again.memory.total == rec["memory"]["total"]
     assert plan["recommendations"][-1]["world_size"] > 1  # more GPUs, as the last suggestion
 
@@ -201,13 +246,22 @@ def test_7b_json_recommendations_fit_when_applied(capsys):
 
 
 def test_auto_micro_batch_is_the_largest_that_fits():
-    cfg = load_config(None, ["model.preset=gpt2-124m", "data.seq_len=1024", "train.micro_batch_size=auto",
-                             "train.global_batch_size=64"])
+    cfg = load_config(
+        None,
+        ["model.preset=gpt2-124m", "data.seq_len=1024", "train.micro_batch_size=auto", "train.global_batch_size=64"],
+    )
     plan = make_plan(cfg, device_memory="24GiB", gpu="a100")
     micro = plan.base.micro_batch_size
     assert plan.fits and plan.auto_micro and 1 < micro < 64
-    bigger = load_config(None, ["model.preset=gpt2-124m", "data.seq_len=1024", f"train.micro_batch_size={micro * 2}",
-                                "train.global_batch_size=64"])
+    bigger = load_config(
+        None,
+        [
+            "model.preset=gpt2-124m",
+            "data.seq_len=1024",
+            f"train.micro_batch_size={micro * 2}",
+            "train.global_batch_size=64",
+        ],
+    )
     assert not make_plan(bigger, device_memory="24GiB", gpu="a100").fits
 
 
@@ -227,8 +281,16 @@ def test_a_config_that_fits_gets_no_recommendations(capsys):
 
 
 def test_cpu_recommendations_change_the_micro_batch_or_checkpointing():
-    cfg = load_config(None, ["model.preset=small", "data.seq_len=1024", "train.micro_batch_size=32",
-                             "train.global_batch_size=32", "run.device=cpu"])
+    cfg = load_config(
+        None,
+        [
+            "model.preset=small",
+            "data.seq_len=1024",
+            "train.micro_batch_size=32",
+            "train.global_batch_size=32",
+            "run.device=cpu",
+        ],
+    )
     plan = make_plan(cfg, device_memory="2GiB")
     assert not plan.fits and plan.recommendations
     for rec in plan.recommendations:
@@ -242,15 +304,31 @@ def test_tokenizer_file_is_not_read_and_the_output_says_so(capsys):
     assert "data.tokenizer is a file" in capsys.readouterr().out
 
 
-@pytest.mark.parametrize("args, message", [
-    (["--gpu", "h900"], "--gpu: 'h900' is not a GPU"),
-    (["--device-memory", "80XB"], "--device-memory: '80XB' is not a memory size"),
-    (["--world-size", "3", "--set", "parallel.tp=2"], "--world-size: 3 is not a multiple of parallel.tp = 2"),
-    (["--world-size", "3"], "train.global_batch_size: 32 is not divisible by the 3 data-parallel ranks"),
-    (["--set", "train.lrr=1"], "train.lrr: unknown config key"),
-    (["--set", "parallel.tp=3", "--world-size", "3", "--set", "parallel.strategy=fsdp",
-      "--set", "train.global_batch_size=3", "--set", "train.micro_batch_size=1"], "parallel.tp: 3 must divide"),
-])
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--gpu", "h900"], "--gpu: 'h900' is not a GPU"),
+        (["--device-memory", "80XB"], "--device-memory: '80XB' is not a memory size"),
+        (["--world-size", "3", "--set", "parallel.tp=2"], "--world-size: 3 is not a multiple of parallel.tp = 2"),
+        (["--world-size", "3"], "train.global_batch_size: 32 is not divisible by the 3 data-parallel ranks"),
+        (["--set", "train.lrr=1"], "train.lrr: unknown config key"),
+        (
+            [
+                "--set",
+                "parallel.tp=3",
+                "--world-size",
+                "3",
+                "--set",
+                "parallel.strategy=fsdp",
+                "--set",
+                "train.global_batch_size=3",
+                "--set",
+                "train.micro_batch_size=1",
+            ],
+            "parallel.tp: 3 must divide",
+        ),
+    ],
+)
 def test_bad_input_exits_2_naming_the_option(capsys, args, message):
     assert main(["plan", *args]) == 2
     err = capsys.readouterr().err
@@ -259,8 +337,17 @@ def test_bad_input_exits_2_naming_the_option(capsys, args, message):
 
 @pytest.mark.gpu
 def test_estimate_is_within_15_percent_of_cuda_max_memory_allocated():
-    cfg = load_config(None, ["model.preset=gpt2-124m", "data.seq_len=512", "train.micro_batch_size=8",
-                             "train.global_batch_size=16", "train.precision=bf16", "run.device=cuda"])
+    cfg = load_config(
+        None,
+        [
+            "model.preset=gpt2-124m",
+            "data.seq_len=512",
+            "train.micro_batch_size=8",
+            "train.global_batch_size=16",
+            "train.precision=bf16",
+            "run.device=cuda",
+        ],
+    )
     measured = measured_peak(cfg, torch.device("cuda"))
     estimated = make_plan(cfg).memory.allocated
     assert abs(estimated - measured) <= 0.15 * measured, (estimated, measured)

@@ -9,14 +9,15 @@ import sys
 import pytest
 import torch
 
-from conftest import tiny_overrides, token_sequences, train_tiny_gpt
 from kiln.config import GuardConfig
 from kiln.train.guard import Guard, TrainingDiverged
 from kiln.train.precision import Precision
 
+from conftest import tiny_overrides, token_sequences, train_tiny_gpt
+
 
 def _records(run_dir):
-    return [json.loads(l) for l in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
 
 
 def test_device_side_skip_leaves_weights_and_optimizer_state_alone():
@@ -37,8 +38,9 @@ def test_nan_step_is_skipped_located_and_the_run_goes_on(tmp_path, monkeypatch):
     data = token_sequences(tmp_path)
     monkeypatch.setenv("KILN_TEST_NAN_STEPS", "4")
     monkeypatch.setenv("KILN_TEST_NAN_MODULE", "blocks.1.attn")
-    model, trainer, result = train_tiny_gpt(tmp_path / "nan", data, micro=4, global_=8, steps=8,
-                                            **{"train.log_every": 3})
+    model, trainer, result = train_tiny_gpt(
+        tmp_path / "nan", data, micro=4, global_=8, steps=8, **{"train.log_every": 3}
+    )
     assert result.step == 8
     assert all(torch.isfinite(p).all() for p in model.parameters())
     records = _records(tmp_path / "nan")
@@ -55,8 +57,14 @@ def test_nan_step_is_skipped_located_and_the_run_goes_on(tmp_path, monkeypatch):
 def test_repeated_nan_rolls_back_with_a_lower_learning_rate(tmp_path, monkeypatch):
     data = token_sequences(tmp_path)
     monkeypatch.setenv("KILN_TEST_NAN_STEPS", "7,8,9")
-    model, trainer, result = train_tiny_gpt(tmp_path / "rb", data, micro=4, global_=8, steps=14,
-                                            **{"checkpoint.every": 5, "guard.max_bad_steps": 3, "guard.lr_factor": 0.25})
+    model, trainer, result = train_tiny_gpt(
+        tmp_path / "rb",
+        data,
+        micro=4,
+        global_=8,
+        steps=14,
+        **{"checkpoint.every": 5, "guard.max_bad_steps": 3, "guard.lr_factor": 0.25},
+    )
     assert result.step == 14 and all(torch.isfinite(p).all() for p in model.parameters())
     records = _records(tmp_path / "rb")
     rollback = next(r for r in records if r.get("event") == "rollback")
@@ -70,11 +78,22 @@ def test_repeated_nan_rolls_back_with_a_lower_learning_rate(tmp_path, monkeypatc
 
 def test_nan_that_persists_stops_with_a_report(tmp_path, corpus_dir):
     run_dir = tmp_path / "run"
-    sets = [a for i in tiny_overrides(run_dir, corpus_dir, train__max_steps=20, checkpoint__every=3,
-                                      guard__max_bad_steps=2, guard__max_rollbacks=1) for a in ("--set", i)]
+    sets = [
+        a
+        for i in tiny_overrides(
+            run_dir,
+            corpus_dir,
+            train__max_steps=20,
+            checkpoint__every=3,
+            guard__max_bad_steps=2,
+            guard__max_rollbacks=1,
+        )
+        for a in ("--set", i)
+    ]
     env = {**os.environ, "KILN_TEST_NAN_STEPS": "5,6,7,8,9,10", "KILN_TEST_NAN_PERSIST": "1"}
-    proc = subprocess.run([sys.executable, "-m", "kiln", "train", *sets], env=env, capture_output=True, text=True,
-                          timeout=300)
+    proc = subprocess.run(
+        [sys.executable, "-m", "kiln", "train", *sets], env=env, capture_output=True, text=True, timeout=300
+    )
     assert proc.returncode == 4, proc.stderr[-3000:]
     assert "non-finite steps in a row again after 1 rollback" in proc.stderr and "Lower train.lr" in proc.stderr
     assert "rolled back to step-00000003" in proc.stdout
@@ -113,9 +132,21 @@ def test_loss_spike_in_a_run_is_logged_with_step_and_batch(tmp_path):
         loss = torch.nn.functional.mse_loss(m(batch[0]), batch[1])
         return loss * 100 if len(calls) == 31 else loss
 
-    cfg = load_config(None, [f"run.dir={tmp_path}", "train.max_steps=40", "train.micro_batch_size=8",
-                             "train.global_batch_size=8", "train.lr=1e-3", "train.warmup_steps=1",
-                             "train.log_every=10", "data.num_workers=0", "checkpoint.every=0", "run.device=cpu"])
+    cfg = load_config(
+        None,
+        [
+            f"run.dir={tmp_path}",
+            "train.max_steps=40",
+            "train.micro_batch_size=8",
+            "train.global_batch_size=8",
+            "train.lr=1e-3",
+            "train.warmup_steps=1",
+            "train.log_every=10",
+            "data.num_workers=0",
+            "checkpoint.every=0",
+            "run.device=cpu",
+        ],
+    )
     Trainer(model, data, loss_fn, cfg, console=False).fit()
     spikes = [r for r in _records(tmp_path) if r.get("event") == "loss_spike"]
     assert [s["step"] for s in spikes] == [31]

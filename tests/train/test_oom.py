@@ -9,13 +9,14 @@ import sys
 import pytest
 import torch
 
-from conftest import tiny_overrides, token_sequences, train_tiny_gpt
 from kiln.checkpoint import latest_checkpoint, load_checkpoint
 from kiln.train.memory_ladder import OutOfMemoryExhausted, Rung, largest_fitting, micro_batch_options, next_rung
 
+from conftest import tiny_overrides, token_sequences, train_tiny_gpt
+
 
 def _records(run_dir):
-    return [json.loads(l) for l in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
 
 
 def _oom_above(monkeypatch, above, from_step=0, **extra):
@@ -33,8 +34,13 @@ def test_ladder_rungs_in_order():
         seen.append(rung)
         rung = next_rung(rung, options, can_offload=True)
     assert [r.describe() for r in seen] == [
-        "micro-batch 12", "micro-batch 6", "micro-batch 3", "micro-batch 1",
-        "micro-batch 1 + activation checkpointing", "micro-batch 1 + activation checkpointing + CPU offload"]
+        "micro-batch 12",
+        "micro-batch 6",
+        "micro-batch 3",
+        "micro-batch 1",
+        "micro-batch 1 + activation checkpointing",
+        "micro-batch 1 + activation checkpointing + CPU offload",
+    ]
     assert next_rung(Rung(1, True), options, can_offload=False) is None
     assert largest_fitting(options, lambda m: m <= 5) == 4
     assert largest_fitting(options, lambda m: False) is None
@@ -48,7 +54,7 @@ def test_oom_mid_run_retries_the_same_step_at_smaller_micro_batches(tmp_path, mo
     _oom_above(monkeypatch, 2, from_step=3)
     model, trainer, result = train_tiny_gpt(tmp_path / "oom", data, micro=8, global_=16, steps=6)
     assert result.step == 6 and trainer.micro_batch_size == 2
-    for (name, a), b in zip(ref.state_dict().items(), model.state_dict().values()):
+    for (name, a), b in zip(ref.state_dict().items(), model.state_dict().values(), strict=True):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5, msg=name)
     records = _records(tmp_path / "oom")
     steps = [r for r in records if "loss" in r]
@@ -77,7 +83,7 @@ def test_activation_checkpointing_is_the_rung_after_micro_batch_one(tmp_path, mo
     _oom_above(monkeypatch, 0, from_step=2, KILN_TEST_OOM_UNLESS_CHECKPOINTING="1")
     model, trainer, _ = train_tiny_gpt(tmp_path / "ac", data, micro=4, global_=4, steps=4)
     assert trainer.rung == Rung(1, activation_checkpointing=True)
-    for (name, a), b in zip(ref.state_dict().items(), model.state_dict().values()):
+    for (name, a), b in zip(ref.state_dict().items(), model.state_dict().values(), strict=True):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5, msg=name)
 
 
@@ -109,16 +115,19 @@ def test_auto_micro_batch_finds_the_threshold(tmp_path, monkeypatch):
     # Probing changed nothing the run computes: same weights as a run told micro-batch 4.
     monkeypatch.delenv("KILN_TEST_OOM_ABOVE")
     ref, _, _ = train_tiny_gpt(tmp_path / "ref", data, micro=4, global_=24, steps=3)
-    for (name, a), b in zip(ref.state_dict().items(), model.state_dict().values()):
+    for (name, a), b in zip(ref.state_dict().items(), model.state_dict().values(), strict=True):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5, msg=name)
 
 
 def test_cli_exits_non_zero_with_the_report(tmp_path, corpus_dir):
     run_dir = tmp_path / "run"
-    sets = [a for i in tiny_overrides(run_dir, corpus_dir, train__max_steps=6, checkpoint__every=0) for a in ("--set", i)]
+    sets = [
+        a for i in tiny_overrides(run_dir, corpus_dir, train__max_steps=6, checkpoint__every=0) for a in ("--set", i)
+    ]
     env = {**os.environ, "KILN_TEST_OOM_ABOVE": "0", "KILN_TEST_OOM_FROM_STEP": "2"}
-    proc = subprocess.run([sys.executable, "-m", "kiln", "train", *sets], env=env, capture_output=True, text=True,
-                          timeout=300)
+    proc = subprocess.run(
+        [sys.executable, "-m", "kiln", "train", *sets], env=env, capture_output=True, text=True, timeout=300
+    )
     assert proc.returncode == 3, proc.stderr[-3000:]
     assert "kiln: out of memory at step 3 with micro-batch 1 + activation checkpointing" in proc.stderr
     assert "Tried:" in proc.stderr and "kiln plan" in proc.stderr

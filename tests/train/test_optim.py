@@ -24,7 +24,11 @@ def test_weight_decay_only_on_matrices():
     assert decay["weight_decay"] == 0.1 and no_decay["weight_decay"] == 0.0
     assert {id(p) for p in decay["params"]} == {id(net.lin.weight)}
     assert {id(p) for p in no_decay["params"]} == {
-        id(net.emb.weight), id(net.lin.bias), id(net.norm.weight), id(net.norm.bias)}
+        id(net.emb.weight),
+        id(net.lin.bias),
+        id(net.norm.weight),
+        id(net.norm.bias),
+    }
 
 
 def test_optimizer_covers_each_parameter_once():
@@ -54,7 +58,7 @@ def test_decay_reaches_floor(schedule):
     mid = lr_at(60, cfg)
     assert mid == pytest.approx(0.55 if schedule == "linear" else 0.1 + 0.45 * (1 + math.cos(math.pi / 2)))
     values = [lr_at(s, cfg) for s in range(10, 111)]
-    assert all(a >= b for a, b in zip(values, values[1:]))
+    assert all(a >= b for a, b in zip(values, values[1:], strict=False))
 
 
 def test_constant_and_wsd():

@@ -20,17 +20,29 @@ def _fit(run_dir, budget, max_steps=1000):
         time.sleep(STEP_S)
         return torch.nn.functional.mse_loss(m(batch[0]), batch[1])
 
-    cfg = load_config(None, [f"run.dir={run_dir}", f"train.time_budget={budget}", f"train.max_steps={max_steps}",
-                             "train.micro_batch_size=8", "train.global_batch_size=8", "train.log_every=1",
-                             "data.num_workers=0", "eval.every=0", "checkpoint.every=0", "run.device=cpu"])
+    cfg = load_config(
+        None,
+        [
+            f"run.dir={run_dir}",
+            f"train.time_budget={budget}",
+            f"train.max_steps={max_steps}",
+            "train.micro_batch_size=8",
+            "train.global_batch_size=8",
+            "train.log_every=1",
+            "data.num_workers=0",
+            "eval.every=0",
+            "checkpoint.every=0",
+            "run.device=cpu",
+        ],
+    )
     return Trainer(model, data, slow_loss, cfg, eval_fn=lambda m: {"val_loss": 1.0}, console=False).fit()
 
 
 def test_budget_stops_within_one_step_with_eval_and_checkpoint(tmp_path):
     result = _fit(tmp_path, "1s")
     assert result.out_of_time and 5 <= result.step < 1000
-    lines = [json.loads(l) for l in (tmp_path / "metrics.jsonl").read_text().splitlines()]
-    last_train = [l for l in lines if "loss" in l][-1]
+    lines = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    last_train = [record for record in lines if "loss" in record][-1]
     assert last_train["step"] == result.step
     # It stopped within one step of the budget: one more step would have crossed it. (The last
     # step may end a hair past it when it took longer than the one before, which the check

@@ -6,9 +6,11 @@ import torch
 import torch.nn.functional as F
 from torch.utils.data import TensorDataset
 
-from conftest import token_sequences as _tokens, train_tiny_gpt
 from kiln import Trainer
 from kiln.config import load_config
+
+from conftest import token_sequences as _tokens
+from conftest import train_tiny_gpt
 
 
 def _run(tmp_path, name, data, micro, global_, steps=4, **extra):
@@ -23,7 +25,7 @@ def test_accumulation_equals_big_batch(tmp_path):
     # Summation order differs, so gradients agree to fp32 rounding (~1e-6 relative); Adam divides by
     # sqrt(v), which magnifies that rounding where a gradient is near zero. 1e-5 is still 1000x
     # below one update at lr 1e-2, so any real difference (a wrong scale, a lost micro-batch) fails.
-    for (name, a), b in zip(big.state_dict().items(), acc.state_dict().values()):
+    for (name, a), b in zip(big.state_dict().items(), acc.state_dict().values(), strict=True):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5, msg=name)
     assert r_big.metrics["loss"] == pytest.approx(r_acc.metrics["loss"], rel=1e-5)
 
@@ -33,11 +35,11 @@ def test_loss_falls_and_metrics_are_written(tmp_path):
 
     data = _tokens(tmp_path)
     _, result = _run(tmp_path, "r", data, micro=8, global_=8, steps=30)
-    lines = [json.loads(l) for l in (tmp_path / "r" / "metrics.jsonl").read_text().splitlines()]
-    train_lines = [l for l in lines if "loss" in l]
-    assert [l["step"] for l in train_lines] == list(range(1, 31))
+    lines = [json.loads(line) for line in (tmp_path / "r" / "metrics.jsonl").read_text().splitlines()]
+    train_lines = [record for record in lines if "loss" in record]
+    assert [record["step"] for record in train_lines] == list(range(1, 31))
     for key in ("loss", "lr", "grad_norm", "tokens_per_s"):
-        assert all(np.isfinite(l[key]) for l in train_lines), key
+        assert all(np.isfinite(record[key]) for record in train_lines), key
     assert train_lines[-1]["loss"] < 0.8 * train_lines[0]["loss"]
     assert (tmp_path / "r" / "config.toml").exists() and (tmp_path / "r" / "env.json").exists()
     assert (tmp_path / "r" / "checkpoints" / "step-00000030" / "manifest.json").exists()
@@ -58,7 +60,7 @@ def test_activation_checkpointing_gives_same_gradients(tmp_path):
     plain, _ = _run(tmp_path, "plain", data, micro=8, global_=8, steps=3)
     ckpt, _ = _run(tmp_path, "ac", data, micro=8, global_=8, steps=3, **{"train.activation_checkpointing": "true"})
     assert list(plain.state_dict()) == list(ckpt.state_dict())
-    for a, b in zip(plain.state_dict().values(), ckpt.state_dict().values()):
+    for a, b in zip(plain.state_dict().values(), ckpt.state_dict().values(), strict=True):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
 
 
@@ -68,7 +70,7 @@ def test_resume_in_process_equals_uninterrupted(tmp_path):
     middle = tmp_path / "full" / "checkpoints" / "step-00000005"
     resumed, result = _run(tmp_path, "resumed", data, micro=4, global_=8, steps=8, **{"checkpoint.resume": middle})
     assert result.resumed_from == 5
-    for a, b in zip(full.state_dict().values(), resumed.state_dict().values()):
+    for a, b in zip(full.state_dict().values(), resumed.state_dict().values(), strict=True):
         assert torch.equal(a, b)
 
 
@@ -77,9 +79,21 @@ def test_generic_module_and_eval_fn(tmp_path):
     x = torch.randn(512, 4)
     y = (x.sum(1) > 0).long()
     model = torch.nn.Sequential(torch.nn.Linear(4, 16), torch.nn.ReLU(), torch.nn.Linear(16, 2))
-    cfg = load_config(None, [f"run.dir={tmp_path / 'g'}", "train.max_steps=60", "train.micro_batch_size=32",
-                             "train.global_batch_size=32", "train.lr=3e-2", "train.warmup_steps=5", "run.device=cpu",
-                             "data.num_workers=0", "eval.every=20", "checkpoint.every=0"])
+    cfg = load_config(
+        None,
+        [
+            f"run.dir={tmp_path / 'g'}",
+            "train.max_steps=60",
+            "train.micro_batch_size=32",
+            "train.global_batch_size=32",
+            "train.lr=3e-2",
+            "train.warmup_steps=5",
+            "run.device=cpu",
+            "data.num_workers=0",
+            "eval.every=20",
+            "checkpoint.every=0",
+        ],
+    )
 
     def loss_fn(m, batch):
         return F.cross_entropy(m(batch[0]), batch[1])
@@ -99,5 +113,5 @@ def test_compile_matches_eager(tmp_path):
     assert r_comp.metrics["loss"] == pytest.approx(r_eager.metrics["loss"], rel=1e-4)
     # Fused kernels round differently, and Adam turns tiny gradient differences into steps of
     # up to lr (1e-2) in size: after 3 steps the weights agree to about 1e-5.
-    for a, b in zip(eager.state_dict().values(), compiled.state_dict().values()):
+    for a, b in zip(eager.state_dict().values(), compiled.state_dict().values(), strict=True):
         torch.testing.assert_close(a, b, rtol=1e-3, atol=1e-4)

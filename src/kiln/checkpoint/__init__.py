@@ -3,8 +3,8 @@
 from kiln.checkpoint.store import (
     CheckpointError,
     capture_rng,
-    list_checkpoints,
     latest_checkpoint,
+    list_checkpoints,
     load_checkpoint,
     load_sharded,
     restore_rng,

@@ -78,9 +78,16 @@ def _dedupe_shared(state: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tens
     return unique, aliases
 
 
-def save_checkpoint(root: str | os.PathLike, step: int, model_state: dict[str, torch.Tensor] | None,
-                    train_state: dict[str, Any], keep: int | None = None, *,
-                    sharded_state: dict[str, Any] | None = None, world=None) -> Path:
+def save_checkpoint(
+    root: str | os.PathLike,
+    step: int,
+    model_state: dict[str, torch.Tensor] | None,
+    train_state: dict[str, Any],
+    keep: int | None = None,
+    *,
+    sharded_state: dict[str, Any] | None = None,
+    world=None,
+) -> Path:
     """Write checkpoint ``step`` under ``root`` atomically; then keep only the newest ``keep``.
 
     Either ``model_state`` (complete weights, written as safetensors by the main rank) or
@@ -157,8 +164,8 @@ def list_checkpoints(root: str | os.PathLike) -> list[Path]:
         return []
     found = []
     for p in root.iterdir():
-        if p.is_dir() and p.name.startswith(PREFIX) and p.name[len(PREFIX):].isdigit() and _is_complete(p):
-            found.append((int(p.name[len(PREFIX):]), p))
+        if p.is_dir() and p.name.startswith(PREFIX) and p.name[len(PREFIX) :].isdigit() and _is_complete(p):
+            found.append((int(p.name[len(PREFIX) :]), p))
     return [p for _, p in sorted(found)]
 
 
@@ -167,7 +174,9 @@ def latest_checkpoint(root: str | os.PathLike) -> Path | None:
     return found[-1] if found else None
 
 
-def load_checkpoint(path: str | os.PathLike, *, weights_only: bool = True) -> tuple[dict[str, torch.Tensor] | None, dict[str, Any] | None]:
+def load_checkpoint(
+    path: str | os.PathLike, *, weights_only: bool = True
+) -> tuple[dict[str, torch.Tensor] | None, dict[str, Any] | None]:
     """Return ``(model_state, train_state)`` after checking every digest in the manifest.
 
     ``model_state`` is None for a sharded checkpoint: pass its layout to ``load_sharded``.
@@ -204,8 +213,10 @@ def load_sharded(path: str | os.PathLike, state: dict[str, Any]) -> None:
         # Without a process group (eval, generate, a 1-process resume) this one process reads all.
         dcp.load(state, checkpoint_id=str(Path(path) / SHARDED_DIR), no_dist=not dist.is_initialized())
     except (CheckpointException, RuntimeError, ValueError) as e:
-        raise CheckpointError(f"{path}: the sharded checkpoint does not fit this model (was [model] changed?): "
-                              f"{str(e).splitlines()[0][:300]}") from None
+        raise CheckpointError(
+            f"{path}: the sharded checkpoint does not fit this model (was [model] changed?): "
+            f"{str(e).splitlines()[0][:300]}"
+        ) from None
 
 
 def capture_rng() -> dict[str, Any]:

@@ -9,6 +9,7 @@ import dataclasses
 import difflib
 import os
 import sys
+import types
 import typing
 from pathlib import Path
 from typing import Any, Literal, Union, get_args, get_origin
@@ -20,6 +21,9 @@ if sys.version_info >= (3, 11):
 else:  # pragma: no cover
     import tomli as tomllib
 
+# `Union[a, b]` and `a | b`: the second is a types.UnionType unless an operand is a typing form.
+_UNIONS = (Union, types.UnionType)
+
 
 def sections() -> dict[str, type]:
     hints = typing.get_type_hints(Config)
@@ -27,7 +31,7 @@ def sections() -> dict[str, type]:
 
 
 def _type_name(tp: Any) -> str:
-    if get_origin(tp) is Union:
+    if get_origin(tp) in _UNIONS:
         return " or ".join(_type_name(a) for a in get_args(tp))
     if get_origin(tp) is Literal:
         return " | ".join(str(a) for a in get_args(tp))
@@ -36,7 +40,7 @@ def _type_name(tp: Any) -> str:
 
 def _coerce(key: str, tp: Any, value: Any, from_text: bool) -> Any:
     """Turn ``value`` into type ``tp`` or raise ConfigError naming ``key``."""
-    if get_origin(tp) is Union:
+    if get_origin(tp) in _UNIONS:
         for option in get_args(tp):
             try:
                 return _coerce(key, option, value, from_text)

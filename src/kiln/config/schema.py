@@ -9,7 +9,7 @@ from __future__ import annotations
 import dataclasses
 import json
 from dataclasses import dataclass, field
-from typing import Any, Literal, Union
+from typing import Any, Literal
 
 from kiln.config.units import parse_duration, parse_step_range
 
@@ -41,8 +41,10 @@ class RunConfig:
         return _failed(
             (bool(self.dir), "run.dir: must not be empty"),
             (self.threads >= 0, f"run.threads: must be >= 0, got {self.threads}"),
-            (dev in ("auto", "cpu", "cuda") or (dev.startswith("cuda:") and dev[5:].isdigit()),
-             f"run.device: {dev!r} is not allowed; choose auto, cpu, cuda or cuda:N"),
+            (
+                dev in ("auto", "cpu", "cuda") or (dev.startswith("cuda:") and dev[5:].isdigit()),
+                f"run.device: {dev!r} is not allowed; choose auto, cpu, cuda or cuda:N",
+            ),
         )
 
 
@@ -98,8 +100,10 @@ class DataConfig:
 
     def errors(self) -> list[str]:
         return _failed(
-            (self.vocab_size >= 260,
-             f"data.vocab_size: must be >= 260 (256 bytes and special tokens), got {self.vocab_size}"),
+            (
+                self.vocab_size >= 260,
+                f"data.vocab_size: must be >= 260 (256 bytes and special tokens), got {self.vocab_size}",
+            ),
             (self.seq_len >= 2, f"data.seq_len: must be >= 2, got {self.seq_len}"),
             (0 < self.val_fraction < 1, f"data.val_fraction: must be in (0, 1), got {self.val_fraction}"),
             (self.num_workers >= 0, f"data.num_workers: must be >= 0, got {self.num_workers}"),
@@ -113,7 +117,7 @@ class DataConfig:
 class TrainConfig:
     max_steps: int = 1050
     """Optimizer steps to train for (the default run takes about five minutes on 2 CPU cores)."""
-    micro_batch_size: Union[int, Literal["auto"]] = 32
+    micro_batch_size: int | Literal["auto"] = 32
     """Sequences per forward/backward pass on each rank, or "auto": before training, find the
     largest that fits in device memory by probing real steps (accumulation then makes up the
     global batch). A run that meets an out-of-memory error lowers it by itself (see docs/memory.md)."""
@@ -173,8 +177,13 @@ class TrainConfig:
             (self.max_steps >= 1, f"train.max_steps: must be >= 1, got {self.max_steps}"),
             (micro == "auto" or micro >= 1, f"train.micro_batch_size: must be >= 1 or auto, got {micro}"),
             (batch >= 1, f"train.global_batch_size: must be >= 1, got {batch}"),
-            (whole, (f"train.global_batch_size: {batch} is not a multiple of train.micro_batch_size {micro}; "
-                     "accumulation steps must be a whole number")),
+            (
+                whole,
+                (
+                    f"train.global_batch_size: {batch} is not a multiple of train.micro_batch_size {micro}; "
+                    "accumulation steps must be a whole number"
+                ),
+            ),
         )
         errors += self._ramp_errors()
         errors += _failed(
@@ -211,16 +220,23 @@ class TrainConfig:
         if not 0 < start < end:
             errors.append(f"train.batch_ramp_start: {start} must be below train.global_batch_size {end}")
         elif (end - start) % inc:
-            errors.append(f"train.batch_ramp_increment: {inc} does not divide train.global_batch_size - "
-                          f"train.batch_ramp_start = {end - start}; the ramp must end on global_batch_size")
+            errors.append(
+                f"train.batch_ramp_increment: {inc} does not divide train.global_batch_size - "
+                f"train.batch_ramp_start = {end - start}; the ramp must end on global_batch_size"
+            )
         micro = self.micro_batch_size
         if micro != "auto" and micro >= 1:
-            errors += [f"train.{k}: {v} is not a multiple of train.micro_batch_size {micro}"
-                       for k, v in (("batch_ramp_start", start), ("batch_ramp_increment", inc)) if v % micro]
+            errors += [
+                f"train.{k}: {v} is not a multiple of train.micro_batch_size {micro}"
+                for k, v in (("batch_ramp_start", start), ("batch_ramp_increment", inc))
+                if v % micro
+            ]
         steps, tokens = self.batch_ramp_steps, self.batch_ramp_tokens
         if (steps > 0) == (tokens > 0) or min(steps, tokens) < 0:
-            errors.append("train.batch_ramp_steps / train.batch_ramp_tokens: set exactly one of them to a positive "
-                          f"length, got {steps} / {tokens}")
+            errors.append(
+                "train.batch_ramp_steps / train.batch_ramp_tokens: set exactly one of them to a positive "
+                f"length, got {steps} / {tokens}"
+            )
         return errors
 
 
@@ -301,8 +317,10 @@ class GuardConfig:
 
     def errors(self) -> list[str]:
         return _failed(
-            (self.max_bad_steps >= 0,
-             f"guard.max_bad_steps: must be >= 0 (0 turns rollback off), got {self.max_bad_steps}"),
+            (
+                self.max_bad_steps >= 0,
+                f"guard.max_bad_steps: must be >= 0 (0 turns rollback off), got {self.max_bad_steps}",
+            ),
             (0 < self.lr_factor <= 1, f"guard.lr_factor: must be in (0, 1], got {self.lr_factor}"),
             (self.max_rollbacks >= 0, f"guard.max_rollbacks: must be >= 0, got {self.max_rollbacks}"),
             (self.spike_threshold >= 0, f"guard.spike_threshold: must be >= 0 (0 is off), got {self.spike_threshold}"),
@@ -363,8 +381,18 @@ class Config:
     def errors(self) -> list[str]:
         """Every problem in every section; no check needs to read two sections."""
         # The order validate() has always reported them in, so that what users see does not reshuffle.
-        order = (self.model, self.train, self.data, self.eval, self.checkpoint, self.parallel, self.guard,
-                 self.observe, self.profile, self.run)
+        order = (
+            self.model,
+            self.train,
+            self.data,
+            self.eval,
+            self.checkpoint,
+            self.parallel,
+            self.guard,
+            self.observe,
+            self.profile,
+            self.run,
+        )
         return [message for section in order for message in section.errors()]
 
     def to_dict(self) -> dict[str, dict[str, Any]]:

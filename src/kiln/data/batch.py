@@ -3,7 +3,8 @@ DataLoader, and cut into micro-batches. A batch is a tensor, or a tuple, list or
 
 from __future__ import annotations
 
-from typing import Any, Iterable
+from collections.abc import Iterable
+from typing import Any
 
 import torch
 from torch.utils.data import Dataset, default_collate
@@ -30,11 +31,16 @@ def split_batch(batch: Any, size: int) -> list[Any]:
     if isinstance(batch, torch.Tensor):
         return list(batch.split(size))
     if isinstance(batch, (list, tuple)):
-        return [type(batch)(parts) for parts in zip(*(split_batch(b, size) for b in batch))]
+        return [type(batch)(parts) for parts in zip(*(split_batch(b, size) for b in batch), strict=True)]
     if isinstance(batch, dict):
-        return [dict(zip(batch, parts)) for parts in zip(*(split_batch(v, size) for v in batch.values()))]
-    raise TypeError(f"cannot split a batch of type {type(batch).__name__} into micro-batches; "
-                    "use tensors, or tuples, lists or dicts of them")
+        return [
+            dict(zip(batch, parts, strict=True))
+            for parts in zip(*(split_batch(v, size) for v in batch.values()), strict=True)
+        ]
+    raise TypeError(
+        f"cannot split a batch of type {type(batch).__name__} into micro-batches; "
+        "use tensors, or tuples, lists or dicts of them"
+    )
 
 
 def batch_rows(batch: Any) -> int:

@@ -30,7 +30,7 @@ class BatchSchedule:
             self._consumed.append(consumed)
 
     @classmethod
-    def from_config(cls, t: TrainConfig, seq_len: int) -> "BatchSchedule":
+    def from_config(cls, t: TrainConfig, seq_len: int) -> BatchSchedule:
         if not t.batch_ramp_start:
             return cls(t.global_batch_size)
         inc = t.batch_ramp_increment or t.batch_ramp_start
@@ -42,7 +42,7 @@ class BatchSchedule:
         else:
             # Each stage trains on an equal share of the ramp's tokens, rounded up to whole steps.
             steps = [math.ceil(t.batch_ramp_tokens / (k * size * seq_len)) for size in sizes]
-        return cls(t.global_batch_size, list(zip(sizes, steps)))
+        return cls(t.global_batch_size, list(zip(sizes, steps, strict=True)))
 
     @property
     def ramp_steps(self) -> int:

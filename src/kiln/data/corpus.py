@@ -13,9 +13,9 @@ import hashlib
 import json
 import os
 import sysconfig
+from collections.abc import Iterator
 from functools import cached_property
 from pathlib import Path
-from typing import Iterator
 
 # Bump when the meaning of names, splits or reading changes, so fingerprints (and caches) change.
 CORPUS_VERSION = 1
@@ -133,7 +133,9 @@ class Corpus:
                 try:
                     record = json.loads(line)
                 except json.JSONDecodeError as e:
-                    raise DataError(f"{path}:{lineno}: not valid JSON ({e.msg}); .jsonl needs one JSON object per line") from None
+                    raise DataError(
+                        f"{path}:{lineno}: not valid JSON ({e.msg}); .jsonl needs one JSON object per line"
+                    ) from None
                 if not isinstance(record, dict):
                     raise DataError(
                         f"{path}:{lineno}: expected a JSON object with a string field {field!r}, "
@@ -189,7 +191,8 @@ def open_corpus(source: str, text_field: str = "text", val_fraction: float = 0.0
     if source == "stdlib":
         root = Path(sysconfig.get_paths()["stdlib"])
         files = [
-            p for p in root.rglob("*.py")
+            p
+            for p in root.rglob("*.py")
             if p.is_file() and not _STDLIB_EXCLUDED_DIRS.intersection(p.relative_to(root).parts[:-1])
         ]
         return _corpus(source, root, files, text_field, val_fraction)
@@ -203,7 +206,9 @@ def open_corpus(source: str, text_field: str = "text", val_fraction: float = 0.0
         for m in map(Path, matches):
             files.extend(_walk(m) if m.is_dir() else [m] if m.suffix.lower() in EXTENSIONS else [])
         if not files:
-            raise DataError(f"{source}: the glob matched {len(matches)} paths but no .txt, .py, .jsonl or .parquet files")
+            raise DataError(
+                f"{source}: the glob matched {len(matches)} paths but no .txt, .py, .jsonl or .parquet files"
+            )
         return _corpus(source, root, files, text_field, val_fraction)
     if path.is_dir():
         files = _walk(path)
@@ -227,8 +232,10 @@ def _corpus(source: str, root: Path, files: list[Path], text_field: str, val_fra
 
 def _walk(directory: Path) -> list[Path]:
     return [
-        p for p in directory.rglob("*")
-        if p.suffix.lower() in EXTENSIONS and p.is_file()
+        p
+        for p in directory.rglob("*")
+        if p.suffix.lower() in EXTENSIONS
+        and p.is_file()
         and not any(part.startswith(".") for part in p.relative_to(directory).parts)
     ]
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import hashlib
 import sys
-from typing import Iterator
+from collections.abc import Iterator
 
 import numpy as np
 import torch
@@ -47,7 +47,9 @@ class TokenSequences(Dataset):
     def tokens(self) -> np.ndarray:
         """The whole 1-D token stream (memory-mapped when it came from a file)."""
         if self._tokens is None:
-            self._tokens = np.memmap(self.path, dtype=self.dtype, mode="r", offset=self.offset, shape=(self.num_tokens,))
+            self._tokens = np.memmap(
+                self.path, dtype=self.dtype, mode="r", offset=self.offset, shape=(self.num_tokens,)
+            )
         return self._tokens
 
     def __getitem__(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -74,8 +76,15 @@ class StepSampler(Sampler):
     contiguous share j in [r*b/W, (r+1)*b/W) of each step's global batch of b sequences.
     """
 
-    def __init__(self, num_items: int, schedule: BatchSchedule | int, seed: int, start_step: int = 0,
-                 rank: int = 0, world_size: int = 1):
+    def __init__(
+        self,
+        num_items: int,
+        schedule: BatchSchedule | int,
+        seed: int,
+        start_step: int = 0,
+        rank: int = 0,
+        world_size: int = 1,
+    ):
         if num_items < 1:
             raise ValueError(f"num_items must be >= 1, got {num_items}")
         self.schedule = schedule if isinstance(schedule, BatchSchedule) else BatchSchedule(schedule)
@@ -107,8 +116,17 @@ class StepSampler(Sampler):
             step += 1
 
 
-def make_train_loader(dataset: Dataset, *, schedule: BatchSchedule | int, seed: int, start_step: int,
-                      num_workers: int, pin_memory: bool, rank: int = 0, world_size: int = 1) -> DataLoader:
+def make_train_loader(
+    dataset: Dataset,
+    *,
+    schedule: BatchSchedule | int,
+    seed: int,
+    start_step: int,
+    num_workers: int,
+    pin_memory: bool,
+    rank: int = 0,
+    world_size: int = 1,
+) -> DataLoader:
     """An endless DataLoader of this rank's share of each step's global batch, collated.
 
     The loop splits it into micro-batches itself, so the micro-batch size can change between
@@ -139,17 +157,35 @@ class StepBatches:
     batch rebuilt on its own (to run it again, or to say which sequences it held). Steps are
     1-based, as logged."""
 
-    def __init__(self, dataset: Dataset, schedule: BatchSchedule, seed: int, *, num_workers: int, pin_memory: bool,
-                 rank: int = 0, world_size: int = 1):
+    def __init__(
+        self,
+        dataset: Dataset,
+        schedule: BatchSchedule,
+        seed: int,
+        *,
+        num_workers: int,
+        pin_memory: bool,
+        rank: int = 0,
+        world_size: int = 1,
+    ):
         self.dataset, self.schedule, self.seed = dataset, schedule, seed
         self.num_workers, self.pin_memory = num_workers, pin_memory
         self.rank, self.world_size = rank, world_size
 
     def loader(self, done: int) -> Iterator:
         """Batches of the steps after the first ``done``."""
-        return iter(make_train_loader(self.dataset, schedule=self.schedule, seed=self.seed, start_step=done,
-                                      num_workers=self.num_workers, pin_memory=self.pin_memory, rank=self.rank,
-                                      world_size=self.world_size))
+        return iter(
+            make_train_loader(
+                self.dataset,
+                schedule=self.schedule,
+                seed=self.seed,
+                start_step=done,
+                num_workers=self.num_workers,
+                pin_memory=self.pin_memory,
+                rank=self.rank,
+                world_size=self.world_size,
+            )
+        )
 
     def items(self, step: int) -> list[int]:
         """This rank's dataset items of ``step``."""
@@ -175,7 +211,9 @@ class StepBatches:
         return {"seed": self.seed, "step": done, "samples_seen": self.schedule.samples_before(done)}
 
 
-def val_batches(dataset: TokenSequences, micro_batch_size: int, num_batches: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+def val_batches(
+    dataset: TokenSequences, micro_batch_size: int, num_batches: int
+) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """A fixed validation sample: up to num_batches * micro_batch_size sequences evenly spaced over the set."""
     total = len(dataset)
     if total == 0:
@@ -187,6 +225,6 @@ def val_batches(dataset: TokenSequences, micro_batch_size: int, num_batches: int
     indices = [k * total // n for k in range(n)]
     batches = []
     for start in range(0, n, micro_batch_size):
-        xs, ys = zip(*(dataset[i] for i in indices[start : start + micro_batch_size]))
+        xs, ys = zip(*(dataset[i] for i in indices[start : start + micro_batch_size]), strict=True)
         batches.append((torch.stack(xs), torch.stack(ys)))
     return batches

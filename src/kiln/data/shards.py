@@ -19,18 +19,23 @@ import shutil
 import sys
 import tempfile
 import time
+from collections.abc import Iterable, Iterator
 from concurrent.futures import ProcessPoolExecutor
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterable, Iterator
 
 import numpy as np
 from tokenizers import Tokenizer
 
 from kiln.data.corpus import SPLITS, Corpus, DataError, open_corpus
 from kiln.data.tokenizer import (
-    bpe_cache_path, eot_id, load_or_train_tokenizer, load_tokenizer, token_byte_lengths, tokenizer_hash,
+    bpe_cache_path,
+    eot_id,
+    load_or_train_tokenizer,
+    load_tokenizer,
+    token_byte_lengths,
+    tokenizer_hash,
 )
 
 # Bump when the file layout or manifest changes, so old prepared directories are not reused.
@@ -62,7 +67,9 @@ class PreparedData:
     def tokens(self, split: str) -> np.memmap:
         """The split's token stream, memory-mapped read-only."""
         info = self.manifest["splits"][split]
-        return np.memmap(self.dir / info["file"], dtype=np.dtype(self.manifest["dtype"]), mode="r", shape=(info["tokens"],))
+        return np.memmap(
+            self.dir / info["file"], dtype=np.dtype(self.manifest["dtype"]), mode="r", shape=(info["tokens"],)
+        )
 
     def token_bytes(self) -> np.ndarray:
         return token_byte_lengths(self.tokenizer)
@@ -175,7 +182,13 @@ def _build(corpus: Corpus, tok: Tokenizer, tok_hash: str, data_cfg, out: Path, r
                 nbytes += chunk_bytes
                 documents += docs
                 advance(docs)
-        splits[split] = {"documents": documents, "tokens": tokens, "bytes": nbytes, "file": f"{split}.bin", "sha256": sha.hexdigest()}
+        splits[split] = {
+            "documents": documents,
+            "tokens": tokens,
+            "bytes": nbytes,
+            "file": f"{split}.bin",
+            "sha256": sha.hexdigest(),
+        }
     (out / "tokenizer.json").write_text(tok.to_str(), encoding="utf-8")
     manifest = {
         "format_version": FORMAT_VERSION,
@@ -237,9 +250,12 @@ def _encode_all(chunks: Iterator[list[str]], tok_json: str, eot: int, dtype: np.
         finally:
             _worker.clear()
         return
-    with _tokenizers_single_threaded(), ProcessPoolExecutor(
-        workers, mp_context=_mp_context(), initializer=_init_worker, initargs=(tok_json, eot, dtype.name)
-    ) as pool:
+    with (
+        _tokenizers_single_threaded(),
+        ProcessPoolExecutor(
+            workers, mp_context=_mp_context(), initializer=_init_worker, initargs=(tok_json, eot, dtype.name)
+        ) as pool,
+    ):
         # A bounded window of in-flight chunks, consumed in submission order: output order does
         # not depend on the worker count, and memory stays bounded (Executor.map would read the
         # whole corpus up front).
@@ -309,8 +325,12 @@ class _Reporter:
 
         started = time.monotonic()
         with Progress(
-            TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeRemainingColumn(),
-            console=Console(stderr=True), transient=True,
+            TextColumn("{task.description}"),
+            BarColumn(),
+            MofNCompleteColumn(),
+            TimeRemainingColumn(),
+            console=Console(stderr=True),
+            transient=True,
         ) as bar:
             task = bar.add_task(description, total=total)
             yield lambda n: bar.advance(task, n)

@@ -4,14 +4,14 @@ from __future__ import annotations
 
 import hashlib
 import json
+from collections.abc import Iterable
 from pathlib import Path
-from typing import Iterable
 
 import numpy as np
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
-from kiln.io import write_atomic
 from kiln.data.corpus import Corpus, DataError
+from kiln.io import write_atomic
 
 EOT = "<|endoftext|>"
 # Bump when training settings change, so cached tokenizers from older code are not reused.
@@ -63,8 +63,6 @@ def _train_bpe(texts: Iterable[str], vocab_size: int, length: int) -> Tokenizer:
     )
     tok.train_from_iterator(texts, trainer=trainer, length=length)
     return tok
-
-
 
 
 def eot_id(tok: Tokenizer) -> int:

@@ -20,19 +20,30 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--nproc-per-node", default="1", help="workers on this node: a number, or gpu/cpu/auto (default 1)")
     p.add_argument("--nnodes", help="nodes, or MIN:MAX for an elastic range (default 1)")
     p.add_argument("--node-rank", type=int, help="this node's rank, for a static rendezvous")
-    p.add_argument("--rdzv-endpoint", metavar="HOST:PORT",
-                   help="c10d rendezvous every node joins (default: a standalone single node)")
+    p.add_argument(
+        "--rdzv-endpoint",
+        metavar="HOST:PORT",
+        help="c10d rendezvous every node joins (default: a standalone single node)",
+    )
     p.add_argument("--rdzv-id", help="job id shared by the nodes of one job (default kiln)")
-    p.add_argument("--max-restarts", type=int, default=0,
-                   help="restart the workers this many times when one fails; kiln resumes from its newest checkpoint")
+    p.add_argument(
+        "--max-restarts",
+        type=int,
+        default=0,
+        help="restart the workers this many times when one fails; kiln resumes from its newest checkpoint",
+    )
     p.add_argument("--monitor-interval", type=float, help="seconds between the agent's health checks of its workers")
-    p.add_argument("kiln_command", nargs=argparse.REMAINDER, metavar="-- COMMAND", help="a kiln command, e.g. -- train my.toml")
+    p.add_argument(
+        "kiln_command", nargs=argparse.REMAINDER, metavar="-- COMMAND", help="a kiln command, e.g. -- train my.toml"
+    )
 
 
 def torchrun_args(args: argparse.Namespace) -> list[str]:
     command = args.kiln_command[1:] if args.kiln_command[:1] == ["--"] else args.kiln_command
     if not command:
-        raise ValueError("kiln launch: give the kiln command to run after --, e.g. kiln launch --nproc-per-node 2 -- train")
+        raise ValueError(
+            "kiln launch: give the kiln command to run after --, e.g. kiln launch --nproc-per-node 2 -- train"
+        )
     out = ["--nproc-per-node", str(args.nproc_per_node), "--max-restarts", str(args.max_restarts)]
     if args.nnodes:
         out += ["--nnodes", args.nnodes]

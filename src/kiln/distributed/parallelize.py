@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import contextlib
 from collections import defaultdict
-from typing import Iterable, Iterator
+from collections.abc import Iterable, Iterator
 
 import torch
 from torch import nn
@@ -30,8 +30,9 @@ def apply_tp(model: nn.Module, plan: ParallelPlan, tp_mesh) -> None:
         parallelize_module(block, tp_mesh, layout)
 
 
-def apply_fsdp(model: nn.Module, plan: ParallelPlan, dp_mesh, *, reshard_after_forward: bool, bf16: bool,
-               cpu_offload: bool) -> None:
+def apply_fsdp(
+    model: nn.Module, plan: ParallelPlan, dp_mesh, *, reshard_after_forward: bool, bf16: bool, cpu_offload: bool
+) -> None:
     """FSDP2 per repeated layer, then the root (embedding, final norm, output layer) as one more
     unit. A model whose plan names no repeated layers is sharded as one unit."""
     from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
@@ -39,7 +40,9 @@ def apply_fsdp(model: nn.Module, plan: ParallelPlan, dp_mesh, *, reshard_after_f
     kwargs = {
         "mesh": dp_mesh,
         # bf16 compute with fp32 master weights and fp32 gradient reduction.
-        "mp_policy": MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if bf16 else MixedPrecisionPolicy(),
+        "mp_policy": MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+        if bf16
+        else MixedPrecisionPolicy(),
         "offload_policy": CPUOffloadPolicy() if cpu_offload else OffloadPolicy(),
     }
     blocks = plan.repeated_blocks(model)
@@ -66,8 +69,9 @@ def apply_ddp(model: nn.Module, plan: ParallelPlan, device: torch.device, bucket
     )
 
 
-def parallelize(model: nn.Module, plan: ParallelPlan, world: World, pcfg: ParallelConfig, *,
-                bf16: bool = False) -> nn.Module:
+def parallelize(
+    model: nn.Module, plan: ParallelPlan, world: World, pcfg: ParallelConfig, *, bf16: bool = False
+) -> nn.Module:
     """Return ``model`` ready for ``world``: unchanged in a single process."""
     if world.tp > 1:
         plan.check_tensor_parallel(world.tp, type(model).__name__)
@@ -76,16 +80,21 @@ def parallelize(model: nn.Module, plan: ParallelPlan, world: World, pcfg: Parall
         return model
     if pcfg.strategy == "ddp":
         if world.tp > 1:
-            raise ConfigError(["parallel.strategy: ddp cannot be combined with parallel.tp > 1; "
-                               "use fsdp or fsdp_grad_op for 2-D (data x tensor) parallelism"])
+            raise ConfigError(
+                [
+                    "parallel.strategy: ddp cannot be combined with parallel.tp > 1; "
+                    "use fsdp or fsdp_grad_op for 2-D (data x tensor) parallelism"
+                ]
+            )
         if pcfg.cpu_offload:
             raise ConfigError(["parallel.cpu_offload: needs parallel.strategy fsdp or fsdp_grad_op"])
         return apply_ddp(model, plan, world.device, pcfg.bucket_mb)
     if pcfg.cpu_offload and world.device.type != "cuda":
         raise ConfigError(["parallel.cpu_offload: offloads from a GPU; this run is on the CPU already"])
     mesh = world.mesh if world.distributed else world.mesh_of_one()
-    apply_fsdp(model, plan, mesh["dp"], reshard_after_forward=pcfg.strategy == "fsdp", bf16=bf16,
-               cpu_offload=pcfg.cpu_offload)
+    apply_fsdp(
+        model, plan, mesh["dp"], reshard_after_forward=pcfg.strategy == "fsdp", bf16=bf16, cpu_offload=pcfg.cpu_offload
+    )
     return model
 
 

@@ -12,8 +12,9 @@ from __future__ import annotations
 import atexit
 import contextlib
 import os
+from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Any, Iterator
+from typing import Any
 
 import torch
 

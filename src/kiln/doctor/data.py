@@ -116,8 +116,11 @@ class DataScan:
         """'train: max id 120 >= vocabulary 97' for each split with ids out of range, or None."""
         if self.job.vocab_size is None:
             return None
-        bad = [f"{split}: max id {r.top} >= vocabulary {self.job.vocab_size}"
-               for split, r in self.token_ranges.items() if r is not None and r.over]
+        bad = [
+            f"{split}: max id {r.top} >= vocabulary {self.job.vocab_size}"
+            for split, r in self.token_ranges.items()
+            if r is not None and r.over
+        ]
         return "; ".join(bad) or None
 
     @cached_property
@@ -147,7 +150,7 @@ class DataScan:
         """The start of a document, decoded, for naming it in the evidence."""
         if self.job.tokenizer is None:
             return f"tokens {span[0]:,}..{span[1]:,}"
-        ids = self.streams[split][span[0]:min(span[1], span[0] + chars)].tolist()
+        ids = self.streams[split][span[0] : min(span[1], span[0] + chars)].tolist()
         text = self.job.tokenizer.decode(ids, skip_special_tokens=False)
         return repr(text[:chars])
 
@@ -165,8 +168,12 @@ def check_source(job: DoctorJob):
         return "fail", job.data_problem, "fix data.source (or the files it names) as the message says"
     empty = [s for s, d in (("train", job.train_data), ("val", job.val_data)) if d is not None and len(d) == 0]
     if empty:
-        return ("fail", f"{job.source}; the {' and '.join(empty)} split has no sequence of data.seq_len + 1 = "
-                        f"{job.cfg.data.seq_len + 1} tokens", "lower data.seq_len or add data")
+        return (
+            "fail",
+            f"{job.source}; the {' and '.join(empty)} split has no sequence of data.seq_len + 1 = "
+            f"{job.cfg.data.seq_len + 1} tokens",
+            "lower data.seq_len or add data",
+        )
     return "pass", job.source, ""
 
 
@@ -183,8 +190,12 @@ def check_checksums(job: DoctorJob):
         return "fail", str(e), f"delete {prepared.dir} and run `kiln prepare` again (the cache is rebuilt)"
     files = [info["file"] for info in prepared.manifest["splits"].values()] + ["tokenizer.json"]
     size = sum((prepared.dir / f).stat().st_size for f in files)
-    return ("pass", f"{', '.join(files)} in {prepared.dir} match the sha256 in manifest.json "
-                    f"({fmt_bytes(size)} read in {time.perf_counter() - started:.1f}s)", "")
+    return (
+        "pass",
+        f"{', '.join(files)} in {prepared.dir} match the sha256 in manifest.json "
+        f"({fmt_bytes(size)} read in {time.perf_counter() - started:.1f}s)",
+        "",
+    )
 
 
 def check_token_ids(job: DoctorJob):
@@ -199,13 +210,20 @@ def check_token_ids(job: DoctorJob):
     parts = []
     for split, r in ranges.items():
         where = f", first at token {r.first:,}" if r.first >= 0 else ""
-        parts.append(f"{split}: max id {r.top:,}" + (f", {r.over:,} ids >= {vocab:,}{where}" if r.over else "")
-                     + f" ({r.scanned})")
+        parts.append(
+            f"{split}: max id {r.top:,}"
+            + (f", {r.over:,} ids >= {vocab:,}{where}" if r.over else "")
+            + f" ({r.scanned})"
+        )
     evidence = f"model vocabulary {vocab:,}; " + "; ".join(parts)
     if scan.out_of_vocab():
-        return ("fail", evidence, "the data was tokenized for a larger vocabulary than the model has: tokenize with "
-                                  "the model's tokenizer, or give the model a vocabulary above the largest id "
-                                  "(kiln's GPT takes it from data.tokenizer)")
+        return (
+            "fail",
+            evidence,
+            "the data was tokenized for a larger vocabulary than the model has: tokenize with "
+            "the model's tokenizer, or give the model a vocabulary above the largest id "
+            "(kiln's GPT takes it from data.tokenizer)",
+        )
     return "pass", evidence, ""
 
 
@@ -224,16 +242,22 @@ def check_documents(job: DoctorJob):
         empty = sum(n == 0 for n in rec.sizes)
         tiny = sum(0 < n < TINY_DOC_TOKENS for n in rec.sizes)
         share = (empty + tiny) / len(rec.sizes)
-        parts.append(f"{split}: {empty:,} empty and {tiny:,} under {TINY_DOC_TOKENS} tokens of {len(rec.sizes):,} "
-                     f"documents ({100 * share:.1f}%), median {int(np.median(rec.sizes)):,} tokens")
+        parts.append(
+            f"{split}: {empty:,} empty and {tiny:,} under {TINY_DOC_TOKENS} tokens of {len(rec.sizes):,} "
+            f"documents ({100 * share:.1f}%), median {int(np.median(rec.sizes)):,} tokens"
+        )
         if tiny and not example:
-            span = next(s for s, n in zip(rec.spans, rec.sizes) if 0 < n < TINY_DOC_TOKENS)
+            span = next(s for s, n in zip(rec.spans, rec.sizes, strict=True) if 0 < n < TINY_DOC_TOKENS)
             example = f"; e.g. {scan.snippet(split, span)}"
         worst = max(worst, share)
     evidence = "; ".join(parts) + example
     if worst >= TINY_WARN_SHARE:
-        return ("warn", evidence, "look at how documents are split: a wrong data.text_field, one line per document, "
-                                  "or files without text; filter out documents too short to teach anything")
+        return (
+            "warn",
+            evidence,
+            "look at how documents are split: a wrong data.text_field, one line per document, "
+            "or files without text; filter out documents too short to teach anything",
+        )
     return "pass", evidence, ""
 
 
@@ -244,7 +268,7 @@ def check_duplicates(job: DoctorJob):
     parts, worst, example = [], 0.0, ""
     for split, rec in scan.records.items():
         seen, copies, copy_tokens = set(), 0, 0
-        for i, (h, n) in enumerate(zip(rec.hashes, rec.sizes)):
+        for i, (h, n) in enumerate(zip(rec.hashes, rec.sizes, strict=True)):
             if h in seen:
                 copies += 1
                 copy_tokens += n
@@ -253,12 +277,20 @@ def check_duplicates(job: DoctorJob):
             seen.add(h)
         share = copy_tokens / max(1, sum(rec.sizes))
         worst = max(worst, share)
-        parts.append(f"{split}: {copies:,} of {len(rec.hashes):,} {rec.kind} repeat an earlier one "
-                     f"({100 * share:.2f}% of {'tokens' if rec.kind == 'documents' else 'items'}; {rec.scanned})")
+        parts.append(
+            f"{split}: {copies:,} of {len(rec.hashes):,} {rec.kind} repeat an earlier one "
+            f"({100 * share:.2f}% of {'tokens' if rec.kind == 'documents' else 'items'}; {rec.scanned})"
+        )
     evidence = "; ".join(parts) + example
     if worst > DUPLICATE_WARN_SHARE:
-        return "warn", evidence, ("deduplicate the corpus (exact copies are seen several times per epoch and "
-                                  "inflate how well the model seems to do)")
+        return (
+            "warn",
+            evidence,
+            (
+                "deduplicate the corpus (exact copies are seen several times per epoch and "
+                "inflate how well the model seems to do)"
+            ),
+        )
     return "pass", evidence, ""
 
 
@@ -274,13 +306,17 @@ def check_overlap(job: DoctorJob):
     shared_size = sum(val.sizes[i] for i in shared)
     share = shared_size / max(1, sum(val.sizes))
     unit = "tokens" if val.kind == "documents" else "items"
-    evidence = (f"{len(shared):,} of {len(val.hashes):,} val {val.kind} also appear in train "
-                f"({100 * share:.2f}% of val {unit}; compared with {len(train.hashes):,} train {train.kind}, "
-                f"{train.scanned})")
+    evidence = (
+        f"{len(shared):,} of {len(val.hashes):,} val {val.kind} also appear in train "
+        f"({100 * share:.2f}% of val {unit}; compared with {len(train.hashes):,} train {train.kind}, "
+        f"{train.scanned})"
+    )
     if shared and val.spans:
         evidence += f"; e.g. {scan.snippet('val', val.spans[shared[0]])}"
-    fix = (f"remove from val the {val.kind} that are also in train (kiln splits documents by name, so copies "
-           "under other names leak); validation loss is optimistic until then")
+    fix = (
+        f"remove from val the {val.kind} that are also in train (kiln splits documents by name, so copies "
+        "under other names leak); validation loss is optimistic until then"
+    )
     if share >= LEAK_FAIL_SHARE:
         return "fail", evidence, fix
     return ("warn", evidence, fix) if shared else ("pass", evidence, "")
@@ -303,11 +339,19 @@ def check_sample(job: DoctorJob):
     items = [data[i] for i in range(min(SAMPLE_ITEMS, len(data)))]
     text = "".join(decode(_token_ids(item)[0]) for item in items)
     bad = text.count("\ufffd") / max(1, len(text))
-    evidence = (f"{sample[:SAMPLE_CHARS]!r}; {100 * bad:.2f}% of {len(text):,} decoded characters (the first "
-                f"{len(items)} sequences, up to {SAMPLE_TOKENS} tokens each) are U+FFFD")
+    evidence = (
+        f"{sample[:SAMPLE_CHARS]!r}; {100 * bad:.2f}% of {len(text):,} decoded characters (the first "
+        f"{len(items)} sequences, up to {SAMPLE_TOKENS} tokens each) are U+FFFD"
+    )
     if bad > REPLACEMENT_WARN_SHARE:
-        return "warn", evidence, ("undecodable bytes: the files are not UTF-8 (convert them), or the tokenizer does "
-                                  "not match the one the data was tokenized with")
+        return (
+            "warn",
+            evidence,
+            (
+                "undecodable bytes: the files are not UTF-8 (convert them), or the tokenizer does "
+                "not match the one the data was tokenized with"
+            ),
+        )
     return "pass", evidence, ""
 
 
@@ -339,7 +383,7 @@ def _document_spans(stream: np.ndarray, eot: int, windows: list[tuple[int, int]]
         # Documents lie between cuts. A window that starts mid-stream starts mid-document, so
         # its text before the first EOT is not a whole document.
         cuts = ([a - 1] if a == 0 else []) + (a + np.flatnonzero(stream[a:b] == eot)).tolist()
-        spans += [(s + 1, e) for s, e in zip(cuts, cuts[1:])]
+        spans += [(s + 1, e) for s, e in zip(cuts, cuts[1:], strict=False)]
         if b == len(stream) and cuts and cuts[-1] < b - 1:
             spans.append((cuts[-1] + 1, b))  # the stream ends without an EOT after its last document
     return spans

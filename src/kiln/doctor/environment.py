@@ -28,9 +28,11 @@ def check_versions(job: DoctorJob):
     import tokenizers
 
     threads = torch.get_num_threads()
-    evidence = (f"Python {platform.python_version()}, PyTorch {torch.__version__}, numpy {numpy.__version__}, "
-                f"tokenizers {tokenizers.__version__} on {platform.system()} {platform.machine()}; "
-                f"{os.cpu_count()} CPU cores, PyTorch uses {threads} threads")
+    evidence = (
+        f"Python {platform.python_version()}, PyTorch {torch.__version__}, numpy {numpy.__version__}, "
+        f"tokenizers {tokenizers.__version__} on {platform.system()} {platform.machine()}; "
+        f"{os.cpu_count()} CPU cores, PyTorch uses {threads} threads"
+    )
     return "pass", evidence, ""
 
 
@@ -39,32 +41,48 @@ def check_device(job: DoctorJob):
     driver = _driver_cuda_version()
     if job.device_problem:
         why = _why_no_cuda(runtime, driver)
-        return ("fail", f"{job.device_problem} ({why}); the checks below ran on the CPU, the model's were skipped",
-                _cuda_fix(runtime, driver))
+        return (
+            "fail",
+            f"{job.device_problem} ({why}); the checks below ran on the CPU, the model's were skipped",
+            _cuda_fix(runtime, driver),
+        )
     if not torch.cuda.is_available():
         if runtime is not None:
-            return ("warn", f"PyTorch is built for CUDA {runtime} but {_why_no_cuda(runtime, driver)}: training "
-                            "runs on the CPU", _cuda_fix(runtime, driver))
+            return (
+                "warn",
+                f"PyTorch is built for CUDA {runtime} but {_why_no_cuda(runtime, driver)}: training runs on the CPU",
+                _cuda_fix(runtime, driver),
+            )
         if driver:
-            return ("warn", f"an NVIDIA driver is installed (supports CUDA {_v(driver)}) but PyTorch "
-                            f"{torch.__version__} is a CPU-only build: training runs on the CPU",
-                    "install a CUDA build of PyTorch (see pytorch.org for the pip command matching your driver)")
+            return (
+                "warn",
+                f"an NVIDIA driver is installed (supports CUDA {_v(driver)}) but PyTorch "
+                f"{torch.__version__} is a CPU-only build: training runs on the CPU",
+                "install a CUDA build of PyTorch (see pytorch.org for the pip command matching your driver)",
+            )
         return "pass", f"no GPU: training on the CPU (PyTorch {torch.__version__} is a CPU build)", ""
     devices = [torch.cuda.get_device_properties(i) for i in range(torch.cuda.device_count())]
     described = "; ".join(f"cuda:{i} {p.name} ({_arch(p)}, {fmt_bytes(p.total_memory)})" for i, p in enumerate(devices))
     if runtime is None:  # a ROCm build: HIP stands in for CUDA, with its own architectures
         stack = f"ROCm {getattr(torch.version, 'hip', '?')}"
     else:
-        stack = (f"CUDA runtime {runtime}, driver supports {_v(driver) if driver else 'unknown'}, "
-                 f"cuDNN {torch.backends.cudnn.version()}, NCCL {_nccl_version()}")
+        stack = (
+            f"CUDA runtime {runtime}, driver supports {_v(driver) if driver else 'unknown'}, "
+            f"cuDNN {torch.backends.cudnn.version()}, NCCL {_nccl_version()}"
+        )
     evidence = f"{stack}; {described}; training on {job.device}"
     arch_list = torch.cuda.get_arch_list()
-    unsupported = [f"cuda:{i} ({_arch(p)})" for i, p in enumerate(devices)
-                   if runtime is not None and arch_list and not _has_kernels(p.major, p.minor, arch_list)]
+    unsupported = [
+        f"cuda:{i} ({_arch(p)})"
+        for i, p in enumerate(devices)
+        if runtime is not None and arch_list and not _has_kernels(p.major, p.minor, arch_list)
+    ]
     if unsupported:
-        return ("fail", f"{evidence}. This PyTorch has no kernels for {', '.join(unsupported)} "
-                        f"(built for {' '.join(arch_list)})",
-                "install a PyTorch build that supports this GPU generation (a newer release or CUDA version)")
+        return (
+            "fail",
+            f"{evidence}. This PyTorch has no kernels for {', '.join(unsupported)} (built for {' '.join(arch_list)})",
+            "install a PyTorch build that supports this GPU generation (a newer release or CUDA version)",
+        )
     if job.device.type == "cpu":
         return "warn", f"{evidence} although a GPU is available", "set run.device=auto (or cuda) to train on the GPU"
     return "pass", evidence, ""
@@ -81,17 +99,27 @@ def check_bf16(job: DoctorJob):
             name = torch.cuda.get_device_name(job.device)
             return "pass", f"bf16 is native on {name} (train.precision={job.cfg.train.precision})", ""
         status = "fail" if wanted else "pass"
-        return (status, f"{torch.cuda.get_device_name(job.device)} has no native bf16 (compute capability below 8.0)",
-                "set train.precision=fp16 (autocast with a loss scaler) or fp32" if wanted else "")
+        return (
+            status,
+            f"{torch.cuda.get_device_name(job.device)} has no native bf16 (compute capability below 8.0)",
+            "set train.precision=fp16 (autocast with a loss scaler) or fp32" if wanted else "",
+        )
     try:
         with torch.autocast("cpu", dtype=torch.bfloat16):
             torch.ones(4, 4) @ torch.ones(4, 4)
     except RuntimeError as e:
-        return ("fail" if wanted else "pass", f"bf16 autocast does not run on this CPU: {first_line(e)}",
-                "set train.precision=fp32" if wanted else "")
-    return ("pass", f"bf16 autocast runs on the CPU (vector ISA {torch.backends.cpu.get_cpu_capability()}); it is "
-                    f"faster than fp32 only on CPUs with native bf16 (AMX, AVX512-BF16); train.precision="
-                    f"{job.cfg.train.precision}", "")
+        return (
+            "fail" if wanted else "pass",
+            f"bf16 autocast does not run on this CPU: {first_line(e)}",
+            "set train.precision=fp32" if wanted else "",
+        )
+    return (
+        "pass",
+        f"bf16 autocast runs on the CPU (vector ISA {torch.backends.cpu.get_cpu_capability()}); it is "
+        f"faster than fp32 only on CPUs with native bf16 (AMX, AVX512-BF16); train.precision="
+        f"{job.cfg.train.precision}",
+        "",
+    )
 
 
 def check_flash_attention(job: DoctorJob):
@@ -109,11 +137,18 @@ def check_flash_attention(job: DoctorJob):
         with sdpa_kernel([SDPBackend.FLASH_ATTENTION]):
             F.scaled_dot_product_attention(q, q, q, is_causal=True)
     except RuntimeError as e:
-        evidence = (f"the SDPA flash kernel does not run on {device} for {dtype} with head_dim {head_dim}: "
-                    f"{first_line(e)}")
+        evidence = (
+            f"the SDPA flash kernel does not run on {device} for {dtype} with head_dim {head_dim}: {first_line(e)}"
+        )
         if device.type == "cuda":
-            return "warn", evidence, ("attention falls back to slower kernels; flash needs an Ampere or newer GPU, "
-                                      "bf16/fp16 and a head_dim of at most 256 (a multiple of 8)")
+            return (
+                "warn",
+                evidence,
+                (
+                    "attention falls back to slower kernels; flash needs an Ampere or newer GPU, "
+                    "bf16/fp16 and a head_dim of at most 256 (a multiple of 8)"
+                ),
+            )
         return "pass", evidence + "; the CPU uses the math kernel", ""
     note = ""
     if device.type == "cuda" and precision == "fp32":
@@ -139,8 +174,11 @@ def check_fused_adamw(job: DoctorJob):
         module(torch.ones(2, 4, device=device)).sum().backward()
         optimizer.step()
     except (RuntimeError, ValueError) as e:
-        return "fail", f"{available}; kiln's optimizer fails on {device}: {first_line(e)}", \
-            "upgrade PyTorch (fused AdamW needs 2.4 or newer on the CPU), or train on another device"
+        return (
+            "fail",
+            f"{available}; kiln's optimizer fails on {device}: {first_line(e)}",
+            "upgrade PyTorch (fused AdamW needs 2.4 or newer on the CPU), or train on another device",
+        )
     used = "uses it" if optimizer.defaults.get("fused") else "uses the foreach implementation here"
     return "pass", f"{available}; kiln's optimizer {used}", ""
 
@@ -153,14 +191,19 @@ def check_disk(job: DoctorJob):
     keep = job.cfg.checkpoint.keep
     # A save writes the new checkpoint before it deletes the oldest: keep + 1 exist for a moment.
     needed = one * (keep + 1)
-    evidence = (f"{fmt_bytes(free)} free at {existing}; a checkpoint is about {fmt_bytes(one)} "
-                f"({job.num_params:,} parameters x {CHECKPOINT_BYTES_PER_PARAM} bytes), checkpoint.keep={keep} "
-                f"needs {fmt_bytes(needed)} while saving")
+    evidence = (
+        f"{fmt_bytes(free)} free at {existing}; a checkpoint is about {fmt_bytes(one)} "
+        f"({job.num_params:,} parameters x {CHECKPOINT_BYTES_PER_PARAM} bytes), checkpoint.keep={keep} "
+        f"needs {fmt_bytes(needed)} while saving"
+    )
     if free < one:
         return "fail", evidence + ": not even one checkpoint fits", "free disk space or point run.dir at a larger disk"
     if free < 2 * needed:
-        return "warn", evidence + ": less than twice that is free", \
-            "free disk space, point run.dir at a larger disk, or lower checkpoint.keep"
+        return (
+            "warn",
+            evidence + ": less than twice that is free",
+            "free disk space, point run.dir at a larger disk, or lower checkpoint.keep",
+        )
     return "pass", evidence, ""
 
 
@@ -244,4 +287,3 @@ def _has_kernels(major: int, minor: int, arch_list: list[str]) -> bool:
         if kind == "compute" and (a_major, a_minor) <= (major, minor):
             return True
     return False
-

@@ -6,8 +6,9 @@ and loss), or a user's own model, loss and datasets. The checks share work throu
 from __future__ import annotations
 
 import copy
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Callable, TypeVar
+from typing import Any, TypeVar
 
 import torch
 from torch import nn
@@ -53,7 +54,7 @@ class DoctorJob:
         micro = self.cfg.train.micro_batch_size
         return 8 if micro == "auto" else micro
 
-    def shared(self, make: Callable[["DoctorJob"], T]) -> T:
+    def shared(self, make: Callable[[DoctorJob], T]) -> T:
         """``make(job)``, computed once and shared by every check that asks for it."""
         if make not in self._shared:
             self._shared[make] = make(self)
@@ -71,8 +72,16 @@ def _device(cfg: Config) -> tuple[torch.device, str | None]:
         return torch.device("cpu"), str(e)
 
 
-def build_job(cfg: Config, model: nn.Module | None, loss_fn: LossFn | None, train_data: Dataset | None,
-              val_data: Dataset | None, tokenizer: Any, vocab_size: int | None, progress: bool) -> DoctorJob:
+def build_job(
+    cfg: Config,
+    model: nn.Module | None,
+    loss_fn: LossFn | None,
+    train_data: Dataset | None,
+    val_data: Dataset | None,
+    tokenizer: Any,
+    vocab_size: int | None,
+    progress: bool,
+) -> DoctorJob:
     """The job of ``cfg``, with any of its pieces replaced by the user's (see ``run_doctor``)."""
     device, device_problem = _device(cfg)
     prepared, data_problem = None, None
@@ -108,9 +117,20 @@ def build_job(cfg: Config, model: nn.Module | None, loss_fn: LossFn | None, trai
         num_params = sum(p.numel() for p in {id(p): p for p in model.parameters()}.values())
         head_dim = None
     return DoctorJob(
-        cfg=cfg, device=device, device_problem=device_problem, new_model=new_model, loss_fn=loss_fn or family.loss,
-        train_data=train_data, val_data=val_data, tokenizer=tokenizer, eot=eot, vocab_size=vocab_size,
-        num_params=num_params, head_dim=head_dim, prepared=prepared, data_problem=data_problem,
+        cfg=cfg,
+        device=device,
+        device_problem=device_problem,
+        new_model=new_model,
+        loss_fn=loss_fn or family.loss,
+        train_data=train_data,
+        val_data=val_data,
+        tokenizer=tokenizer,
+        eot=eot,
+        vocab_size=vocab_size,
+        num_params=num_params,
+        head_dim=head_dim,
+        prepared=prepared,
+        data_problem=data_problem,
         source=_describe_source(cfg, prepared, train_data, val_data),
     )
 
@@ -148,13 +168,13 @@ def _model_vocab_size(model: nn.Module) -> int | None:
 def _describe_source(cfg: Config, prepared, train_data, val_data) -> str:
     if prepared is not None:
         splits = prepared.manifest["splits"]
-        return (f"data.source={cfg.data.source!r} prepared in {prepared.dir} "
-                f"({'tokenized now' if prepared.tokenized else 'cached'}): "
-                f"{splits['train']['documents']:,} train / {splits['val']['documents']:,} val documents, "
-                f"{splits['train']['tokens']:,} / {splits['val']['tokens']:,} tokens, vocab {prepared.vocab_size:,}")
+        return (
+            f"data.source={cfg.data.source!r} prepared in {prepared.dir} "
+            f"({'tokenized now' if prepared.tokenized else 'cached'}): "
+            f"{splits['train']['documents']:,} train / {splits['val']['documents']:,} val documents, "
+            f"{splits['train']['tokens']:,} / {splits['val']['tokens']:,} tokens, vocab {prepared.vocab_size:,}"
+        )
     if train_data is None:
         return f"data.source={cfg.data.source!r}"
     val = f"{type(val_data).__name__} of {len(val_data):,} items" if val_data is not None else "none"
     return f"train_data: {type(train_data).__name__} of {len(train_data):,} items; val_data: {val}"
-
-

@@ -13,7 +13,8 @@ import math
 import os
 import random
 import time
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import numpy as np
 import torch
@@ -49,8 +50,13 @@ class _Run:
         t = job.cfg.train
         self.model = job.new_model()
         self.model.train()
-        self.train_step = TrainStep(self.model, job.loss_fn, build_optimizer(self.model, t, job.device),
-                                    Precision(t.precision, job.device), grad_clip=t.grad_clip)
+        self.train_step = TrainStep(
+            self.model,
+            job.loss_fn,
+            build_optimizer(self.model, t, job.device),
+            Precision(t.precision, job.device),
+            grad_clip=t.grad_clip,
+        )
         self.steps = 0
 
     def step(self, batch: Any, lr: float, inspect: Callable[[nn.Module], None] | None = None) -> float:
@@ -132,9 +138,12 @@ def check_initial_loss(job: DoctorJob):
     if not math.isfinite(loss):
         return "fail", evidence, "the untrained model already gives a non-finite loss: check the loss and the inputs"
     if abs(loss - expected) > INITIAL_LOSS_TOLERANCE:
-        return ("warn", evidence + f": {abs(loss - expected):.2f} nats apart",
-                "an untrained model should be unsure of every token: check the output layer's initialisation "
-                "(too large a scale makes it confidently wrong) and that the loss averages over tokens")
+        return (
+            "warn",
+            evidence + f": {abs(loss - expected):.2f} nats apart",
+            "an untrained model should be unsure of every token: check the output layer's initialisation "
+            "(too large a scale makes it confidently wrong) and that the loss averages over tokens",
+        )
     return "pass", evidence, ""
 
 
@@ -145,11 +154,14 @@ def check_gradient_flow(job: DoctorJob):
     missing = [n for n in probe.names if n not in probe.reached]
     if missing:
         none = [n for n in missing if probe.norms.get(n) is None]
-        return ("fail", f"{len(missing)} of {len(probe.names)} trainable parameters got no gradient in 2 steps "
-                        f"({len(none)} None, {len(missing) - len(none)} all zero): {_names(missing)}",
-                "these parameters never train: use them in forward (or remove them), check for .detach(), "
-                "torch.no_grad or integer casts on their path, or set requires_grad=False if they are meant to be "
-                "frozen")
+        return (
+            "fail",
+            f"{len(missing)} of {len(probe.names)} trainable parameters got no gradient in 2 steps "
+            f"({len(none)} None, {len(missing) - len(none)} all zero): {_names(missing)}",
+            "these parameters never train: use them in forward (or remove them), check for .detach(), "
+            "torch.no_grad or integer casts on their path, or set requires_grad=False if they are meant to be "
+            "frozen",
+        )
     return "pass", f"all {len(probe.names)} trainable parameters got a non-zero gradient", ""
 
 
@@ -159,9 +171,12 @@ def check_gradient_norms(job: DoctorJob):
     norms = gradient_probe(job).norms
     bad = [n for n, v in norms.items() if v is not None and not math.isfinite(v)]
     if bad:
-        return ("fail", f"non-finite gradients at the first step in {len(bad)} parameters: {_names(bad)}",
-                f"find the first operation that overflows (a log or division by zero, an fp16 overflow, a too "
-                f"large initialisation); the loss itself was {gradient_probe(job).losses[0]:.4g}")
+        return (
+            "fail",
+            f"non-finite gradients at the first step in {len(bad)} parameters: {_names(bad)}",
+            f"find the first operation that overflows (a log or division by zero, an fp16 overflow, a too "
+            f"large initialisation); the loss itself was {gradient_probe(job).losses[0]:.4g}",
+        )
     layers: dict[str, float] = {}
     for name, v in norms.items():
         if v is not None:
@@ -171,12 +186,18 @@ def check_gradient_norms(job: DoctorJob):
         return "skip", "no parameter got a gradient (see gradient flow)", ""
     low, high = min(layers, key=layers.get), max(layers, key=layers.get)
     total = math.sqrt(sum(v * v for v in layers.values()))
-    return ("pass", f"finite in {_count(len(layers), 'layer')} at the first step: from {layers[low]:.2e} ({low}) to "
-                    f"{layers[high]:.2e} ({high}), total {total:.3g}", "")
+    return (
+        "pass",
+        f"finite in {_count(len(layers), 'layer')} at the first step: from {layers[low]:.2e} ({low}) to "
+        f"{layers[high]:.2e} ({high}), total {total:.3g}",
+        "",
+    )
 
 
-_BROKEN = ("the setup cannot learn one batch: check the loss (targets shifted against inputs, the reduction), "
-           "that the optimizer sees the parameters, and the gradient flow check")
+_BROKEN = (
+    "the setup cannot learn one batch: check the loss (targets shifted against inputs, the reduction), "
+    "that the optimizer sees the parameters, and the gradient flow check"
+)
 
 
 def check_overfit(job: DoctorJob):
@@ -190,15 +211,19 @@ def check_overfit(job: DoctorJob):
         return "skip", f"the loss starts at {first[0]:.4g}: falling to a fraction of it needs a positive loss", ""
     outcome = _outcome(first)
     warmup = min(job.cfg.train.warmup_steps, OVERFIT_WARMUP)
-    setup = (f"AdamW on one batch of {min(SMALL_BATCH, len(job.train_data))} samples"
-             + (f", {warmup} warmup steps" if warmup else ""))
+    setup = f"AdamW on one batch of {min(SMALL_BATCH, len(job.train_data))} samples" + (
+        f", {warmup} warmup steps" if warmup else ""
+    )
     evidence = f"{_trajectory(lr, first)} ({setup})"
     if outcome == "memorised":
         return "pass", evidence, ""
     if outcome == "slow":
-        return ("warn", f"{evidence}: it falls, but not below {OVERFIT_PASS_RATIO:.0%} of the start",
-                "the model learns slowly at this rate: expected if train.lr is deliberately low (fine-tuning); "
-                "otherwise raise train.lr, or check that the model can memorise a few samples")
+        return (
+            "warn",
+            f"{evidence}: it falls, but not below {OVERFIT_PASS_RATIO:.0%} of the start",
+            "the model learns slowly at this rate: expected if train.lr is deliberately low (fine-tuning); "
+            "otherwise raise train.lr, or check that the model can memorise a few samples",
+        )
     other_lr = lr / 10 if outcome == "diverged" else lr * 10
     other = _overfit(job, other_lr)
     evidence += f"; {_trajectory(other_lr, other)}"
@@ -206,11 +231,17 @@ def check_overfit(job: DoctorJob):
     if outcome == "diverged":
         if learns:
             return "fail", f"{evidence}: train.lr={lr:g} diverges", f"lower train.lr, to {other_lr:g} or below"
-        return ("fail", f"{evidence}: it diverges at both rates",
-                f"lower train.lr well below {other_lr:g}; if no rate learns, " + _BROKEN)
+        return (
+            "fail",
+            f"{evidence}: it diverges at both rates",
+            f"lower train.lr well below {other_lr:g}; if no rate learns, " + _BROKEN,
+        )
     if learns:
-        return ("warn", f"{evidence}: train.lr={lr:g} barely moves the loss, {other_lr:g} does",
-                "expected if train.lr is deliberately low (fine-tuning); otherwise raise train.lr")
+        return (
+            "warn",
+            f"{evidence}: train.lr={lr:g} barely moves the loss, {other_lr:g} does",
+            "expected if train.lr is deliberately low (fine-tuning); otherwise raise train.lr",
+        )
     return "fail", f"{evidence}: the loss does not fall at either rate", _BROKEN
 
 
@@ -241,8 +272,10 @@ def _outcome(losses: list[float]) -> str:
 def _trajectory(lr: float, losses: list[float]) -> str:
     start, end = losses[0], losses[-1]
     cut = len(losses) < OVERFIT_MAX_STEPS and _outcome(losses) in ("slow", "stuck")
-    return (f"at train.lr={lr:g} the loss went {start:.3f} -> {end:.4g} ({_ratio(end, start)}) in {len(losses)} steps"
-            + (f" (stopped at the {OVERFIT_MAX_SECONDS:g} s limit)" if cut else ""))
+    return (
+        f"at train.lr={lr:g} the loss went {start:.3f} -> {end:.4g} ({_ratio(end, start)}) in {len(losses)} steps"
+        + (f" (stopped at the {OVERFIT_MAX_SECONDS:g} s limit)" if cut else "")
+    )
 
 
 # -- input pipeline ---------------------------------------------------------------------------------
@@ -269,22 +302,39 @@ def check_input_pipeline(job: DoctorJob):
     share = wait / (wait + compute)
     ratio = load / compute
     recommended = 0 if ratio < LOAD_NEGLIGIBLE else math.ceil(ratio) + 1
-    evidence = (f"waiting for data {share:.0%} of a step: {_ms(wait)} waiting, {_ms(compute)} computing per step "
-                f"(mean of {PIPELINE_STEPS} steps of {size} items after the first, which took {_ms(waits[0])} to get "
-                f"its batch) with data.num_workers={workers}; loading a batch in-process takes {_ms(load)}, so "
-                f"recommended data.num_workers={recommended}")
+    evidence = (
+        f"waiting for data {share:.0%} of a step: {_ms(wait)} waiting, {_ms(compute)} computing per step "
+        f"(mean of {PIPELINE_STEPS} steps of {size} items after the first, which took {_ms(waits[0])} to get "
+        f"its batch) with data.num_workers={workers}; loading a batch in-process takes {_ms(load)}, so "
+        f"recommended data.num_workers={recommended}"
+    )
     if share > PIPELINE_WAIT_WARN:
         cores = os.cpu_count() or 1
-        more = (f" (more than the {cores} CPU cores: worth it when loading waits on I/O; when it computes, make "
-                "__getitem__ cheaper, e.g. tokenize ahead of time)") if recommended > cores else ""
-        return "warn", evidence, (f"set data.num_workers={recommended} so that workers prepare batches while the "
-                                  f"model computes{more}")
+        more = (
+            (
+                f" (more than the {cores} CPU cores: worth it when loading waits on I/O; when it computes, make "
+                "__getitem__ cheaper, e.g. tokenize ahead of time)"
+            )
+            if recommended > cores
+            else ""
+        )
+        return (
+            "warn",
+            evidence,
+            (f"set data.num_workers={recommended} so that workers prepare batches while the model computes{more}"),
+        )
     return "pass", evidence, ""
 
 
 def _loader(job: DoctorJob, size: int, workers: int):
-    return make_train_loader(job.train_data, schedule=size, seed=job.cfg.train.seed, start_step=0,
-                             num_workers=workers, pin_memory=job.device.type == "cuda")
+    return make_train_loader(
+        job.train_data,
+        schedule=size,
+        seed=job.cfg.train.seed,
+        start_step=0,
+        num_workers=workers,
+        pin_memory=job.device.type == "cuda",
+    )
 
 
 def _load_seconds(job: DoctorJob, size: int, batches: int = 2) -> float:
@@ -300,10 +350,12 @@ def _load_seconds(job: DoctorJob, size: int, batches: int = 2) -> float:
 # -- determinism --------------------------------------------------------------------------------------
 
 
-_DETERMINISM_FIX = ("find what is not seeded: random numbers drawn outside torch (Python's random, numpy, time) in "
-                    "the model, loss or dataset, or a data order that is not a function of the seed; "
-                    "torch.use_deterministic_algorithms(True) names nondeterministic kernels (on a GPU also set "
-                    "CUBLAS_WORKSPACE_CONFIG=:4096:8)")
+_DETERMINISM_FIX = (
+    "find what is not seeded: random numbers drawn outside torch (Python's random, numpy, time) in "
+    "the model, loss or dataset, or a data order that is not a function of the seed; "
+    "torch.use_deterministic_algorithms(True) names nondeterministic kernels (on a GPU also set "
+    "CUBLAS_WORKSPACE_CONFIG=:4096:8)"
+)
 
 
 def check_determinism(job: DoctorJob):
@@ -311,14 +363,16 @@ def check_determinism(job: DoctorJob):
         return "skip", blocker, ""
     (losses_a, weights_a), (losses_b, weights_b) = _short_run(job), _short_run(job)
     shown = f"losses {_losses(losses_a)} and {_losses(losses_b)}"
-    setup = (f"2 runs of {DETERMINISM_STEPS} steps from train.seed={job.cfg.train.seed} "
-             f"with data.num_workers={job.cfg.data.num_workers}")
+    setup = (
+        f"2 runs of {DETERMINISM_STEPS} steps from train.seed={job.cfg.train.seed} "
+        f"with data.num_workers={job.cfg.data.num_workers}"
+    )
     if [x.hex() for x in losses_a] == [x.hex() for x in losses_b]:
         if weights_a == weights_b:
             return "pass", f"{setup}: identical losses {_losses(losses_a)} and identical weights", ""
         return "warn", f"{setup}: identical losses but the weights differ after the last step", _DETERMINISM_FIX
-    diff = max(abs(a - b) / max(abs(a), abs(b), 1e-12) for a, b in zip(losses_a, losses_b))
-    step = next(i for i, (a, b) in enumerate(zip(losses_a, losses_b)) if a.hex() != b.hex()) + 1
+    diff = max(abs(a - b) / max(abs(a), abs(b), 1e-12) for a, b in zip(losses_a, losses_b, strict=True))
+    step = next(i for i, (a, b) in enumerate(zip(losses_a, losses_b, strict=True)) if a.hex() != b.hex()) + 1
     evidence = f"{setup}: {shown} first differ at step {step} (relative difference up to {diff:.1e})"
     if diff <= DETERMINISM_NOISE:
         return "warn", evidence + ": rounding-level, from kernels that sum in varying order", _DETERMINISM_FIX

@@ -56,8 +56,13 @@ class DoctorReport:
         raise KeyError(f"no check named {name!r}; checks: {', '.join(c.name for c in self.checks)}")
 
     def to_dict(self) -> dict:
-        return {"status": self.status, "exit_status": self.exit_status, "counts": self.counts(),
-                "seconds": round(self.seconds, 2), "checks": [asdict(c) for c in self.checks]}
+        return {
+            "status": self.status,
+            "exit_status": self.exit_status,
+            "counts": self.counts(),
+            "seconds": round(self.seconds, 2),
+            "checks": [asdict(c) for c in self.checks],
+        }
 
     def render(self, width: int | None = None) -> str:
         """A console table grouped by area; each warn or fail is followed by its fix."""
@@ -76,10 +81,15 @@ class DoctorReport:
                 if c.fix and c.status in ("warn", "fail"):
                     lines.append(wrap.fill(f"{'':{indent - 5}}fix: {c.fix}"))
         counts = self.counts()
-        verdict = {"fail": "some checks FAILED; see the fixes above",
-                   "warn": "no failures, some warnings", "pass": "all clear"}[self.status]
-        lines.append(f"\n{counts['pass']} pass, {counts['warn']} warn, {counts['fail']} fail, {counts['skip']} skipped "
-                     f"in {self.seconds:.1f}s: {verdict}")
+        verdict = {
+            "fail": "some checks FAILED; see the fixes above",
+            "warn": "no failures, some warnings",
+            "pass": "all clear",
+        }[self.status]
+        lines.append(
+            f"\n{counts['pass']} pass, {counts['warn']} warn, {counts['fail']} fail, {counts['skip']} skipped "
+            f"in {self.seconds:.1f}s: {verdict}"
+        )
         return "\n".join(lines)
 
 

@@ -13,7 +13,8 @@ from __future__ import annotations
 import json
 import sys
 import time
-from typing import Any, Callable, Iterable
+from collections.abc import Callable, Iterable
+from typing import Any
 
 import torch
 from torch import nn
@@ -31,10 +32,18 @@ from kiln.train.step import LossFn
 CHECKS = [*environment_checks.CHECKS, *data_checks.CHECKS, *model_checks.CHECKS]
 
 
-def run_doctor(cfg: Config, *, model: nn.Module | None = None, loss_fn: LossFn | None = None,
-               train_data: Dataset | None = None, val_data: Dataset | None = None, tokenizer: Any = None,
-               vocab_size: int | None = None, groups: Iterable[str] | None = None,
-               progress: bool = False) -> DoctorReport:
+def run_doctor(
+    cfg: Config,
+    *,
+    model: nn.Module | None = None,
+    loss_fn: LossFn | None = None,
+    train_data: Dataset | None = None,
+    val_data: Dataset | None = None,
+    tokenizer: Any = None,
+    vocab_size: int | None = None,
+    groups: Iterable[str] | None = None,
+    progress: bool = False,
+) -> DoctorReport:
     """Check a training setup; by default kiln's built-in job from ``cfg``.
 
     ``model``, ``loss_fn`` (``loss_fn(model, batch)`` -> mean loss, as for ``Trainer``),
@@ -91,4 +100,3 @@ def _run_check(group: str, name: str, check: Callable, job: DoctorJob) -> Check:
         status, evidence = "fail", f"the check raised {type(e).__name__}: {first_line(e)}"
         fix = "the setup cannot run this step; the error above names the cause"
     return Check(name, group, status, evidence, fix, round(time.perf_counter() - started, 3))
-

@@ -18,8 +18,9 @@ family; families are for the built-in jobs.
 from __future__ import annotations
 
 import importlib
+from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any, Mapping, NamedTuple
+from typing import Any, NamedTuple
 
 import torch
 from torch import nn
@@ -56,7 +57,7 @@ class ParallelPlan:
             raise ValueError(f"tensor-parallel styles must be one of {TP_STYLES}, got {bad}")
 
     @classmethod
-    def infer(cls, model: nn.Module) -> "ParallelPlan":
+    def infer(cls, model: nn.Module) -> ParallelPlan:
         """The plan of a model without a family: its ``blocks`` if it has them, no tensor parallelism."""
         return cls(blocks="blocks" if isinstance(getattr(model, "blocks", None), nn.ModuleList) else None)
 
@@ -66,8 +67,10 @@ class ParallelPlan:
             return []
         blocks = model.get_submodule(self.blocks)
         if not isinstance(blocks, nn.ModuleList):
-            raise ValueError(f"the parallel plan names {self.blocks!r} as the repeated layers of "
-                             f"{type(model).__name__}, but it is a {type(blocks).__name__}, not an nn.ModuleList")
+            raise ValueError(
+                f"the parallel plan names {self.blocks!r} as the repeated layers of "
+                f"{type(model).__name__}, but it is a {type(blocks).__name__}, not an nn.ModuleList"
+            )
         return list(blocks)
 
     def tp_split_dim(self, name: str) -> int | None:
@@ -82,8 +85,12 @@ class ParallelPlan:
         if tp == 1:
             return
         if not self.tensor_parallel:
-            raise ConfigError([f"parallel.tp: tensor parallelism needs a model family's plan of which projections "
-                               f"to split; {what} has none"])
+            raise ConfigError(
+                [
+                    f"parallel.tp: tensor parallelism needs a model family's plan of which projections "
+                    f"to split; {what} has none"
+                ]
+            )
         bad = [f"{key}={value}" for key, value in self.tp_divisors.items() if value % tp]
         if bad:
             raise ConfigError([f"parallel.tp: {tp} must divide {', '.join(bad)}"])
@@ -149,7 +156,7 @@ class MemoryModel:
         """Bytes kept between the last block and the loss (e.g. a final norm's saved tensors)."""
         return 0
 
-    def head(self, ctx: MemoryContext) -> "HeadMemory":
+    def head(self, ctx: MemoryContext) -> HeadMemory:
         """The output layer and loss."""
         raise NotImplementedError
 
@@ -230,11 +237,15 @@ class ModelFamily:
         """Mean loss of one micro-batch (the Trainer's ``loss_fn``)."""
         return lm_loss(model, batch)
 
-    def evaluate(self, model: nn.Module, batches: list, token_bytes: torch.Tensor, device: torch.device) -> dict[str, float]:
+    def evaluate(
+        self, model: nn.Module, batches: list, token_bytes: torch.Tensor, device: torch.device
+    ) -> dict[str, float]:
         """Validation metrics over fixed batches (eval mode, no_grad, the run's precision)."""
         return evaluate_lm(model, batches, token_bytes, device)
 
-    def generate(self, model: nn.Module, prompt: torch.Tensor, max_new_tokens: int, **sampling: Any) -> torch.Tensor | None:
+    def generate(
+        self, model: nn.Module, prompt: torch.Tensor, max_new_tokens: int, **sampling: Any
+    ) -> torch.Tensor | None:
         """Continue ``prompt`` [B, T]: [B, T + new] token ids; None if the family cannot sample."""
         return None
 
@@ -272,8 +283,12 @@ def get_family(name: str) -> ModelFamily:
     target = BUILT_IN.get(name, name)
     module_name, _, attr = target.partition(":")
     if not attr:
-        raise ConfigError([f"model.family: {name!r} is not one of {', '.join(BUILT_IN)}, nor a plug-in given as "
-                           "package.module:object"])
+        raise ConfigError(
+            [
+                f"model.family: {name!r} is not one of {', '.join(BUILT_IN)}, nor a plug-in given as "
+                "package.module:object"
+            ]
+        )
     try:
         family = getattr(importlib.import_module(module_name), attr)
     except (ImportError, AttributeError) as e:

@@ -84,7 +84,9 @@ def linear_cross_entropy(
     keep = (targets != IGNORE_INDEX).to(torch.promote_types(weight.dtype, torch.float32))
     hidden = hidden.to(weight.dtype)
     total = sum(
-        _chunk_loss_and_grad(hidden[s : s + chunk_size], weight, targets[s : s + chunk_size], keep[s : s + chunk_size], False)[0]
+        _chunk_loss_and_grad(
+            hidden[s : s + chunk_size], weight, targets[s : s + chunk_size], keep[s : s + chunk_size], False
+        )[0]
         for s in range(0, hidden.size(0), chunk_size)
     )
     return total / keep.sum().clamp(min=1)

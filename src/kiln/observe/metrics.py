@@ -17,8 +17,8 @@ from typing import Any
 
 import torch
 
-from kiln.io import write_atomic
 from kiln.config import ConfigError
+from kiln.io import write_atomic
 
 METRICS_FILE = "metrics.jsonl"
 # The W&B run id of this run directory, so that a resumed run continues the same W&B run.
@@ -66,10 +66,15 @@ def _start_wandb(run_dir: Path, project: str, config: dict[str, Any] | None):
         import wandb
     except ImportError:
         # A ConfigError: the CLI reports it as one line naming the key, not a traceback.
-        raise ConfigError(["observe.wandb: needs the wandb package, which is not installed: "
-                           "pip install wandb (or pip install 'kiln[wandb]'), or set observe.wandb=false"]) from None
-    return wandb.init(project=project, dir=str(run_dir), name=run_dir.name, config=config,
-                      id=_wandb_run_id(run_dir), resume="allow")
+        raise ConfigError(
+            [
+                "observe.wandb: needs the wandb package, which is not installed: "
+                "pip install wandb (or pip install 'kiln[wandb]'), or set observe.wandb=false"
+            ]
+        ) from None
+    return wandb.init(
+        project=project, dir=str(run_dir), name=run_dir.name, config=config, id=_wandb_run_id(run_dir), resume="allow"
+    )
 
 
 def _histogram_values(tensor: torch.Tensor) -> torch.Tensor:
@@ -92,9 +97,17 @@ class MetricsLogger:
     Weights & Biases project, as one W&B run per run directory (resumed runs continue it);
     ``config`` is the run's configuration shown there."""
 
-    def __init__(self, run_dir: str | Path, *, total_steps: int, start_step: int = 0,
-                 console: bool = True, tensorboard: bool = True,
-                 wandb_project: str | None = None, config: dict[str, Any] | None = None):
+    def __init__(
+        self,
+        run_dir: str | Path,
+        *,
+        total_steps: int,
+        start_step: int = 0,
+        console: bool = True,
+        tensorboard: bool = True,
+        wandb_project: str | None = None,
+        config: dict[str, Any] | None = None,
+    ):
         self.run_dir = Path(run_dir)
         # First: when wandb is missing, fail before any file is opened.
         self._wandb = _start_wandb(self.run_dir, wandb_project, config) if wandb_project else None
@@ -102,7 +115,8 @@ class MetricsLogger:
         self.console = console
         self.path = self.run_dir / METRICS_FILE
         self._truncate_after(start_step)
-        self._file = open(self.path, "a", buffering=1)
+        # Held open for the logger's lifetime (line-buffered appends); closed in close().
+        self._file = open(self.path, "a", buffering=1)  # noqa: SIM115
         self._tb = None
         if tensorboard:
             from torch.utils.tensorboard import SummaryWriter
@@ -114,8 +128,11 @@ class MetricsLogger:
     def _truncate_after(self, step: int) -> None:
         if not self.path.exists():
             return
-        kept = [line for line in self.path.read_text().splitlines()
-                if line.strip() and json.loads(line).get("step", 0) <= step]
+        kept = [
+            line
+            for line in self.path.read_text().splitlines()
+            if line.strip() and json.loads(line).get("step", 0) <= step
+        ]
         write_atomic(self.path, "".join(line + "\n" for line in kept))
 
     def rewind(self, step: int) -> None:
@@ -123,7 +140,8 @@ class MetricsLogger:
         redone steps are not recorded twice. (W&B keeps its history: its steps only go up.)"""
         self._file.close()
         self._truncate_after(step)
-        self._file = open(self.path, "a", buffering=1)
+        # Reopened and held open, as in __init__.
+        self._file = open(self.path, "a", buffering=1)  # noqa: SIM115
         if self._tb is not None:
             from torch.utils.tensorboard import SummaryWriter
 
@@ -144,10 +162,9 @@ class MetricsLogger:
 
     def _console_line(self, step: int, values: dict[str, Any]) -> str:
         parts = [f"step {step}/{self.total_steps}"]
-        parts += [_fmt(k, v) for k, v in values.items()
-                  if k not in CONSOLE_HIDDEN and (k != "skipped_steps" or v)]
+        parts += [_fmt(k, v) for k, v in values.items() if k not in CONSOLE_HIDDEN and (k != "skipped_steps" or v)]
         done = step - self._start_step
-        if 0 < done and step < self.total_steps and "val_loss" not in values:
+        if done > 0 and step < self.total_steps and "val_loss" not in values:
             elapsed = time.perf_counter() - self._t0
             parts.append(f"ETA {format_duration(elapsed / done * (self.total_steps - step))}")
         return " | ".join(parts)
@@ -206,7 +223,7 @@ class MetricsLogger:
             self._wandb.finish()
             self._wandb = None
 
-    def __enter__(self) -> "MetricsLogger":
+    def __enter__(self) -> MetricsLogger:
         return self
 
     def __exit__(self, *exc) -> None:
@@ -231,7 +248,7 @@ class NullLogger:
     def histograms(self, step: int, model: torch.nn.Module) -> None:
         pass
 
-    def __enter__(self) -> "NullLogger":
+    def __enter__(self) -> NullLogger:
         return self
 
     def __exit__(self, *exc) -> None:

@@ -12,8 +12,8 @@ from __future__ import annotations
 import contextlib
 import json
 import time
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Iterator
 
 import torch
 
@@ -79,7 +79,7 @@ class StepProfiler:
         events = self._prof.events()
         steps = len(self.step_times)
         collectives = _collective_spans(events)
-        per_step = {label: 0.0 for label in (*PHASES.values(), "communication")}
+        per_step = dict.fromkeys((*PHASES.values(), "communication"), 0.0)
         for e in events:
             if e.name in PHASES:
                 # Collectives run inside the phases; their time is counted once, as communication.
@@ -87,8 +87,11 @@ class StepProfiler:
                 per_step[PHASES[e.name]] += (e.cpu_time_total - comm) / 1e3 / steps  # us -> ms
                 per_step["communication"] += comm / 1e3 / steps
         measured = 1e3 * sum(self.step_times) / steps
-        top = sorted((e for e in self._prof.key_averages() if not e.key.startswith("kiln/")),
-                     key=lambda e: e.self_cpu_time_total, reverse=True)[:10]
+        top = sorted(
+            (e for e in self._prof.key_averages() if not e.key.startswith("kiln/")),
+            key=lambda e: e.self_cpu_time_total,
+            reverse=True,
+        )[:10]
         self.out_dir.mkdir(parents=True, exist_ok=True)
         trace = self.out_dir / f"trace-steps-{self.start}-{self.end}.pt.trace.json"
         self._prof.export_chrome_trace(str(trace))
@@ -96,9 +99,15 @@ class StepProfiler:
             "steps": [self.start, self.end],
             "step_ms": measured,
             "phases_ms": per_step,
-            "top_operators": [{"name": e.key, "self_cpu_ms": e.self_cpu_time_total / 1e3 / steps,
-                               "self_device_ms": getattr(e, "self_device_time_total", 0.0) / 1e3 / steps,
-                               "calls": e.count / steps} for e in top],
+            "top_operators": [
+                {
+                    "name": e.key,
+                    "self_cpu_ms": e.self_cpu_time_total / 1e3 / steps,
+                    "self_device_ms": getattr(e, "self_device_time_total", 0.0) / 1e3 / steps,
+                    "calls": e.count / steps,
+                }
+                for e in top
+            ],
             "trace": str(trace),
         }
         (self.out_dir / "breakdown.json").write_text(json.dumps(breakdown, indent=2))
@@ -109,8 +118,11 @@ class StepProfiler:
 
 def _collective_spans(events) -> list[tuple[float, float]]:
     """Host-side time spans of collective operations, merged so nested ones count once."""
-    spans = sorted((e.time_range.start, e.time_range.end) for e in events
-                   if any(c in e.name.lower() for c in COLLECTIVES) and e.device_type == torch.autograd.DeviceType.CPU)
+    spans = sorted(
+        (e.time_range.start, e.time_range.end)
+        for e in events
+        if any(c in e.name.lower() for c in COLLECTIVES) and e.device_type == torch.autograd.DeviceType.CPU
+    )
     merged: list[list[float]] = []
     for start, end in spans:
         if merged and start <= merged[-1][1]:
@@ -129,8 +141,12 @@ def render(b: dict) -> str:
     step = b["step_ms"]
     lines = [f"kiln profile: steps {start}-{end}, {step:.1f} ms per step", ""]
     phases = b["phases_ms"]
-    notes = {"data wait": "next batch from the loader, host-to-device copy", "compute": "forward + backward",
-             "optimizer": "clip, AdamW step, zero_grad", "communication": "collectives (all-reduce, all-gather, ...)"}
+    notes = {
+        "data wait": "next batch from the loader, host-to-device copy",
+        "compute": "forward + backward",
+        "optimizer": "clip, AdamW step, zero_grad",
+        "communication": "collectives (all-reduce, all-gather, ...)",
+    }
     for label, ms in phases.items():
         lines.append(f"  {label:<14}{ms:>10.2f} ms {100 * ms / step:>6.1f}%   {notes[label]}")
     covered = sum(phases.values())

@@ -14,8 +14,8 @@ from pathlib import Path
 from typing import Any
 
 from kiln.checkpoint import CheckpointError
-from kiln.io import write_atomic
 from kiln.config import ConfigError
+from kiln.io import write_atomic
 from kiln.observe.metrics import METRICS_FILE, format_duration
 
 REPORT_PNG = "report.png"
@@ -26,6 +26,7 @@ EVENT_COLORS = ["tab:red", "tab:gray", "tab:olive", "tab:pink"]
 
 
 # -- reading the run ----------------------------------------------------------------------------
+
 
 def read_metrics(run_dir: Path) -> list[dict[str, Any]]:
     """The records of ``metrics.jsonl``, in file order. A run killed mid-write can leave a torn
@@ -75,9 +76,10 @@ def _segments(train: list[dict[str, Any]]) -> list[list[dict[str, Any]]]:
 
 # -- the numbers ----------------------------------------------------------------------------------
 
+
 def _memory_name(key: str) -> str:
     """``memory/peak_allocated_gib`` -> ``peak_allocated`` (the summary says GiB once)."""
-    return key[len(MEMORY_PREFIX):].removesuffix("_gib")
+    return key[len(MEMORY_PREFIX) :].removesuffix("_gib")
 
 
 def _finite(values: list[Any]) -> list[float]:
@@ -134,13 +136,15 @@ def summarize(records: list[dict[str, Any]], env: dict[str, Any] | None = None) 
         "val_bpb_last": _last(evals, "val_bpb"),
         "val_bpb_best": _best(evals, "val_bpb"),
         "tokens_per_s_mean": sum(steady) / len(steady) if steady else None,
-        "peak_memory_gib": {_memory_name(k): max(_finite([r[k] for r in train if k in r]), default=None)
-                            for k in memory_keys},
+        "peak_memory_gib": {
+            _memory_name(k): max(_finite([r[k] for r in train if k in r]), default=None) for k in memory_keys
+        },
         "events": dict(Counter(r["event"] for r in events)),
     }
 
 
 # -- the text -------------------------------------------------------------------------------------
+
 
 def _num(value: Any, fmt: str = ".4g") -> str:
     if value is None:
@@ -158,9 +162,13 @@ def _count(n: float) -> str:
 
 def headline(s: dict[str, Any]) -> str:
     """One line of key facts, for the figure title and the top of the text."""
-    facts = [f"{_count(s['parameters'])} parameters" if s["parameters"] else None, s["device"],
-             f"{s['steps']:,} steps", f"{_count(s['tokens'])} tokens" if s["tokens"] else None,
-             format_duration(s["wall_time_s"])]
+    facts = [
+        f"{_count(s['parameters'])} parameters" if s["parameters"] else None,
+        s["device"],
+        f"{s['steps']:,} steps",
+        f"{_count(s['tokens'])} tokens" if s["tokens"] else None,
+        format_duration(s["wall_time_s"]),
+    ]
     return " | ".join(f for f in facts if f)
 
 
@@ -172,8 +180,9 @@ def format_summary(run_dir: Path, s: dict[str, Any]) -> str:
     runs = f" over {s['invocations']} invocations (resumed)" if s["invocations"] > 1 else ""
     lines.append(f"wall time    {format_duration(s['wall_time_s'])}{runs}")
     bad = f"  ({s['nonfinite_losses']} non-finite)" if s["nonfinite_losses"] else ""
-    lines.append(f"train loss   first {_num(s['loss_first'])}  last {_num(s['loss_last'])}  "
-                 f"min {_num(s['loss_min'])}{bad}")
+    lines.append(
+        f"train loss   first {_num(s['loss_first'])}  last {_num(s['loss_last'])}  min {_num(s['loss_min'])}{bad}"
+    )
     if s["val_loss_last"] is not None:
         lines.append(f"val loss     last {_num(s['val_loss_last'])}  best {_num(s['val_loss_best'])}")
     if s["val_bpb_last"] is not None:
@@ -189,6 +198,7 @@ def format_summary(run_dir: Path, s: dict[str, Any]) -> str:
 
 
 # -- the figure -----------------------------------------------------------------------------------
+
 
 def _series(records: list[dict[str, Any]], key: str) -> tuple[list[int], list[float]]:
     """Steps and values of ``key``; non-finite values become NaN, which matplotlib leaves as a
@@ -216,8 +226,16 @@ def _plot_loss(ax, train, evals, events) -> None:
         ax.plot(*_series(evals, "val_loss"), "o-", color="tab:orange", ms=4, lw=1.2, label="val loss")
     bad = [r["step"] for r in train if not _finite([r["loss"]])]
     if bad:
-        ax.plot(bad, [0] * len(bad), "x", color="tab:red", ms=7, transform=ax.get_xaxis_transform(),
-                label="non-finite loss", clip_on=False)
+        ax.plot(
+            bad,
+            [0] * len(bad),
+            "x",
+            color="tab:red",
+            ms=7,
+            transform=ax.get_xaxis_transform(),
+            label="non-finite loss",
+            clip_on=False,
+        )
     kinds = sorted({e["event"] for e in events})
     for e in events:
         ax.axvline(e["step"], color=EVENT_COLORS[kinds.index(e["event"]) % len(EVENT_COLORS)], ls=":", lw=1.2)
@@ -287,8 +305,9 @@ def render_figure(run_dir: Path, records: list[dict[str, Any]], summary: dict[st
         ax.set_xlim(0, last_step * 1.02)
     text_ax = axes[1, 2]
     text_ax.axis("off")
-    text_ax.text(0, 1, _panel_text(summary), va="top", ha="left", family="monospace", fontsize=11,
-                 transform=text_ax.transAxes)
+    text_ax.text(
+        0, 1, _panel_text(summary), va="top", ha="left", family="monospace", fontsize=11, transform=text_ax.transAxes
+    )
     fig.suptitle(f"kiln report: {run_dir}\n{headline(summary)}", fontsize=13)
     buffer = io.BytesIO()
     fig.savefig(buffer, format=fmt)
@@ -297,10 +316,17 @@ def render_figure(run_dir: Path, records: list[dict[str, Any]], summary: dict[st
 
 def _panel_text(s: dict[str, Any]) -> str:
     """The summary's numbers, in the figure too: the PNG alone tells how the run went."""
-    rows = [("steps", _num(s["steps"])), ("tokens", _num(s["tokens"])), ("wall time", format_duration(s["wall_time_s"])),
-            ("loss first", _num(s["loss_first"])), ("loss last", _num(s["loss_last"])), ("loss min", _num(s["loss_min"])),
-            ("val loss best", _num(s["val_loss_best"])), ("val bpb best", _num(s["val_bpb_best"])),
-            ("tokens/s mean", _num(s["tokens_per_s_mean"], ",.0f"))]
+    rows = [
+        ("steps", _num(s["steps"])),
+        ("tokens", _num(s["tokens"])),
+        ("wall time", format_duration(s["wall_time_s"])),
+        ("loss first", _num(s["loss_first"])),
+        ("loss last", _num(s["loss_last"])),
+        ("loss min", _num(s["loss_min"])),
+        ("val loss best", _num(s["val_loss_best"])),
+        ("val bpb best", _num(s["val_bpb_best"])),
+        ("tokens/s mean", _num(s["tokens_per_s_mean"], ",.0f")),
+    ]
     rows += [(f"{k.replace('_', ' ')} (max)", f"{_num(v, '.2f')} GiB") for k, v in s["peak_memory_gib"].items()]
     rows += [(f"event {kind}", f"x{n}") for kind, n in sorted(s["events"].items())]
     width = max(len(name) for name, _ in rows) + 2
@@ -308,6 +334,7 @@ def _panel_text(s: dict[str, Any]) -> str:
 
 
 # -- writing --------------------------------------------------------------------------------------
+
 
 def write_report(run_dir: str | Path, out: str | Path | None = None) -> dict[str, Any]:
     """Write the figure to ``out`` (default ``RUN_DIR/report.png``; .svg and .pdf work too) and

@@ -70,7 +70,7 @@ class ModelShape:
     memory: MemoryModel
 
     @classmethod
-    def of(cls, family: ModelFamily, args: Any) -> "ModelShape":
+    def of(cls, family: ModelFamily, args: Any) -> ModelShape:
         with torch.device("meta"):
             model = family.build(args)
         plan = family.parallel_plan(args)
@@ -131,11 +131,15 @@ class Setup:
         under bf16 (MixedPrecisionPolicy); otherwise they are the fp32 master weights."""
         return 2 if self.sharded and self.precision == "bf16" else 4
 
-    def overrides(self, base: "Setup") -> list[str]:
+    def overrides(self, base: Setup) -> list[str]:
         """The ``--set`` items that turn ``base`` into this setup."""
-        keys = {"micro_batch_size": "train.micro_batch_size", "precision": "train.precision",
-                "activation_checkpointing": "train.activation_checkpointing",
-                "strategy": "parallel.strategy", "cpu_offload": "parallel.cpu_offload"}
+        keys = {
+            "micro_batch_size": "train.micro_batch_size",
+            "precision": "train.precision",
+            "activation_checkpointing": "train.activation_checkpointing",
+            "strategy": "parallel.strategy",
+            "cpu_offload": "parallel.cpu_offload",
+        }
         out = []
         for field, key in keys.items():
             value = getattr(self, field)
@@ -193,7 +197,7 @@ def _casts_weights(s: Setup) -> bool:
     return s.autocast and s.gathered_bytes == 4
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def fused_adamw(device: str) -> bool:
     """Whether kiln's optimizer builder picks the fused AdamW kernel for this kind of device."""
     probe = torch.nn.Linear(1, 1, bias=False)
@@ -220,12 +224,21 @@ def memory_phases(shape: ModelShape, s: Setup, seq_len: int, rank_batch: int, de
     """
     blocks, mem = shape.n_layer, shape.memory
     tokens = s.micro_batch_size * seq_len
-    ctx = MemoryContext(tokens=tokens, autocast=s.autocast, residual_bytes=s.gathered_bytes if s.sharded else 4,
-                        tp=s.tp, casts_weights=_casts_weights(s))
+    ctx = MemoryContext(
+        tokens=tokens,
+        autocast=s.autocast,
+        residual_bytes=s.gathered_bytes if s.sharded else 4,
+        tp=s.tp,
+        casts_weights=_casts_weights(s),
+    )
     state = model_state(shape, s)
     on_device = {k: 0 if s.offload else v for k, v in state.items()}
-    static = {"parameters": on_device["parameters"], "optimizer_state": on_device["optimizer_state"],
-              "model_buffers": shape.buffer_bytes, "batch": rank_batch * seq_len * 2 * 8}  # int64 inputs, targets
+    static = {
+        "parameters": on_device["parameters"],
+        "optimizer_state": on_device["optimizer_state"],
+        "model_buffers": shape.buffer_bytes,
+        "batch": rank_batch * seq_len * 2 * 8,
+    }  # int64 inputs, targets
     if s.strategy == "ddp" and s.dp > 1:
         static["ddp_gradient_buckets"] = state["gradients"]  # DDP reduces from its own copy of the gradients
 
@@ -263,27 +276,47 @@ def memory_phases(shape: ModelShape, s: Setup, seq_len: int, rank_batch: int, de
             activations, copies = (i + 1) * acts, (i + 1) * block_copies
         # FSDP reduce-scatters a block's gradient from an unsharded fp32 copy.
         reducing = 4 * _gathered_numel(shape.block, s) if s.sharded else 0
-        return {**static, "gradients": grads, "gathered_parameters": gathered(i + 1) + reducing,
-                "autocast_weight_copies": copies, "activations": activations,
-                "backward_workspace": mem.block_backward_workspace(ctx)}
+        return {
+            **static,
+            "gradients": grads,
+            "gathered_parameters": gathered(i + 1) + reducing,
+            "autocast_weight_copies": copies,
+            "activations": activations,
+            "backward_workspace": mem.block_backward_workspace(ctx),
+        }
 
-    forward_end = {**static, "gradients": held, "gathered_parameters": gathered(blocks),
-                   "activations": blocks * kept + mem.after_blocks(ctx)}
+    forward_end = {
+        **static,
+        "gradients": held,
+        "gathered_parameters": gathered(blocks),
+        "activations": blocks * kept + mem.after_blocks(ctx),
+    }
     phases = {
-        "forward: output layer and loss": {**forward_end,
-                                           "autocast_weight_copies": blocks * block_copies + head_copy,
-                                           "output_layer_and_loss": head.saved + head.transient},
+        "forward: output layer and loss": {
+            **forward_end,
+            "autocast_weight_copies": blocks * block_copies + head_copy,
+            "output_layer_and_loss": head.saved + head.transient,
+        },
         # Leaving autocast dropped the weight copies nothing saved (the output layer's; all of
         # them with checkpointing).
-        "backward: output layer": {**forward_end, "output_layer_and_loss": head.backward,
-                                   "autocast_weight_copies": (0 if s.activation_checkpointing
-                                                              else blocks * block_copies)},
+        "backward: output layer": {
+            **forward_end,
+            "output_layer_and_loss": head.backward,
+            "autocast_weight_copies": (0 if s.activation_checkpointing else blocks * block_copies),
+        },
         "backward: last block": block_backward(blocks - 1),
         "backward: first block": block_backward(0),
-        "backward: embedding": {**static, "gradients": all_grads, "gathered_parameters": gathered(0),
-                                "backward_workspace": mem.embedding_backward(ctx, accumulating=bool(held))},
-        "optimizer step": {**static, "gradients": all_grads,
-                           "optimizer_workspace": _optimizer_workspace(shape, s, device)},
+        "backward: embedding": {
+            **static,
+            "gradients": all_grads,
+            "gathered_parameters": gathered(0),
+            "backward_workspace": mem.embedding_backward(ctx, accumulating=bool(held)),
+        },
+        "optimizer step": {
+            **static,
+            "gradients": all_grads,
+            "optimizer_workspace": _optimizer_workspace(shape, s, device),
+        },
     }
     return {name: {k: v for k, v in parts.items() if v} for name, parts in phases.items()}
 
@@ -383,4 +416,3 @@ class Job:
         if s.dp > 1:
             compute *= STRATEGY_TIME[s.strategy]
         return compute + offload_seconds(self.shape, s, self.rank_batch(s) // s.micro_batch_size)
-

@@ -32,10 +32,12 @@ def _setup_line(s: Setup, job: Job, auto_micro: bool, fits: bool) -> str:
     if auto_micro:
         micro += " (auto: the largest that fits)" if fits else " (auto: none fits; shown at 1)"
     accumulation = job.rank_batch(s) // s.micro_batch_size
-    return (f"train.micro_batch_size={micro} x {job.seq_len:,} tokens, train.global_batch_size={job.global_batch} "
-            f"(accumulation {accumulation}), train.precision={s.precision}\n"
-            f"  train.activation_checkpointing={str(s.activation_checkpointing).lower()}, "
-            f"parallel.strategy={s.strategy}, parallel.cpu_offload={str(s.cpu_offload).lower()}")
+    return (
+        f"train.micro_batch_size={micro} x {job.seq_len:,} tokens, train.global_batch_size={job.global_batch} "
+        f"(accumulation {accumulation}), train.precision={s.precision}\n"
+        f"  train.activation_checkpointing={str(s.activation_checkpointing).lower()}, "
+        f"parallel.strategy={s.strategy}, parallel.cpu_offload={str(s.cpu_offload).lower()}"
+    )
 
 
 def _overhead_label(target: Target, s: Setup) -> str:
@@ -92,17 +94,29 @@ def format_plan(plan: Plan) -> str:
 def _time_lines(plan: Plan) -> list[str]:
     job, s = plan.job, plan.base
     tokens = job.global_batch * job.seq_len
-    lines = [f"compute per step: {tokens:,} tokens x {job.shape.flops_per_token(job.seq_len):.3g} FLOPs "
-             f"per token (the model family's count) = {job.flops_per_step:.3g} FLOPs"]
+    lines = [
+        f"compute per step: {tokens:,} tokens x {job.shape.flops_per_token(job.seq_len):.3g} FLOPs "
+        f"per token (the model family's count) = {job.flops_per_step:.3g} FLOPs"
+    ]
     bound = job.seconds_at_peak(s.world_size)
     if bound is None:
         lines.append("  no time estimate: the device's peak FLOP/s is unknown (name a GPU with --gpu)")
         return lines
     peak = job.target.peak_flops
-    lines.append(_row(f"at 100% of {s.world_size} x {job.target.name} bf16 peak ({peak / 1e12:.0f} TFLOP/s each): "
-                      "the MFU bound", f"{bound:.3g} s", width=66))
-    lines.append(_row(f"estimated at an assumed {ASSUMED_MFU:.0%} MFU, with this setup's costs",
-                      f"{job.seconds(s):.3g} s", width=66))
+    lines.append(
+        _row(
+            f"at 100% of {s.world_size} x {job.target.name} bf16 peak ({peak / 1e12:.0f} TFLOP/s each): the MFU bound",
+            f"{bound:.3g} s",
+            width=66,
+        )
+    )
+    lines.append(
+        _row(
+            f"estimated at an assumed {ASSUMED_MFU:.0%} MFU, with this setup's costs",
+            f"{job.seconds(s):.3g} s",
+            width=66,
+        )
+    )
     return lines
 
 
@@ -113,21 +127,32 @@ def _recommendation_lines(plan: Plan) -> list[str]:
     lines = ["does not fit; these changes would (cheapest first; speed costs are rules of thumb):"]
     for i, rec in enumerate(plan.recommendations, 1):
         sets = " ".join(f"--set {o}" for o in rec.overrides)
-        where = (f"on {rec.setup.world_size} GPUs: kiln launch --nproc-per-node {rec.setup.world_size} -- train ... "
-                 if rec.setup.world_size != plan.base.world_size else "")
+        where = (
+            f"on {rec.setup.world_size} GPUs: kiln launch --nproc-per-node {rec.setup.world_size} -- train ... "
+            if rec.setup.world_size != plan.base.world_size
+            else ""
+        )
         time = f"about {rec.seconds:.3g} s per step, " if known_time else ""
         host = f", {gib(rec.memory.host):.1f} GiB host memory per rank" if rec.memory.host else ""
         lines.append(f"  {i}. {where}{sets}")
-        lines.append(f"     {gib(rec.memory.total):.2f} GiB per device{host}; {time}"
-                     f"{rec.time_factor:.2f}x the time of the config as given")
+        lines.append(
+            f"     {gib(rec.memory.total):.2f} GiB per device{host}; {time}"
+            f"{rec.time_factor:.2f}x the time of the config as given"
+        )
         lines += [f"     - {c}" for c in rec.costs]
     return lines
 
 
 def _memory_json(m: MemoryEstimate) -> dict:
-    return {"peak_phase": m.peak_phase, "components": dict(m.components), "tensors": m.allocated,
-            "overhead": m.overhead, "total": m.total, "host": m.host,
-            "phases": {name: sum(parts.values()) for name, parts in m.phases.items()}}
+    return {
+        "peak_phase": m.peak_phase,
+        "components": dict(m.components),
+        "tensors": m.allocated,
+        "overhead": m.overhead,
+        "total": m.total,
+        "host": m.host,
+        "phases": {name: sum(parts.values()) for name, parts in m.phases.items()},
+    }
 
 
 def plan_json(plan: Plan) -> dict:
@@ -136,24 +161,55 @@ def plan_json(plan: Plan) -> dict:
     cfg = job.shape.memory
     known_time = target.peak_flops is not None
     return {
-        "model": {"preset": plan.config.model.preset, "parameters": job.shape.num_params(), "n_layer": cfg.n_layer,
-                  "d_model": cfg.d_model, "vocab_size": cfg.vocab_size, "seq_len": job.seq_len},
-        "device": {"kind": target.kind, "name": target.name, "memory": target.memory,
-                   "memory_source": target.memory_source, "peak_flops": target.peak_flops,
-                   "world_size": s.world_size, "dp": s.dp, "tp": s.tp},
-        "setup": {"micro_batch_size": s.micro_batch_size, "micro_batch_size_auto": plan.auto_micro,
-                  "global_batch_size": job.global_batch, "accumulation": job.rank_batch(s) // s.micro_batch_size,
-                  "precision": s.precision, "activation_checkpointing": s.activation_checkpointing,
-                  "strategy": s.strategy, "cpu_offload": s.cpu_offload},
+        "model": {
+            "preset": plan.config.model.preset,
+            "parameters": job.shape.num_params(),
+            "n_layer": cfg.n_layer,
+            "d_model": cfg.d_model,
+            "vocab_size": cfg.vocab_size,
+            "seq_len": job.seq_len,
+        },
+        "device": {
+            "kind": target.kind,
+            "name": target.name,
+            "memory": target.memory,
+            "memory_source": target.memory_source,
+            "peak_flops": target.peak_flops,
+            "world_size": s.world_size,
+            "dp": s.dp,
+            "tp": s.tp,
+        },
+        "setup": {
+            "micro_batch_size": s.micro_batch_size,
+            "micro_batch_size_auto": plan.auto_micro,
+            "global_batch_size": job.global_batch,
+            "accumulation": job.rank_batch(s) // s.micro_batch_size,
+            "precision": s.precision,
+            "activation_checkpointing": s.activation_checkpointing,
+            "strategy": s.strategy,
+            "cpu_offload": s.cpu_offload,
+        },
         "memory": _memory_json(plan.memory),
         "fits": plan.fits,
-        "time": {"flops_per_token": job.shape.flops_per_token(job.seq_len),
-                 "tokens_per_step": job.global_batch * job.seq_len, "flops_per_step": job.flops_per_step,
-                 "seconds_at_peak": job.seconds_at_peak(s.world_size),
-                 "assumed_mfu": ASSUMED_MFU, "seconds": job.seconds(s) if known_time else None},
+        "time": {
+            "flops_per_token": job.shape.flops_per_token(job.seq_len),
+            "tokens_per_step": job.global_batch * job.seq_len,
+            "flops_per_step": job.flops_per_step,
+            "seconds_at_peak": job.seconds_at_peak(s.world_size),
+            "assumed_mfu": ASSUMED_MFU,
+            "seconds": job.seconds(s) if known_time else None,
+        },
         "recommendations": [
-            {"overrides": r.overrides, "world_size": r.setup.world_size, "memory": _memory_json(r.memory),
-             "fits": True, "seconds": r.seconds if known_time else None, "time_factor": r.time_factor, "costs": r.costs}
-            for r in plan.recommendations],
+            {
+                "overrides": r.overrides,
+                "world_size": r.setup.world_size,
+                "memory": _memory_json(r.memory),
+                "fits": True,
+                "seconds": r.seconds if known_time else None,
+                "time_factor": r.time_factor,
+                "costs": r.costs,
+            }
+            for r in plan.recommendations
+        ],
         "notes": plan.notes,
     }

@@ -5,10 +5,11 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Iterator
 
 from kiln.plan.estimate import STRATEGY_TIME, Job, MemoryEstimate, Setup, offload_seconds
+
 
 @dataclass
 class Recommendation:
@@ -26,15 +27,25 @@ def _candidates(job: Job, base: Setup, world_size: int, auto_micro: bool) -> Ite
     dp = world_size // base.tp
     precisions = {base.precision, "bf16"} if gpu and base.precision == "fp32" else {base.precision}
     if dp > 1:
-        layouts = [(strategy, offload) for strategy in ("ddp", "fsdp_grad_op", "fsdp")
-                   for offload in ((False, True) if gpu and strategy != "ddp" else (False,))
-                   if not (strategy == "ddp" and base.tp > 1)]
+        layouts = [
+            (strategy, offload)
+            for strategy in ("ddp", "fsdp_grad_op", "fsdp")
+            for offload in ((False, True) if gpu and strategy != "ddp" else (False,))
+            if not (strategy == "ddp" and base.tp > 1)
+        ]
     else:  # one data-parallel rank: FSDP matters only to offload
         layouts = [(base.strategy, False)] + [("fsdp", True)] * gpu
     for precision, checkpointing, (strategy, offload) in itertools.product(
-            sorted(precisions), sorted({base.activation_checkpointing, True}), layouts):
-        s = dataclasses.replace(base, precision=precision, activation_checkpointing=checkpointing,
-                                strategy=strategy, cpu_offload=offload, world_size=world_size)
+        sorted(precisions), sorted({base.activation_checkpointing, True}), layouts
+    ):
+        s = dataclasses.replace(
+            base,
+            precision=precision,
+            activation_checkpointing=checkpointing,
+            strategy=strategy,
+            cpu_offload=offload,
+            world_size=world_size,
+        )
         if auto_micro:  # the run will pick its micro-batch: the largest that fits
             fitting = largest_fitting_micro_batch(job, s)
             if fitting:
@@ -65,8 +76,9 @@ def _recommendation(job: Job, base: Setup, s: Setup, auto_micro: bool) -> Recomm
         if needs_fixed_micro_batch(s):
             overrides.insert(0, f"train.micro_batch_size={s.micro_batch_size}")
     seconds = job.seconds(s)
-    return Recommendation(s, overrides, job.memory(s), seconds, seconds / job.seconds(base),
-                          _costs(job, base, s, auto_micro))
+    return Recommendation(
+        s, overrides, job.memory(s), seconds, seconds / job.seconds(base), _costs(job, base, s, auto_micro)
+    )
 
 
 def _costs(job: Job, base: Setup, s: Setup, auto_micro: bool) -> list[str]:
@@ -75,22 +87,30 @@ def _costs(job: Job, base: Setup, s: Setup, auto_micro: bool) -> list[str]:
     if auto_micro:
         costs.append(f"micro-batch auto: {s.micro_batch_size} fits ({accumulation} per rank and step)")
     elif s.micro_batch_size < base.micro_batch_size:
-        costs.append(f"micro-batch {base.micro_batch_size} -> {s.micro_batch_size} ({accumulation} per rank and "
-                     "step): the same compute in smaller matmuls, which run less efficiently")
+        costs.append(
+            f"micro-batch {base.micro_batch_size} -> {s.micro_batch_size} ({accumulation} per rank and "
+            "step): the same compute in smaller matmuls, which run less efficiently"
+        )
     elif s.micro_batch_size > base.micro_batch_size:
-        costs.append(f"micro-batch {base.micro_batch_size} -> {s.micro_batch_size} ({accumulation} per rank and "
-                     "step): fewer, larger micro-batches")
+        costs.append(
+            f"micro-batch {base.micro_batch_size} -> {s.micro_batch_size} ({accumulation} per rank and "
+            "step): fewer, larger micro-batches"
+        )
     if s.activation_checkpointing and not base.activation_checkpointing:
         costs.append("activation checkpointing recomputes each block's forward: about +33% compute")
     if s.precision != base.precision:
         costs.append("bf16 autocast runs the matmuls on the tensor cores: faster (numerics change slightly)")
     if s.strategy != base.strategy and s.dp > 1:
-        costs.append(f"{s.strategy} shards state over the {s.dp} data-parallel ranks: more communication, "
-                     f"mostly overlapped (about +{round(100 * (STRATEGY_TIME[s.strategy] - 1))}%)")
+        costs.append(
+            f"{s.strategy} shards state over the {s.dp} data-parallel ranks: more communication, "
+            f"mostly overlapped (about +{round(100 * (STRATEGY_TIME[s.strategy] - 1))}%)"
+        )
     if s.offload:
         extra = offload_seconds(job.shape, s, job.rank_batch(s) // s.micro_batch_size)
-        costs.append("CPU offload copies parameters and gradients over PCIe every micro-batch and runs AdamW "
-                     f"on the CPU: about +{extra:.1f} s per step")
+        costs.append(
+            "CPU offload copies parameters and gradients over PCIe every micro-batch and runs AdamW "
+            f"on the CPU: about +{extra:.1f} s per step"
+        )
     return costs
 
 
@@ -118,8 +138,11 @@ def _fewest_gpus(job: Job, base: Setup, auto_micro: bool, most: int = 4096) -> R
     world = base.world_size * 2
     while world <= most:
         if job.global_batch % (world // base.tp) == 0:
-            options = [s for s in _candidates(job, dataclasses.replace(base, strategy="fsdp"), world, auto_micro)
-                       if s.strategy == "fsdp" and not s.cpu_offload and job.fits(s)]
+            options = [
+                s
+                for s in _candidates(job, dataclasses.replace(base, strategy="fsdp"), world, auto_micro)
+                if s.strategy == "fsdp" and not s.cpu_offload and job.fits(s)
+            ]
             if options:
                 return _recommendation(job, base, min(options, key=job.seconds), auto_micro)
         world *= 2

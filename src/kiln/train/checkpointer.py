@@ -9,14 +9,23 @@ position (a pure function of seed and step), the config and the parallel layout.
 
 from __future__ import annotations
 
+from collections.abc import Callable, Mapping
 from pathlib import Path
-from typing import Any, Callable, Mapping, Protocol
+from typing import Any, Protocol
 
 import torch
 from torch import nn
 
-from kiln.checkpoint import (CheckpointError, capture_rng, latest_checkpoint, list_checkpoints, load_checkpoint,
-                             load_sharded, restore_rng, save_checkpoint)
+from kiln.checkpoint import (
+    CheckpointError,
+    capture_rng,
+    latest_checkpoint,
+    list_checkpoints,
+    load_checkpoint,
+    load_sharded,
+    restore_rng,
+    save_checkpoint,
+)
 from kiln.config import Config
 from kiln.data.loader import StepBatches
 from kiln.distributed.parallelize import is_sharded
@@ -30,8 +39,16 @@ class Stateful(Protocol):
 
 
 class Checkpointer:
-    def __init__(self, cfg: Config, world: World, model: nn.Module, optimizer: torch.optim.Optimizer,
-                 parts: Mapping[str, Stateful], batches: StepBatches, say: Callable[[str], None]):
+    def __init__(
+        self,
+        cfg: Config,
+        world: World,
+        model: nn.Module,
+        optimizer: torch.optim.Optimizer,
+        parts: Mapping[str, Stateful],
+        batches: StepBatches,
+        say: Callable[[str], None],
+    ):
         self.cfg, self.world, self.model, self.optimizer = cfg, world, model, optimizer
         self.parts, self.batches, self._say = parts, batches, say
         self.dir = Path(cfg.run.dir) / "checkpoints"
@@ -65,8 +82,9 @@ class Checkpointer:
         else:
             weights, sharded = model_state, None
             train_state["optimizer"] = optim_state
-        path = save_checkpoint(self.dir, step, weights, train_state, keep=self.cfg.checkpoint.keep,
-                               sharded_state=sharded, world=self.world)
+        path = save_checkpoint(
+            self.dir, step, weights, train_state, keep=self.cfg.checkpoint.keep, sharded_state=sharded, world=self.world
+        )
         self._say(f"kiln: saved checkpoint {path}")
         return path
 
@@ -100,8 +118,13 @@ class Checkpointer:
         else:
             optim_state, full = train_state["optimizer"], True
         try:
-            set_state_dict(self.model, self.optimizer, model_state_dict=model_state, optim_state_dict=optim_state,
-                           options=StateDictOptions(full_state_dict=full and self.sharded))
+            set_state_dict(
+                self.model,
+                self.optimizer,
+                model_state_dict=model_state,
+                optim_state_dict=optim_state,
+                options=StateDictOptions(full_state_dict=full and self.sharded),
+            )
         except (RuntimeError, KeyError, ValueError) as e:
             raise CheckpointError(
                 f"{path}: the checkpoint does not fit this model (was [model] changed?); use a new run.dir "

@@ -22,8 +22,8 @@ block's MLP, or the model itself if it has no such module).
 from __future__ import annotations
 
 import os
+from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Mapping
 
 import torch
 from torch import nn
@@ -41,7 +41,7 @@ class Faults:
     _cured: set[int] = field(default_factory=set, init=False)
 
     @classmethod
-    def from_env(cls, env: Mapping[str, str] = os.environ) -> "Faults":
+    def from_env(cls, env: Mapping[str, str] = os.environ) -> Faults:
         above = env.get("KILN_TEST_OOM_ABOVE")
         return cls(
             oom_above=int(above) if above else None,

@@ -14,8 +14,9 @@ lowered learning rate and the counts across resumes, and logs what it found.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any
 
 import torch
 from torch import nn
@@ -24,7 +25,7 @@ from kiln.config import GuardConfig
 from kiln.data.loader import StepBatches
 
 
-class TrainingDiverged(RuntimeError):
+class TrainingDiverged(RuntimeError):  # noqa: N818
     """Non-finite steps kept coming back after the allowed rollbacks; the message is the report."""
 
 
@@ -65,7 +66,7 @@ class Guard:
     def review(self, first_step: int, losses: list[float], grad_norms: list[float]) -> StepReview:
         """Per-step values of steps ``first_step``, ``first_step + 1``, ... (1-based)."""
         review = StepReview()
-        for i, (loss, norm) in enumerate(zip(losses, grad_norms)):
+        for i, (loss, norm) in enumerate(zip(losses, grad_norms, strict=True)):
             step = first_step + i
             if math.isfinite(loss) and (math.isfinite(norm) or self.scaler_skips):
                 self.bad_streak = 0
@@ -82,8 +83,11 @@ class Guard:
     def _is_spike(self, loss: float) -> bool:
         """Far above the running statistics; they skip the first steps, where loss falls fast."""
         warmup = 20
-        spike = (self.cfg.spike_threshold > 0 and self._seen >= warmup
-                 and loss > self._mean + self.cfg.spike_threshold * math.sqrt(self._var) + 1e-6)
+        spike = (
+            self.cfg.spike_threshold > 0
+            and self._seen >= warmup
+            and loss > self._mean + self.cfg.spike_threshold * math.sqrt(self._var) + 1e-6
+        )
         if not spike:  # a spike would drag the statistics towards itself
             alpha = 0.1 if self._seen >= warmup else 1.0 / (self._seen + 1)
             if self._mean is None:
@@ -99,28 +103,41 @@ class Guard:
         """What the logged record says of the guard: the non-finite steps so far, once there are any."""
         return {"nonfinite_steps": self.bad_total} if self.bad_total else {}
 
-    def report(self, review: StepReview, logger, batches: StepBatches,
-               locate: Callable[[int], str | None]) -> None:
+    def report(self, review: StepReview, logger, batches: StepBatches, locate: Callable[[int], str | None]) -> None:
         """Log the review's bad steps (with the first non-finite module, found by ``locate(step)``)
         and loss spikes (with the batch, from the data order) as events."""
         if review.bad_steps:
             step = review.bad_steps[0]
             module = locate(step)
-            where = (f"the first non-finite output is module '{module}'" if module else
-                     "every module output was finite when the step's batch was run again (the loss or the backward "
-                     "pass went non-finite)")
-            logger.event(step, "non_finite", f"non-finite loss or gradient at step(s) "
-                         f"{', '.join(map(str, review.bad_steps))}: update skipped; {where}",
-                         steps=review.bad_steps, module=module)
+            where = (
+                f"the first non-finite output is module '{module}'"
+                if module
+                else "every module output was finite when the step's batch was run again (the loss or the backward "
+                "pass went non-finite)"
+            )
+            logger.event(
+                step,
+                "non_finite",
+                f"non-finite loss or gradient at step(s) "
+                f"{', '.join(map(str, review.bad_steps))}: update skipped; {where}",
+                steps=review.bad_steps,
+                module=module,
+            )
         for step, loss in review.spikes:
-            logger.event(step, "loss_spike", f"loss spike at step {step}: {loss:.4g}, far above its running mean; "
-                         f"batch = {batches.describe(step)}", loss=loss, batch=batches.positions(step))
+            logger.event(
+                step,
+                "loss_spike",
+                f"loss spike at step {step}: {loss:.4g}, far above its running mean; batch = {batches.describe(step)}",
+                loss=loss,
+                batch=batches.positions(step),
+            )
 
     def start_rollback(self) -> None:
         if self.rollbacks >= self.cfg.max_rollbacks:
             raise TrainingDiverged(
                 f"{self.cfg.max_bad_steps} non-finite steps in a row again after {self.rollbacks} rollback(s) "
-                f"(learning rate now x{self.lr_scale:g}).")
+                f"(learning rate now x{self.lr_scale:g})."
+            )
         self.rollbacks += 1
         self.lr_scale *= self.cfg.lr_factor
         self.bad_streak = 0
@@ -129,12 +146,16 @@ class Guard:
         """Lower the learning rate for a rollback from ``bad_step``, or stop the run with a report."""
         try:
             if not has_checkpoint:
-                raise TrainingDiverged(f"{self.cfg.max_bad_steps} non-finite steps in a row by step {bad_step}, "
-                                       "and no checkpoint to roll back to yet.")
+                raise TrainingDiverged(
+                    f"{self.cfg.max_bad_steps} non-finite steps in a row by step {bad_step}, "
+                    "and no checkpoint to roll back to yet."
+                )
             self.start_rollback()
         except TrainingDiverged as e:
-            raise TrainingDiverged(f"{e} Stopped at step {bad_step}. Lower train.lr, use bf16 rather than fp16, check "
-                                   "the data (kiln doctor), or raise guard.max_bad_steps.") from None
+            raise TrainingDiverged(
+                f"{e} Stopped at step {bad_step}. Lower train.lr, use bf16 rather than fp16, check "
+                "the data (kiln doctor), or raise guard.max_bad_steps."
+            ) from None
 
 
 def first_non_finite_module(model: nn.Module, run: Callable[[], Any]) -> str | None:
@@ -144,10 +165,14 @@ def first_non_finite_module(model: nn.Module, run: Callable[[], Any]) -> str | N
 
     def hook(name: str):
         def check(module, inputs, output):
-            tensors = [output] if isinstance(output, torch.Tensor) else [
-                t for t in (output if isinstance(output, (tuple, list)) else ()) if isinstance(t, torch.Tensor)]
+            tensors = (
+                [output]
+                if isinstance(output, torch.Tensor)
+                else [t for t in (output if isinstance(output, (tuple, list)) else ()) if isinstance(t, torch.Tensor)]
+            )
             if not found and any(t.is_floating_point() and not torch.isfinite(t).all() for t in tensors):
                 found.append(name or type(module).__name__)
+
         return check
 
     handles = [m.register_forward_hook(hook(name)) for name, m in model.named_modules()]

@@ -33,15 +33,33 @@ def rebatch(batches: list, size: int) -> list:
     return [piece for batch in batches for piece in split_batch(batch, size)]
 
 
-def sample_text(family: ModelFamily, model: nn.Module, tokenizer, prompt: str, max_new_tokens: int, *,
-                temperature: float = 0.8, top_k: int | None = 50, top_p: float | None = None, seed: int = 0,
-                device: torch.device | None = None) -> str | None:
+def sample_text(
+    family: ModelFamily,
+    model: nn.Module,
+    tokenizer,
+    prompt: str,
+    max_new_tokens: int,
+    *,
+    temperature: float = 0.8,
+    top_k: int | None = 50,
+    top_p: float | None = None,
+    seed: int = 0,
+    device: torch.device | None = None,
+) -> str | None:
     """``prompt`` continued by the model, as text; None if its family cannot sample."""
     device = device or next(model.parameters()).device
     ids = tokenizer.encode(prompt).ids or [eot_id(tokenizer)]
     generator = torch.Generator(device=device).manual_seed(seed)
-    out = family.generate(model, torch.tensor([ids], device=device), max_new_tokens, temperature=temperature,
-                          top_k=top_k, top_p=top_p, eos_id=eot_id(tokenizer), generator=generator)
+    out = family.generate(
+        model,
+        torch.tensor([ids], device=device),
+        max_new_tokens,
+        temperature=temperature,
+        top_k=top_k,
+        top_p=top_p,
+        eos_id=eot_id(tokenizer),
+        generator=generator,
+    )
     return None if out is None else tokenizer.decode(out[0].tolist())
 
 
@@ -61,8 +79,12 @@ def build_trainer(cfg: Config, *, console: bool = True) -> Trainer:
     train_data = TokenSequences(prepared.tokens("train"), seq_len)
     val_data = TokenSequences(prepared.tokens("val"), seq_len)
     if len(train_data) < 1 or len(val_data) < 1:
-        raise ConfigError([f"data.seq_len: {seq_len} is longer than the corpus allows "
-                           f"(train {len(train_data)} / val {len(val_data)} sequences); lower data.seq_len"])
+        raise ConfigError(
+            [
+                f"data.seq_len: {seq_len} is longer than the corpus allows "
+                f"(train {len(train_data)} / val {len(val_data)} sequences); lower data.seq_len"
+            ]
+        )
     # A fixed validation sample, scored in chunks of the micro-batch in use at the time (the
     # out-of-memory ladder may lower it); with "auto", sized as if the micro-batch were 8.
     micro = cfg.train.micro_batch_size
@@ -75,8 +97,13 @@ def build_trainer(cfg: Config, *, console: bool = True) -> Trainer:
         family.loss,
         cfg,
         eval_fn=lambda m: family.evaluate(m, rebatch(fixed_val, trainer.micro_batch_size), token_bytes, trainer.device),
-        sample_fn=(lambda m, step: sample_text(family, m, tokenizer, cfg.eval.prompt, cfg.eval.sample_tokens,
-                                               seed=cfg.train.seed + step)) if cfg.eval.sample_tokens else None,
+        sample_fn=(
+            lambda m, step: sample_text(
+                family, m, tokenizer, cfg.eval.prompt, cfg.eval.sample_tokens, seed=cfg.train.seed + step
+            )
+        )
+        if cfg.eval.sample_tokens
+        else None,
         tokens_per_sample=seq_len,
         flops_per_token=family.flops_per_token(args, seq_len),
         plan=family.parallel_plan(args),
@@ -135,13 +162,21 @@ def load_run(run_dir: str | Path, checkpoint: str | Path | None = None, device: 
     return LoadedRun(cfg, family, model, Tokenizer.from_file(str(run_dir / "tokenizer.json")), path, step)
 
 
-def evaluate_run(run_dir: str | Path, *, source: str | None = None, checkpoint: str | Path | None = None,
-                 max_batches: int = 100, micro_batch_size: int | None = None, device: str = "auto") -> dict[str, float]:
+def evaluate_run(
+    run_dir: str | Path,
+    *,
+    source: str | None = None,
+    checkpoint: str | Path | None = None,
+    max_batches: int = 100,
+    micro_batch_size: int | None = None,
+    device: str = "auto",
+) -> dict[str, float]:
     """Validation metrics of a run's checkpoint: on the run's own val split, or on every document
     of ``source`` (tokenized with the run's tokenizer)."""
     run = load_run(run_dir, checkpoint, device)
-    data_cfg = dataclasses.replace(run.cfg.data, tokenizer=str(Path(run_dir) / "tokenizer.json"),
-                                   source=source or run.cfg.data.source)
+    data_cfg = dataclasses.replace(
+        run.cfg.data, tokenizer=str(Path(run_dir) / "tokenizer.json"), source=source or run.cfg.data.source
+    )
     prepared = prepare(data_cfg)
     seq_len = run.cfg.data.seq_len
     splits = ("train", "val") if source else ("val",)

@@ -16,9 +16,10 @@ from __future__ import annotations
 
 import json
 import math
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import torch
 from torch.utils.data import Dataset
@@ -41,23 +42,31 @@ class Rung:
     cpu_offload: bool = False
 
     def describe(self) -> str:
-        extras = [name for name, on in (("activation checkpointing", self.activation_checkpointing),
-                                        ("CPU offload", self.cpu_offload)) if on]
+        extras = [
+            name
+            for name, on in (
+                ("activation checkpointing", self.activation_checkpointing),
+                ("CPU offload", self.cpu_offload),
+            )
+            if on
+        ]
         return f"micro-batch {self.micro_batch_size}" + "".join(f" + {e}" for e in extras)
 
-    def merge(self, other: "Rung | None") -> "Rung":
+    def merge(self, other: Rung | None) -> Rung:
         """The more frugal of two rungs, field by field."""
         if other is None:
             return self
-        return Rung(min(self.micro_batch_size, other.micro_batch_size),
-                    self.activation_checkpointing or other.activation_checkpointing,
-                    self.cpu_offload or other.cpu_offload)
+        return Rung(
+            min(self.micro_batch_size, other.micro_batch_size),
+            self.activation_checkpointing or other.activation_checkpointing,
+            self.cpu_offload or other.cpu_offload,
+        )
 
     def state_dict(self) -> dict:
         return asdict(self)
 
     @classmethod
-    def from_state(cls, state: dict | None) -> "Rung | None":
+    def from_state(cls, state: dict | None) -> Rung | None:
         return cls(**state) if state else None
 
 
@@ -99,8 +108,9 @@ def read_rung_file(run_dir: Path) -> Rung | None:
     except FileNotFoundError:
         return None
     except (ValueError, TypeError) as e:
-        raise CheckpointError(f"{path}: not a kiln memory rung file ({e}); delete it to start from the config's "
-                              "settings") from None
+        raise CheckpointError(
+            f"{path}: not a kiln memory rung file ({e}); delete it to start from the config's settings"
+        ) from None
 
 
 def write_rung_file(run_dir: Path, rung: Rung) -> None:
@@ -108,11 +118,11 @@ def write_rung_file(run_dir: Path, rung: Rung) -> None:
     write_atomic(run_dir / RUNG_FILE, json.dumps(rung.state_dict(), indent=2))
 
 
-class OutOfMemoryExhausted(RuntimeError):
+class OutOfMemoryExhausted(RuntimeError):  # noqa: N818
     """Every rung was tried; the message is the report of what was tried."""
 
 
-class RestartForRung(RuntimeError):
+class RestartForRung(RuntimeError):  # noqa: N818
     """The next rung cannot be reached inside this process (other ranks wait in collectives, or
     the model must be sharded anew for CPU offload): it is saved, and a restart starts there."""
 
@@ -129,8 +139,7 @@ class MemoryLadder:
     gradients, retrying the same batch one rung down each time the device runs out of memory.
     ``save()``, given by the loop, writes a checkpoint of the last completed step."""
 
-    def __init__(self, cfg: Config, world: World, schedule: BatchSchedule, run_dir: Path,
-                 say: Callable[[str], None]):
+    def __init__(self, cfg: Config, world: World, schedule: BatchSchedule, run_dir: Path, say: Callable[[str], None]):
         self.cfg, self.world, self.schedule, self.run_dir, self._say = cfg, world, schedule, run_dir, say
         self.options = self._micro_batch_options()
         self.rung, self.probe_needed = self._initial_rung()
@@ -183,22 +192,33 @@ class MemoryLadder:
         micro = t.micro_batch_size
         if micro != "auto" and micro not in self.options:
             shares = ", ".join(f"{b} / {self.world.dp} = {b // self.world.dp}" for b in self.schedule.sizes())
-            raise ConfigError([f"train.micro_batch_size: {micro} does not divide each data-parallel rank's share of "
-                               f"train.global_batch_size ({shares}); accumulation steps must be a whole number"])
+            raise ConfigError(
+                [
+                    f"train.micro_batch_size: {micro} does not divide each data-parallel rank's share of "
+                    f"train.global_batch_size ({shares}); accumulation steps must be a whole number"
+                ]
+            )
         if micro == "auto" and self.world.distributed and (self.cfg.parallel.strategy != "ddp" or self.world.tp > 1):
             # Probing is safe only without collectives in forward/backward: one rank running
             # out of memory inside an FSDP all-gather would leave the others waiting there.
-            raise ConfigError(["train.micro_batch_size: auto works with one process or DDP; with FSDP or tensor "
-                               "parallelism set a number (kiln plan estimates what fits)"])
-        rung = Rung(self.options[0] if micro == "auto" else micro, t.activation_checkpointing,
-                    self.cfg.parallel.cpu_offload)
+            raise ConfigError(
+                [
+                    "train.micro_batch_size: auto works with one process or DDP; with FSDP or tensor "
+                    "parallelism set a number (kiln plan estimates what fits)"
+                ]
+            )
+        rung = Rung(
+            self.options[0] if micro == "auto" else micro, t.activation_checkpointing, self.cfg.parallel.cpu_offload
+        )
         saved = None if self.cfg.checkpoint.resume == "never" else read_rung_file(self.run_dir)
         if saved is not None:
             if saved.micro_batch_size not in self.options:
                 saved = replace(saved, micro_batch_size=max(m for m in self.options if m <= saved.micro_batch_size))
             rung = rung.merge(saved)
-            self._say(f"kiln: continuing with {rung.describe()}, where this run's out-of-memory ladder got to "
-                      f"({self.run_dir / RUNG_FILE}; delete it to start from the config's settings)")
+            self._say(
+                f"kiln: continuing with {rung.describe()}, where this run's out-of-memory ladder got to "
+                f"({self.run_dir / RUNG_FILE}; delete it to start from the config's settings)"
+            )
         return rung, micro == "auto" and saved is None
 
     def _apply(self, rung: Rung) -> None:
@@ -225,22 +245,31 @@ class MemoryLadder:
             write_rung_file(self.run_dir, rung)
             if not self.world.distributed:
                 save()
-            raise RestartForRung(f"{where} ({error}); it will continue from its last checkpoint with "
-                                 f"{rung.describe()}, saved in {self.run_dir / RUNG_FILE}: run the same command "
-                                 "again (kiln launch --max-restarts N restarts by itself)")
+            raise RestartForRung(
+                f"{where} ({error}); it will continue from its last checkpoint with "
+                f"{rung.describe()}, saved in {self.run_dir / RUNG_FILE}: run the same command "
+                "again (kiln launch --max-restarts N restarts by itself)"
+            )
         self._apply(rung)
         if self.world.is_main:
             write_rung_file(self.run_dir, rung)
         accum = self.schedule.batch_size(step - 1) // self.world.dp // rung.micro_batch_size
-        logger.event(step, "out_of_memory", f"{where}: retrying the step with {rung.describe()} "
-                     f"(accumulation {accum}; the global batch is unchanged)", error=error, **rung.state_dict())
+        logger.event(
+            step,
+            "out_of_memory",
+            f"{where}: retrying the step with {rung.describe()} (accumulation {accum}; the global batch is unchanged)",
+            error=error,
+            **rung.state_dict(),
+        )
 
     def _report(self, where: str, done: int, saved: Path | None) -> str:
         tried = "\n".join(f"  - {rung.describe()}: {error}" for rung, error in self.history)
         kept = f"\nThe state after step {done} is saved in {saved.parent}." if saved is not None else ""
-        return (f"{where}, the last rung of the out-of-memory ladder.\nTried:\n{tried}{kept}\n"
-                "To fit: a shorter data.seq_len, a smaller model, parallel.strategy=fsdp over more GPUs (with "
-                "parallel.cpu_offload=true), or a GPU with more memory; `kiln plan` estimates each.")
+        return (
+            f"{where}, the last rung of the out-of-memory ladder.\nTried:\n{tried}{kept}\n"
+            "To fit: a shorter data.seq_len, a smaller model, parallel.strategy=fsdp over more GPUs (with "
+            "parallel.cpu_offload=true), or a GPU with more memory; `kiln plan` estimates each."
+        )
 
     # -- train.micro_batch_size = "auto" ------------------------------------------------------------
 
@@ -271,14 +300,23 @@ class MemoryLadder:
             best = largest_fitting(self.options, fits)
         restore_rng(rng)
         if best is None:
-            raise OutOfMemoryExhausted(self._report("train.micro_batch_size=auto: out of memory at micro-batch 1 "
-                                                    "with activation checkpointing", done, None))
+            raise OutOfMemoryExhausted(
+                self._report(
+                    "train.micro_batch_size=auto: out of memory at micro-batch 1 with activation checkpointing",
+                    done,
+                    None,
+                )
+            )
         self.rung = replace(self.rung, micro_batch_size=best)
         if self.world.is_main:
             write_rung_file(self.run_dir, self.rung)
         accum = self.cfg.train.global_batch_size // self.world.dp // best
-        logger.event(done, "micro_batch_size", f"train.micro_batch_size=auto: {self.rung.describe()} fits, "
-                     f"accumulation {accum}", **self.rung.state_dict())
+        logger.event(
+            done,
+            "micro_batch_size",
+            f"train.micro_batch_size=auto: {self.rung.describe()} fits, accumulation {accum}",
+            **self.rung.state_dict(),
+        )
 
     def _leaves_headroom(self) -> bool:
         """On a GPU, would the probed pass leave the margin free once AdamW has its state too?"""

@@ -7,7 +7,8 @@ from __future__ import annotations
 import contextlib
 import math
 import time
-from typing import Any, Iterator
+from collections.abc import Iterator
+from typing import Any
 
 import torch
 
@@ -21,8 +22,15 @@ class StepMeter:
     """``tokens_per_sample`` turns samples/s into tokens/s; ``flops_per_token`` gives MFU where
     the device's peak is known."""
 
-    def __init__(self, world: World, every: int, schedule: BatchSchedule, *, tokens_per_sample: int,
-                 flops_per_token: float | None):
+    def __init__(
+        self,
+        world: World,
+        every: int,
+        schedule: BatchSchedule,
+        *,
+        tokens_per_sample: int,
+        flops_per_token: float | None,
+    ):
         self.world, self.every, self.schedule = world, every, schedule
         self.tokens_per_sample, self.flops_per_token = tokens_per_sample, flops_per_token
         self.start()
@@ -56,8 +64,10 @@ class StepMeter:
     def flush(self) -> dict[str, Any]:
         """Per-step losses (averaged over ranks) and gradient norms of the interval, read in one go;
         a new interval starts."""
-        per_step = torch.stack([self.world.mean(torch.stack(self.losses)).float(), torch.stack(self.grad_norms)])
-        losses, grad_norms = per_step.tolist() if self.losses else ([], [])
+        losses, grad_norms = [], []
+        if self.losses:
+            per_step = torch.stack([self.world.mean(torch.stack(self.losses)).float(), torch.stack(self.grad_norms)])
+            losses, grad_norms = per_step.tolist()
         values = {
             "losses": losses,
             "grad_norms": grad_norms,
@@ -67,16 +77,27 @@ class StepMeter:
         self.start()
         return values
 
-    def record(self, values: dict[str, Any], *, step: int, lr: float, elapsed_s: float,
-               micro_batch_size: int) -> dict[str, Any]:
+    def record(
+        self, values: dict[str, Any], *, step: int, lr: float, elapsed_s: float, micro_batch_size: int
+    ) -> dict[str, Any]:
         """The logged record of an interval ending at ``step``: means over its finite steps."""
-        finite = [(l, g) for l, g in zip(values["losses"], values["grad_norms"]) if math.isfinite(l) and math.isfinite(g)]
-        loss, grad_norm = (sum(v) / len(finite) for v in zip(*finite)) if finite else (math.nan, math.nan)
+        finite = [
+            (step_loss, step_norm)
+            for step_loss, step_norm in zip(values["losses"], values["grad_norms"], strict=True)
+            if math.isfinite(step_loss) and math.isfinite(step_norm)
+        ]
+        loss, grad_norm = (sum(v) / len(finite) for v in zip(*finite, strict=True)) if finite else (math.nan, math.nan)
         tokens_per_s = values["samples"] * self.world.dp * self.tokens_per_sample / values["seconds"]
-        record = {"loss": loss, "lr": lr, "grad_norm": grad_norm, "tokens_per_s": tokens_per_s,
-                  "elapsed_s": elapsed_s, "global_batch": self.schedule.batch_size(step - 1),
-                  "micro_batch_size": micro_batch_size,
-                  "tokens": self.schedule.samples_before(step) * self.tokens_per_sample}
+        record = {
+            "loss": loss,
+            "lr": lr,
+            "grad_norm": grad_norm,
+            "tokens_per_s": tokens_per_s,
+            "elapsed_s": elapsed_s,
+            "global_batch": self.schedule.batch_size(step - 1),
+            "micro_batch_size": micro_batch_size,
+            "tokens": self.schedule.samples_before(step) * self.tokens_per_sample,
+        }
         peak = peak_flops(self.world.device)
         if peak and self.flops_per_token:
             record["mfu"] = self.flops_per_token * tokens_per_s / (peak * self.world.size)

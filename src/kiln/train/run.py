@@ -46,7 +46,7 @@ class StopRequest:
         self.requested = False
         self._previous: dict[int, Any] = {}
 
-    def __enter__(self) -> "StopRequest":
+    def __enter__(self) -> StopRequest:
         try:
             for sig in (signal.SIGINT, signal.SIGTERM):
                 self._previous[sig] = signal.signal(sig, self._handle)
@@ -58,8 +58,11 @@ class StopRequest:
         if self.requested:  # second signal: stop now
             raise KeyboardInterrupt
         self.requested = True
-        print(f"\nkiln: received signal {signum}; saving a checkpoint at the end of this step "
-              "(send it again to stop at once)", flush=True)
+        print(
+            f"\nkiln: received signal {signum}; saving a checkpoint at the end of this step "
+            "(send it again to stop at once)",
+            flush=True,
+        )
 
     def __exit__(self, *exc) -> None:
         for sig, handler in self._previous.items():

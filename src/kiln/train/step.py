@@ -7,7 +7,8 @@ the update, skipped on the device when the gradient norm is not finite.
 from __future__ import annotations
 
 import math
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import torch
 from torch import nn
@@ -26,9 +27,18 @@ class TrainStep:
     """``model`` is what the loss function calls (a DDP wrapper, say); ``plain`` the model
     itself, to which activation checkpointing is applied along ``plan``'s repeated layers."""
 
-    def __init__(self, model: nn.Module, loss_fn: LossFn, optimizer: torch.optim.Optimizer, precision: Precision,
-                 *, grad_clip: float, plain: nn.Module | None = None, plan: ParallelPlan | None = None,
-                 faults: Faults | None = None):
+    def __init__(
+        self,
+        model: nn.Module,
+        loss_fn: LossFn,
+        optimizer: torch.optim.Optimizer,
+        precision: Precision,
+        *,
+        grad_clip: float,
+        plain: nn.Module | None = None,
+        plan: ParallelPlan | None = None,
+        faults: Faults | None = None,
+    ):
         self.model = model
         self.plain = plain if plain is not None else model
         self.plan = plan

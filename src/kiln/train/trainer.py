@@ -13,9 +13,9 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable
 
 import torch
 from torch import nn
@@ -93,10 +93,16 @@ class Trainer:
         self.run_dir = Path(cfg.run.dir)
         self.eval_fn, self.sample_fn = eval_fn, sample_fn
         schedule = BatchSchedule.from_config(t, tokens_per_sample)
-        self.batches = StepBatches(train_data, schedule, t.seed, num_workers=cfg.data.num_workers,
-                                   pin_memory=self.device.type == "cuda",
-                                   # Ranks of one tensor-parallel group share a data-parallel rank, so the same batch.
-                                   rank=self.world.dp_rank, world_size=self.world.dp)
+        self.batches = StepBatches(
+            train_data,
+            schedule,
+            t.seed,
+            num_workers=cfg.data.num_workers,
+            pin_memory=self.device.type == "cuda",
+            # Ranks of one tensor-parallel group share a data-parallel rank, so the same batch.
+            rank=self.world.dp_rank,
+            world_size=self.world.dp,
+        )
         self.ladder = MemoryLadder(cfg, self.world, schedule, self.run_dir, self._say)
         self.guard = Guard(cfg.guard, scaler_skips=t.precision == "fp16")
         self.faults = faults or Faults.from_env()
@@ -112,16 +118,30 @@ class Trainer:
         # Compiling the loss function compiles the model's forward with it, so the compiler can
         # fuse the output projection with the cross-entropy; the model itself stays plain, and
         # its state dict keeps its own names.
-        self.train_step = TrainStep(self.model, apply_compile(loss_fn) if t.compile else loss_fn, self.optimizer,
-                                    self.precision, grad_clip=t.grad_clip, plain=self.unwrapped, plan=plan,
-                                    faults=self.faults)
+        self.train_step = TrainStep(
+            self.model,
+            apply_compile(loss_fn) if t.compile else loss_fn,
+            self.optimizer,
+            self.precision,
+            grad_clip=t.grad_clip,
+            plain=self.unwrapped,
+            plan=plan,
+            faults=self.faults,
+        )
         self.params = self.train_step.params
         self.ladder.bind(self.train_step)
-        self.meter = StepMeter(self.world, t.log_every, schedule, tokens_per_sample=tokens_per_sample,
-                               flops_per_token=flops_per_token)
-        self.checkpointer = Checkpointer(cfg, self.world, self.model, self.optimizer,
-                                         {"precision": self.precision, "memory": self.ladder, "guard": self.guard},
-                                         self.batches, self._say)
+        self.meter = StepMeter(
+            self.world, t.log_every, schedule, tokens_per_sample=tokens_per_sample, flops_per_token=flops_per_token
+        )
+        self.checkpointer = Checkpointer(
+            cfg,
+            self.world,
+            self.model,
+            self.optimizer,
+            {"precision": self.precision, "memory": self.ladder, "guard": self.guard},
+            self.batches,
+            self._say,
+        )
         profile_dir = Path(cfg.profile.dir) if cfg.profile.dir else self.run_dir / "profile"
         if self.world.distributed:
             profile_dir = profile_dir / f"rank-{self.world.rank}"
@@ -191,8 +211,10 @@ class Trainer:
                         self.save()
                 if out_of_time and self.step < t.max_steps:
                     result.out_of_time = True
-                    self._say(f"kiln: time budget {t.time_budget} reached at step {self.step}/{t.max_steps}; "
-                              "run the same command again to continue")
+                    self._say(
+                        f"kiln: time budget {t.time_budget} reached at step {self.step}/{t.max_steps}; "
+                        "run the same command again to continue"
+                    )
                     break
                 if stop.requested:
                     result.interrupted = True
@@ -210,9 +232,14 @@ class Trainer:
         if not self.world.is_main:
             return NullLogger()
         o = self.cfg.observe
-        return MetricsLogger(self.run_dir, total_steps=self.cfg.train.max_steps, start_step=self.step,
-                             console=self.console, wandb_project=o.wandb_project if o.wandb else None,
-                             config=self.cfg.to_dict())
+        return MetricsLogger(
+            self.run_dir,
+            total_steps=self.cfg.train.max_steps,
+            start_step=self.step,
+            console=self.console,
+            wandb_project=o.wandb_project if o.wandb else None,
+            config=self.cfg.to_dict(),
+        )
 
     def _histograms(self, logger) -> Callable[[nn.Module], None] | None:
         """Weight and gradient histograms of this step, when they are due."""
@@ -227,8 +254,9 @@ class Trainer:
         values = self.meter.flush()  # the one host sync of the interval
         review = self.guard.review(self.step - len(values["losses"]) + 1, values["losses"], values["grad_norms"])
         self.guard.report(review, logger, self.batches, self._locate_non_finite)
-        record = self.meter.record(values, step=self.step, lr=lr, elapsed_s=elapsed_s,
-                                   micro_batch_size=self.micro_batch_size)
+        record = self.meter.record(
+            values, step=self.step, lr=lr, elapsed_s=elapsed_s, micro_batch_size=self.micro_batch_size
+        )
         record.update(self.precision.metrics())
         record.update(self.guard.metrics())
         logger.log(self.step, record)
@@ -237,8 +265,10 @@ class Trainer:
     def _locate_non_finite(self, step: int) -> str | None:
         """The first module whose output is non-finite when ``step``'s batch runs again."""
         batch = self.batches.batch(step, self.device)
-        return first_non_finite_module(self.unwrapped, lambda: [
-            self.train_step.loss(micro, step) for micro in split_batch(batch, self.micro_batch_size)])
+        return first_non_finite_module(
+            self.unwrapped,
+            lambda: [self.train_step.loss(micro, step) for micro in split_batch(batch, self.micro_batch_size)],
+        )
 
     def _roll_back(self, logger) -> None:
         """Back to the newest checkpoint with a lower learning rate, or stop with a report."""
@@ -249,9 +279,14 @@ class Trainer:
         self.guard.load_state_dict(guard)  # the lowered rate and the rollback count are newer than the checkpoint
         self.faults.rolled_back(bad)
         logger.rewind(self.step)
-        logger.event(self.step, "rollback", f"{self.cfg.guard.max_bad_steps} non-finite steps in a row by step {bad}: "
-                     f"rolled back to {path.name}, learning rate x{self.guard.lr_scale:g} from now on",
-                     checkpoint=str(path), lr_scale=self.guard.lr_scale)
+        logger.event(
+            self.step,
+            "rollback",
+            f"{self.cfg.guard.max_bad_steps} non-finite steps in a row by step {bad}: "
+            f"rolled back to {path.name}, learning rate x{self.guard.lr_scale:g} from now on",
+            checkpoint=str(path),
+            lr_scale=self.guard.lr_scale,
+        )
 
     def _evaluate(self, logger) -> dict[str, float] | None:
         if self.eval_fn is None and self.sample_fn is None:

@@ -5,7 +5,8 @@ names (hf.py)."""
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Mapping
+from collections.abc import Mapping
+from typing import Any
 
 import torch
 from torch import nn
@@ -56,17 +57,19 @@ class GPTFamily(ModelFamily):
         return GPTConfig(**values)
 
     def describe(self, model_cfg: ModelConfig, args: GPTConfig, model: nn.Module) -> str:
-        return (f"{model_cfg.preset}: {model.num_params():,} parameters "
-                f"({model.num_params(exclude_embedding=True):,} without embeddings), "
-                f"{args.n_layer} layers, d_model {args.d_model}, vocab {args.vocab_size}")
+        return (
+            f"{model_cfg.preset}: {model.num_params():,} parameters "
+            f"({model.num_params(exclude_embedding=True):,} without embeddings), "
+            f"{args.n_layer} layers, d_model {args.d_model}, vocab {args.vocab_size}"
+        )
 
     def parallel_plan(self, args: GPTConfig) -> ParallelPlan:
         """Megatron-style tensor parallelism: q/k/v and the MLP's input projections split
         column-wise (each rank owns whole heads and a slice of the hidden units), the output
         projections row-wise, so each block needs one all-reduce forward and one backward.
         Embedding, norms and output layer stay whole. The RoPE tables are derived buffers."""
-        tp = {name: "colwise" for name in ("attn.wq", "attn.wk", "attn.wv", "mlp.w1", "mlp.w3")}
-        tp.update({name: "rowwise" for name in ("attn.wo", "mlp.w2")})
+        tp = dict.fromkeys(("attn.wq", "attn.wk", "attn.wv", "mlp.w1", "mlp.w3"), "colwise")
+        tp.update(dict.fromkeys(("attn.wo", "mlp.w2"), "rowwise"))
         divisors = {f"model.{key}": getattr(args, key) for key in ("n_head", "n_kv_head", "d_ff")}
         return ParallelPlan(blocks="blocks", tensor_parallel=tp, tp_divisors=divisors, derived_buffers=True)
 

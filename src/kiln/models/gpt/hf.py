@@ -8,7 +8,8 @@ config's ``tie_word_embeddings`` says so.
 
 from __future__ import annotations
 
-from typing import Any, Mapping
+from collections.abc import Mapping
+from typing import Any
 
 import torch
 
@@ -33,7 +34,7 @@ ROOT_NAMES = {"tok_emb": "model.embed_tokens", "norm": "model.norm", "lm_head": 
 def _rename(name: str, block: Mapping[str, str], root: Mapping[str, str], blocks: str, hf_blocks: str) -> str:
     module, _, leaf = name.rpartition(".")
     if module.startswith(blocks + "."):
-        index, _, inner = module[len(blocks) + 1:].partition(".")
+        index, _, inner = module[len(blocks) + 1 :].partition(".")
         if inner in block:
             return f"{hf_blocks}.{index}.{block[inner]}.{leaf}"
     elif module in root:

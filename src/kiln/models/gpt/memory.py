@@ -39,7 +39,8 @@ class GPTMemory(MemoryModel):
             2 * ctx.residual_bytes * d
             + 2 * (4 * d + 4)
             + (5 if ctx.autocast else 2) * act * d
-            + act * 5 * width + 4 * heads
+            + act * 5 * width
+            + 4 * heads
             + act * 4 * ff
         )
         return ctx.tokens * per_token

@@ -73,7 +73,7 @@ class Attention(nn.Module):
         self.wo = nn.Linear(cfg.n_head * cfg.head_dim, cfg.d_model, bias=False)
 
     def forward(self, x, rope_cos, rope_sin, cache=None, start_pos=0):
-        B, T, _ = x.shape
+        B, T, _ = x.shape  # noqa: N806
         # Head counts are inferred (-1): under tensor parallelism a rank holds only some heads.
         q = self.wq(x).view(B, T, -1, self.head_dim).transpose(1, 2)
         k = self.wk(x).view(B, T, -1, self.head_dim).transpose(1, 2)
@@ -173,7 +173,11 @@ class GPT(nn.Module):
         return KVCache(cfg.n_layer, batch_size, cfg.n_kv_head, max_len, cfg.head_dim, device, dtype)
 
     def forward(
-        self, idx: torch.Tensor, targets: torch.Tensor | None = None, kv_cache: KVCache | None = None, start_pos: int = 0
+        self,
+        idx: torch.Tensor,
+        targets: torch.Tensor | None = None,
+        kv_cache: KVCache | None = None,
+        start_pos: int = 0,
     ):
         """Logits [B, T, V] for tokens idx [B, T] at positions start_pos..start_pos + T - 1, or,
         given targets [B, T] (-100 where no loss is wanted), their mean cross-entropy.
@@ -181,7 +185,7 @@ class GPT(nn.Module):
         With a kv_cache, the keys and values of these positions are written into it and the
         tokens attend to every cached position before them as well.
         """
-        T = idx.size(1)
+        T = idx.size(1)  # noqa: N806
         if start_pos + T > self.config.max_seq_len:
             raise ValueError(f"positions up to {start_pos + T} exceed max_seq_len {self.config.max_seq_len}")
         rope_cos = self.rope_cos[start_pos : start_pos + T]
