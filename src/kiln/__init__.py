@@ -16,6 +16,8 @@ _EXPORTS = {
     "FitResult": "kiln.train.trainer",
     "GPT": "kiln.models",
     "GPTConfig": "kiln.models",
+    "ModelFamily": "kiln.models",
+    "ParallelPlan": "kiln.models",
 }
 
 __all__ = ["__version__", *_EXPORTS]

@@ -1,1 +1,2 @@
-"""The training loop (generic ``Trainer``), optimizer and schedules, precision, and the GPT job."""
+"""Training: the generic loop (``Trainer``) and its components, optimizer and schedules, precision,
+and the built-in language-model job (``lm``)."""
