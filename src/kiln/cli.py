@@ -124,6 +124,19 @@ def _parser() -> argparse.ArgumentParser:
     )
     r.add_argument("--json", action="store_true", help="print the summary as one JSON object")
 
+    x = sub.add_parser(
+        "export",
+        help="write a run's model in a format other tools load",
+        description="Export a run's checkpoint: --format hf writes a directory transformers loads with "
+        "from_pretrained (config, safetensors weights, tokenizer; for LoRA runs the merged model and the "
+        "adapter in PEFT's format under adapter/).",
+    )
+    x.add_argument("run_dir", help="run directory")
+    x.add_argument("--format", required=True, choices=["hf"], help="hf: a Hugging Face transformers directory")
+    x.add_argument("--out", required=True, help="output directory (written whole, or not at all)")
+    x.add_argument("--checkpoint", help="checkpoint directory (default: the newest complete one)")
+    x.add_argument("--force", action="store_true", help="replace --out if it exists and is not empty")
+
     from kiln.distributed.launch import add_arguments
 
     la = sub.add_parser(
@@ -146,7 +159,7 @@ def _load(args):
 
 
 def cmd_train(args) -> int:
-    from kiln.train.lm import train
+    from kiln.train.jobs import train
 
     if args.resume:
         args.overrides.append(f"checkpoint.resume={args.resume}")
@@ -183,7 +196,8 @@ def cmd_eval(args) -> int:
 
 
 def cmd_generate(args) -> int:
-    from kiln.train.lm import load_run, sample_text
+    from kiln.train.lm import sample_text
+    from kiln.train.run import load_run
 
     if args.max_new_tokens < 1 or args.temperature < 0 or not 0 < args.top_p <= 1 or args.top_k < 0:
         print(
@@ -245,7 +259,7 @@ def cmd_profile(args) -> int:
     from pathlib import Path
 
     from kiln.config import ConfigError, parse_step_range
-    from kiln.train.lm import train
+    from kiln.train.jobs import train
 
     try:
         _, end = parse_step_range(args.steps)
@@ -283,6 +297,14 @@ def cmd_report(args) -> int:
     return report_command(args.run_dir, args.out, args.json)
 
 
+def cmd_export(args) -> int:
+    from kiln.export import export_hf
+
+    info = export_hf(args.run_dir, args.out, checkpoint=args.checkpoint, force=args.force)
+    print(f"kiln: exported step {info['step']} of {args.run_dir} to {args.out} ({len(info['files'])} files)")
+    return 0
+
+
 def cmd_launch(args) -> int:
     from kiln.distributed.launch import launch, torchrun_args
 
@@ -305,6 +327,7 @@ COMMANDS = {
     "profile": cmd_profile,
     "doctor": cmd_doctor,
     "report": cmd_report,
+    "export": cmd_export,
     "launch": cmd_launch,
 }
 

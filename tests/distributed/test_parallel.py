@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from kiln.train.lm import load_run
+from kiln.train.run import load_run
 
 from conftest import tiny_overrides
 

@@ -15,9 +15,9 @@ from kiln.cli import main
 from kiln.config import load_config
 from kiln.models import build_model, get_family
 from kiln.plan import make_plan, model_state
-from kiln.train.lm import load_run
 from kiln.train.optim import build_optimizer
 from kiln.train.precision import Precision
+from kiln.train.run import load_run
 from kiln.train.step import TrainStep
 
 from conftest import tiny_overrides

@@ -12,7 +12,7 @@ import torch
 
 from kiln.config import ConfigError, TrainConfig, load_config
 from kiln.data.batch_schedule import BatchSchedule
-from kiln.train.lm import load_run
+from kiln.train.run import load_run
 
 from conftest import tiny_overrides, token_sequences, train_tiny_gpt
 

@@ -52,7 +52,18 @@ class RunConfig:
 class ModelConfig:
     family: str = "gpt"
     """Model family: gpt (kiln's own Llama-style Transformer), or a plug-in given as
-    package.module:object, an object implementing kiln.models.ModelFamily."""
+    package.module:object, an object implementing kiln.models.ModelFamily. A model.source of
+    hf:PATH selects the hf family by itself."""
+    source: str = ""
+    """Start from an existing model: hf:PATH, a local Hugging Face transformers directory
+    (config.json, model.safetensors or a sharded index, the tokenizer). Never downloads, never
+    runs code from the directory. Empty: build the family's model from the fields below."""
+    task: Literal["causal_lm", "sequence_classification"] = "causal_lm"
+    """With model.source: causal_lm (AutoModelForCausalLM) or sequence_classification
+    (AutoModelForSequenceClassification; labels from the data)."""
+    weights: Literal["pretrained", "random"] = "pretrained"
+    """With model.source: start from its pretrained weights, or from random ones (its
+    architecture only, e.g. to compare with training from scratch)."""
     preset: str = "tiny"
     """Model preset of the gpt family: tiny, small, gpt2-124m, 350m, 1b or 7b (see `kiln presets`)."""
     n_layer: int = 0
@@ -72,7 +83,13 @@ class ModelConfig:
 
     def errors(self) -> list[str]:
         # Only the family knows its presets and which dimensions fit together: it checks the rest when it builds.
-        return _failed((bool(self.family), "model.family: must not be empty; use gpt or package.module:object"))
+        return _failed(
+            (bool(self.family), "model.family: must not be empty; use gpt or package.module:object"),
+            (
+                not self.source or (self.source.startswith("hf:") and len(self.source) > 3),
+                f"model.source: {self.source!r} is not hf:PATH (a local Hugging Face model directory)",
+            ),
+        )
 
 
 @dataclass
@@ -80,9 +97,35 @@ class DataConfig:
     source: str = "stdlib"
     """Training text: 'stdlib' (the Python standard library on this machine, no download) or a
     file, directory or glob of .txt or .py files (one document each), .jsonl (one document per
-    line) and .parquet files (one per row)."""
+    line) and .parquet files (one per row). Fine-tuning records (see data.format) come from
+    .jsonl, .csv or .parquet files."""
+    format: Literal["auto", "text", "records"] = "auto"
+    """text: a corpus (one document per file, line or row); records: fine-tuning examples
+    (prompt/completion or messages for causal_lm, text/label for sequence_classification);
+    auto: records when model.source is set and the files are .jsonl, .csv or .parquet."""
+    val_source: str = ""
+    """Validation data (a file, directory or glob in the same formats as data.source); when set,
+    data.source is not split. Empty: hold out data.val_fraction of it."""
     text_field: str = "text"
-    """Field holding the text in .jsonl and .parquet records."""
+    """Field holding the text in .jsonl and .parquet corpora, and of classification records."""
+    text_pair_field: str = "text_pair"
+    """Field holding the second text of a classification record, if it has one."""
+    label_field: str = "label"
+    """Field holding the label of a classification record (a name or an integer)."""
+    prompt_field: str = "prompt"
+    """Field holding the prompt of a causal_lm record."""
+    completion_field: str = "completion"
+    """Field holding the completion of a causal_lm record (what the model learns to write)."""
+    messages_field: str = "messages"
+    """Field holding a chat (a list of {role, content}) of a causal_lm record, rendered with the
+    tokenizer's chat template; assistant turns are what the model learns."""
+    train_on_prompt: bool = False
+    """Also learn the prompt (and non-assistant turns) of causal_lm records; by default the loss
+    covers only completions and assistant turns."""
+    packing: bool = False
+    """causal_lm records: pack whole records into rows of data.seq_len tokens (best-fit
+    decreasing), each record attending only to itself (per-record positions, block-diagonal
+    causal mask), instead of padding each row."""
     tokenizer: str = "bpe"
     """'bpe' trains a byte-level BPE on the training split (cached), or a path to a tokenizer.json."""
     vocab_size: int = 4096
@@ -90,7 +133,8 @@ class DataConfig:
     seq_len: int = 128
     """Tokens per training sequence (context length)."""
     val_fraction: float = 0.05
-    """Share of documents held out for validation, chosen by a stable hash of each document's name."""
+    """Share of documents held out for validation, chosen by a stable hash of each document's name
+    (of each record's content, for fine-tuning records)."""
     num_workers: int = 2
     """DataLoader worker processes (0 loads in the training process)."""
     prepare_workers: int = 0
@@ -108,7 +152,17 @@ class DataConfig:
             (0 < self.val_fraction < 1, f"data.val_fraction: must be in (0, 1), got {self.val_fraction}"),
             (self.num_workers >= 0, f"data.num_workers: must be >= 0, got {self.num_workers}"),
             (self.prepare_workers >= 0, f"data.prepare_workers: must be >= 0, got {self.prepare_workers}"),
-            (bool(self.text_field), "data.text_field: must not be empty"),
+            *(
+                (bool(getattr(self, key)), f"data.{key}: must not be empty")
+                for key in (
+                    "text_field",
+                    "text_pair_field",
+                    "label_field",
+                    "prompt_field",
+                    "completion_field",
+                    "messages_field",
+                )
+            ),
             (bool(self.source), "data.source: must not be empty; use 'stdlib' or a path"),
         )
 
@@ -360,6 +414,34 @@ class ProfileConfig:
 
 
 @dataclass
+class LoraConfig:
+    rank: int = 0
+    """LoRA rank r (needs the peft package: pip install 'kiln[hf]'): only low-rank adapters of the
+    target modules train, the base model stays frozen; 0 is off (every weight trains)."""
+    alpha: float = 16.0
+    """LoRA scaling alpha (the adapter's update is scaled by alpha / rank)."""
+    dropout: float = 0.05
+    """Dropout on the adapters' input."""
+    target_modules: str = ""
+    """Comma-separated module names to adapt (e.g. q_proj,v_proj); empty uses the model family's
+    default (the attention and MLP projections of Llama-class models, query/key/value of BERT)."""
+    quantize_base: Literal["none", "nf4"] = "none"
+    """QLoRA: keep the frozen base weights in 4-bit NF4 (bitsandbytes, CUDA only); none keeps them
+    in full precision."""
+
+    def errors(self) -> list[str]:
+        return _failed(
+            (self.rank >= 0, f"lora.rank: must be >= 0 (0 is off), got {self.rank}"),
+            (self.alpha > 0, f"lora.alpha: must be > 0, got {self.alpha}"),
+            (0 <= self.dropout < 1, f"lora.dropout: must be in [0, 1), got {self.dropout}"),
+            (
+                self.rank > 0 or self.quantize_base == "none",
+                "lora.quantize_base: quantizing the base needs LoRA adapters; set lora.rank too",
+            ),
+        )
+
+
+@dataclass
 class Config:
     run: RunConfig = field(default_factory=RunConfig)
     model: ModelConfig = field(default_factory=ModelConfig)
@@ -371,6 +453,7 @@ class Config:
     guard: GuardConfig = field(default_factory=GuardConfig)
     observe: ObserveConfig = field(default_factory=ObserveConfig)
     profile: ProfileConfig = field(default_factory=ProfileConfig)
+    lora: LoraConfig = field(default_factory=LoraConfig)
 
     def grad_accum_steps(self, data_parallel: int = 1) -> int:
         """Micro-batches per rank per optimizer step (at the full global batch, with a fixed micro-batch)."""
@@ -392,6 +475,7 @@ class Config:
             self.observe,
             self.profile,
             self.run,
+            self.lora,
         )
         return [message for section in order for message in section.errors()]
 

@@ -1,18 +1,76 @@
 """Batches as the loop handles them: moved to the device, built from dataset items outside a
-DataLoader, and cut into micro-batches. A batch is a tensor, or a tuple, list or dict of them."""
+DataLoader, and cut into micro-batches. A batch is a tensor, a tuple, list or dict of them, or a
+``TokenBatch`` (variable-length token rows that know their real lengths and loss tokens)."""
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 from torch.utils.data import Dataset, default_collate
 
+IGNORE_INDEX = -100
+
+
+@dataclass
+class TokenBatch:
+    """Rows of token ids, padded on the right to the longest row. ``labels`` are the targets of
+    the loss (IGNORE_INDEX where none is wanted, e.g. prompt and padding); ``attention_mask``
+    marks real tokens (None when packed rows carry ``position_ids`` that restart at each
+    document instead). Host-side, per row: its real length, its loss tokens and the UTF-8
+    bytes its targets stand for, so the loop weighs micro-batches and counts throughput without
+    asking the device."""
+
+    input_ids: torch.Tensor
+    labels: torch.Tensor
+    attention_mask: torch.Tensor | None = None
+    position_ids: torch.Tensor | None = None
+    token_type_ids: torch.Tensor | None = None
+    lengths: list[int] = field(default_factory=list)
+    loss_tokens: list[int] = field(default_factory=list)
+    target_bytes: list[int] = field(default_factory=list)
+
+    _TENSORS = ("input_ids", "labels", "attention_mask", "position_ids", "token_type_ids")
+
+    def __len__(self) -> int:
+        return len(self.input_ids)
+
+    @property
+    def count(self) -> int:
+        """Loss tokens (or items) of the whole batch: what its mean loss averages over."""
+        return sum(self.loss_tokens)
+
+    @property
+    def tokens(self) -> int:
+        """Real (not padding) tokens of the batch."""
+        return sum(self.lengths)
+
+    def _map(self, fn: Callable[[torch.Tensor], torch.Tensor], rows: slice = slice(None)) -> TokenBatch:
+        tensors = {name: None if (t := getattr(self, name)) is None else fn(t) for name in self._TENSORS}
+        hosts = {name: getattr(self, name)[rows] for name in ("lengths", "loss_tokens", "target_bytes")}
+        return TokenBatch(**tensors, **hosts)
+
+    def to(self, device: torch.device, non_blocking: bool = True) -> TokenBatch:
+        return self._map(lambda t: t.to(device, non_blocking=non_blocking))
+
+    def pin_memory(self) -> TokenBatch:
+        return self._map(torch.Tensor.pin_memory)
+
+    def split_rows(self, size: int) -> list[TokenBatch]:
+        """Micro-batches of ``size`` rows, each cut to its own longest row (views, no copies)."""
+        out = []
+        for start in range(0, len(self), size):
+            rows = slice(start, start + size)
+            width = max(self.lengths[rows]) if self.lengths and self.attention_mask is not None else None
+            out.append(self._map(lambda t, r=rows, w=width: t[r, :w] if t.dim() > 1 else t[r], rows))
+        return out
+
 
 def to_device(batch: Any, device: torch.device) -> Any:
     """Move a (nested) batch; non_blocking overlaps the copy from pinned memory with compute."""
-    if isinstance(batch, torch.Tensor):
+    if isinstance(batch, (torch.Tensor, TokenBatch)):
         return batch.to(device, non_blocking=True)
     if isinstance(batch, (list, tuple)):
         return type(batch)(to_device(b, device) for b in batch)
@@ -21,13 +79,17 @@ def to_device(batch: Any, device: torch.device) -> Any:
     return batch
 
 
-def collate(dataset: Dataset, indices: Iterable[int], device: torch.device) -> Any:
+def collate(
+    dataset: Dataset, indices: Iterable[int], device: torch.device, collate_fn: Callable[[list], Any] = default_collate
+) -> Any:
     """Items ``indices`` of ``dataset`` as one batch on ``device``, outside any DataLoader."""
-    return to_device(default_collate([dataset[i] for i in indices]), device)
+    return to_device(collate_fn([dataset[i] for i in indices]), device)
 
 
 def split_batch(batch: Any, size: int) -> list[Any]:
     """Cut a (nested) batch into micro-batches of ``size`` rows (views, no copies)."""
+    if isinstance(batch, TokenBatch):
+        return batch.split_rows(size)
     if isinstance(batch, torch.Tensor):
         return list(batch.split(size))
     if isinstance(batch, (list, tuple)):
@@ -45,6 +107,21 @@ def split_batch(batch: Any, size: int) -> list[Any]:
 
 def batch_rows(batch: Any) -> int:
     """Rows (sequences, samples) of a batch: the length of its first tensor."""
-    if isinstance(batch, torch.Tensor):
+    if isinstance(batch, (torch.Tensor, TokenBatch)):
         return len(batch)
     return batch_rows(next(iter(batch.values() if isinstance(batch, dict) else batch)))
+
+
+def loss_count(batch: Any) -> int | None:
+    """What a batch's mean loss averages over, where the batch knows it (a ``TokenBatch``); None
+    for batches whose micro-batches weigh the same."""
+    return batch.count if isinstance(batch, TokenBatch) else None
+
+
+def pad_rows(rows: Sequence[Sequence[int]], value: int) -> torch.Tensor:
+    """Rows of different lengths as one [rows, longest] int64 tensor, padded on the right."""
+    width = max((len(r) for r in rows), default=0)
+    out = torch.full((len(rows), width), value, dtype=torch.long)
+    for i, row in enumerate(rows):
+        out[i, : len(row)] = torch.as_tensor(row, dtype=torch.long)
+    return out

@@ -196,30 +196,37 @@ def open_corpus(source: str, text_field: str = "text", val_fraction: float = 0.0
             if p.is_file() and not _STDLIB_EXCLUDED_DIRS.intersection(p.relative_to(root).parts[:-1])
         ]
         return _corpus(source, root, files, text_field, val_fraction)
+    root, files = find_files(source, EXTENSIONS, _SOURCE_HELP)
+    return _corpus(source, root, files, text_field, val_fraction)
+
+
+def find_files(source: str, extensions: tuple[str, ...], help: str) -> tuple[Path, list[Path]]:
+    """The files of ``extensions`` that ``source`` names (a file, a directory searched recursively
+    without hidden files and folders, or a glob), and the folder names are relative to (the
+    directory, a file's parent, or the glob's leading folder without wildcards); DataError naming
+    the source when there are none. ``help`` says what a source may be."""
+    kinds = ", ".join(extensions[:-1]) + f" or {extensions[-1]}" if len(extensions) > 1 else extensions[0]
     path = Path(source).expanduser()
     if glob.has_magic(source):
         matches = sorted(glob.glob(os.path.expanduser(source), recursive=True))
         if not matches:
-            raise DataError(f"{source}: the glob matched nothing; {_SOURCE_HELP}")
-        root = _glob_root(path)
+            raise DataError(f"{source}: the glob matched nothing; {help}")
         files = []
         for m in map(Path, matches):
-            files.extend(_walk(m) if m.is_dir() else [m] if m.suffix.lower() in EXTENSIONS else [])
+            files.extend(_walk(m, extensions) if m.is_dir() else [m] if m.suffix.lower() in extensions else [])
         if not files:
-            raise DataError(
-                f"{source}: the glob matched {len(matches)} paths but no .txt, .py, .jsonl or .parquet files"
-            )
-        return _corpus(source, root, files, text_field, val_fraction)
+            raise DataError(f"{source}: the glob matched {len(matches)} paths but no {kinds} files")
+        return _glob_root(path), files
     if path.is_dir():
-        files = _walk(path)
+        files = _walk(path, extensions)
         if not files:
-            raise DataError(f"{path}: the directory holds no .txt, .py, .jsonl or .parquet files; {_SOURCE_HELP}")
-        return _corpus(source, path, files, text_field, val_fraction)
+            raise DataError(f"{path}: the directory holds no {kinds} files; {help}")
+        return path, files
     if path.is_file():
-        if path.suffix.lower() not in EXTENSIONS:
-            raise DataError(f"{path}: unsupported file type {path.suffix or '(none)'!r}; {_SOURCE_HELP}")
-        return _corpus(source, path.parent, [path], text_field, val_fraction)
-    raise DataError(f"{path}: no such file or directory; {_SOURCE_HELP}")
+        if path.suffix.lower() not in extensions:
+            raise DataError(f"{path}: unsupported file type {path.suffix or '(none)'!r}; {help}")
+        return path.parent, [path]
+    raise DataError(f"{path}: no such file or directory; {help}")
 
 
 def _corpus(source: str, root: Path, files: list[Path], text_field: str, val_fraction: float) -> Corpus:
@@ -230,11 +237,11 @@ def _corpus(source: str, root: Path, files: list[Path], text_field: str, val_fra
     return Corpus(source, root, ordered, text_field, val_fraction)
 
 
-def _walk(directory: Path) -> list[Path]:
+def _walk(directory: Path, extensions: tuple[str, ...]) -> list[Path]:
     return [
         p
         for p in directory.rglob("*")
-        if p.suffix.lower() in EXTENSIONS
+        if p.suffix.lower() in extensions
         and p.is_file()
         and not any(part.startswith(".") for part in p.relative_to(directory).parts)
     ]

@@ -8,11 +8,12 @@ from __future__ import annotations
 
 import hashlib
 import sys
-from collections.abc import Iterator
+from collections.abc import Callable, Iterable, Iterator
+from typing import Any
 
 import numpy as np
 import torch
-from torch.utils.data import DataLoader, Dataset, Sampler
+from torch.utils.data import DataLoader, Dataset, Sampler, default_collate
 
 from kiln.data.batch import collate
 from kiln.data.batch_schedule import BatchSchedule
@@ -126,6 +127,7 @@ def make_train_loader(
     pin_memory: bool,
     rank: int = 0,
     world_size: int = 1,
+    collate_fn: Callable[[list], Any] = default_collate,
 ) -> DataLoader:
     """An endless DataLoader of this rank's share of each step's global batch, collated.
 
@@ -142,6 +144,7 @@ def make_train_loader(
     return DataLoader(
         dataset,
         batch_sampler=sampler,
+        collate_fn=collate_fn,
         num_workers=num_workers,
         pin_memory=pin_memory,
         persistent_workers=False,
@@ -167,8 +170,9 @@ class StepBatches:
         pin_memory: bool,
         rank: int = 0,
         world_size: int = 1,
+        collate_fn: Callable[[list], Any] = default_collate,
     ):
-        self.dataset, self.schedule, self.seed = dataset, schedule, seed
+        self.dataset, self.schedule, self.seed, self.collate_fn = dataset, schedule, seed, collate_fn
         self.num_workers, self.pin_memory = num_workers, pin_memory
         self.rank, self.world_size = rank, world_size
 
@@ -184,6 +188,7 @@ class StepBatches:
                 pin_memory=self.pin_memory,
                 rank=self.rank,
                 world_size=self.world_size,
+                collate_fn=self.collate_fn,
             )
         )
 
@@ -193,7 +198,11 @@ class StepBatches:
         return next(iter(sampler))
 
     def batch(self, step: int, device: torch.device):
-        return collate(self.dataset, self.items(step), device)
+        return self.collate(self.items(step), device)
+
+    def collate(self, indices: Iterable[int], device: torch.device):
+        """Dataset items ``indices`` as one batch on ``device``, collated as the loader does."""
+        return collate(self.dataset, indices, device, self.collate_fn)
 
     def positions(self, step: int) -> list[int]:
         """[first, end) positions of ``step``'s sequences in the run's data order (all ranks)."""

@@ -78,6 +78,17 @@ class World:
         dist.all_reduce(values, op=dist.ReduceOp.MAX, group=self.control_group)
         return tuple(bool(v) for v in values.tolist())
 
+    def dp_total(self, count: int) -> int:
+        """The sum of a host-side count over the data-parallel ranks (the ranks of one tensor-
+        parallel group hold the same batch and count once), over the gloo group on the host."""
+        if not self.distributed:
+            return count
+        import torch.distributed as dist
+
+        value = torch.tensor([count], dtype=torch.int64)
+        dist.all_reduce(value, group=self.control_group)
+        return int(value.item()) // self.tp
+
     def mesh_of_one(self) -> Any:
         """The mesh, made for a single process on first use: FSDP needs a process group even
         alone, to keep a model's state in CPU memory (``parallel.cpu_offload``)."""

@@ -18,7 +18,7 @@ from kiln.config import Config, ConfigError
 from kiln.data import DataError, PreparedData, TokenSequences, prepare
 from kiln.data.tokenizer import eot_id
 from kiln.device import resolve_device
-from kiln.models.family import build_model, get_family
+from kiln.models.family import build_model, family_of
 from kiln.train.step import LossFn
 
 T = TypeVar("T")
@@ -96,7 +96,7 @@ def build_job(
             val_data = val_data if val_data is not None else TokenSequences(prepared.tokens("val"), seq_len)
             tokenizer = prepared.tokenizer if tokenizer is None else tokenizer
     eot = _eot_of(tokenizer, prepared)
-    family = get_family(cfg.model.family)
+    family = family_of(cfg.model)
     if model is None:
         if prepared is not None:
             vocab = prepared.vocab_size

@@ -10,6 +10,7 @@ from kiln.models.family import (
     StateDictAdapter,
     build_model,
     check_model_config,
+    family_of,
     get_family,
     materialize,
 )
@@ -29,6 +30,7 @@ __all__ = [
     "build_gpt_config",
     "build_model",
     "check_model_config",
+    "family_of",
     "flops_per_token",
     "generate",
     "get_family",

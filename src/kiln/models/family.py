@@ -38,7 +38,9 @@ class ParallelPlan:
 
     ``blocks``: the attribute holding the repeated layers (an ``nn.ModuleList``): each is an FSDP
     unit and an activation-checkpointing unit; None if the model has none (FSDP then shards it
-    as one unit). ``tensor_parallel``: within a block, each ``nn.Linear`` to split and how:
+    as one unit). ``block_type`` instead names the layers by their class, which survives
+    wrappers that move them (PEFT's LoRA, say). ``tensor_parallel``: within a block, each
+    ``nn.Linear`` to split and how:
     ``colwise`` splits its output features (whole heads, a slice of hidden units), ``rowwise``
     its input features (the projection back, followed by one all-reduce). ``tp_divisors``: the
     config keys whose values the tensor-parallel degree must divide, with those values.
@@ -47,6 +49,7 @@ class ParallelPlan:
     """
 
     blocks: str | None = "blocks"
+    block_type: type | None = None
     tensor_parallel: Mapping[str, str] = field(default_factory=dict)
     tp_divisors: Mapping[str, int] = field(default_factory=dict)
     derived_buffers: bool = False
@@ -63,6 +66,8 @@ class ParallelPlan:
 
     def repeated_blocks(self, model: nn.Module) -> list[nn.Module]:
         """The repeated layers; an empty list if the plan names none."""
+        if self.block_type is not None:
+            return [m for m in model.modules() if isinstance(m, self.block_type)]
         if self.blocks is None:
             return []
         blocks = model.get_submodule(self.blocks)
@@ -201,6 +206,16 @@ class ModelFamily:
         the ``meta`` device (shapes, no storage); ``materialize`` then allocates and initialises."""
         raise NotImplementedError
 
+    def create(self, args: Any, device: torch.device | str, seed: int) -> nn.Module:
+        """The model a run starts from: by default built on ``meta`` and initialised from ``seed``
+        (``build_model``); a family of pretrained models loads their weights instead."""
+        return build_model(self, args, device, seed)
+
+    def tokenizer(self, args: Any) -> Any:
+        """The model's own tokenizer, for a family that comes with one (None: kiln's data pipeline
+        trains or loads one)."""
+        return None
+
     def args_to_dict(self, args: Any) -> dict[str, Any]:
         """The arguments as JSON (the run's ``model.json``)."""
         raise NotImplementedError
@@ -230,6 +245,10 @@ class ModelFamily:
 
     def state_dict_adapter(self, args: Any) -> StateDictAdapter | None:
         return None
+
+    def lora_targets(self, args: Any) -> list[str]:
+        """The module names LoRA adapts by default (``lora.target_modules`` empty)."""
+        return []
 
     # -- its job ---------------------------------------------------------------------------------
 
@@ -275,7 +294,7 @@ def build_model(family: ModelFamily, args: Any, device: torch.device | str, seed
     return materialize(model, device, seed)
 
 
-BUILT_IN = {"gpt": "kiln.models.gpt:FAMILY"}
+BUILT_IN = {"gpt": "kiln.models.gpt:FAMILY", "hf": "kiln.models.hf:FAMILY"}
 
 
 def get_family(name: str) -> ModelFamily:
@@ -300,7 +319,21 @@ def get_family(name: str) -> ModelFamily:
     return family
 
 
+def family_of(model_cfg: ModelConfig) -> ModelFamily:
+    """The family of a ``[model]`` section: hf for a ``model.source`` of hf:PATH, else ``model.family``."""
+    if model_cfg.source:
+        if model_cfg.family not in ("gpt", "hf"):
+            raise ConfigError(
+                [
+                    f"model.family: {model_cfg.family!r} cannot load model.source={model_cfg.source!r}; "
+                    "a Hugging Face model directory is the hf family (leave model.family unset)"
+                ]
+            )
+        return get_family("hf")
+    return get_family(model_cfg.family)
+
+
 def check_model_config(cfg: Config) -> None:
     """Check ``[model]`` with its family before anything runs (ConfigError naming the keys); the
     vocabulary is ``data.vocab_size`` here, the tokenizer's once the data is prepared."""
-    get_family(cfg.model.family).resolve(cfg.model, vocab_size=cfg.data.vocab_size, seq_len=cfg.data.seq_len)
+    family_of(cfg.model).resolve(cfg.model, vocab_size=cfg.data.vocab_size, seq_len=cfg.data.seq_len)

@@ -25,6 +25,8 @@ METRICS_FILE = "metrics.jsonl"
 WANDB_ID_FILE = "wandb_id.txt"
 # Logged to the files, left off the console line to keep it short.
 CONSOLE_HIDDEN = {"memory/peak_reserved_gib", "global_batch", "micro_batch_size", "tokens"}
+# Per-class figures of a classifier: in the files, too many for the console line.
+CONSOLE_HIDDEN_PREFIXES = ("val_precision/", "val_recall/", "val_f1/")
 
 
 def format_duration(seconds: float) -> str:
@@ -162,7 +164,14 @@ class MetricsLogger:
 
     def _console_line(self, step: int, values: dict[str, Any]) -> str:
         parts = [f"step {step}/{self.total_steps}"]
-        parts += [_fmt(k, v) for k, v in values.items() if k not in CONSOLE_HIDDEN and (k != "skipped_steps" or v)]
+        parts += [
+            _fmt(k, v)
+            for k, v in values.items()
+            if k not in CONSOLE_HIDDEN
+            and not k.startswith(CONSOLE_HIDDEN_PREFIXES)
+            and isinstance(v, (int, float))
+            and (k != "skipped_steps" or v)
+        ]
         done = step - self._start_step
         if done > 0 and step < self.total_steps and "val_loss" not in values:
             elapsed = time.perf_counter() - self._t0

@@ -74,16 +74,19 @@ class ModelShape:
         with torch.device("meta"):
             model = family.build(args)
         plan = family.parallel_plan(args)
-        first = f"{plan.blocks}.0." if plan.blocks else None
-        block, root = [], []
-        for name, p in model.named_parameters():  # a tied matrix is listed once
-            if first and name.startswith(first):
-                inner = name.removeprefix(first).removesuffix(".weight")
-                block.append(Param(inner, tuple(p.shape), plan.tp_split_dim(inner)))
-            elif not (plan.blocks and name.startswith(plan.blocks + ".")):
-                root.append(Param(name.removesuffix(".weight"), tuple(p.shape), None))
+        blocks = plan.repeated_blocks(model)
+        in_blocks = {id(p) for b in blocks for p in b.parameters()}
+        block = tuple(
+            Param(name.removesuffix(".weight"), tuple(p.shape), plan.tp_split_dim(name))
+            for name, p in (blocks[0].named_parameters() if blocks else ())
+        )
+        root = tuple(  # a tied matrix is listed once
+            Param(name.removesuffix(".weight"), tuple(p.shape), None)
+            for name, p in model.named_parameters()
+            if id(p) not in in_blocks
+        )
         buffers = sum(b.numel() * b.element_size() for b in model.buffers())
-        return cls(family, args, tuple(block), tuple(root), buffers, family.memory_model(args))
+        return cls(family, args, block, root, buffers, family.memory_model(args))
 
     @property
     def n_layer(self) -> int:

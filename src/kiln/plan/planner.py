@@ -11,7 +11,7 @@ import torch
 
 from kiln.config import Config, ConfigError
 from kiln.device import PEAK_FLOPS, gpu_key
-from kiln.models.family import get_family
+from kiln.models.family import family_of
 from kiln.plan.estimate import FP32_TIME, Job, MemoryEstimate, ModelShape, Setup, Target
 from kiln.plan.recommend import Recommendation, largest_fitting_micro_batch, needs_fixed_micro_batch, recommend
 
@@ -135,7 +135,7 @@ def make_plan(cfg: Config, *, world_size: int = 1, device_memory: str | None = N
     Bad input raises ConfigError naming the option or key."""
     target = resolve_target(cfg.run.device, gpu, device_memory)
     base = _base_setup(cfg, world_size)
-    family = get_family(cfg.model.family)
+    family = family_of(cfg.model)
     args = family.resolve(cfg.model, vocab_size=cfg.data.vocab_size, seq_len=cfg.data.seq_len)
     family.parallel_plan(args).check_tensor_parallel(base.tp, f"model.family={cfg.model.family}")
     job = Job(ModelShape.of(family, args), cfg.data.seq_len, cfg.train.global_batch_size, target)

@@ -9,6 +9,7 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+from kiln.config import ConfigError, LoraConfig
 from kiln.models.family import ParallelPlan
 
 
@@ -33,3 +34,37 @@ def apply_activation_checkpointing(model: nn.Module, plan: ParallelPlan | None =
 def apply_compile(fn: Callable) -> Callable:
     """Compile ``fn`` (a model, or a loss function that calls one) with torch.compile."""
     return torch.compile(fn)
+
+
+def apply_lora(model: nn.Module, cfg: LoraConfig, default_targets: list[str], task: str) -> nn.Module:
+    """Low-rank adapters (PEFT's LoRA) on a Hugging Face model inside kiln's wrapper (``model.hf``):
+    the base weights freeze, only the adapters (and a classifier's new head) train, and the
+    adapter saves in PEFT's own format."""
+    try:
+        import peft
+    except ImportError:
+        raise ConfigError(["lora.rank: LoRA needs the peft package: pip install 'kiln[hf]'"]) from None
+    if not hasattr(model, "hf"):
+        raise ConfigError(
+            [
+                f"lora.rank: LoRA applies to Hugging Face models (model.source = hf:PATH); "
+                f"{type(model).__name__} is not one"
+            ]
+        )
+    targets = [name.strip() for name in cfg.target_modules.split(",") if name.strip()] or default_targets
+    if not targets:
+        raise ConfigError(
+            ["lora.target_modules: this model has no default; name the modules to adapt, e.g. q_proj,v_proj"]
+        )
+    config = peft.LoraConfig(
+        r=cfg.rank,
+        lora_alpha=cfg.alpha,
+        lora_dropout=cfg.dropout,
+        target_modules=targets,
+        task_type="SEQ_CLS" if task == "sequence_classification" else "CAUSAL_LM",
+    )
+    try:
+        model.hf = peft.get_peft_model(model.hf, config)
+    except ValueError as e:
+        raise ConfigError([f"lora.target_modules: {str(e).splitlines()[0]}"]) from None
+    return model

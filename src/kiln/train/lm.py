@@ -17,14 +17,13 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from kiln.checkpoint import CheckpointError, latest_checkpoint, load_checkpoint, load_sharded
-from kiln.config import Config, ConfigError, from_dict, tomllib
+from kiln.config import Config, ConfigError
 from kiln.data import TokenSequences, prepare, val_batches
 from kiln.data.batch import split_batch
 from kiln.data.tokenizer import eot_id
-from kiln.device import resolve_device
 from kiln.distributed.world import init_world
-from kiln.models.family import ModelFamily, build_model, get_family
+from kiln.models.family import ModelFamily, build_model, family_of
+from kiln.train.run import load_run
 from kiln.train.trainer import FitResult, Trainer
 
 
@@ -46,9 +45,12 @@ def sample_text(
     seed: int = 0,
     device: torch.device | None = None,
 ) -> str | None:
-    """``prompt`` continued by the model, as text; None if its family cannot sample."""
+    """``prompt`` continued by the model, as text; None if its family cannot sample. The tokenizer
+    is kiln's own (a ``tokenizers.Tokenizer``) or a model's ``transformers`` tokenizer."""
     device = device or next(model.parameters()).device
-    ids = tokenizer.encode(prompt).ids or [eot_id(tokenizer)]
+    hf = hasattr(tokenizer, "eos_token_id")
+    eos = tokenizer.eos_token_id if hf else eot_id(tokenizer)
+    ids = (tokenizer(prompt)["input_ids"] if hf else tokenizer.encode(prompt).ids) or [eos]
     generator = torch.Generator(device=device).manual_seed(seed)
     out = family.generate(
         model,
@@ -57,7 +59,7 @@ def sample_text(
         temperature=temperature,
         top_k=top_k,
         top_p=top_p,
-        eos_id=eot_id(tokenizer),
+        eos_id=eos,
         generator=generator,
     )
     return None if out is None else tokenizer.decode(out[0].tolist())
@@ -66,11 +68,19 @@ def sample_text(
 def build_trainer(cfg: Config, *, console: bool = True) -> Trainer:
     world = init_world(cfg.run.device, cfg.parallel.tp)
     console = console and world.is_main
-    family = get_family(cfg.model.family)
+    family = family_of(cfg.model)
     # Rank 0 fills the cache (tokenizer, shards); the others then find it there.
     with world.main_first():
         prepared = prepare(cfg.data, progress=console)
     args = family.resolve(cfg.model, vocab_size=prepared.vocab_size, seq_len=cfg.data.seq_len)
+    if family.tokenizer(args) is not None:
+        raise ConfigError(
+            [
+                f"data.source: {cfg.data.source} is a text corpus, and this model comes with its own "
+                "tokenizer; kiln fine-tunes such models on records (.jsonl, .csv or .parquet with "
+                "prompt/completion, messages or text/label fields; data.format=records)"
+            ]
+        )
     # Initialised on the CPU on every rank and device alike: the same seed, the same weights.
     model = build_model(family, args, "cpu", cfg.train.seed)
     if console:
@@ -125,41 +135,6 @@ def train(cfg: Config, *, console: bool = True) -> FitResult:
 
 
 # -- using a finished (or running) run directory --------------------------------------------------
-
-
-@dataclasses.dataclass
-class LoadedRun:
-    cfg: Config
-    family: ModelFamily
-    model: nn.Module
-    tokenizer: object
-    checkpoint: Path
-    step: int
-
-
-def load_run(run_dir: str | Path, checkpoint: str | Path | None = None, device: str = "auto") -> LoadedRun:
-    from tokenizers import Tokenizer
-
-    run_dir = Path(run_dir)
-    for name in ("config.toml", "model.json", "tokenizer.json"):
-        if not (run_dir / name).is_file():
-            raise CheckpointError(f"{run_dir}: not a kiln run directory (missing {name})")
-    cfg = from_dict(tomllib.loads((run_dir / "config.toml").read_text()))
-    path = Path(checkpoint) if checkpoint else latest_checkpoint(run_dir / "checkpoints")
-    if path is None:
-        raise CheckpointError(f"{run_dir}: no complete checkpoint in {run_dir / 'checkpoints'}")
-    model_state, _ = load_checkpoint(path)
-    dev = resolve_device(device)
-    family = get_family(cfg.model.family)
-    args = family.args_from_dict(json.loads((run_dir / "model.json").read_text()))
-    model = build_model(family, args, "cpu", cfg.train.seed)
-    if model_state is None:  # saved sharded: gather it into this one process
-        model_state = model.state_dict()
-        load_sharded(path, {"model": model_state})
-    model.load_state_dict(model_state)
-    model.to(dev).eval()
-    step = int(path.name.split("-")[-1])
-    return LoadedRun(cfg, family, model, Tokenizer.from_file(str(run_dir / "tokenizer.json")), path, step)
 
 
 def evaluate_run(

@@ -22,12 +22,12 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from torch.utils.data import Dataset
 
 from kiln.checkpoint import CheckpointError, capture_rng, restore_rng
 from kiln.config import Config, ConfigError
-from kiln.data.batch import collate, split_batch
+from kiln.data.batch import split_batch
 from kiln.data.batch_schedule import BatchSchedule
+from kiln.data.loader import StepBatches
 from kiln.distributed.world import World
 from kiln.io import write_atomic
 from kiln.train.step import TrainStep
@@ -273,14 +273,15 @@ class MemoryLadder:
 
     # -- train.micro_batch_size = "auto" ------------------------------------------------------------
 
-    def find_micro_batch(self, data: Dataset, done: int, logger) -> None:
+    def find_micro_batch(self, batches: StepBatches, done: int, logger) -> None:
         """The largest micro-batch whose forward and backward fit (with a margin on GPU), found by
         bisection over real passes on training data; ``done`` steps are already trained."""
         device = self.world.device
         rng = capture_rng()  # probing must not change what the run draws afterwards
+        items = len(batches.dataset)
 
         def fits(m: int) -> bool:
-            batch = collate(data, [i % len(data) for i in range(m)], device)
+            batch = batches.collate([i % items for i in range(m)], device)
             failed = False
             if device.type == "cuda":
                 torch.cuda.reset_peak_memory_stats(device)

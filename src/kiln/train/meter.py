@@ -12,6 +12,7 @@ from typing import Any
 
 import torch
 
+from kiln.data.batch import TokenBatch, batch_rows
 from kiln.data.batch_schedule import BatchSchedule
 from kiln.device import peak_flops
 from kiln.distributed.world import World
@@ -19,8 +20,9 @@ from kiln.observe.memory import memory_stats
 
 
 class StepMeter:
-    """``tokens_per_sample`` turns samples/s into tokens/s; ``flops_per_token`` gives MFU where
-    the device's peak is known."""
+    """``tokens_per_sample`` turns the rows of plain batches into tokens (a ``TokenBatch`` counts
+    its real, unpadded tokens itself); ``flops_per_token`` gives MFU where the device's peak is
+    known. The tokens trained on so far are its state, saved with checkpoints."""
 
     def __init__(
         self,
@@ -33,13 +35,21 @@ class StepMeter:
     ):
         self.world, self.every, self.schedule = world, every, schedule
         self.tokens_per_sample, self.flops_per_token = tokens_per_sample, flops_per_token
+        self.tokens_seen = 0  # over all ranks, up to the last log point
         self.start()
+
+    def state_dict(self) -> dict:
+        return {"tokens_seen": self.tokens_seen}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.tokens_seen = state["tokens_seen"]
 
     def start(self) -> None:
         """Begin an interval: no steps yet, the clock from now."""
         self.losses: list[torch.Tensor] = []
         self.grad_norms: list[torch.Tensor] = []
         self.samples = 0
+        self.tokens = 0  # this rank's, in the interval
         self._t0 = time.perf_counter()
         self._paused_s = 0.0
 
@@ -56,10 +66,12 @@ class StepMeter:
         finally:
             self._paused_s += time.perf_counter() - t0
 
-    def end_step(self, loss: torch.Tensor, grad_norm: torch.Tensor, samples: int) -> None:
+    def end_step(self, loss: torch.Tensor, grad_norm: torch.Tensor, batch: Any) -> None:
         self.losses.append(loss)
         self.grad_norms.append(grad_norm.detach().float())
-        self.samples += samples
+        rows = batch_rows(batch)
+        self.samples += rows
+        self.tokens += batch.tokens if isinstance(batch, TokenBatch) else rows * self.tokens_per_sample
 
     def flush(self) -> dict[str, Any]:
         """Per-step losses (averaged over ranks) and gradient norms of the interval, read in one go;
@@ -72,6 +84,7 @@ class StepMeter:
             "losses": losses,
             "grad_norms": grad_norms,
             "samples": self.samples,
+            "tokens": self.world.dp_total(self.tokens),
             "seconds": max(1e-9, time.perf_counter() - self._t0 - self._paused_s),
         }
         self.start()
@@ -87,7 +100,8 @@ class StepMeter:
             if math.isfinite(step_loss) and math.isfinite(step_norm)
         ]
         loss, grad_norm = (sum(v) / len(finite) for v in zip(*finite, strict=True)) if finite else (math.nan, math.nan)
-        tokens_per_s = values["samples"] * self.world.dp * self.tokens_per_sample / values["seconds"]
+        tokens_per_s = values["tokens"] / values["seconds"]
+        self.tokens_seen += values["tokens"]
         record = {
             "loss": loss,
             "lr": lr,
@@ -96,7 +110,7 @@ class StepMeter:
             "elapsed_s": elapsed_s,
             "global_batch": self.schedule.batch_size(step - 1),
             "micro_batch_size": micro_batch_size,
-            "tokens": self.schedule.samples_before(step) * self.tokens_per_sample,
+            "tokens": self.tokens_seen,
         }
         peak = peak_flops(self.world.device)
         if peak and self.flops_per_token:

@@ -1,8 +1,9 @@
 """The run around the loop: the files that describe it, the signals that stop it at a step
-boundary, and its wall-clock budget."""
+boundary, its wall-clock budget, and loading a run directory back (to evaluate, sample or export)."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import platform
 import signal
@@ -13,8 +14,12 @@ from typing import Any
 import torch
 from torch import nn
 
-from kiln.config import Config
+from kiln.checkpoint import CheckpointError, latest_checkpoint, load_checkpoint, load_sharded
+from kiln.config import Config, from_dict, tomllib
+from kiln.device import resolve_device
 from kiln.distributed.world import World
+from kiln.models.family import ModelFamily, build_model, family_of
+from kiln.train.apply import apply_lora
 
 
 def write_run_files(run_dir: Path, cfg: Config, world: World, model: nn.Module) -> None:
@@ -87,3 +92,48 @@ class Budget:
         """Would one more step, as long as the last one, end past the budget?"""
         now = time.perf_counter()
         return (now - self._t0) + (now - self._step_t0) > self.seconds
+
+
+@dataclasses.dataclass
+class LoadedRun:
+    cfg: Config
+    family: ModelFamily
+    args: Any
+    model: nn.Module
+    tokenizer: Any  # a tokenizers.Tokenizer (kiln's own), or the model's transformers tokenizer
+    checkpoint: Path
+    step: int
+
+
+def load_run(run_dir: str | Path, checkpoint: str | Path | None = None, device: str = "auto") -> LoadedRun:
+    """A run directory's model at a checkpoint (the newest complete one by default), in eval mode,
+    with its tokenizer: everything from the run directory, nothing from the data or its cache."""
+    run_dir = Path(run_dir)
+    hf_tokenizer = (run_dir / "tokenizer").is_dir()
+    for name in ("config.toml", "model.json", "tokenizer" if hf_tokenizer else "tokenizer.json"):
+        if not (run_dir / name).exists():
+            raise CheckpointError(f"{run_dir}: not a kiln run directory (missing {name})")
+    cfg = from_dict(tomllib.loads((run_dir / "config.toml").read_text()))
+    path = Path(checkpoint) if checkpoint else latest_checkpoint(run_dir / "checkpoints")
+    if path is None:
+        raise CheckpointError(f"{run_dir}: no complete checkpoint in {run_dir / 'checkpoints'}")
+    model_state, _ = load_checkpoint(path)
+    family = family_of(cfg.model)
+    args = family.args_from_dict(json.loads((run_dir / "model.json").read_text()))
+    model = build_model(family, args, "cpu", cfg.train.seed)
+    if cfg.lora.rank:
+        model = apply_lora(model, cfg.lora, family.lora_targets(args), cfg.model.task)
+    if model_state is None:  # saved sharded: gather it into this one process
+        model_state = model.state_dict()
+        load_sharded(path, {"model": model_state})
+    model.load_state_dict(model_state)
+    model.to(resolve_device(device)).eval()
+    if hf_tokenizer:
+        from transformers import AutoTokenizer
+
+        tokenizer = AutoTokenizer.from_pretrained(str(run_dir / "tokenizer"), local_files_only=True)
+    else:
+        from tokenizers import Tokenizer
+
+        tokenizer = Tokenizer.from_file(str(run_dir / "tokenizer.json"))
+    return LoadedRun(cfg, family, args, model, tokenizer, path, int(path.name.split("-")[-1]))

@@ -2,6 +2,12 @@
 non-finite guard's replay and the doctor: each micro-batch's loss under the run's precision, its
 backward scaled so that the summed gradients are those of one big batch, then unscale, clip and
 the update, skipped on the device when the gradient norm is not finite.
+
+The step's loss is token-exact: the sum over every counted token (or item) of the global batch
+divided by how many there are, over all micro-batches and data-parallel ranks, so neither
+accumulation nor the world size changes the gradient when micro-batches hold different numbers
+of loss tokens (padded or packed fine-tuning data). The counts are known on the host
+(``TokenBatch``), so weighing the micro-batches costs one small host-side all-reduce, no sync.
 """
 
 from __future__ import annotations
@@ -13,7 +19,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from kiln.data.batch import batch_rows
+from kiln.data.batch import batch_rows, loss_count
 from kiln.distributed.parallelize import clip_grad_norm_, gradient_sync
 from kiln.models.family import ParallelPlan
 from kiln.train.apply import apply_activation_checkpointing
@@ -38,6 +44,8 @@ class TrainStep:
         plain: nn.Module | None = None,
         plan: ParallelPlan | None = None,
         faults: Faults | None = None,
+        dp_total: Callable[[int], int] = int,
+        dp: int = 1,
     ):
         self.model = model
         self.plain = plain if plain is not None else model
@@ -47,6 +55,8 @@ class TrainStep:
         self.precision = precision
         self.clip = grad_clip if grad_clip > 0 else math.inf
         self.faults = faults or Faults()
+        # The sum of a host-side count over the data-parallel ranks, and their number.
+        self.dp_total, self.dp = dp_total, dp
         self.params = [p for p in model.parameters() if p.requires_grad]
         self.checkpointing = False
 
@@ -63,21 +73,32 @@ class TrainStep:
             return self.loss_fn(self.model, micro_batch)
 
     def forward_backward(self, micro_batches: list[Any], step: int, *, sync: bool = True) -> torch.Tensor:
-        """Gradients of the micro-batches, accumulated; their mean loss (on the device).
+        """Gradients of the micro-batches, accumulated; the step's loss (on the device).
 
-        Each micro-batch loss is a mean, so dividing by the number of micro-batches makes the
-        summed gradients those of one big batch (and data-parallel ranks average theirs, on the
-        last micro-batch only unless ``sync`` is off)."""
+        Each micro-batch loss is a mean over its own counted tokens; dividing it by the global
+        count over its own count (times the data-parallel ranks, which average their gradients)
+        makes the summed gradients those of one big batch. Micro-batches that do not know their
+        count weigh the same: the divisor is their number. Data-parallel ranks reduce gradients
+        on the last micro-batch only, unless ``sync`` is off."""
         n = len(micro_batches)
+        counts = [loss_count(m) for m in micro_batches]
+        counted = None not in counts
+        if counted:
+            total_count = self.dp_total(sum(counts))
+            # A micro-batch without counted tokens contributes nothing (its loss is a 0 / 0).
+            divisors = [total_count / (c * self.dp) if c else math.inf for c in counts]
+        else:
+            divisors = [n] * n
         total = None
         for i, micro in enumerate(micro_batches):
             with gradient_sync(self.model, sync and i == n - 1):
                 loss = self.loss(micro, step)
-                self.precision.backward(loss / n)
+                self.precision.backward(loss / divisors[i])
             if total is None:
                 total = torch.zeros((), device=loss.device)
-            total += loss.detach()
-        return total / n
+            # This rank's share of the step's loss, times the ranks (the meter averages over them).
+            total += loss.detach() / divisors[i] if counted else loss.detach()
+        return total if counted else total / n
 
     def update(self, lr: float, inspect: Callable[[nn.Module], None] | None = None) -> torch.Tensor:
         """Unscale, clip, step at ``lr`` and clear the gradients; the gradient norm before clipping.

@@ -16,13 +16,14 @@ import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import torch
 from torch import nn
-from torch.utils.data import Dataset
+from torch.utils.data import Dataset, default_collate
 
 from kiln.config import Config, parse_duration, validate
-from kiln.data.batch import batch_rows, split_batch, to_device
+from kiln.data.batch import split_batch, to_device
 from kiln.data.batch_schedule import BatchSchedule
 from kiln.data.loader import StepBatches
 from kiln.distributed.parallelize import parallelize
@@ -60,8 +61,10 @@ class Trainer:
     sample). Both run in eval mode under no_grad and the run's precision. ``tokens_per_sample``
     turns samples/s into tokens/s; ``flops_per_token`` enables MFU where the device's peak is
     known. ``plan`` says how parallelism and activation checkpointing apply to the model (a
-    model family's; by default its ``blocks``, and no tensor parallelism). ``faults`` injects
-    test faults (by default those the environment asks for, see ``kiln.train.faults``).
+    model family's; by default its ``blocks``, and no tensor parallelism). ``collate_fn`` makes a
+    batch of dataset items (default: ``default_collate``; a ``TokenBatch`` for variable-length
+    rows, whose micro-batches are then weighed by their loss tokens). ``faults`` injects test
+    faults (by default those the environment asks for, see ``kiln.train.faults``).
 
     Under ``torchrun`` it joins the process group and applies ``cfg.parallel`` (DDP, FSDP2,
     tensor parallel) to the model; only rank 0 prints and writes logs.
@@ -79,6 +82,7 @@ class Trainer:
         tokens_per_sample: int = 1,
         flops_per_token: float | None = None,
         plan: ParallelPlan | None = None,
+        collate_fn: Callable[[list], Any] = default_collate,
         faults: Faults | None = None,
         console: bool = True,
     ):
@@ -102,6 +106,7 @@ class Trainer:
             # Ranks of one tensor-parallel group share a data-parallel rank, so the same batch.
             rank=self.world.dp_rank,
             world_size=self.world.dp,
+            collate_fn=collate_fn,
         )
         self.ladder = MemoryLadder(cfg, self.world, schedule, self.run_dir, self._say)
         self.guard = Guard(cfg.guard, scaler_skips=t.precision == "fp16")
@@ -127,6 +132,8 @@ class Trainer:
             plain=self.unwrapped,
             plan=plan,
             faults=self.faults,
+            dp_total=self.world.dp_total,
+            dp=self.world.dp,
         )
         self.params = self.train_step.params
         self.ladder.bind(self.train_step)
@@ -173,7 +180,7 @@ class Trainer:
         clock = Budget(parse_duration(t.time_budget) if t.time_budget else math.inf)
         with logger, StopRequest() as stop:
             if self.ladder.probe_needed:
-                self.ladder.find_micro_batch(self.batches.dataset, self.step, logger)
+                self.ladder.find_micro_batch(self.batches, self.step, logger)
             self.meter.start()
             while self.step < t.max_steps:
                 clock.step_started()
@@ -188,7 +195,7 @@ class Trainer:
                 with self.profiler.region("kiln/optimizer"):
                     grad_norm = self.train_step.update(lr, inspect=self._histograms(logger))
                 self.step += 1
-                self.meter.end_step(loss, grad_norm, batch_rows(batch))
+                self.meter.end_step(loss, grad_norm, batch)
                 self.profiler.step_ends(self.step)
 
                 # The run ends at max_steps, or early when the next step would overrun the time
@@ -298,7 +305,10 @@ class Trainer:
         try:
             with torch.no_grad(), self.precision.autocast():
                 if self.eval_fn is not None:
-                    metrics = {k: float(v) for k, v in self.eval_fn(model).items()}
+                    # Scalars as floats; a confusion matrix, say, stays a list (metrics.jsonl only).
+                    metrics = {
+                        k: v if isinstance(v, (list, dict)) else float(v) for k, v in self.eval_fn(model).items()
+                    }
                     logger.log(self.step, metrics)
                 # The built-in sampler's KV cache holds every head, which a tensor-parallel
                 # rank does not have; samples are skipped there.

@@ -85,6 +85,9 @@ class GPTFamily(ModelFamily):
     def state_dict_adapter(self, args: GPTConfig) -> LlamaAdapter:
         return LlamaAdapter(args)
 
+    def lora_targets(self, args: GPTConfig) -> list[str]:
+        return ["wq", "wk", "wv", "wo", "w1", "w2", "w3"]
+
     def generate(self, model: nn.Module, prompt: torch.Tensor, max_new_tokens: int, **sampling: Any) -> torch.Tensor:
         return generate(model, prompt, max_new_tokens, **sampling)
 

@@ -1,0 +1,89 @@
+"""Fine-tuning records from local .jsonl, .csv and .parquet files, each knowing where it came
+from (file and line or row), so that every problem with one can be named exactly."""
+
+from __future__ import annotations
+
+import csv
+import hashlib
+import json
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from kiln.data.corpus import DataError, find_files
+
+RECORD_EXTENSIONS = (".jsonl", ".csv", ".parquet")
+_HELP = "fine-tuning records come from a .jsonl, .csv or .parquet file, a directory of them or a glob"
+
+
+@dataclass(frozen=True)
+class Record:
+    fields: Mapping[str, Any]
+    file: Path
+    index: int  # 1-based: the line of a .jsonl, the data row of a .csv (after its header) or a .parquet
+
+    @property
+    def where(self) -> str:
+        return f"{self.file}:{self.index}" if self.file.suffix.lower() == ".jsonl" else f"{self.file} row {self.index}"
+
+    def get(self, field: str, key: str) -> Any:
+        """The value of ``field``; DataError naming the record and ``key`` (the config key that
+        names the field) if the record has none."""
+        value = self.fields.get(field)
+        if value is None or value == "":
+            present = ", ".join(map(str, self.fields)) or "none"
+            raise DataError(f"{self.where}: no field {field!r} ({key}); its fields are {present}")
+        return value
+
+    def digest(self) -> bytes:
+        """A hash of the content, whatever the file: the same record in two files is one record."""
+        canonical = json.dumps(self.fields, sort_keys=True, ensure_ascii=False, default=str)
+        return hashlib.blake2b(canonical.encode("utf-8"), digest_size=16).digest()
+
+
+def read_records(source: str) -> list[Record]:
+    """Every record of ``source``, in file order; DataError naming the file (and line) of the first
+    that cannot be read, and of a file without records."""
+    _, files = find_files(source, RECORD_EXTENSIONS, _HELP)
+    records = []
+    for path in sorted(files):
+        read = {".jsonl": _jsonl, ".csv": _csv, ".parquet": _parquet}[path.suffix.lower()]
+        found = list(read(path))
+        if not found:
+            raise DataError(f"{path}: no records (the file is empty)")
+        records += found
+    return records
+
+
+def _jsonl(path: Path):
+    with open(path, encoding="utf-8") as f:
+        for line_no, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                value = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise DataError(f"{path}:{line_no}: not valid JSON ({e.msg} at column {e.colno})") from None
+            if not isinstance(value, dict):
+                raise DataError(f"{path}:{line_no}: a record must be a JSON object, got {type(value).__name__}")
+            yield Record(value, path, line_no)
+
+
+def _csv(path: Path):
+    with open(path, encoding="utf-8", newline="") as f:
+        for row_no, row in enumerate(csv.DictReader(f), 1):
+            if None in row:
+                raise DataError(f"{path} row {row_no}: more values than the header has columns")
+            yield Record(row, path, row_no)
+
+
+def _parquet(path: Path):
+    import pyarrow.parquet as pq
+
+    try:
+        table = pq.read_table(path)
+    except Exception as e:  # noqa: BLE001 - pyarrow raises several types for a damaged file
+        raise DataError(f"{path}: not a readable parquet file: {e}") from None
+    for row_no, row in enumerate(table.to_pylist(), 1):
+        yield Record(row, path, row_no)

@@ -1,0 +1,310 @@
+"""Hugging Face models as a family: any local ``transformers`` causal LM (``AutoModelForCausalLM``)
+or BERT-style classifier (``AutoModelForSequenceClassification``), named by
+``model.source = "hf:PATH"`` and ``model.task``.
+
+kiln trains ``transformers``' own classes, inside a thin module that gives them kiln's calling
+convention (``model(input_ids, labels=..., attention_mask=..., position_ids=...)`` is the mean
+loss). A causal LM's loss goes through kiln's fused output layer + cross-entropy, from the
+decoder's hidden states, so no [tokens, vocab] logits are made. The repeated layers (one FSDP and
+activation-checkpointing unit each) are found by their class; Llama-class models (Llama, Mistral,
+Qwen2/3) also split over tensor-parallel ranks.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from kiln.config import ConfigError, ModelConfig
+from kiln.models.family import MemoryModel, ModelFamily, ParallelPlan, StateDictAdapter, build_model
+from kiln.models.fused_loss import linear_cross_entropy
+from kiln.models.gpt.memory import GPTMemory
+from kiln.models.gpt.model import GPTConfig
+from kiln.models.hf.loading import (
+    has_weights,
+    load_tokenizer,
+    model_dir,
+    read_config,
+    transformers_module,
+    weights_error,
+)
+from kiln.models.hf.memory import EncoderMemory
+
+TASKS = {"causal_lm": "AutoModelForCausalLM", "sequence_classification": "AutoModelForSequenceClassification"}
+# Architectures whose decoder layers split Megatron-style under the same projection names.
+LLAMA_CLASS = ("llama", "mistral", "qwen2", "qwen3")
+LLAMA_TP = {
+    "self_attn.q_proj": "colwise",
+    "self_attn.k_proj": "colwise",
+    "self_attn.v_proj": "colwise",
+    "self_attn.o_proj": "rowwise",
+    "mlp.gate_proj": "colwise",
+    "mlp.up_proj": "colwise",
+    "mlp.down_proj": "rowwise",
+}
+# Config attributes that change logits after the output projection: such models keep their own head.
+LOGIT_TRANSFORMS = ("final_logit_softcapping", "logit_scale", "logits_scaling", "output_multiplier_scale")
+
+
+@dataclass(frozen=True)
+class HFArgs:
+    path: str
+    task: str
+    config: Mapping[str, Any]
+    weights: str = "pretrained"
+    labels: tuple[str, ...] = field(default_factory=tuple)  # sequence_classification: id -> name
+
+    def hf_config(self):
+        """The ``transformers`` config object, with the label names of a classifier."""
+        transformers = transformers_module()
+        config = transformers.CONFIG_MAPPING[self.config["model_type"]].from_dict(dict(self.config))
+        if self.task == "sequence_classification" and self.labels:
+            config.num_labels = len(self.labels)
+            config.id2label = dict(enumerate(self.labels))
+            config.label2id = {name: i for i, name in enumerate(self.labels)}
+            config.problem_type = "single_label_classification"
+        return config
+
+
+def _base(hf: nn.Module) -> nn.Module:
+    """The ``transformers`` model itself, under a PEFT (LoRA) wrapper if there is one."""
+    return hf.get_base_model() if hasattr(hf, "get_base_model") else hf
+
+
+class CausalLM(nn.Module):
+    """A ``transformers`` causal LM with kiln's convention: given labels (aligned with the inputs,
+    -100 where no loss is wanted; shifted here), the mean loss of the counted tokens."""
+
+    def __init__(self, hf: nn.Module):
+        super().__init__()
+        self.hf = hf
+        config = hf.config
+        head = hf.get_output_embeddings()
+        self.fused = (
+            isinstance(head, nn.Linear)
+            and head.bias is None
+            and not any(getattr(config, a, None) for a in LOGIT_TRANSFORMS)
+        )
+
+    def init_weights(self) -> None:
+        self.hf.init_weights()
+
+    def forward(self, input_ids, labels=None, attention_mask=None, position_ids=None, token_type_ids=None):
+        inputs = dict(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids)
+        if labels is None:
+            return self.hf(**inputs, use_cache=False).logits
+        targets = labels[:, 1:].flatten()
+        if not self.fused:
+            logits = self.hf(**inputs, use_cache=False).logits[:, :-1]
+            return F.cross_entropy(logits.flatten(0, 1).float(), targets)
+        hf = _base(self.hf)
+        hidden = hf.base_model(**inputs, use_cache=False).last_hidden_state[:, :-1]
+        return linear_cross_entropy(hidden.flatten(0, 1), hf.get_output_embeddings().weight, targets)
+
+
+class SequenceClassifier(nn.Module):
+    """A ``transformers`` sequence classifier with kiln's convention: given labels [B], the mean loss."""
+
+    def __init__(self, hf: nn.Module):
+        super().__init__()
+        self.hf = hf
+
+    def init_weights(self) -> None:
+        self.hf.init_weights()
+
+    def forward(self, input_ids, labels=None, attention_mask=None, position_ids=None, token_type_ids=None):
+        logits = self.hf(input_ids=input_ids, attention_mask=attention_mask, token_type_ids=token_type_ids).logits
+        return logits if labels is None else F.cross_entropy(logits.float(), labels)
+
+
+WRAPPERS = {"causal_lm": CausalLM, "sequence_classification": SequenceClassifier}
+
+
+class HFNames(StateDictAdapter):
+    """kiln's names are the ``transformers`` model's under ``hf.`` (and PEFT's, with LoRA)."""
+
+    def __init__(self, args: HFArgs):
+        self.args = args
+
+    def to_hf(self, state: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        return {name.removeprefix("hf."): t for name, t in state.items()}
+
+    def from_hf(self, state: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        return {f"hf.{name}": t for name, t in state.items()}
+
+    def hf_config(self) -> dict[str, Any]:
+        return self.args.hf_config().to_dict()
+
+
+def _layer_type(model: nn.Module) -> type | None:
+    """The class of the repeated layers: the children of the largest ModuleList of one class."""
+    best, size = None, -1
+    for module in model.modules():
+        if isinstance(module, nn.ModuleList) and len(module) and len({type(m) for m in module}) == 1:
+            n = sum(p.numel() for p in module.parameters())
+            if n > size:
+                best, size = type(module[0]), n
+    return best
+
+
+class HFFamily(ModelFamily):
+    name = "hf"
+
+    def resolve(self, model_cfg: ModelConfig, *, vocab_size: int, seq_len: int) -> HFArgs:
+        if not model_cfg.source:
+            raise ConfigError(["model.source: the hf family needs model.source = hf:PATH (a local model directory)"])
+        path = model_dir(model_cfg.source)
+        config = read_config(path)
+        if model_cfg.weights == "pretrained" and not has_weights(path):
+            raise weights_error(path)
+        limit = config.get("max_position_embeddings")
+        if limit and seq_len > limit:
+            raise ConfigError(
+                [
+                    f"data.seq_len: {seq_len} is longer than the model's context "
+                    f"(max_position_embeddings {limit} in {path / 'config.json'})"
+                ]
+            )
+        return HFArgs(str(path), model_cfg.task, config, model_cfg.weights)
+
+    def build(self, args: HFArgs) -> nn.Module:
+        transformers = transformers_module()
+        auto = getattr(transformers, TASKS[args.task])
+        try:
+            hf = auto.from_config(args.hf_config(), attn_implementation="sdpa", dtype=torch.float32)
+        except ValueError as e:
+            raise ConfigError([f"model.task: {args.task} does not fit {args.path}: {str(e).splitlines()[0]}"]) from None
+        return WRAPPERS[args.task](hf)
+
+    def create(self, args: HFArgs, device: torch.device | str, seed: int) -> nn.Module:
+        """Pretrained weights from the directory (a classifier's new head from ``seed``), or random ones."""
+        if args.weights == "random":
+            return build_model(self, args, device, seed)
+        transformers = transformers_module()
+        torch.manual_seed(seed)
+        hf = getattr(transformers, TASKS[args.task]).from_pretrained(
+            args.path,
+            config=args.hf_config(),
+            local_files_only=True,
+            trust_remote_code=False,
+            use_safetensors=True,
+            dtype=torch.float32,
+            attn_implementation="sdpa",
+            # A classifier's head is new whenever the labels differ from the directory's.
+            ignore_mismatched_sizes=args.task == "sequence_classification",
+        )
+        return WRAPPERS[args.task](hf).to(device).train()
+
+    def tokenizer(self, args: HFArgs):
+        return load_tokenizer(Path(args.path))
+
+    def args_to_dict(self, args: HFArgs) -> dict[str, Any]:
+        return {**dataclasses.asdict(args), "config": dict(args.config), "labels": list(args.labels)}
+
+    def args_from_dict(self, values: Mapping[str, Any]) -> HFArgs:
+        return HFArgs(**{**values, "labels": tuple(values.get("labels", ()))})
+
+    def describe(self, model_cfg: ModelConfig, args: HFArgs, model: nn.Module) -> str:
+        n = sum(p.numel() for p in model.parameters())
+        kind = args.config.get("architectures", [args.config["model_type"]])[0]
+        start = "pretrained" if args.weights == "pretrained" else "random weights"
+        labels = f", {len(args.labels)} labels" if args.labels else ""
+        return f"{kind} from {args.path} ({start}), {args.task}: {n:,} parameters{labels}"
+
+    def parallel_plan(self, args: HFArgs) -> ParallelPlan:
+        with torch.device("meta"):
+            layer = _layer_type(self.build(args))
+        c = args.config
+        if c["model_type"] not in LLAMA_CLASS:
+            return ParallelPlan(blocks=None, block_type=layer)
+        divisors = {
+            f"{k} (config.json)": c[k]
+            for k in ("num_attention_heads", "num_key_value_heads", "intermediate_size")
+            if k in c
+        }
+        return ParallelPlan(blocks=None, block_type=layer, tensor_parallel=LLAMA_TP, tp_divisors=divisors)
+
+    def flops_per_token(self, args: HFArgs, seq_len: int) -> float:
+        """6 x the parameters of every matmul a token goes through (each nn.Linear; a tied output
+        layer once), plus attention's 12 x layers x width x context (the PaLM convention)."""
+        with torch.device("meta"):
+            model = self.build(args)
+        seen, matmul = set(), 0
+        for module in model.modules():
+            if isinstance(module, nn.Linear) and id(module.weight) not in seen:
+                seen.add(id(module.weight))
+                matmul += module.weight.numel()
+        c = args.config
+        width = c.get("num_attention_heads", 0) * c.get("head_dim", c["hidden_size"] // c["num_attention_heads"])
+        return 6.0 * matmul + 12.0 * c["num_hidden_layers"] * width * seq_len
+
+    def memory_model(self, args: HFArgs) -> MemoryModel:
+        """Causal LMs: kiln's GPT block count on the same dimensions (a Llama-class decoder layer
+        keeps what kiln's block keeps) and kiln's fused head; encoders: see EncoderMemory."""
+        c = args.config
+        if args.task == "sequence_classification":
+            return EncoderMemory(c, num_labels=max(1, len(args.labels)))
+        heads = c["num_attention_heads"]
+        return GPTMemory(
+            GPTConfig(
+                vocab_size=c["vocab_size"],
+                n_layer=c["num_hidden_layers"],
+                d_model=c["hidden_size"],
+                n_head=heads,
+                n_kv_head=c.get("num_key_value_heads") or heads,
+                d_ff=c["intermediate_size"],
+                max_seq_len=c.get("max_position_embeddings", 0),
+                tie_embeddings=bool(c.get("tie_word_embeddings", True)),
+            )
+        )
+
+    def head_dim(self, args: HFArgs) -> int | None:
+        c = args.config
+        return c.get("head_dim") or c["hidden_size"] // c["num_attention_heads"]
+
+    def loss(self, model: nn.Module, batch: Any) -> torch.Tensor:
+        """The mean loss of a ``kiln.data.batch.TokenBatch`` (padded or packed rows)."""
+        return model(
+            batch.input_ids,
+            labels=batch.labels,
+            attention_mask=batch.attention_mask,
+            position_ids=batch.position_ids,
+            token_type_ids=batch.token_type_ids,
+        )
+
+    def state_dict_adapter(self, args: HFArgs) -> HFNames:
+        return HFNames(args)
+
+    def lora_targets(self, args: HFArgs) -> list[str]:
+        if args.config["model_type"] in LLAMA_CLASS:
+            return [name.split(".")[-1] for name in LLAMA_TP]
+        return ["query", "key", "value"] if args.task == "sequence_classification" else []
+
+    def generate(self, model: nn.Module, prompt: torch.Tensor, max_new_tokens: int, **sampling: Any):
+        """``transformers``' own ``generate`` (greedy at temperature 0), stopping at ``eos_id``."""
+        if not isinstance(model, CausalLM):
+            return None
+        temperature = sampling.get("temperature", 1.0)
+        kwargs = dict(
+            do_sample=temperature > 0,
+            max_new_tokens=max_new_tokens,
+            eos_token_id=sampling.get("eos_id"),
+            pad_token_id=sampling.get("eos_id"),
+        )
+        if temperature > 0:
+            kwargs.update(temperature=temperature, top_k=sampling.get("top_k") or 0, top_p=sampling.get("top_p") or 1.0)
+        if sampling.get("generator") is not None:
+            torch.manual_seed(int(sampling["generator"].initial_seed()))
+        return _base(model.hf).generate(prompt, **kwargs)
+
+
+FAMILY = HFFamily()
+
+__all__ = ["FAMILY", "CausalLM", "HFArgs", "HFFamily", "SequenceClassifier"]

@@ -1,0 +1,112 @@
+"""Tiny Hugging Face models made locally from configs (``save_pretrained`` into a directory), with
+real tokenizers trained here: nothing is downloaded."""
+
+from __future__ import annotations
+
+import sysconfig
+from pathlib import Path
+
+import torch
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+from transformers import (
+    BertConfig,
+    BertForSequenceClassification,
+    BertTokenizerFast,
+    LlamaConfig,
+    LlamaForCausalLM,
+    PreTrainedTokenizerFast,
+)
+
+# A chat template that marks what the assistant says with {% generation %}, and one that does not.
+CHAT_MARKED = (
+    "{{ bos_token }}{% for m in messages %}{% if m['role'] == 'assistant' %}<|assistant|>{% generation %}"
+    "{{ m['content'] }}{{ eos_token }}{% endgeneration %}{% else %}<|{{ m['role'] }}|>{{ m['content'] }}{% endif %}"
+    "{% endfor %}{% if add_generation_prompt %}<|assistant|>{% endif %}"
+)
+CHAT_PLAIN = CHAT_MARKED.replace("{% generation %}", "").replace("{% endgeneration %}", "")
+
+
+def _texts() -> list[str]:
+    stdlib = Path(sysconfig.get_paths()["stdlib"])
+    return [p.read_text(errors="replace")[:4000] for p in sorted(stdlib.glob("*.py"))[:30]]
+
+
+def bpe_tokenizer(directory: Path, vocab_size: int = 300, chat_template: str | None = CHAT_MARKED):
+    """A byte-level BPE with <s>, </s>, <pad> and the chat roles as special tokens."""
+    specials = ["<s>", "</s>", "<pad>", "<|user|>", "<|assistant|>", "<|system|>"]
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.train_from_iterator(
+        _texts(),
+        trainers.BpeTrainer(
+            vocab_size=vocab_size, special_tokens=specials, initial_alphabet=pre_tokenizers.ByteLevel.alphabet()
+        ),
+    )
+    tok.post_processor = processors.TemplateProcessing(single="<s> $A", pair="<s> $A $B", special_tokens=[("<s>", 0)])
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>", pad_token="<pad>")
+    fast.chat_template = chat_template
+    fast.save_pretrained(directory)
+    return fast
+
+
+def wordpiece_tokenizer(directory: Path, vocab_size: int = 400):
+    specials = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"]
+    tok = Tokenizer(models.WordPiece(unk_token="[UNK]"))
+    tok.pre_tokenizer = pre_tokenizers.BertPreTokenizer()
+    tok.decoder = decoders.WordPiece()
+    tok.train_from_iterator(_texts(), trainers.WordPieceTrainer(vocab_size=vocab_size, special_tokens=specials))
+    cls, sep = tok.token_to_id("[CLS]"), tok.token_to_id("[SEP]")
+    tok.post_processor = processors.BertProcessing(("[SEP]", sep), ("[CLS]", cls))
+    fast = BertTokenizerFast(tokenizer_object=tok)
+    fast.save_pretrained(directory)
+    return fast
+
+
+def tiny_llama(
+    directory: Path,
+    *,
+    seed: int = 0,
+    shards: bool = False,
+    tie: bool = False,
+    n_kv_head: int = 2,
+    chat_template: str | None = CHAT_MARKED,
+    **config,
+) -> Path:
+    """A 2-layer Llama with its tokenizer, saved like a model from the hub (optionally sharded)."""
+    tokenizer = bpe_tokenizer(directory, chat_template=chat_template)
+    dims = dict(
+        vocab_size=len(tokenizer),
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=n_kv_head,
+        max_position_embeddings=256,
+        tie_word_embeddings=tie,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+    )
+    torch.manual_seed(seed)
+    model = LlamaForCausalLM(LlamaConfig(**{**dims, **config}))
+    model.save_pretrained(directory, max_shard_size="100KB" if shards else "5GB")
+    return directory
+
+
+def tiny_bert(directory: Path, *, seed: int = 0, num_labels: int = 2, **config) -> Path:
+    tokenizer = wordpiece_tokenizer(directory)
+    dims = dict(
+        vocab_size=len(tokenizer),
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        max_position_embeddings=128,
+        num_labels=num_labels,
+        pad_token_id=tokenizer.pad_token_id,
+    )
+    torch.manual_seed(seed)
+    model = BertForSequenceClassification(BertConfig(**{**dims, **config}))
+    model.save_pretrained(directory)
+    return directory
