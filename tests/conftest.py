@@ -108,3 +108,44 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+@pytest.fixture(scope="session")
+def hf_llama(tmp_path_factory) -> Path:
+    """A tiny Llama saved with a sharded safetensors index, its tokenizer and a chat template that
+    marks assistant turns with {% generation %}."""
+    from hf_models import tiny_llama
+
+    return tiny_llama(tmp_path_factory.mktemp("llama"), shards=True)
+
+
+@pytest.fixture(scope="session")
+def hf_bert(tmp_path_factory) -> Path:
+    """A tiny BERT-style sequence classifier with a WordPiece tokenizer."""
+    from hf_models import tiny_bert
+
+    return tiny_bert(tmp_path_factory.mktemp("bert"))
+
+
+def write_jsonl(path: Path, records: list[dict]) -> Path:
+    import json
+
+    path.write_text("".join(json.dumps(r) + "\n" for r in records))
+    return path
+
+
+def sft_records(n: int = 64, seed: int = 0) -> list[dict]:
+    """Prompt/completion pairs of different lengths (sums of numbers)."""
+    import random
+
+    rng = random.Random(seed)
+    out = []
+    for _ in range(n):
+        terms = [rng.randint(0, 99) for _ in range(rng.randint(1, 6))]
+        out.append(
+            {
+                "prompt": "Add " + " and ".join(map(str, terms)) + ". ",
+                "completion": " + ".join(map(str, terms)) + f" = {sum(terms)}.",
+            }
+        )
+    return out

@@ -60,17 +60,23 @@ def prepare_finetune(data_cfg, task: str, tokenizer, max_len: int) -> FineTuneDa
     bad record, naming its file, line and field."""
     if task not in TASKS:
         raise DataError(f"model.task: {task!r} has no fine-tuning records; choose one of {', '.join(TASKS)}")
-    train_records, val_records, split = _split(data_cfg)
+    records, is_val, split = _split(data_cfg)
     if task == "sequence_classification":
-        labels = _label_set(train_records, data_cfg.label_field)
+        labels = _label_set([r for r, v in zip(records, is_val, strict=True) if not v], data_cfg.label_field)
         ids = {name: i for i, name in enumerate(labels)}
-        make = lambda r: classification_row(r, tokenizer, data_cfg, max_len, ids)  # noqa: E731
+        made = [classification_row(r, tokenizer, data_cfg, max_len, ids) for r in records]
     else:
         labels = ()
-        make = lambda r: causal_row(r, tokenizer, data_cfg, max_len)  # noqa: E731
-    made = {name: [make(r) for r in records] for name, records in (("train", train_records), ("val", val_records))}
-    rows = {name: [row for row, _ in pairs] for name, pairs in made.items()}
-    truncated = {name: sum(cut for _, cut in pairs) for name, pairs in made.items()}
+        made = [causal_row(r, tokenizer, data_cfg, max_len) for r in records]
+    # Rows are made in file order, so an error names the first bad record whatever its split.
+    rows = {
+        name: [row for (row, _), v in zip(made, is_val, strict=True) if v == (name == "val")]
+        for name in ("train", "val")
+    }
+    truncated = {
+        name: sum(cut for (_, cut), v in zip(made, is_val, strict=True) if v == (name == "val"))
+        for name in ("train", "val")
+    }
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     packed = task == "causal_lm" and data_cfg.packing
     train_rows = pack(rows["train"], data_cfg.seq_len) if packed else rows["train"]
@@ -194,26 +200,25 @@ def _label_set(records: Sequence[Record], field_name: str) -> tuple[str, ...]:
 # -- the split ---------------------------------------------------------------------------------------
 
 
-def _split(data_cfg) -> tuple[list[Record], list[Record], str]:
-    """(train, val, how): val from data.val_source, else the records whose content hash falls
-    below data.val_fraction, so copies of one record always land on the same side."""
+def _split(data_cfg) -> tuple[list[Record], list[bool], str]:
+    """(records, which are val, how): val from data.val_source, else the records whose content
+    hash falls below data.val_fraction, so copies of one record always land on the same side."""
     records = read_records(data_cfg.source)
     if data_cfg.val_source:
-        return records, read_records(data_cfg.val_source), f"val from {data_cfg.val_source}"
+        val = read_records(data_cfg.val_source)
+        return records + val, [False] * len(records) + [True] * len(val), f"val from {data_cfg.val_source}"
     unit = [int.from_bytes(r.digest()[:8], "big") / 2**64 for r in records]
-    val = [r for r, u in zip(records, unit, strict=True) if u < data_cfg.val_fraction]
-    train = [r for r, u in zip(records, unit, strict=True) if u >= data_cfg.val_fraction]
-    if not val or not train:
+    is_val = [u < data_cfg.val_fraction for u in unit]
+    if all(is_val) or not any(is_val):
         # Too few records for the fraction to give both splits one: the extreme hash moves over.
         if len(records) < 2:
             raise DataError(
                 f"{data_cfg.source}: {len(records)} record; a train/val split needs at least 2 (or set data.val_source)"
             )
-        order = sorted(range(len(records)), key=unit.__getitem__)
-        moved = order[0] if not val else order[-1]
-        val = [r for i, r in enumerate(records) if (unit[i] < data_cfg.val_fraction) != (i == moved)]
-        train = [r for i, r in enumerate(records) if (unit[i] >= data_cfg.val_fraction) != (i == moved)]
-    return train, val, f"{data_cfg.val_fraction:g} of the records by content hash"
+        extreme = max if any(is_val) else min
+        moved = extreme(range(len(records)), key=unit.__getitem__)
+        is_val[moved] = not is_val[moved]
+    return records, is_val, f"{data_cfg.val_fraction:g} of the records by content hash"
 
 
 # -- packing -----------------------------------------------------------------------------------------

@@ -145,6 +145,9 @@ def make_train_loader(
         dataset,
         batch_sampler=sampler,
         collate_fn=collate_fn,
+        # Its own generator for the workers' seeds: drawing them from the global one would move
+        # the dropout masks of a resumed run (the loader starts after the RNG state is restored).
+        generator=torch.Generator().manual_seed(seed),
         num_workers=num_workers,
         pin_memory=pin_memory,
         persistent_workers=False,

@@ -31,9 +31,11 @@ class Record:
         """The value of ``field``; DataError naming the record and ``key`` (the config key that
         names the field) if the record has none."""
         value = self.fields.get(field)
-        if value is None or value == "":
+        if value is None and field not in self.fields:
             present = ", ".join(map(str, self.fields)) or "none"
             raise DataError(f"{self.where}: no field {field!r} ({key}); its fields are {present}")
+        if value is None or value == "":
+            raise DataError(f"{self.where}: field {field!r} ({key}) is empty")
         return value
 
     def digest(self) -> bytes:

@@ -145,7 +145,7 @@ class Trainer:
             self.world,
             self.model,
             self.optimizer,
-            {"precision": self.precision, "memory": self.ladder, "guard": self.guard},
+            {"precision": self.precision, "memory": self.ladder, "guard": self.guard, "meter": self.meter},
             self.batches,
             self._say,
         )

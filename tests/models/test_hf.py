@@ -1,0 +1,97 @@
+"""The hf family: local transformers directories load safely (a sharded index too), kiln's forward is
+transformers' own, the fused loss equals transformers' loss, and the exported directory loads back
+in transformers with the same predictions."""
+
+import dataclasses
+import json
+import shutil
+
+import pytest
+import torch
+
+from kiln.config import ConfigError, ModelConfig
+from kiln.models.hf import FAMILY, CausalLM
+
+transformers = pytest.importorskip("transformers")
+
+
+def _args(path, task="causal_lm", **kw):
+    return FAMILY.resolve(ModelConfig(source=f"hf:{path}", task=task, **kw), vocab_size=0, seq_len=64)
+
+
+def _ids(vocab, rows=2, cols=24, seed=0):
+    return torch.randint(0, vocab, (rows, cols), generator=torch.Generator().manual_seed(seed))
+
+
+def test_a_sharded_causal_lm_loads_and_computes_transformers_logits(hf_llama):
+    assert (hf_llama / "model.safetensors.index.json").is_file()
+    args = _args(hf_llama)
+    model = FAMILY.create(args, "cpu", seed=0).eval()
+    ref = transformers.AutoModelForCausalLM.from_pretrained(hf_llama).eval()
+    ids = _ids(ref.config.vocab_size)
+    with torch.no_grad():
+        torch.testing.assert_close(model(ids), ref(ids).logits, rtol=0, atol=1e-5)
+        labels = ids.clone()
+        labels[:, :7] = -100
+        # kiln's fused output layer + loss from the hidden states, against transformers' own loss.
+        torch.testing.assert_close(model(ids, labels=labels), ref(ids, labels=labels).loss, rtol=0, atol=1e-5)
+    assert isinstance(model, CausalLM) and model.fused
+
+
+def test_a_classifier_gets_its_labels_and_transformers_logits(hf_bert):
+    args = dataclasses.replace(_args(hf_bert, "sequence_classification"), labels=("a", "b", "c"))
+    model = FAMILY.create(args, "cpu", seed=0).eval()
+    assert model.hf.config.id2label == {0: "a", 1: "b", 2: "c"}
+    ids = _ids(model.hf.config.vocab_size)
+    with torch.no_grad():
+        logits = model(ids)
+        assert logits.shape == (2, 3)
+        torch.testing.assert_close(
+            model(ids, labels=torch.tensor([0, 2])), torch.nn.functional.cross_entropy(logits, torch.tensor([0, 2]))
+        )
+
+
+def test_plan_flops_and_memory_come_from_the_config(hf_llama):
+    args = _args(hf_llama)
+    plan = FAMILY.parallel_plan(args)
+    model = FAMILY.create(args, "cpu", seed=0)
+    assert len(plan.repeated_blocks(model)) == 2 and plan.tp_split_dim("self_attn.o_proj") == 1
+    plan.check_tensor_parallel(2, "llama")
+    with pytest.raises(ConfigError, match=r"parallel.tp: 4 must divide num_key_value_heads \(config.json\)=2"):
+        plan.check_tensor_parallel(4, "llama")
+    linear = sum(m.weight.numel() for m in model.modules() if isinstance(m, torch.nn.Linear))
+    assert FAMILY.flops_per_token(args, 64) == 6.0 * linear + 12.0 * 2 * 64 * 64
+    assert FAMILY.memory_model(args).n_layer == 2
+
+
+def test_random_weights_need_no_weight_file(hf_llama, tmp_path):
+    shutil.copy(hf_llama / "config.json", tmp_path / "config.json")
+    with pytest.raises(ConfigError, match="has no model.safetensors or model.safetensors.index.json"):
+        _args(tmp_path)
+    (tmp_path / "pytorch_model.bin").write_bytes(b"")
+    with pytest.raises(ConfigError, match="pytorch_model.bin, which kiln does not load"):
+        _args(tmp_path)
+    args = _args(tmp_path, weights="random")
+    a, b = FAMILY.create(args, "cpu", seed=4), FAMILY.create(args, "cpu", seed=4)
+    assert all(torch.equal(x, y) for x, y in zip(a.state_dict().values(), b.state_dict().values(), strict=True))
+
+
+@pytest.mark.parametrize(
+    "edit, message",
+    [
+        (lambda c: {**c, "auto_map": {"AutoModelForCausalLM": "mine.Model"}}, "needs its own Python code"),
+        (lambda c: {**c, "model_type": "not-a-model"}, "model_type 'not-a-model' is not an architecture"),
+    ],
+)
+def test_directories_that_would_run_code_or_are_unknown_are_refused(hf_llama, tmp_path, edit, message):
+    config = json.loads((hf_llama / "config.json").read_text())
+    (tmp_path / "config.json").write_text(json.dumps(edit(config)))
+    with pytest.raises(ConfigError, match=message):
+        _args(tmp_path)
+
+
+def test_a_missing_directory_and_a_too_long_context_are_config_errors(hf_llama, tmp_path):
+    with pytest.raises(ConfigError, match="model.source: .* is not a directory"):
+        _args(tmp_path / "nothing")
+    with pytest.raises(ConfigError, match="data.seq_len: 512 is longer than the model's context"):
+        FAMILY.resolve(ModelConfig(source=f"hf:{hf_llama}"), vocab_size=0, seq_len=512)

@@ -1,0 +1,407 @@
+"""Fine-tuning Hugging Face models through the loop: token-exact gradients whatever the
+accumulation and world size, packing without cross-contamination, classification, LoRA, the
+exported directory in transformers and peft, exact resume after SIGKILL, DDP and FSDP, and
+bad input refused before anything is written."""
+
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from kiln.cli import main
+from kiln.config import DataConfig, load_config
+from kiln.data.batch import IGNORE_INDEX
+from kiln.data.finetune import pack, prepare_finetune
+from kiln.models.hf import FAMILY
+from kiln.train.evaluate import classification_metrics
+from kiln.train.finetune import build_trainer
+from kiln.train.run import load_run
+
+from conftest import sft_records, write_jsonl
+from grad_probe import step_gradients
+
+transformers = pytest.importorskip("transformers")
+TESTS = Path(__file__).parents[1]
+
+
+def ft_sets(run_dir, source, model_dir, **extra) -> list[str]:
+    items = {
+        "run.dir": run_dir,
+        "run.device": "cpu",
+        "model.source": f"hf:{model_dir}",
+        "data.source": source,
+        "data.num_workers": 0,
+        "data.seq_len": 64,
+        "train.max_steps": 8,
+        "train.micro_batch_size": 2,
+        "train.global_batch_size": 4,
+        "train.lr": 3e-3,
+        "train.warmup_steps": 2,
+        "train.log_every": 1,
+        "eval.every": 0,
+        "checkpoint.every": 4,
+        "checkpoint.keep": 10,
+    }
+    items.update({k.replace("__", "."): v for k, v in extra.items()})
+    return [f"{k}={v}" for k, v in items.items()]
+
+
+def as_args(sets: list[str]) -> list[str]:
+    return [a for item in sets for a in ("--set", item)]
+
+
+def kiln(*args, env=None, check=True, timeout=300):
+    proc = subprocess.run(
+        [sys.executable, "-m", "kiln", *map(str, args)],
+        capture_output=True,
+        text=True,
+        env={**os.environ, **(env or {})},
+        timeout=timeout,
+    )
+    if check:
+        assert proc.returncode == 0, proc.stderr[-4000:]
+    return proc
+
+
+def losses(run_dir: Path) -> dict[int, float]:
+    lines = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return {r["step"]: r["loss"] for r in lines if "loss" in r}
+
+
+@pytest.fixture(scope="module")
+def sft(tmp_path_factory) -> Path:
+    return write_jsonl(tmp_path_factory.mktemp("sft") / "sft.jsonl", sft_records(96))
+
+
+def learnable_classes(n: int = 320, seed: int = 0) -> list[dict]:
+    """Sentences of words from three vocabularies; the label is the vocabulary most words come from."""
+    rng = random.Random(seed)
+    words = {
+        "sport": "ball goal team match score coach league",
+        "food": "bread soup apple cheese salt dinner",
+        "code": "loop function class import return value",
+    }
+    out = []
+    for _ in range(n):
+        label = rng.choice(sorted(words))
+        own = words[label].split()
+        noise = " ".join(words[k] for k in words if k != label).split()
+        text = [rng.choice(own) for _ in range(5)] + [rng.choice(noise) for _ in range(2)]
+        rng.shuffle(text)
+        out.append({"text": " ".join(text), "label": label})
+    return out
+
+
+# -- token-exact normalisation -----------------------------------------------------------------
+
+
+def test_gradients_are_equal_whatever_the_accumulation_and_world_size(tmp_path, sft, hf_llama):
+    def sets(micro, **kw):
+        return ft_sets(tmp_path / f"r{micro}", sft, hf_llama, train__micro_batch_size=micro, **kw)
+
+    one = step_gradients(sets(4))
+    accumulated = step_gradients(sets(1))
+    out = tmp_path / "ranks.pt"
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc-per-node",
+            "2",
+            str(TESTS / "grad_probe.py"),
+            str(out),
+            *sets(1, run__dir=tmp_path / "ddp"),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    ranks = torch.load(out)
+    assert one.keys() == accumulated.keys() == ranks.keys()
+    for name in one:
+        torch.testing.assert_close(accumulated[name], one[name], rtol=0, atol=1e-6, msg=name)
+        torch.testing.assert_close(ranks[name], one[name], rtol=0, atol=1e-6, msg=name)
+    # The batch really is padded with rows of different lengths and loss tokens.
+    data = prepare_finetune(
+        DataConfig(source=str(sft), seq_len=64), "causal_lm", transformers.AutoTokenizer.from_pretrained(hf_llama), 64
+    )
+    counts = {sum(t != IGNORE_INDEX for t in r["labels"][1:]) for r in data.train.rows[:20]}
+    assert len(counts) > 2
+
+
+# -- packing -----------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def llama(hf_llama):
+    args = FAMILY.resolve(load_config(None, [f"model.source=hf:{hf_llama}"]).model, vocab_size=0, seq_len=64)
+    return FAMILY.create(args, "cpu", seed=0).eval(), transformers.AutoTokenizer.from_pretrained(hf_llama)
+
+
+def test_packed_and_unpacked_token_losses_sum_to_the_same(llama, sft):
+    model, tok = llama
+    data = prepare_finetune(DataConfig(source=str(sft), seq_len=64), "causal_lm", tok, 64)
+    rows = data.train.rows[:24]
+    with torch.no_grad():
+        unpacked = sum(FAMILY.loss(model, data.collate([r])).double() * data.collate([r]).count for r in rows)
+        packs = pack(rows, 64)
+        assert len(packs) < len(rows)
+        packed = sum(FAMILY.loss(model, b).double() * b.count for b in (data.collate([p]) for p in packs))
+    assert packed.item() == pytest.approx(unpacked.item(), rel=1e-5)
+
+
+def test_changing_one_record_leaves_the_others_in_its_pack_bit_identical(llama, sft):
+    model, tok = llama
+    data = prepare_finetune(DataConfig(source=str(sft), seq_len=64), "causal_lm", tok, 64)
+    rows = [r for r in data.train.rows if len(r["input_ids"]) <= 20][:3]
+    first = pack(rows, 64)
+    assert len(first) == 1 and first[0]["records"] == 3
+    changed = [dict(rows[0], input_ids=[(t + 7) % len(tok) for t in rows[0]["input_ids"]]), *rows[1:]]
+    second = pack(changed, 64)
+    starts = [i for i, p in enumerate(first[0]["position_ids"]) if p == 0]
+    ids_a, ids_b = first[0]["input_ids"], second[0]["input_ids"]
+    diff = [i for i, (a, b) in enumerate(zip(ids_a, ids_b, strict=True)) if a != b]
+    which = max(s for s in starts if s <= diff[0])  # where the changed record starts
+    batch_a, batch_b = data.collate(first), data.collate(second)
+    with torch.no_grad():
+        a = model(batch_a.input_ids, position_ids=batch_a.position_ids)
+        b = model(batch_b.input_ids, position_ids=batch_b.position_ids)
+    end = dict(zip(starts, [*starts[1:], len(ids_a)], strict=True))
+    for s in starts:
+        if s != which:
+            assert torch.equal(a[0, s : end[s]], b[0, s : end[s]]), f"record at {s} changed"
+    assert not torch.equal(a[0, which : end[which]], b[0, which : end[which]])
+
+
+# -- classification ----------------------------------------------------------------------------
+
+
+def test_metrics_equal_scikit_learn():
+    from sklearn.metrics import accuracy_score, confusion_matrix, f1_score, precision_score, recall_score
+
+    rng = random.Random(3)
+    labels = ["a", "b", "c", "d"]
+    y_true = [rng.randrange(3) for _ in range(200)]  # "d" never occurs as a true label
+    y_pred = [t if rng.random() < 0.6 else rng.randrange(4) for t in y_true]
+    confusion = [[0] * 4 for _ in range(4)]
+    for t, p in zip(y_true, y_pred, strict=True):
+        confusion[t][p] += 1
+    got = classification_metrics(confusion, labels)
+    assert confusion == confusion_matrix(y_true, y_pred, labels=range(4)).tolist()
+    assert got["val_accuracy"] == pytest.approx(accuracy_score(y_true, y_pred))
+    assert got["val_macro_f1"] == pytest.approx(f1_score(y_true, y_pred, average="macro", zero_division=0))
+    precision = precision_score(y_true, y_pred, labels=range(4), average=None, zero_division=0)
+    recall = recall_score(y_true, y_pred, labels=range(4), average=None, zero_division=0)
+    for i, name in enumerate(labels):
+        assert got[f"val_precision/{name}"] == pytest.approx(precision[i])
+        assert got[f"val_recall/{name}"] == pytest.approx(recall[i])
+
+
+def test_a_tiny_classifier_learns_a_learnable_set(tmp_path, hf_bert):
+    source = write_jsonl(tmp_path / "cls.jsonl", learnable_classes())
+    run = tmp_path / "run"
+    sets = ft_sets(
+        run,
+        source,
+        hf_bert,
+        model__task="sequence_classification",
+        train__max_steps=60,
+        train__micro_batch_size=16,
+        train__global_batch_size=16,
+        train__lr=2e-3,
+        train__log_every=10,
+        eval__every=60,
+        data__val_fraction=0.2,
+        checkpoint__every=0,
+    )
+    result = build_trainer(load_config(None, sets), console=False).fit()
+    assert result.eval_metrics["val_accuracy"] >= 0.9, result.eval_metrics
+    record = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()][-1]
+    assert len(record["val_confusion"]) == 3 and {"val_macro_f1", "val_recall/food"} <= set(record)
+    # Exported, transformers' own classes predict the same classes with the label names.
+    out = tmp_path / "export"
+    assert main(["export", str(run), "--format", "hf", "--out", str(out)]) == 0
+    hf = transformers.AutoModelForSequenceClassification.from_pretrained(out).eval()
+    tok = transformers.AutoTokenizer.from_pretrained(out)
+    assert hf.config.id2label == {0: "code", 1: "food", 2: "sport"}
+    texts = [r["text"] for r in learnable_classes(8, seed=9)]
+    enc = tok(texts, padding=True, return_tensors="pt")
+    kiln_model = load_run(run, device="cpu").model
+    with torch.no_grad():
+        torch.testing.assert_close(
+            hf(**enc).logits,
+            kiln_model(enc["input_ids"], attention_mask=enc["attention_mask"], token_type_ids=enc["token_type_ids"]),
+            rtol=0,
+            atol=1e-5,
+        )
+
+
+# -- LoRA --------------------------------------------------------------------------------------
+
+
+def test_lora_trains_only_adapters_and_its_adapter_loads_in_peft(tmp_path, sft, hf_llama):
+    peft = pytest.importorskip("peft")
+    run = tmp_path / "lora"
+    sets = ft_sets(run, sft, hf_llama, lora__rank=4, lora__alpha=8, lora__dropout=0.0, train__lr=1e-2)
+    trainer = build_trainer(load_config(None, sets), console=False)
+    trainable = {n for n, p in trainer.unwrapped.named_parameters() if p.requires_grad}
+    assert trainable and all("lora_" in n for n in trainable)
+    trainer.fit()
+    got = {n for n, p in trainer.unwrapped.named_parameters() if p.requires_grad}
+    assert got == trainable  # nothing else was unfrozen
+    out = tmp_path / "export"
+    assert main(["export", str(run), "--format", "hf", "--out", str(out)]) == 0
+    assert (out / "adapter" / "adapter_config.json").is_file() and (
+        out / "adapter" / "adapter_model.safetensors"
+    ).is_file()
+    base = transformers.AutoModelForCausalLM.from_pretrained(hf_llama).eval()
+    merged = transformers.AutoModelForCausalLM.from_pretrained(out).eval()
+    kiln_model = load_run(run, device="cpu").model
+    ids = torch.randint(0, merged.config.vocab_size, (2, 20), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        before = base(ids).logits
+        adapted = peft.PeftModel.from_pretrained(base, out / "adapter").eval()  # adds the adapters to base
+        ours = kiln_model(ids)
+        torch.testing.assert_close(adapted(ids).logits, ours, rtol=0, atol=1e-5)
+        torch.testing.assert_close(merged(ids).logits, ours, rtol=0, atol=1e-5)
+        assert (before - ours).abs().max() > 1e-3  # the adapters did change the model
+
+
+# -- resume, data parallelism ------------------------------------------------------------------
+
+
+def _kill_and_resume(tmp_path, sets: list[str], kill_after: int):
+    full = tmp_path / "full"
+    kiln("train", *as_args(sets), "--set", f"run.dir={full}")
+    killed = tmp_path / "killed"
+    cmd = [sys.executable, "-m", "kiln", "train", *as_args(sets), "--set", f"run.dir={killed}"]
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline, seen = time.time() + 120, []
+    while time.time() < deadline:
+        seen = list(losses(killed)) if (killed / "metrics.jsonl").exists() else []
+        if seen and seen[-1] >= kill_after:
+            break
+        time.sleep(0.02)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    steps = int(next(s.split("=")[1] for s in sets if s.startswith("train.max_steps=")))
+    assert seen and seen[-1] < steps, "the run finished before it could be killed"
+    kiln("train", *as_args(sets), "--set", f"run.dir={killed}")
+    assert losses(killed) == losses(full)
+    a, b = load_run(full, device="cpu").model.state_dict(), load_run(killed, device="cpu").model.state_dict()
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_sigkill_and_resume_is_bitwise_for_causal_lm(tmp_path, sft, hf_llama):
+    _kill_and_resume(
+        tmp_path,
+        ft_sets(tmp_path, sft, hf_llama, train__max_steps=24, checkpoint__every=3, data__packing="true"),
+        kill_after=7,
+    )
+
+
+def test_sigkill_and_resume_is_bitwise_for_classification(tmp_path, hf_bert):
+    source = write_jsonl(tmp_path / "cls.jsonl", learnable_classes(120))
+    _kill_and_resume(
+        tmp_path,
+        ft_sets(
+            tmp_path,
+            source,
+            hf_bert,
+            model__task="sequence_classification",
+            train__max_steps=30,
+            checkpoint__every=3,
+            train__micro_batch_size=4,
+            train__global_batch_size=8,
+        ),
+        kill_after=7,
+    )
+
+
+@pytest.fixture(scope="module")
+def single(tmp_path_factory, sft, hf_llama) -> Path:
+    run = tmp_path_factory.mktemp("single") / "run"
+    kiln("train", *as_args(ft_sets(run, sft, hf_llama, train__micro_batch_size=2)))
+    return run
+
+
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
+def test_two_ranks_equal_one_process(tmp_path, sft, hf_llama, single, strategy):
+    run = tmp_path / strategy
+    kiln(
+        "launch",
+        "--nproc-per-node",
+        "2",
+        "--",
+        "train",
+        *as_args(ft_sets(run, sft, hf_llama, train__micro_batch_size=1, parallel__strategy=strategy)),
+    )
+    got, want = losses(run), losses(single)
+    assert got.keys() == want.keys()
+    for step in want:
+        assert got[step] == pytest.approx(want[step], rel=1e-5), step
+    a, b = load_run(run, device="cpu").model.state_dict(), load_run(single, device="cpu").model.state_dict()
+    for name in a:
+        torch.testing.assert_close(a[name], b[name], rtol=0, atol=1e-4, msg=name)
+
+
+# -- bad input ---------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "records, extra, message",
+    [
+        (
+            [{"prompt": "Add 1. ", "completion": ""}] * 3,
+            {},
+            "bad.jsonl:1: field 'completion' (data.completion_field) is empty",
+        ),
+        (
+            [{"messages": [{"role": "user", "content": "hi"}]}] * 3,
+            {},
+            "bad.jsonl:1: field 'messages' has no assistant turn",
+        ),
+        (
+            [{"question": "?", "answer": "!"}] * 3,
+            {},
+            "bad.jsonl:1: no field 'prompt' (data.prompt_field); its fields are question, answer",
+        ),
+        ([], {}, "bad.jsonl: no records (the file is empty)"),
+        (
+            [{"text": "a", "label": "x"}, {"text": "b", "label": "y"}],
+            {"model.task": "sequence_classification", "data.label_field": "class"},
+            "no field 'class' (data.label_field)",
+        ),
+    ],
+)
+def test_bad_records_exit_2_naming_file_line_and_field_and_write_nothing(
+    tmp_path, hf_llama, hf_bert, capsys, records, extra, message
+):
+    source = write_jsonl(tmp_path / "bad.jsonl", records)
+    model = hf_bert if extra.get("model.task") == "sequence_classification" else hf_llama
+    run = tmp_path / "run"
+    sets = ft_sets(run, source, model) + [f"{k}={v}" for k, v in extra.items()]
+    assert main(["train", *as_args(sets)]) == 2
+    err = capsys.readouterr().err
+    assert message in err and len(err.strip().splitlines()) == 1, err
+    assert not run.exists()
+
+
+def test_a_model_needing_remote_code_is_refused_before_anything_runs(tmp_path, hf_llama, sft, capsys):
+    config = json.loads((hf_llama / "config.json").read_text())
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "config.json").write_text(json.dumps({**config, "auto_map": {"AutoModel": "x.Y"}}))
+    assert main(["train", *as_args(ft_sets(tmp_path / "run", sft, model))]) == 2
+    assert "kiln never runs code from a model directory" in capsys.readouterr().err
+    assert not (tmp_path / "run").exists()
