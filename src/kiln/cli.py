@@ -47,7 +47,10 @@ def _parser() -> argparse.ArgumentParser:
     pr = sub.add_parser("prepare", help="train the tokenizer and tokenize the data into shards (cached)")
     _add_config_args(pr)
 
-    e = sub.add_parser("eval", help="validation loss, perplexity and bits per byte of a run's checkpoint")
+    e = sub.add_parser(
+        "eval",
+        help="validation metrics of a run's checkpoint (loss, perplexity, bits per byte; a classifier's accuracy)",
+    )
     e.add_argument("run_dir", help="run directory")
     e.add_argument("--data", help="evaluate on every document of this source instead of the run's val split")
     e.add_argument("--checkpoint", help="checkpoint directory (default: the newest complete one)")
@@ -181,16 +184,15 @@ def cmd_prepare(args) -> int:
 
 
 def cmd_eval(args) -> int:
-    from kiln.train.lm import evaluate_run
+    from pathlib import Path
 
-    metrics = evaluate_run(
-        args.run_dir,
-        source=args.data,
-        checkpoint=args.checkpoint,
-        max_batches=args.max_batches,
-        micro_batch_size=args.batch_size,
-        device=args.device,
-    )
+    from kiln.train import finetune, lm
+
+    common = dict(source=args.data, checkpoint=args.checkpoint, micro_batch_size=args.batch_size, device=args.device)
+    if (Path(args.run_dir) / "tokenizer").is_dir():  # a fine-tuning run: its records and the task's metrics
+        metrics = finetune.evaluate_run(args.run_dir, **common)
+    else:
+        metrics = lm.evaluate_run(args.run_dir, max_batches=args.max_batches, **common)
     print(json.dumps(metrics))
     return 0
 

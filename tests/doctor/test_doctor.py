@@ -75,7 +75,7 @@ def test_doctor_command_clean_prints_one_json_object(tmp_path, corpus_dir, capsy
     report = json.loads(capsys.readouterr().out)
     assert status == 0 == report["exit_status"]
     assert report["status"] in ("pass", "warn") and report["counts"]["fail"] == 0
-    assert len(report["checks"]) == sum(report["counts"].values()) == 19
+    assert len(report["checks"]) == sum(report["counts"].values()) == 20
     for check in report["checks"]:
         assert set(check) == CHECK_FIELDS and check["status"] in STATUSES and check["evidence"]
 
@@ -261,3 +261,41 @@ def test_cuda_setup_problems_are_explained(tmp_path, monkeypatch):
     assert status == "fail" and "no kernels for cuda:0 (sm_90)" in evidence
     monkeypatch.setattr(torch.cuda, "get_arch_list", lambda: ["sm_80", "sm_90"])
     assert doctor_env.check_device(job)[0] == "pass"
+
+
+def test_fine_tuning_records_are_checked(tmp_path, hf_bert):
+    """A classifier's records with planted faults: exact copies, records that also sit in the
+    validation file, one label far rarer than the others, and records cut to data.seq_len."""
+    from conftest import write_jsonl
+
+    common = [{"text": f"a fine day number {i} " + "word " * (i % 3), "label": "common"} for i in range(60)]
+    rare = [{"text": f"a rare event {i}", "label": "rare"} for i in range(3)]
+    long = [{"text": f"case {i} " + "very long " * 40, "label": "common"} for i in range(8)]
+    train = write_jsonl(tmp_path / "train.jsonl", common + common[:6] + rare + long)
+    val = write_jsonl(tmp_path / "val.jsonl", common[:4] + [{"text": "another rare one", "label": "rare"}])
+    cfg = load_config(
+        None,
+        [
+            f"model.source=hf:{hf_bert}",
+            "model.task=sequence_classification",
+            f"data.source={train}",
+            f"data.val_source={val}",
+            "data.seq_len=32",
+            "data.num_workers=0",
+            f"run.dir={tmp_path / 'run'}",
+            "train.micro_batch_size=8",
+            "train.global_batch_size=8",
+        ],
+    )
+    report = run_doctor(cfg, groups=["data", "model"])
+    records = report.get("fine-tuning records")
+    assert records.status == "warn"
+    assert "8 of 82 records (9.8%) truncated" in records.evidence and "common: 74, rare: 3" in records.evidence
+    assert "unbalanced (74 against 3 records)" in records.evidence
+    assert report.get("duplicates").status == "warn" and "6 of 77 items repeat" in report.get("duplicates").evidence
+    assert report.get("train/val overlap").status == "fail"
+    assert "4 of 5 val items also appear in train" in report.get("train/val overlap").evidence
+    initial = report.get("initial loss")
+    assert initial.status == "pass" and "ln(2 classes)" in initial.evidence
+    assert report.get("gradient flow").status == "pass"
+    assert not (tmp_path / "run").exists()

@@ -95,3 +95,69 @@ def test_a_missing_directory_and_a_too_long_context_are_config_errors(hf_llama, 
         _args(tmp_path / "nothing")
     with pytest.raises(ConfigError, match="data.seq_len: 512 is longer than the model's context"):
         FAMILY.resolve(ModelConfig(source=f"hf:{hf_llama}"), vocab_size=0, seq_len=512)
+
+
+@pytest.mark.parametrize(
+    "task, precision",
+    [
+        ("causal_lm", "fp32"),
+        ("causal_lm", "bf16"),
+        ("sequence_classification", "fp32"),
+        ("sequence_classification", "bf16"),
+    ],
+)
+def test_plan_counts_state_exactly_and_its_peak_within_20_percent(hf_llama, hf_bert, task, precision):
+    """kiln plan on the meta device from config.json, against two measured training steps."""
+    from kiln.config import load_config
+    from kiln.data.batch import TokenBatch
+    from kiln.plan import make_plan, model_state
+    from kiln.train.optim import build_optimizer
+    from kiln.train.precision import Precision
+    from kiln.train.step import TrainStep
+
+    from memtrack import peak_memory
+
+    source = hf_llama if task == "causal_lm" else hf_bert
+    cfg = load_config(
+        None,
+        [
+            f"model.source=hf:{source}",
+            f"model.task={task}",
+            "data.seq_len=64",
+            "train.micro_batch_size=4",
+            "train.global_batch_size=8",
+            f"train.precision={precision}",
+        ],
+    )
+    args = FAMILY.resolve(cfg.model, vocab_size=0, seq_len=64)
+    cpu = torch.device("cpu")
+    vocab, rows = args.config["vocab_size"], 8
+
+    def two_steps():
+        model = FAMILY.create(args, "cpu", seed=0)
+        step = TrainStep(
+            model, FAMILY.loss, build_optimizer(model, cfg.train, cpu), Precision(precision, cpu), grad_clip=1.0
+        )
+        for _ in range(2):
+            x = torch.randint(0, vocab, (rows, 64))
+            y = x.clone() if task == "causal_lm" else torch.randint(0, 2, (rows,))
+            counts = [63] * 4 if task == "causal_lm" else [1] * 4
+            micro = [
+                TokenBatch(
+                    x[i : i + 4],
+                    y[i : i + 4],
+                    attention_mask=torch.ones(4, 64, dtype=torch.long),
+                    lengths=[64] * 4,
+                    loss_tokens=counts,
+                    target_bytes=[0] * 4,
+                )
+                for i in (0, 4)
+            ]
+            step.forward_backward(micro, 1)
+            step.update(1e-4)
+
+    measured = peak_memory(two_steps)
+    plan = make_plan(cfg, device_memory="8GiB")
+    model = FAMILY.create(args, "cpu", seed=0)
+    assert model_state(plan.job.shape, plan.base)["parameters"] == 4 * sum(p.numel() for p in model.parameters())
+    assert abs(plan.memory.allocated - measured) <= 0.2 * measured, (plan.memory.allocated, measured)

@@ -207,7 +207,7 @@ def test_metrics_equal_scikit_learn():
         assert got[f"val_recall/{name}"] == pytest.approx(recall[i])
 
 
-def test_a_tiny_classifier_learns_a_learnable_set(tmp_path, hf_bert):
+def test_a_tiny_classifier_learns_a_learnable_set(tmp_path, hf_bert, capsys):
     source = write_jsonl(tmp_path / "cls.jsonl", learnable_classes())
     run = tmp_path / "run"
     sets = ft_sets(
@@ -215,12 +215,12 @@ def test_a_tiny_classifier_learns_a_learnable_set(tmp_path, hf_bert):
         source,
         hf_bert,
         model__task="sequence_classification",
-        train__max_steps=60,
+        train__max_steps=100,
         train__micro_batch_size=16,
         train__global_batch_size=16,
-        train__lr=2e-3,
+        train__lr=3e-3,
         train__log_every=10,
-        eval__every=60,
+        eval__every=100,
         data__val_fraction=0.2,
         checkpoint__every=0,
     )
@@ -228,6 +228,14 @@ def test_a_tiny_classifier_learns_a_learnable_set(tmp_path, hf_bert):
     assert result.eval_metrics["val_accuracy"] >= 0.9, result.eval_metrics
     record = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()][-1]
     assert len(record["val_confusion"]) == 3 and {"val_macro_f1", "val_recall/food"} <= set(record)
+    # kiln eval scores the run's validation records again; kiln report summarises the classifier.
+    capsys.readouterr()
+    assert main(["eval", str(run)]) == 0
+    again = json.loads(capsys.readouterr().out)
+    assert again["val_accuracy"] == record["val_accuracy"] and again["val_confusion"] == record["val_confusion"]
+    assert main(["report", str(run), "--json"]) == 0
+    summary = json.loads(capsys.readouterr().out)
+    assert summary["val_accuracy_best"] == record["val_accuracy"] >= 0.9
     # Exported, transformers' own classes predict the same classes with the label names.
     out = tmp_path / "export"
     assert main(["export", str(run), "--format", "hf", "--out", str(out)]) == 0

@@ -97,6 +97,18 @@ def prepare_finetune(data_cfg, task: str, tokenizer, max_len: int) -> FineTuneDa
     return FineTuneData(task, Examples(train_rows), Examples(rows["val"]), Collate(task, pad), labels, manifest)
 
 
+def prepare_eval(source: str, data_cfg, task: str, tokenizer, max_len: int, labels: tuple[str, ...]) -> FineTuneData:
+    """Every record of ``source`` as validation rows, for a model that knows its ``labels``."""
+    records = read_records(source)
+    ids = {name: i for i, name in enumerate(labels)}
+    if task == "sequence_classification":
+        rows = [classification_row(r, tokenizer, data_cfg, max_len, ids)[0] for r in records]
+    else:
+        rows = [causal_row(r, tokenizer, data_cfg, max_len)[0] for r in records]
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    return FineTuneData(task, Examples([]), Examples(rows), Collate(task, pad), labels, {"records": len(rows)})
+
+
 # -- records to rows ---------------------------------------------------------------------------------
 
 

@@ -36,6 +36,9 @@ SAMPLE_CHARS = 200
 SAMPLE_ITEMS = 16
 SAMPLE_TOKENS = 512  # per item, enough for SAMPLE_CHARS and bounded for a long data.seq_len
 REPLACEMENT_WARN_SHARE = 0.01
+TRUNCATED_WARN_SHARE = 0.05  # of fine-tuning records cut to data.seq_len
+MIN_LABEL_RECORDS = 5  # a label with fewer training records than this is barely learnable
+LABEL_IMBALANCE = 10.0  # the most frequent label this many times the rarest one
 
 
 @dataclass
@@ -355,6 +358,42 @@ def check_sample(job: DoctorJob):
     return "pass", evidence, ""
 
 
+def check_records(job: DoctorJob):
+    """Fine-tuning records: how many were cut to data.seq_len, how many tokens the loss covers,
+    how full packed rows are, and how balanced a classifier's labels are."""
+    data = job.finetune
+    if data is None:
+        return "skip", "not fine-tuning records", ""
+    m, seq = data.manifest, job.cfg.data.seq_len
+    records = m["records"]["train"] + m["records"]["val"]
+    cut = m["truncated"]["train"] + m["truncated"]["val"]
+    parts = [f"{cut:,} of {records:,} records ({cut / records:.1%}) truncated to data.seq_len={seq}"]
+    problems, fixes = [], []
+    if cut / records > TRUNCATED_WARN_SHARE:
+        problems.append("many records are truncated")
+        fixes.append("raise data.seq_len or shorten the records (truncation cuts completions and texts)")
+    if data.task == "causal_lm":
+        rows = data.train.rows
+        tokens = sum(len(r["input_ids"]) for r in rows)
+        parts.append(
+            f"the loss covers {m['loss_tokens']['train']:,} of {tokens:,} training tokens "
+            f"({m['loss_tokens']['train'] / max(1, tokens):.0%})"
+        )
+        if m.get("packing"):
+            parts.append(f"packed into {m['packing']['rows']:,} rows, {m['packing']['fill']:.0%} full")
+    else:
+        counts = m["labels"]
+        parts.append("training labels " + ", ".join(f"{k}: {v:,}" for k, v in counts.items()))
+        few, many = min(counts.values()), max(counts.values())
+        if few < MIN_LABEL_RECORDS or many > LABEL_IMBALANCE * few:
+            problems.append(f"labels are unbalanced ({many:,} against {few:,} records)")
+            fixes.append(
+                "collect more records of the rare labels, or weigh them (kiln's loss weighs every record the same)"
+            )
+    evidence = "; ".join(parts) + (": " + "; ".join(problems) if problems else "")
+    return ("warn", evidence, "; ".join(fixes)) if problems else ("pass", evidence, "")
+
+
 _NO_DATA = "no data to check; see data source"
 
 CHECKS = [
@@ -365,6 +404,7 @@ CHECKS = [
     ("data", "duplicates", check_duplicates),
     ("data", "train/val overlap", check_overlap),
     ("data", "decoded sample", check_sample),
+    ("data", "fine-tuning records", check_records),
 ]
 
 
@@ -411,6 +451,8 @@ def _leaves(item: Any) -> list[torch.Tensor]:
     if isinstance(item, dict):
         return [t for v in item.values() for t in _leaves(v)]
     if isinstance(item, (list, tuple)):
+        if item and all(isinstance(v, int) for v in item):  # a row of token ids (fine-tuning records)
+            return [torch.tensor(item)]
         return [t for v in item for t in _leaves(v)]
     return []
 

@@ -6,19 +6,24 @@ and loss), or a user's own model, loss and datasets. The checks share work throu
 from __future__ import annotations
 
 import copy
+import dataclasses
+import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 import torch
 from torch import nn
-from torch.utils.data import Dataset
+from torch.utils.data import Dataset, default_collate
 
 from kiln.config import Config, ConfigError
 from kiln.data import DataError, PreparedData, TokenSequences, prepare
+from kiln.data.finetune import FineTuneData, prepare_finetune
 from kiln.data.tokenizer import eot_id
 from kiln.device import resolve_device
 from kiln.models.family import build_model, family_of
+from kiln.train.apply import apply_lora
+from kiln.train.finetune import uses_records
 from kiln.train.step import LossFn
 
 T = TypeVar("T")
@@ -46,6 +51,13 @@ class DoctorJob:
     """Why there is no data to check (preparing it failed), or None."""
     source: str = ""
     """What data is checked, in words."""
+    collate_fn: Callable[[list], Any] = default_collate
+    """How items become a batch (a fine-tuning job's pads rows into a TokenBatch)."""
+    finetune: FineTuneData | None = None
+    """Fine-tuning records, tokenized (their manifest: counts, truncation, labels, packing)."""
+    uniform_loss: float | None = None
+    """The loss of a uniform guess over the outputs (ln of the vocabulary or of the classes), which
+    an untrained output layer should be near; None for a pretrained model, which should beat it."""
 
     _shared: dict = field(default_factory=dict, repr=False)
 
@@ -72,6 +84,62 @@ def _device(cfg: Config) -> tuple[torch.device, str | None]:
         return torch.device("cpu"), str(e)
 
 
+def _finetune_job(cfg: Config, device: torch.device, device_problem: str | None) -> DoctorJob:
+    """The fine-tuning job of ``cfg``: its records, tokenized by the model's own tokenizer."""
+    family = family_of(cfg.model)
+    args = family.resolve(cfg.model, vocab_size=0, seq_len=cfg.data.seq_len)
+    tokenizer = family.tokenizer(args)
+    data, problem = None, None
+    try:
+        data = prepare_finetune(cfg.data, cfg.model.task, tokenizer, cfg.data.seq_len)
+    except DataError as e:
+        problem = str(e)
+    if data is not None and data.labels:
+        args = dataclasses.replace(args, labels=data.labels)
+
+    def new_model() -> nn.Module:
+        model = family.create(args, "cpu", cfg.train.seed)
+        if cfg.lora.rank:
+            model = apply_lora(model, cfg.lora, family.lora_targets(args), cfg.model.task)
+        return model.to(device)
+
+    vocab = args.config["vocab_size"]
+    if cfg.model.task == "sequence_classification":
+        uniform = math.log(len(args.labels)) if args.labels else None
+    else:
+        uniform = math.log(vocab) if cfg.model.weights == "random" else None
+    with torch.device("meta"):
+        num_params = sum(p.numel() for p in family.build(args).parameters())
+    m = data.manifest if data else None
+    source = (
+        (
+            f"data.source={cfg.data.source!r}: {m['records']['train']:,} train / {m['records']['val']:,} val "
+            f"{cfg.model.task} records ({m['split']})"
+        )
+        if m
+        else f"data.source={cfg.data.source!r}"
+    )
+    return DoctorJob(
+        cfg=cfg,
+        device=device,
+        device_problem=device_problem,
+        new_model=None if problem else new_model,
+        loss_fn=family.loss,
+        train_data=data.train if data else None,
+        val_data=data.val if data else None,
+        tokenizer=tokenizer,
+        eot=None,
+        vocab_size=vocab,
+        num_params=num_params,
+        head_dim=family.head_dim(args),
+        data_problem=problem,
+        source=source,
+        collate_fn=data.collate if data else default_collate,
+        finetune=data,
+        uniform_loss=uniform,
+    )
+
+
 def build_job(
     cfg: Config,
     model: nn.Module | None,
@@ -84,6 +152,8 @@ def build_job(
 ) -> DoctorJob:
     """The job of ``cfg``, with any of its pieces replaced by the user's (see ``run_doctor``)."""
     device, device_problem = _device(cfg)
+    if model is None and train_data is None and uses_records(cfg):
+        return _finetune_job(cfg, device, device_problem)
     prepared, data_problem = None, None
     if train_data is None:
         try:
@@ -107,6 +177,7 @@ def build_job(
         with torch.device("meta"):
             num_params = sum(p.numel() for p in family.build(args).parameters())
         vocab_size, head_dim = vocab, family.head_dim(args)
+        uniform = math.log(vocab)
     else:
         pristine = copy.deepcopy(model)
 
@@ -116,6 +187,7 @@ def build_job(
         vocab_size = vocab_size or _model_vocab_size(model)
         num_params = sum(p.numel() for p in {id(p): p for p in model.parameters()}.values())
         head_dim = None
+        uniform = math.log(vocab_size) if vocab_size else None
     return DoctorJob(
         cfg=cfg,
         device=device,
@@ -128,6 +200,7 @@ def build_job(
         eot=eot,
         vocab_size=vocab_size,
         num_params=num_params,
+        uniform_loss=uniform,
         head_dim=head_dim,
         prepared=prepared,
         data_problem=data_problem,

@@ -69,7 +69,7 @@ class _Run:
 
 
 def small_batch(job: DoctorJob, size: int = SMALL_BATCH) -> Any:
-    return collate(job.train_data, range(min(size, len(job.train_data))), job.device)
+    return collate(job.train_data, range(min(size, len(job.train_data))), job.device, job.collate_fn)
 
 
 class GradientProbe:
@@ -131,10 +131,18 @@ def model_blocker(job: DoctorJob) -> str | None:
 def check_initial_loss(job: DoctorJob):
     if blocker := model_blocker(job):
         return "skip", blocker, ""
-    if job.vocab_size is None:
-        return "skip", "the model's vocabulary size is unknown, so the loss of a uniform guess is too", ""
-    loss, expected = gradient_probe(job).losses[0], math.log(job.vocab_size)
-    evidence = f"initial loss {loss:.3f}, ln(vocabulary {job.vocab_size:,}) = {expected:.3f} (a uniform guess)"
+    loss, expected = gradient_probe(job).losses[0], job.uniform_loss
+    if expected is None:
+        evidence = f"initial loss {loss:.3f} (pretrained weights: no uniform guess to compare with)"
+        if not math.isfinite(loss):
+            return "fail", evidence, "the model gives a non-finite loss before any step: check the loss and the inputs"
+        return "pass", evidence, ""
+    outputs = (
+        f"{len(job.finetune.labels)} classes"
+        if job.finetune and job.finetune.labels
+        else (f"vocabulary {job.vocab_size:,}")
+    )
+    evidence = f"initial loss {loss:.3f}, ln({outputs}) = {expected:.3f} (a uniform guess)"
     if not math.isfinite(loss):
         return "fail", evidence, "the untrained model already gives a non-finite loss: check the loss and the inputs"
     if abs(loss - expected) > INITIAL_LOSS_TOLERANCE:
@@ -334,6 +342,7 @@ def _loader(job: DoctorJob, size: int, workers: int):
         start_step=0,
         num_workers=workers,
         pin_memory=job.device.type == "cuda",
+        collate_fn=job.collate_fn,
     )
 
 

@@ -104,7 +104,7 @@ class ParallelPlan:
 @dataclass(frozen=True)
 class MemoryContext:
     """What a family's memory model needs to know of a setup: ``tokens`` of one micro-batch on
-    one device; ``autocast``: matmuls run in 16 bits and return 16-bit activations;
+    one device, ``seq_len`` tokens per sequence; ``autocast``: matmuls run in 16 bits and return 16-bit activations;
     ``residual_bytes``: bytes per element of the residual stream between blocks (4, or 2 when FSDP
     computes with gathered bf16 weights); ``tp``: the tensor-parallel degree; ``casts_weights``:
     autocast makes 16-bit copies of the fp32 weights (and keeps them for the backward pass)."""
@@ -114,6 +114,7 @@ class MemoryContext:
     residual_bytes: int
     tp: int
     casts_weights: bool
+    seq_len: int = 0
 
     @property
     def act_bytes(self) -> int:
@@ -156,6 +157,11 @@ class MemoryModel:
     def block_backward_workspace(self, ctx: MemoryContext) -> int:
         """Transient bytes at the peak of one block's backward pass (gradients flowing through it)."""
         raise NotImplementedError
+
+    def before_blocks(self, ctx: MemoryContext) -> int:
+        """Bytes kept from before the first repeated layer until the end of backward (an embedding
+        norm's saved tensors)."""
+        return 0
 
     def after_blocks(self, ctx: MemoryContext) -> int:
         """Bytes kept between the last block and the loss (e.g. a final norm's saved tensors)."""

@@ -91,9 +91,9 @@ def _last(records: list[dict[str, Any]], key: str) -> Any:
     return values[-1] if values else None
 
 
-def _best(records: list[dict[str, Any]], key: str) -> float | None:
+def _best(records: list[dict[str, Any]], key: str, higher: bool = False) -> float | None:
     values = _finite([r[key] for r in records if key in r])
-    return min(values) if values else None
+    return (max if higher else min)(values) if values else None
 
 
 def split_records(records: list[dict[str, Any]]) -> tuple[list, list, list]:
@@ -135,6 +135,11 @@ def summarize(records: list[dict[str, Any]], env: dict[str, Any] | None = None) 
         "val_loss_best": _best(evals, "val_loss"),
         "val_bpb_last": _last(evals, "val_bpb"),
         "val_bpb_best": _best(evals, "val_bpb"),
+        # A classifier's figures, where it logged them (higher is better).
+        "val_accuracy_last": _last(evals, "val_accuracy"),
+        "val_accuracy_best": _best(evals, "val_accuracy", higher=True),
+        "val_macro_f1_last": _last(evals, "val_macro_f1"),
+        "val_macro_f1_best": _best(evals, "val_macro_f1", higher=True),
         "tokens_per_s_mean": sum(steady) / len(steady) if steady else None,
         "peak_memory_gib": {
             _memory_name(k): max(_finite([r[k] for r in train if k in r]), default=None) for k in memory_keys
@@ -187,6 +192,9 @@ def format_summary(run_dir: Path, s: dict[str, Any]) -> str:
         lines.append(f"val loss     last {_num(s['val_loss_last'])}  best {_num(s['val_loss_best'])}")
     if s["val_bpb_last"] is not None:
         lines.append(f"val bpb      last {_num(s['val_bpb_last'])}  best {_num(s['val_bpb_best'])}")
+    if s["val_accuracy_last"] is not None:
+        lines.append(f"val accuracy last {_num(s['val_accuracy_last'])}  best {_num(s['val_accuracy_best'])}")
+        lines.append(f"val macro-F1 last {_num(s['val_macro_f1_last'])}  best {_num(s['val_macro_f1_best'])}")
     if s["tokens_per_s_mean"] is not None:
         lines.append(f"tokens/s     {s['tokens_per_s_mean']:,.0f} mean (first interval of each invocation left out)")
     if s["peak_memory_gib"]:
@@ -325,6 +333,11 @@ def _panel_text(s: dict[str, Any]) -> str:
         ("loss min", _num(s["loss_min"])),
         ("val loss best", _num(s["val_loss_best"])),
         ("val bpb best", _num(s["val_bpb_best"])),
+        *(
+            (("val accuracy best", _num(s["val_accuracy_best"])), ("val macro-F1 best", _num(s["val_macro_f1_best"])))
+            if s["val_accuracy_best"] is not None
+            else ()
+        ),
         ("tokens/s mean", _num(s["tokens_per_s_mean"], ",.0f")),
     ]
     rows += [(f"{k.replace('_', ' ')} (max)", f"{_num(v, '.2f')} GiB") for k, v in s["peak_memory_gib"].items()]

@@ -233,6 +233,7 @@ def memory_phases(shape: ModelShape, s: Setup, seq_len: int, rank_batch: int, de
         residual_bytes=s.gathered_bytes if s.sharded else 4,
         tp=s.tp,
         casts_weights=_casts_weights(s),
+        seq_len=seq_len,
     )
     state = model_state(shape, s)
     on_device = {k: 0 if s.offload else v for k, v in state.items()}
@@ -254,6 +255,7 @@ def memory_phases(shape: ModelShape, s: Setup, seq_len: int, rank_batch: int, de
     root_grads = all_grads - blocks * block_grads
 
     acts = mem.block_activations(ctx)
+    before = mem.before_blocks(ctx)
     # Activation checkpointing keeps each block's input and recomputes the rest in backward.
     kept = mem.checkpointed_block(ctx) if s.activation_checkpointing else acts
     head = mem.head(ctx)
@@ -274,9 +276,9 @@ def memory_phases(shape: ModelShape, s: Setup, seq_len: int, rank_batch: int, de
         """At the peak of block i's backward (the family's memory model says what it holds)."""
         grads = (held or root_grads + (blocks - 1 - i) * block_grads) + new_grad
         if s.activation_checkpointing:
-            activations, copies = (i + 1) * kept + acts, block_copies
+            activations, copies = before + (i + 1) * kept + acts, block_copies
         else:
-            activations, copies = (i + 1) * acts, (i + 1) * block_copies
+            activations, copies = before + (i + 1) * acts, (i + 1) * block_copies
         # FSDP reduce-scatters a block's gradient from an unsharded fp32 copy.
         reducing = 4 * _gathered_numel(shape.block, s) if s.sharded else 0
         return {
@@ -292,7 +294,7 @@ def memory_phases(shape: ModelShape, s: Setup, seq_len: int, rank_batch: int, de
         **static,
         "gradients": held,
         "gathered_parameters": gathered(blocks),
-        "activations": blocks * kept + mem.after_blocks(ctx),
+        "activations": before + blocks * kept + mem.after_blocks(ctx),
     }
     phases = {
         "forward: output layer and loss": {

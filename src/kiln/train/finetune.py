@@ -16,13 +16,14 @@ from typing import Any
 
 from kiln.config import Config, ConfigError
 from kiln.data.corpus import find_files
-from kiln.data.finetune import FineTuneData, prepare_finetune
+from kiln.data.finetune import FineTuneData, prepare_eval, prepare_finetune
 from kiln.data.records import RECORD_EXTENSIONS
 from kiln.distributed.world import init_world
 from kiln.io import write_atomic
 from kiln.models.family import ModelFamily, family_of
 from kiln.train.apply import apply_lora
 from kiln.train.evaluate import evaluate_causal_lm, evaluate_classifier
+from kiln.train.run import load_run
 from kiln.train.trainer import Trainer
 
 
@@ -78,20 +79,44 @@ def build_trainer(cfg: Config, *, console: bool = True) -> Trainer:
     return trainer
 
 
+def evaluate(family: ModelFamily, model, data: FineTuneData, batch_size: int, device) -> dict[str, Any]:
+    """The task's metrics over the whole validation split, ``batch_size`` rows at a time."""
+    rows = data.val.rows
+    batches = [data.collate(rows[i : i + batch_size]) for i in range(0, len(rows), batch_size)]
+    if data.task == "sequence_classification":
+        return evaluate_classifier(model, batches, device, data.labels)
+    return evaluate_causal_lm(model, family.loss, batches, device)
+
+
 def _evaluation(family: ModelFamily, data: FineTuneData, cfg: Config, trainer):
-    """Evaluation over the whole validation split, in micro-batches of the size in use at the time."""
+    """Evaluation in micro-batches of the size in use at the time (the memory ladder may lower it)."""
 
-    def batches(size: int) -> list:
-        rows = data.val.rows
-        return [data.collate(rows[i : i + size]) for i in range(0, len(rows), size)]
-
-    def evaluate(model) -> dict[str, Any]:
+    def run(model) -> dict[str, Any]:
         t = trainer()
-        if data.task == "sequence_classification":
-            return evaluate_classifier(model, batches(t.micro_batch_size), t.device, data.labels)
-        return evaluate_causal_lm(model, family.loss, batches(t.micro_batch_size), t.device)
+        return evaluate(family, model, data, t.micro_batch_size, t.device)
 
-    return evaluate
+    return run
+
+
+def evaluate_run(
+    run_dir: str | Path,
+    *,
+    source: str | None = None,
+    checkpoint: str | Path | None = None,
+    micro_batch_size: int | None = None,
+    device: str = "auto",
+) -> dict[str, Any]:
+    """The task's metrics of a fine-tuning run's checkpoint: on its own validation records, or on
+    every record of ``source``."""
+    run = load_run(run_dir, checkpoint, device)
+    cfg = run.cfg
+    if source is None:
+        data = prepare_finetune(cfg.data, cfg.model.task, run.tokenizer, cfg.data.seq_len)
+    else:
+        data = prepare_eval(source, cfg.data, cfg.model.task, run.tokenizer, cfg.data.seq_len, tuple(run.args.labels))
+    dev = next(run.model.parameters()).device
+    metrics = evaluate(run.family, run.model, data, micro_batch_size or cfg.train.micro_batch_size, dev)
+    return {**metrics, "step": run.step, "records": len(data.val.rows)}
 
 
 def _say_data(data: FineTuneData, cfg: Config) -> None:

@@ -62,7 +62,9 @@ def sample_text(
         eos_id=eos,
         generator=generator,
     )
-    return None if out is None else tokenizer.decode(out[0].tolist())
+    if out is None:
+        return None
+    return tokenizer.decode(out[0].tolist(), skip_special_tokens=True) if hf else tokenizer.decode(out[0].tolist())
 
 
 def build_trainer(cfg: Config, *, console: bool = True) -> Trainer:

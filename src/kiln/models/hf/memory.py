@@ -1,11 +1,13 @@
 """What a BERT-style encoder keeps for its backward pass, for ``kiln plan`` (an estimate).
 
-A post-norm layer saves, per token: the input of the q/k/v projections, q, k and v, attention's
-output and log-sum-exp, the input of the attention output projection, two LayerNorms' inputs and
-statistics, the MLP's input, pre-activation and GELU output, and the dropout masks (one byte per
-element). With attention dropout in training, PyTorch's math kernel also keeps the [heads, T, T]
-probabilities and their mask. The classifier head (pooler and one projection per sequence) is
-small beside them.
+A post-norm layer saves, per token: the input of the q/k/v projections, q, k and v (and the
+scaled q), attention's output and log-sum-exp, the input of the attention output projection, two
+LayerNorms' inputs and statistics, the MLP's input, pre-activation and GELU output, and the
+dropout masks (one byte per element). With attention dropout in training, PyTorch's math kernel
+also keeps the [heads, T, T] probabilities twice (before and after dropout) and the mask. The
+classifier head (pooler and one projection per sequence) is small beside them. Checked against
+measured CPU steps of a 3-layer BERT: within 10% (tests/models/test_hf.py allows 20% for its
+2-layer one, where fixed costs weigh more).
 """
 
 from __future__ import annotations
@@ -29,20 +31,23 @@ class EncoderMemory(MemoryModel):
         )
         self.heads = config["num_attention_heads"]
         self.d_ff = config["intermediate_size"]
-        self.seq = config.get("max_position_embeddings", 512)
         self.attention_dropout = config.get("attention_probs_dropout_prob", 0.0) > 0
         self.num_labels = num_labels
 
     def block_activations(self, ctx: MemoryContext) -> int:
         d, ff, heads, act = self.d_model, self.d_ff // ctx.tp, self.heads // ctx.tp, ctx.act_bytes
-        per_token = act * 6 * d + 4 * heads + 2 * d + 2 * (4 * d + 8) + 2 * act * ff + ff
+        per_token = act * 7 * d + 4 * heads + 2 * d + 2 * (4 * d + 8) + 2 * act * ff + ff
         if self.attention_dropout:
-            # The probabilities of a query over every key of its sequence, and their dropout mask.
-            per_token += heads * (act + 1) * self.seq
+            # A query's probabilities over every key of its sequence, before and after dropout, and the mask.
+            per_token += heads * (2 * act + 1) * ctx.seq_len
         return ctx.tokens * per_token
 
     def block_backward_workspace(self, ctx: MemoryContext) -> int:
         return 4 * ctx.tokens * self.d_model + 2 * ctx.act_bytes * ctx.tokens * (self.d_ff // ctx.tp)
+
+    def before_blocks(self, ctx: MemoryContext) -> int:
+        """The embeddings' LayerNorm (its input and statistics) and dropout mask."""
+        return ctx.tokens * (4 * self.d_model + 8 + self.d_model)
 
     def head(self, ctx: MemoryContext) -> HeadMemory:
         return HeadMemory(0, 0, 0)
