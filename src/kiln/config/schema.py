@@ -425,19 +425,12 @@ class LoraConfig:
     target_modules: str = ""
     """Comma-separated module names to adapt (e.g. q_proj,v_proj); empty uses the model family's
     default (the attention and MLP projections of Llama-class models, query/key/value of BERT)."""
-    quantize_base: Literal["none", "nf4"] = "none"
-    """QLoRA: keep the frozen base weights in 4-bit NF4 (bitsandbytes, CUDA only); none keeps them
-    in full precision."""
 
     def errors(self) -> list[str]:
         return _failed(
             (self.rank >= 0, f"lora.rank: must be >= 0 (0 is off), got {self.rank}"),
             (self.alpha > 0, f"lora.alpha: must be > 0, got {self.alpha}"),
             (0 <= self.dropout < 1, f"lora.dropout: must be in [0, 1), got {self.dropout}"),
-            (
-                self.rank > 0 or self.quantize_base == "none",
-                "lora.quantize_base: quantizing the base needs LoRA adapters; set lora.rank too",
-            ),
         )
 
 

@@ -6,7 +6,6 @@ and loss), or a user's own model, loss and datasets. The checks share work throu
 from __future__ import annotations
 
 import copy
-import dataclasses
 import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -18,12 +17,11 @@ from torch.utils.data import Dataset, default_collate
 
 from kiln.config import Config, ConfigError
 from kiln.data import DataError, PreparedData, TokenSequences, prepare
-from kiln.data.finetune import FineTuneData, prepare_finetune
+from kiln.data.finetune import FineTuneData
 from kiln.data.tokenizer import eot_id
 from kiln.device import resolve_device
 from kiln.models.family import build_model, family_of
-from kiln.train.apply import apply_lora
-from kiln.train.finetune import uses_records
+from kiln.train.finetune import prepare_job, uses_records
 from kiln.train.step import LossFn
 
 T = TypeVar("T")
@@ -86,23 +84,16 @@ def _device(cfg: Config) -> tuple[torch.device, str | None]:
 
 def _finetune_job(cfg: Config, device: torch.device, device_problem: str | None) -> DoctorJob:
     """The fine-tuning job of ``cfg``: its records, tokenized by the model's own tokenizer."""
-    family = family_of(cfg.model)
-    args = family.resolve(cfg.model, vocab_size=0, seq_len=cfg.data.seq_len)
-    tokenizer = family.tokenizer(args)
-    data, problem = None, None
     try:
-        data = prepare_finetune(cfg.data, cfg.model.task, tokenizer, cfg.data.seq_len)
+        job, problem = prepare_job(cfg), None
     except DataError as e:
-        problem = str(e)
-    if data is not None and data.labels:
-        args = dataclasses.replace(args, labels=data.labels)
-
-    def new_model() -> nn.Module:
-        model = family.create(args, "cpu", cfg.train.seed)
-        if cfg.lora.rank:
-            model = apply_lora(model, cfg.lora, family.lora_targets(args), cfg.model.task)
-        return model.to(device)
-
+        job, problem = None, str(e)
+    if job is None:  # the model is fine (it was resolved), the records are not
+        family = family_of(cfg.model)
+        args = family.resolve(cfg.model, vocab_size=0, seq_len=cfg.data.seq_len)
+        data, tokenizer = None, family.tokenizer(args)
+    else:
+        family, args, data, tokenizer = job.family, job.args, job.data, job.tokenizer
     vocab = args.config["vocab_size"]
     if cfg.model.task == "sequence_classification":
         uniform = math.log(len(args.labels)) if args.labels else None
@@ -112,10 +103,8 @@ def _finetune_job(cfg: Config, device: torch.device, device_problem: str | None)
         num_params = sum(p.numel() for p in family.build(args).parameters())
     m = data.manifest if data else None
     source = (
-        (
-            f"data.source={cfg.data.source!r}: {m['records']['train']:,} train / {m['records']['val']:,} val "
-            f"{cfg.model.task} records ({m['split']})"
-        )
+        f"data.source={cfg.data.source!r}: {m['records']['train']:,} train / {m['records']['val']:,} val "
+        f"{cfg.model.task} records ({m['split']})"
         if m
         else f"data.source={cfg.data.source!r}"
     )
@@ -123,7 +112,7 @@ def _finetune_job(cfg: Config, device: torch.device, device_problem: str | None)
         cfg=cfg,
         device=device,
         device_problem=device_problem,
-        new_model=None if problem else new_model,
+        new_model=None if problem else lambda: job.model().to(device),
         loss_fn=family.loss,
         train_data=data.train if data else None,
         val_data=data.val if data else None,

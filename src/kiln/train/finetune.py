@@ -41,9 +41,28 @@ def uses_records(cfg: Config) -> bool:
     return bool(files)
 
 
-def build_trainer(cfg: Config, *, console: bool = True) -> Trainer:
-    world = init_world(cfg.run.device, cfg.parallel.tp)
-    console = console and world.is_main
+@dataclasses.dataclass
+class FineTuneJob:
+    """What a fine-tuning run is made of, before any model exists: the family and its arguments
+    (with a classifier's labels), the model's tokenizer and the tokenized records."""
+
+    cfg: Config
+    family: ModelFamily
+    args: Any
+    tokenizer: Any
+    data: FineTuneData
+
+    def model(self):
+        """The model to train: pretrained (or random) weights, with LoRA adapters if asked for."""
+        model = self.family.create(self.args, "cpu", self.cfg.train.seed)
+        if self.cfg.lora.rank:
+            model = apply_lora(model, self.cfg.lora, self.family.lora_targets(self.args), self.cfg.model.task)
+        return model
+
+
+def prepare_job(cfg: Config) -> FineTuneJob:
+    """Resolve the model and tokenize its records; ConfigError or DataError on bad input, before
+    anything is written."""
     family = family_of(cfg.model)
     args = family.resolve(cfg.model, vocab_size=0, seq_len=cfg.data.seq_len)
     tokenizer = family.tokenizer(args)
@@ -56,9 +75,15 @@ def build_trainer(cfg: Config, *, console: bool = True) -> Trainer:
     data = prepare_finetune(cfg.data, cfg.model.task, tokenizer, cfg.data.seq_len)
     if data.labels:
         args = dataclasses.replace(args, labels=data.labels)
-    model = family.create(args, "cpu", cfg.train.seed)
-    if cfg.lora.rank:
-        model = apply_lora(model, cfg.lora, family.lora_targets(args), cfg.model.task)
+    return FineTuneJob(cfg, family, args, tokenizer, data)
+
+
+def build_trainer(cfg: Config, *, console: bool = True) -> Trainer:
+    world = init_world(cfg.run.device, cfg.parallel.tp)
+    console = console and world.is_main
+    job = prepare_job(cfg)
+    family, args, data = job.family, job.args, job.data
+    model = job.model()
     if console:
         print(f"kiln: model {family.describe(cfg.model, args, model)}", flush=True)
         _say_data(data, cfg)
@@ -75,7 +100,7 @@ def build_trainer(cfg: Config, *, console: bool = True) -> Trainer:
         console=console,
     )
     if world.is_main:
-        _write_run_files(Path(cfg.run.dir), family, args, tokenizer, data)
+        _write_run_files(Path(cfg.run.dir), family, args, job.tokenizer, data)
     return trainer
 
 
