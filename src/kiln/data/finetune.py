@@ -61,14 +61,11 @@ def prepare_finetune(data_cfg, task: str, tokenizer, max_len: int) -> FineTuneDa
     if task not in TASKS:
         raise DataError(f"model.task: {task!r} has no fine-tuning records; choose one of {', '.join(TASKS)}")
     records, is_val, split = _split(data_cfg)
+    labels = ()
     if task == "sequence_classification":
         labels = _label_set([r for r, v in zip(records, is_val, strict=True) if not v], data_cfg.label_field)
-        ids = {name: i for i, name in enumerate(labels)}
-        made = [classification_row(r, tokenizer, data_cfg, max_len, ids) for r in records]
-    else:
-        labels = ()
-        made = [causal_row(r, tokenizer, data_cfg, max_len) for r in records]
     # Rows are made in file order, so an error names the first bad record whatever its split.
+    made = _rows(records, task, tokenizer, data_cfg, max_len, labels)
     rows = {
         name: [row for (row, _), v in zip(made, is_val, strict=True) if v == (name == "val")]
         for name in ("train", "val")
@@ -77,7 +74,6 @@ def prepare_finetune(data_cfg, task: str, tokenizer, max_len: int) -> FineTuneDa
         name: sum(cut for (_, cut), v in zip(made, is_val, strict=True) if v == (name == "val"))
         for name in ("train", "val")
     }
-    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     packed = task == "causal_lm" and data_cfg.packing
     train_rows = pack(rows["train"], data_cfg.seq_len) if packed else rows["train"]
     manifest = {
@@ -94,19 +90,21 @@ def prepare_finetune(data_cfg, task: str, tokenizer, max_len: int) -> FineTuneDa
     if labels:
         counts = Counter(r["labels"] for r in rows["train"])
         manifest["labels"] = {name: counts[i] for i, name in enumerate(labels)}
-    return FineTuneData(task, Examples(train_rows), Examples(rows["val"]), Collate(task, pad), labels, manifest)
+    return FineTuneData(task, Examples(train_rows), Examples(rows["val"]), Collate(task, tokenizer), labels, manifest)
 
 
 def prepare_eval(source: str, data_cfg, task: str, tokenizer, max_len: int, labels: tuple[str, ...]) -> FineTuneData:
     """Every record of ``source`` as validation rows, for a model that knows its ``labels``."""
-    records = read_records(source)
-    ids = {name: i for i, name in enumerate(labels)}
+    rows = [row for row, _ in _rows(read_records(source), task, tokenizer, data_cfg, max_len, labels)]
+    return FineTuneData(task, Examples([]), Examples(rows), Collate(task, tokenizer), labels, {"records": len(rows)})
+
+
+def _rows(records: list[Record], task: str, tokenizer, data_cfg, max_len: int, labels: tuple[str, ...]) -> list:
+    """(row, truncated) of each record."""
     if task == "sequence_classification":
-        rows = [classification_row(r, tokenizer, data_cfg, max_len, ids)[0] for r in records]
-    else:
-        rows = [causal_row(r, tokenizer, data_cfg, max_len)[0] for r in records]
-    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-    return FineTuneData(task, Examples([]), Examples(rows), Collate(task, pad), labels, {"records": len(rows)})
+        ids = {name: i for i, name in enumerate(labels)}
+        return [classification_row(r, tokenizer, data_cfg, max_len, ids) for r in records]
+    return [causal_row(r, tokenizer, data_cfg, max_len) for r in records]
 
 
 # -- records to rows ---------------------------------------------------------------------------------
@@ -284,8 +282,9 @@ class Collate:
     """Rows into one ``TokenBatch``, padded on the right to the longest row (a picklable callable,
     so DataLoader workers can use it)."""
 
-    def __init__(self, task: str, pad_id: int):
-        self.task, self.pad_id = task, pad_id
+    def __init__(self, task: str, tokenizer):
+        self.task = task
+        self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
 
     def __call__(self, rows: list[dict[str, Any]]) -> TokenBatch:
         import torch
