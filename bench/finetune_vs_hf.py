@@ -79,7 +79,8 @@ def causal_records(out: Path) -> tuple[Path, Path]:
             lines = text.splitlines()
             prompt, completion = "\n".join(lines[: first.lineno - 1]) + "\n", "\n".join(lines[first.lineno - 1 :])
             val = int(hashlib.blake2b(file.encode(), digest_size=4).hexdigest(), 16) % 10 == 0
-            if completion.strip():
+            # A prompt longer than about half the context would leave the completion little room.
+            if completion.strip() and len(prompt) <= 500:
                 records["val" if val else "train"].append({"prompt": prompt, "completion": completion})
     paths = []
     out.mkdir(parents=True, exist_ok=True)

@@ -413,3 +413,35 @@ def test_a_model_needing_remote_code_is_refused_before_anything_runs(tmp_path, h
     assert main(["train", *as_args(ft_sets(tmp_path / "run", sft, model))]) == 2
     assert "kiln never runs code from a model directory" in capsys.readouterr().err
     assert not (tmp_path / "run").exists()
+
+
+def test_activation_checkpointing_per_layer_gives_the_same_gradients(tmp_path, sft, hf_llama):
+    plain = step_gradients(ft_sets(tmp_path / "plain", sft, hf_llama))
+    checkpointed = step_gradients(ft_sets(tmp_path / "ac", sft, hf_llama, train__activation_checkpointing="true"))
+    for name in plain:
+        torch.testing.assert_close(checkpointed[name], plain[name], rtol=0, atol=1e-6, msg=name)
+
+
+def test_bf16_fine_tuning_runs(tmp_path, sft, hf_llama):
+    result = build_trainer(
+        load_config(None, ft_sets(tmp_path, sft, hf_llama, train__precision="bf16")), console=False
+    ).fit()
+    assert result.step == 8 and 0 < result.metrics["loss"] < 10
+
+
+def test_llama_class_models_split_over_two_tensor_parallel_ranks(tmp_path, sft, hf_llama, single):
+    run = tmp_path / "tp"
+    kiln(
+        "launch",
+        "--nproc-per-node",
+        "2",
+        "--",
+        "train",
+        *as_args(ft_sets(run, sft, hf_llama, train__micro_batch_size=2, parallel__tp=2)),
+    )
+    got, want = losses(run), losses(single)
+    for step in want:
+        assert got[step] == pytest.approx(want[step], rel=1e-5), step
+    a, b = load_run(run, device="cpu").model.state_dict(), load_run(single, device="cpu").model.state_dict()
+    for name in a:
+        torch.testing.assert_close(a[name], b[name], rtol=0, atol=1e-4, msg=name)
