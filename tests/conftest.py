@@ -40,6 +40,36 @@ def tiny_overrides(run_dir: Path, corpus: Path, **extra: object) -> list[str]:
     return TINY_MODEL + [f"{k}={v}" for k, v in items.items()]
 
 
+def book_text(lines: int = 400, seed: int = 0) -> str:
+    """A text of many distinct numbered lines, like a book, the same for the same seed."""
+    rng = np.random.default_rng(seed)
+    words = np.array(
+        [
+            "the",
+            "of",
+            "and",
+            "to",
+            "in",
+            "a",
+            "is",
+            "that",
+            "it",
+            "was",
+            "for",
+            "on",
+            "are",
+            "as",
+            "with",
+            "his",
+            "they",
+            "at",
+            "be",
+            "this",
+        ]
+    )
+    return "".join(f"{i} " + " ".join(rng.choice(words, 9)) + ".\n" for i in range(lines))
+
+
 def token_sequences(tmp_path, n=20000, vocab=97, seed=0):
     """A learnable token stream as 16-token training sequences (vocab 97)."""
     path = tmp_path / "tokens.bin"

@@ -36,7 +36,7 @@ def sets(items):
         ("train.lrr=0.1", "train.lrr: unknown config key; did you mean train.lr?"),
         ("train.max_steps=1.5", "train.max_steps: expected an integer"),
         ("train.global_batch_size=10", "train.global_batch_size: 10 is not a multiple of train.micro_batch_size"),
-        ("train.precision=fp64", "train.precision: 'fp64' is not allowed; choose one of fp32, bf16, fp16"),
+        ("train.precision=fp64", "train.precision: 'fp64' is not allowed; choose one of auto, fp32, bf16, fp16"),
     ],
 )
 def test_bad_config_exits_2_and_writes_nothing(tmp_path, override, message):
@@ -63,8 +63,10 @@ def _losses(run_dir):
 
 def test_sigkill_then_resume_is_bitwise_identical(tmp_path, corpus_dir):
     """Kill a run with SIGKILL mid-way, resume it, and compare with an uninterrupted run:
-    accumulation 2, two loader workers, CPU fp32."""
-    common = dict(train__max_steps=16, checkpoint__every=3, data__num_workers=2)
+    accumulation 2, two loader workers, CPU fp32. Checkpoints (every 3) fall inside log
+    intervals (every 4), so the resumed run's first logged loss averages steps of both
+    processes: the meter's interval is part of the checkpoint."""
+    common = dict(train__max_steps=16, checkpoint__every=3, data__num_workers=2, train__log_every=4)
     full = tmp_path / "full"
     kiln("train", *sets(tiny_overrides(full, corpus_dir, **common)))
 
@@ -83,10 +85,21 @@ def test_sigkill_then_resume_is_bitwise_identical(tmp_path, corpus_dir):
     kiln("train", *sets(tiny_overrides(killed, corpus_dir, **common)))
 
     assert _losses(killed) == _losses(full)
+    assert [s for s, _ in _losses(full)] == [4, 8, 12, 16]
+    assert _scalars(killed, "loss") == _scalars(full, "loss")
     final = "checkpoints/step-00000016/model.safetensors"
     a, b = load_file(full / final), load_file(killed / final)
     assert a.keys() == b.keys()
     assert all((a[k] == b[k]).all() for k in a)
+
+
+def _scalars(run_dir, tag):
+    """(step, value) of a TensorBoard scalar, as TensorBoard's own reader gives them."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    acc = EventAccumulator(str(run_dir / "tensorboard"))
+    acc.Reload()
+    return [(e.step, e.value) for e in acc.Scalars(tag)]
 
 
 def test_train_generate_eval(tmp_path, corpus_dir):

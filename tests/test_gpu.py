@@ -59,6 +59,13 @@ def test_cuda_training_learns(tmp_path, precision):
     assert 0 < peak <= reserved < 80
 
 
+def test_precision_auto_is_bf16_on_a_bf16_gpu(tmp_path):
+    trainer, result = _fit(tmp_path, "auto")
+    expected = "bf16" if torch.cuda.get_device_capability() >= (8, 0) else "fp32"
+    assert trainer.cfg.train.precision == trainer.precision.mode == expected
+    assert f'precision = "{expected}"' in (tmp_path / "auto" / "config.toml").read_text()
+
+
 def test_compile_and_activation_checkpointing_on_cuda(tmp_path):
     _, result = _fit(tmp_path, "bf16", **{"train.compile": "true", "train.activation_checkpointing": "true"})
     assert result.metrics["loss"] < 3.0

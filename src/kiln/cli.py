@@ -52,9 +52,13 @@ def _parser() -> argparse.ArgumentParser:
         help="validation metrics of a run's checkpoint (loss, perplexity, bits per byte; a classifier's accuracy)",
     )
     e.add_argument("run_dir", help="run directory")
-    e.add_argument("--data", help="evaluate on every document of this source instead of the run's val split")
+    e.add_argument(
+        "--data", help="evaluate on every token of every document of this source instead of the run's val split"
+    )
     e.add_argument("--checkpoint", help="checkpoint directory (default: the newest complete one)")
-    e.add_argument("--max-batches", type=int, default=100, help="at most this many batches (default 100)")
+    e.add_argument(
+        "--max-batches", type=int, help="at most this many batches (default: 100 of the val split; all of --data)"
+    )
     e.add_argument("--batch-size", type=int, help="sequences per batch (default: the run's micro-batch)")
     e.add_argument("--device", default="auto")
 

@@ -1,11 +1,13 @@
-"""The device a run computes on, and what it can do: which device "auto" means, and the peak
-throughput of known accelerators (the denominator of model FLOPs utilisation, MFU)."""
+"""The device a run computes on, and what it can do: which device and precision "auto" mean, and
+the peak throughput of known accelerators (the denominator of model FLOPs utilisation, MFU)."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 
-from kiln.config import ConfigError
+from kiln.config import Config, ConfigError
 
 # Dense (no sparsity) bf16 tensor-core peak per device, in FLOP/s, from the vendors' datasheets.
 # Matched as substrings of torch.cuda.get_device_name(), longest first ("H100 PCIe" before "H100").
@@ -29,6 +31,22 @@ def resolve_device(name: str) -> torch.device:
             [f"run.device: {name!r} requested but CUDA is not available on this machine; use cpu or auto"]
         )
     return device
+
+
+def auto_precision(device: torch.device) -> str:
+    """What ``train.precision = "auto"`` is on ``device``: bf16 on a CUDA device that computes it
+    natively (compute capability 8.0 and newer: A100, H100, ...), fp32 elsewhere (CPUs, where
+    bf16 autocast is slower than fp32 without AMX, and older GPUs)."""
+    if device.type == "cuda" and torch.cuda.get_device_capability(device) >= (8, 0):
+        return "bf16"
+    return "fp32"
+
+
+def resolve_precision(cfg: Config, device: torch.device) -> Config:
+    """``cfg`` with ``train.precision = "auto"`` replaced by what it is on ``device``."""
+    if cfg.train.precision != "auto":
+        return cfg
+    return dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, precision=auto_precision(device)))
 
 
 def gpu_key(name: str) -> str | None:

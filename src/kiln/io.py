@@ -21,3 +21,23 @@ def write_atomic(path: str | os.PathLike, data: str | bytes) -> None:
     except BaseException:
         os.unlink(tmp)
         raise
+
+
+def directory_problem(path: str | os.PathLike) -> str | None:
+    """Why ``path`` cannot be (or become) a directory that this process writes into; None if it can.
+    Asked before a run starts, so that a bad run.dir is one line, not a traceback minutes later."""
+    path = Path(path).expanduser()
+    if path.exists():
+        if not path.is_dir():
+            return f"{path} is a file, not a directory; choose another path"
+        if not os.access(path, os.W_OK | os.X_OK):
+            return f"{path} is not writable by this user"
+        return None
+    parent = path.parent
+    while not parent.exists() and parent != parent.parent:
+        parent = parent.parent
+    if not parent.is_dir():
+        return f"{path} cannot be created: {parent} is a file, not a directory"
+    if not os.access(parent, os.W_OK | os.X_OK):
+        return f"{path} cannot be created: {parent} is not writable by this user"
+    return None

@@ -164,9 +164,14 @@ def test_split_by_content_keeps_copies_together_and_val_source_takes_over(tok, t
     train = {json.dumps(r["input_ids"]) for r in data.train.rows}
     val = {json.dumps(r["input_ids"]) for r in data.val.rows}
     assert not train & val and data.val.rows and len(data.val.rows) < 80
-    other = write_jsonl(tmp_path / "val.jsonl", sft_records(10, seed=1))
+    held_out = sft_records(10, seed=1)
+    other = write_jsonl(tmp_path / "val.jsonl", held_out)
     named = prepare_finetune(cfg(source, val_source=str(other)), "causal_lm", tok, 128)
-    assert len(named.train.rows) == 250 and len(named.val.rows) == 10 and named.manifest["split"] == f"val from {other}"
+    also_in_val = sum(r in held_out for r in records)  # left out of training
+    assert also_in_val and len(named.train.rows) == 250 - also_in_val and len(named.val.rows) == 10
+    assert named.manifest["split"] == f"val from {other}; {also_in_val} training records also in val left out"
+    val = {json.dumps(r["input_ids"]) for r in named.val.rows}
+    assert not val & {json.dumps(r["input_ids"]) for r in named.train.rows}
 
 
 def test_truncation_is_counted(tok, tmp_path):

@@ -119,18 +119,27 @@ def test_token_ids_beyond_the_vocabulary(tmp_path):
     assert all(c.status == "skip" and "outside the vocabulary" in c.evidence for c in model_checks)
 
 
-def test_val_sharing_documents_with_train_fails(tmp_path, corpus_dir):
+def test_copies_under_other_names_are_removed_so_val_does_not_leak(tmp_path, corpus_dir):
     corpus = tmp_path / "corpus"
     shutil.copytree(corpus_dir, corpus)
     train_docs = [p for p in sorted(corpus.iterdir()) if split_of(p.name, 0.05) == "train"][:4]
     for i, doc in enumerate(train_docs):
-        # The split hashes names: a copy under a name that lands in val leaks into validation.
+        # Names the split would send to val: without deduplication, these copies would leak.
         name = next(f"copy{i}-{k}.txt" for k in range(10_000) if split_of(f"copy{i}-{k}.txt", 0.05) == "val")
         shutil.copyfile(doc, corpus / name)
     report = run_doctor(builtin_cfg(tmp_path, corpus, data__cache_dir=tmp_path / "cache"), groups=["data"])
     overlap = report.get("train/val overlap")
-    assert overlap.status == "fail" and overlap.evidence.startswith("4 of ")
-    assert "also appear in train" in overlap.evidence and "remove from val" in overlap.fix
+    assert overlap.status == "pass" and overlap.evidence.startswith("0 of ")
+    assert report.get("duplicates").status == "pass"
+
+
+def test_own_val_set_sharing_items_with_train_fails(tmp_path):
+    data = token_sequences(tmp_path)
+    shared = TokenSequences(np.asarray(data.tokens[: 16 * 40 + 1]), 16)  # the first 40 training items
+    report = run_doctor(own_cfg(tmp_path), model=tiny_gpt(), train_data=data, val_data=shared, groups=["data"])
+    overlap = report.get("train/val overlap")
+    assert overlap.status == "fail" and overlap.evidence.startswith("40 of 40 val items also appear in train")
+    assert "remove from val" in overlap.fix
 
 
 class WithUnusedParameter(nn.Module):
@@ -265,7 +274,8 @@ def test_cuda_setup_problems_are_explained(tmp_path, monkeypatch):
 
 def test_fine_tuning_records_are_checked(tmp_path, hf_bert):
     """A classifier's records with planted faults: exact copies, records that also sit in the
-    validation file, one label far rarer than the others, and records cut to data.seq_len."""
+    validation file (left out of training), one label far rarer than the others, and records cut
+    to data.seq_len."""
     from conftest import write_jsonl
 
     common = [{"text": f"a fine day number {i} " + "word " * (i % 3), "label": "common"} for i in range(60)]
@@ -290,11 +300,12 @@ def test_fine_tuning_records_are_checked(tmp_path, hf_bert):
     report = run_doctor(cfg, groups=["data", "model"])
     records = report.get("fine-tuning records")
     assert records.status == "warn"
-    assert "8 of 82 records (9.8%) truncated" in records.evidence and "common: 74, rare: 3" in records.evidence
-    assert "unbalanced (74 against 3 records)" in records.evidence
-    assert report.get("duplicates").status == "warn" and "6 of 77 items repeat" in report.get("duplicates").evidence
-    assert report.get("train/val overlap").status == "fail"
-    assert "4 of 5 val items also appear in train" in report.get("train/val overlap").evidence
+    # The 4 records also in the validation file (8 with their copies) are left out of training.
+    assert "8 of 74 records (10.8%) truncated" in records.evidence and "common: 66, rare: 3" in records.evidence
+    assert "unbalanced (66 against 3 records)" in records.evidence
+    assert report.get("duplicates").status == "warn" and "2 of 69 items repeat" in report.get("duplicates").evidence
+    assert report.get("train/val overlap").status == "pass"
+    assert "0 of 5 val items also appear in train" in report.get("train/val overlap").evidence
     initial = report.get("initial loss")
     assert initial.status == "pass" and "ln(2 classes)" in initial.evidence
     assert report.get("gradient flow").status == "pass"

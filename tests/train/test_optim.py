@@ -51,10 +51,11 @@ def test_warmup_is_linear_from_zero():
 
 
 @pytest.mark.parametrize("schedule", ["cosine", "linear"])
-def test_decay_reaches_floor(schedule):
-    cfg = _cfg(schedule=schedule)
+def test_decay_reaches_floor_at_the_last_step(schedule):
+    cfg = _cfg(schedule=schedule, max_steps=111)
     assert lr_at(10, cfg) == pytest.approx(1.0)
-    assert lr_at(110, cfg) == pytest.approx(0.1)
+    assert lr_at(110, cfg) == pytest.approx(0.1)  # the last step, max_steps - 1
+    assert lr_at(109, cfg) > 0.1
     mid = lr_at(60, cfg)
     assert mid == pytest.approx(0.55 if schedule == "linear" else 0.1 + 0.45 * (1 + math.cos(math.pi / 2)))
     values = [lr_at(s, cfg) for s in range(10, 111)]

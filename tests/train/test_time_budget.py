@@ -69,3 +69,9 @@ def test_parse_duration(text, seconds):
 def test_bad_budget_names_the_key(bad):
     with pytest.raises(ConfigError, match="train.time_budget"):
         load_config(None, [f"train.time_budget={bad}"])
+
+
+def test_precision_auto_is_fp32_on_the_cpu_and_recorded(tmp_path):
+    assert load_config(None, []).train.precision == "auto"
+    _fit(tmp_path, "1h", max_steps=1)
+    assert 'precision = "fp32"' in (tmp_path / "config.toml").read_text()

@@ -105,7 +105,8 @@ class DataConfig:
     auto: records when model.source is set and the files are .jsonl, .csv or .parquet."""
     val_source: str = ""
     """Validation data (a file, directory or glob in the same formats as data.source); when set,
-    data.source is not split. Empty: hold out data.val_fraction of it."""
+    data.source is not split, and its documents (records) whose text is also in val are left out
+    of training. Empty: hold out data.val_fraction of data.source."""
     text_field: str = "text"
     """Field holding the text in .jsonl and .parquet corpora, and of classification records."""
     text_pair_field: str = "text_pair"
@@ -134,7 +135,12 @@ class DataConfig:
     """Tokens per training sequence (context length)."""
     val_fraction: float = 0.05
     """Share of documents held out for validation, chosen by a stable hash of each document's name
-    (of each record's content, for fine-tuning records)."""
+    (of each record's content, for fine-tuning records). Exact duplicate documents are kept once.
+    A corpus's only document, and any of data.position_split_chars or more, is split by position
+    instead: its last val_fraction (from a line start) is val."""
+    position_split_chars: int = 1_000_000
+    """Documents of at least this many characters (a book, a dump) are split by position rather
+    than going to train or val whole; 0 splits only a corpus's only document."""
     num_workers: int = 2
     """DataLoader worker processes (0 loads in the training process)."""
     prepare_workers: int = 0
@@ -152,6 +158,10 @@ class DataConfig:
             (0 < self.val_fraction < 1, f"data.val_fraction: must be in (0, 1), got {self.val_fraction}"),
             (self.num_workers >= 0, f"data.num_workers: must be >= 0, got {self.num_workers}"),
             (self.prepare_workers >= 0, f"data.prepare_workers: must be >= 0, got {self.prepare_workers}"),
+            (
+                self.position_split_chars >= 0,
+                f"data.position_split_chars: must be >= 0, got {self.position_split_chars}",
+            ),
             *(
                 (bool(getattr(self, key)), f"data.{key}: must not be empty")
                 for key in (
@@ -169,8 +179,12 @@ class DataConfig:
 
 @dataclass
 class TrainConfig:
-    max_steps: int = 1050
-    """Optimizer steps to train for (the default run takes about five minutes on 2 CPU cores)."""
+    max_steps: int | Literal["auto"] = 1050
+    """Optimizer steps to train for (the default run takes about five minutes on 2 CPU cores), or
+    "auto" with train.time_budget: as many as fit the budget, measured at the start of the run
+    (a few timed steps, an evaluation and a checkpoint), so that the schedule ends, and the run
+    evaluates and saves, when the budget does. The planned steps are recorded in the run's
+    config.toml and kept on resume."""
     micro_batch_size: int | Literal["auto"] = 32
     """Sequences per forward/backward pass on each rank, or "auto": before training, find the
     largest that fits in device memory by probing real steps (accumulation then makes up the
@@ -209,8 +223,10 @@ class TrainConfig:
     """Clip gradients to this global L2 norm; 0 turns clipping off."""
     seed: int = 1337
     """Seed for initialisation, data order and sampling."""
-    precision: Literal["fp32", "bf16", "fp16"] = "fp32"
-    """Numeric precision: fp32, bf16 (autocast) or fp16 (autocast with a gradient scaler)."""
+    precision: Literal["auto", "fp32", "bf16", "fp16"] = "auto"
+    """Numeric precision: fp32, bf16 (autocast), fp16 (autocast with a gradient scaler), or auto:
+    bf16 on a CUDA GPU that computes it natively (compute capability 8.0+), fp32 elsewhere. A
+    run's config.toml records what auto became."""
     compile: bool = False
     """Compile the model with torch.compile."""
     activation_checkpointing: bool = False
@@ -220,15 +236,22 @@ class TrainConfig:
     time_budget: str = ""
     """Wall-clock limit of the training loop, e.g. "300s", "5m", "1h30m" (empty: none). The run
     stops at the step boundary that would cross it, then evaluates and checkpoints; running the
-    same command again resumes and trains for another budget. The schedule still follows
-    max_steps."""
+    same command again resumes and trains for another budget. The schedule follows max_steps:
+    set max_steps = "auto" to fit the schedule to the budget."""
 
     def errors(self) -> list[str]:
         micro, batch = self.micro_batch_size, self.global_batch_size
         # Divisibility means something only once both sizes are valid; the checks before it report them if not.
         whole = micro == "auto" or micro < 1 or batch < 1 or batch % micro == 0
         errors = _failed(
-            (self.max_steps >= 1, f"train.max_steps: must be >= 1, got {self.max_steps}"),
+            (
+                self.max_steps == "auto" or self.max_steps >= 1,
+                f"train.max_steps: must be >= 1 or auto, got {self.max_steps}",
+            ),
+            (
+                self.max_steps != "auto" or bool(self.time_budget),
+                "train.max_steps: auto plans the steps that fit train.time_budget; set that too (e.g. 10m)",
+            ),
             (micro == "auto" or micro >= 1, f"train.micro_batch_size: must be >= 1 or auto, got {micro}"),
             (batch >= 1, f"train.global_batch_size: must be >= 1, got {batch}"),
             (

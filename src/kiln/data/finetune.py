@@ -211,12 +211,20 @@ def _label_set(records: Sequence[Record], field_name: str) -> tuple[str, ...]:
 
 
 def _split(data_cfg) -> tuple[list[Record], list[bool], str]:
-    """(records, which are val, how): val from data.val_source, else the records whose content
-    hash falls below data.val_fraction, so copies of one record always land on the same side."""
+    """(records, which are val, how): val from data.val_source (training records with the same
+    content left out), else the records whose content hash falls below data.val_fraction, so
+    copies of one record always land on the same side."""
     records = read_records(data_cfg.source)
     if data_cfg.val_source:
         val = read_records(data_cfg.val_source)
-        return records + val, [False] * len(records) + [True] * len(val), f"val from {data_cfg.val_source}"
+        in_val = {r.digest() for r in val}
+        train = [r for r in records if r.digest() not in in_val]
+        if not train:
+            raise DataError(f"{data_cfg.source}: every record is also in data.val_source {data_cfg.val_source}")
+        how = f"val from {data_cfg.val_source}"
+        if len(train) < len(records):
+            how += f"; {len(records) - len(train)} training records also in val left out"
+        return train + val, [False] * len(train) + [True] * len(val), how
     unit = [int.from_bytes(r.digest()[:8], "big") / 2**64 for r in records]
     is_val = [u < data_cfg.val_fraction for u in unit]
     if all(is_val) or not any(is_val):

@@ -240,3 +240,14 @@ def val_batches(
         xs, ys = zip(*(dataset[i] for i in indices[start : start + micro_batch_size]), strict=True)
         batches.append((torch.stack(xs), torch.stack(ys)))
     return batches
+
+
+def covering_batches(dataset: TokenSequences, micro_batch_size: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Every target of the token stream once: its whole windows in order, then what is left
+    after them as one shorter sequence."""
+    batches = val_batches(dataset, micro_batch_size, len(dataset)) if len(dataset) else []
+    rest = dataset.tokens[len(dataset) * dataset.seq_len :]
+    if len(rest) >= 2:
+        window = torch.from_numpy(rest.astype(np.int64))
+        batches.append((window[None, :-1], window[None, 1:]))
+    return batches

@@ -39,7 +39,7 @@ from kiln.data.tokenizer import (
 )
 
 # Bump when the file layout or manifest changes, so old prepared directories are not reused.
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
 # Characters of text per task sent to a worker: large enough to amortise pickling, small
 # enough to keep every worker busy and memory bounded.
 _CHUNK_CHARS = 1 << 20
@@ -108,8 +108,14 @@ def prepare(data_cfg, progress: bool = True) -> PreparedData:
     """
     report = _Reporter(progress)
     root = cache_root(data_cfg)
-    corpus = open_corpus(data_cfg.source, data_cfg.text_field, data_cfg.val_fraction)
-    report.line(f"kiln: fingerprinting {len(corpus.files)} files of {data_cfg.source!r} ...")
+    corpus = open_corpus(
+        data_cfg.source,
+        data_cfg.text_field,
+        data_cfg.val_fraction,
+        val_source=data_cfg.val_source,
+        position_split_chars=data_cfg.position_split_chars,
+    )
+    report.line(f"kiln: fingerprinting {len(corpus.files)} files of {corpus.source!r} ...")
     fingerprint = corpus.fingerprint
     if data_cfg.tokenizer == "bpe" and not bpe_cache_path(corpus, data_cfg, root).is_file():
         report.line(f"kiln: training a byte-level BPE tokenizer (vocab {data_cfg.vocab_size}) on the train split ...")
@@ -122,7 +128,7 @@ def prepare(data_cfg, progress: bool = True) -> PreparedData:
         prepared = open_prepared(final)
         problem = _size_problem(prepared)
         if problem is None:
-            report.line(f"kiln: using prepared data in {final}")
+            report.line(f"kiln: using prepared data in {final} ({describe_split(prepared.manifest)})")
             return prepared
         report.line(f"kiln: {problem}; preparing again")
         shutil.rmtree(final)
@@ -145,9 +151,20 @@ def prepare(data_cfg, progress: bool = True) -> PreparedData:
         raise
     report.line(
         f"kiln: prepared {manifest['splits']['train']['tokens']:,} train and "
-        f"{manifest['splits']['val']['tokens']:,} val tokens in {final}"
+        f"{manifest['splits']['val']['tokens']:,} val tokens in {final} ({describe_split(manifest)})"
     )
     return dataclasses.replace(open_prepared(final), tokenized=True)
+
+
+def describe_split(manifest: dict) -> str:
+    """The split and what deduplication removed, in words, from a manifest."""
+    stats = manifest["corpus"]
+    parts = [stats["split"]]
+    if stats.get("duplicates_removed"):
+        parts.append(f"{stats['duplicates_removed']:,} duplicate documents removed (kept once)")
+    if stats.get("removed_as_in_val"):
+        parts.append(f"{stats['removed_as_in_val']:,} training documents left out as they are also in val")
+    return "; ".join(parts)
 
 
 def _size_problem(prepared: PreparedData) -> str | None:
@@ -194,7 +211,9 @@ def _build(corpus: Corpus, tok: Tokenizer, tok_hash: str, data_cfg, out: Path, r
         "format_version": FORMAT_VERSION,
         "source": corpus.source,
         "text_field": corpus.text_field,
+        "val_source": corpus.val.source if corpus.val else None,
         "val_fraction": corpus.val_fraction,
+        "corpus": corpus.stats,
         "corpus_fingerprint": corpus.fingerprint,
         "tokenizer_hash": tok_hash,
         "vocab_size": vocab_size,

@@ -70,13 +70,17 @@ class World:
         """Each flag made true on every rank if it is true on any (a stop signal, a time budget
         hit): decisions that change which collectives run next must be the same everywhere.
         Done over a gloo group on the host, so a GPU run does not wait for its device here."""
+        return tuple(bool(v) for v in self.largest(*map(float, flags)))
+
+    def largest(self, *values: float) -> tuple[float, ...]:
+        """Each host-side value replaced by its maximum over the ranks (over the gloo group)."""
         if not self.distributed:
-            return flags
+            return values
         import torch.distributed as dist
 
-        values = torch.tensor([float(f) for f in flags])
-        dist.all_reduce(values, op=dist.ReduceOp.MAX, group=self.control_group)
-        return tuple(bool(v) for v in values.tolist())
+        tensor = torch.tensor(values, dtype=torch.float64)
+        dist.all_reduce(tensor, op=dist.ReduceOp.MAX, group=self.control_group)
+        return tuple(tensor.tolist())
 
     def dp_total(self, count: int) -> int:
         """The sum of a host-side count over the data-parallel ranks (the ranks of one tensor-

@@ -316,10 +316,7 @@ def check_overlap(job: DoctorJob):
     )
     if shared and val.spans:
         evidence += f"; e.g. {scan.snippet('val', val.spans[shared[0]])}"
-    fix = (
-        f"remove from val the {val.kind} that are also in train (kiln splits documents by name, so copies "
-        "under other names leak); validation loss is optimistic until then"
-    )
+    fix = f"remove from val the {val.kind} that are also in train; validation loss is optimistic until then"
     if share >= LEAK_FAIL_SHARE:
         return "fail", evidence, fix
     return ("warn", evidence, fix) if shared else ("pass", evidence, "")

@@ -19,7 +19,7 @@ from kiln.config import Config, ConfigError
 from kiln.data import DataError, PreparedData, TokenSequences, prepare
 from kiln.data.finetune import FineTuneData
 from kiln.data.tokenizer import eot_id
-from kiln.device import resolve_device
+from kiln.device import resolve_device, resolve_precision
 from kiln.models.family import build_model, family_of
 from kiln.train.finetune import prepare_job, uses_records
 from kiln.train.step import LossFn
@@ -141,6 +141,7 @@ def build_job(
 ) -> DoctorJob:
     """The job of ``cfg``, with any of its pieces replaced by the user's (see ``run_doctor``)."""
     device, device_problem = _device(cfg)
+    cfg = resolve_precision(cfg, device)
     if model is None and train_data is None and uses_records(cfg):
         return _finetune_job(cfg, device, device_problem)
     prepared, data_problem = None, None

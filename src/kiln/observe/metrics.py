@@ -10,6 +10,7 @@ from __future__ import annotations
 import html
 import json
 import math
+import sys
 import time
 import uuid
 from pathlib import Path
@@ -19,6 +20,7 @@ import torch
 
 from kiln.config import ConfigError
 from kiln.io import write_atomic
+from kiln.observe.progress import ProgressBar
 
 METRICS_FILE = "metrics.jsonl"
 # The W&B run id of this run directory, so that a resumed run continues the same W&B run.
@@ -113,8 +115,11 @@ class MetricsLogger:
         self.run_dir = Path(run_dir)
         # First: when wandb is missing, fail before any file is opened.
         self._wandb = _start_wandb(self.run_dir, wandb_project, config) if wandb_project else None
-        self.total_steps = total_steps
+        self.run_dir.mkdir(parents=True, exist_ok=True)
         self.console = console
+        # A live bar where a person watches; the plain line log where output goes to a file.
+        self._bar = ProgressBar(total_steps, start_step) if console and sys.stdout.isatty() else None
+        self.total_steps = total_steps
         self.path = self.run_dir / METRICS_FILE
         self._truncate_after(start_step)
         # Held open for the logger's lifetime (line-buffered appends); closed in close().
@@ -126,6 +131,22 @@ class MetricsLogger:
             self._tb = SummaryWriter(str(self.run_dir / "tensorboard"), purge_step=start_step or None)
         self._start_step = start_step
         self._t0 = time.perf_counter()
+
+    @property
+    def total_steps(self) -> int:
+        return self._total_steps
+
+    @total_steps.setter
+    def total_steps(self, steps: int) -> None:
+        """Known late when max_steps is planned from the time budget."""
+        self._total_steps = steps
+        if self._bar is not None:
+            self._bar.set_total(steps)
+
+    def step_done(self, step: int) -> None:
+        """Every step, for the progress bar: host-side, no sync."""
+        if self._bar is not None:
+            self._bar.advance(step)
 
     def _truncate_after(self, step: int) -> None:
         if not self.path.exists():
@@ -161,6 +182,8 @@ class MetricsLogger:
             self._wandb.log(dict(values), step=step)
         if self.console:
             print(self._console_line(step, values), flush=True)
+        if self._bar is not None:
+            self._bar.show(values)
 
     def _console_line(self, step: int, values: dict[str, Any]) -> str:
         parts = [f"step {step}/{self.total_steps}"]
@@ -224,6 +247,9 @@ class MetricsLogger:
             self._wandb.log({tag: wandb.Histogram(values.numpy()) for tag, values in tensors.items()}, step=step)
 
     def close(self) -> None:
+        if self._bar is not None:
+            self._bar.close()
+            self._bar = None
         self._file.close()
         if self._tb is not None:
             self._tb.close()
@@ -252,6 +278,9 @@ class NullLogger:
         pass
 
     def rewind(self, step: int) -> None:
+        pass
+
+    def step_done(self, step: int) -> None:
         pass
 
     def histograms(self, step: int, model: torch.nn.Module) -> None:

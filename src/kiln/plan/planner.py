@@ -3,6 +3,7 @@ when it does not fit, what would."""
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import re
 from dataclasses import dataclass
@@ -134,6 +135,9 @@ def make_plan(cfg: Config, *, world_size: int = 1, device_memory: str | None = N
     """Estimate ``cfg`` on ``world_size`` devices, and what to change if it does not fit.
     Bad input raises ConfigError naming the option or key."""
     target = resolve_target(cfg.run.device, gpu, device_memory)
+    if cfg.train.precision == "auto":  # as on the GPUs of PEAK_FLOPS, which all compute bf16 natively
+        precision = "bf16" if target.kind == "cuda" else "fp32"
+        cfg = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, precision=precision))
     base = _base_setup(cfg, world_size)
     family = family_of(cfg.model)
     args = family.resolve(cfg.model, vocab_size=cfg.data.vocab_size, seq_len=cfg.data.seq_len)

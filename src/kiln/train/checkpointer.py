@@ -9,6 +9,8 @@ position (a pure function of seed and step), the config and the parallel layout.
 
 from __future__ import annotations
 
+import copy
+import shutil
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any, Protocol
@@ -88,6 +90,44 @@ class Checkpointer:
         self._say(f"kiln: saved checkpoint {path}")
         return path
 
+    def hold(self) -> dict[str, Any]:
+        """The run's whole state (this rank's shards), copied to host memory, for ``put_back``
+        after work that must leave no trace. Unlike a checkpoint it keeps an optimizer that has
+        not stepped yet exactly so: saving one initialises its state."""
+        return {
+            "model": [_local(t).detach().cpu().clone() for t in self.model.state_dict().values()],
+            "optimizer": {
+                param: {k: _local(v).detach().cpu().clone() if torch.is_tensor(v) else v for k, v in state.items()}
+                for param, state in self.optimizer.state.items()
+            },
+            "parts": copy.deepcopy({name: part.state_dict() for name, part in self.parts.items()}),
+            "rng": capture_rng(),
+        }
+
+    @torch.no_grad()
+    def put_back(self, held: dict[str, Any]) -> None:
+        """Restore what ``hold`` copied, in place."""
+        for target, saved in zip(self.model.state_dict().values(), held["model"], strict=True):
+            _local(target).copy_(saved)
+        if not held["optimizer"]:  # it had not stepped: it starts afresh again
+            self.optimizer.state.clear()
+        for param, state in held["optimizer"].items():
+            for key, value in state.items():
+                if torch.is_tensor(value):
+                    _local(self.optimizer.state[param][key]).copy_(value)
+                else:
+                    self.optimizer.state[param][key] = value
+        for name, part in self.parts.items():
+            part.load_state_dict(held["parts"][name])
+        restore_rng(held["rng"])
+
+    def discard(self, path: Path) -> None:
+        """Delete checkpoint ``path`` once every rank is done with it."""
+        self.world.barrier()
+        if self.world.is_main:
+            shutil.rmtree(path)
+        self.world.barrier()
+
     def resume(self) -> int | None:
         """The step the run resumes at, per ``checkpoint.resume``, everything restored; None if fresh."""
         resume = self.cfg.checkpoint.resume
@@ -135,3 +175,8 @@ class Checkpointer:
                 part.load_state_dict(train_state[name])
         restore_rng(train_state["rng"])
         return train_state["step"]
+
+
+def _local(tensor: torch.Tensor) -> torch.Tensor:
+    """This rank's shard of a DTensor (FSDP, tensor parallel); a plain tensor itself."""
+    return tensor.to_local() if hasattr(tensor, "to_local") else tensor

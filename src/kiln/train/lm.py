@@ -20,6 +20,7 @@ from torch import nn
 from kiln.config import Config, ConfigError
 from kiln.data import TokenSequences, prepare, val_batches
 from kiln.data.batch import split_batch
+from kiln.data.loader import covering_batches
 from kiln.data.tokenizer import eot_id
 from kiln.distributed.world import init_world
 from kiln.models.family import ModelFamily, build_model, family_of
@@ -144,27 +145,27 @@ def evaluate_run(
     *,
     source: str | None = None,
     checkpoint: str | Path | None = None,
-    max_batches: int = 100,
+    max_batches: int | None = None,
     micro_batch_size: int | None = None,
     device: str = "auto",
 ) -> dict[str, float]:
-    """Validation metrics of a run's checkpoint: on the run's own val split, or on every document
-    of ``source`` (tokenized with the run's tokenizer)."""
+    """Validation metrics of a run's checkpoint: on the run's own val split (at most
+    ``max_batches`` batches, 100 by default, spread over it), or on every token of every document
+    of ``source``, tokenized with the run's tokenizer (the first ``max_batches`` if given)."""
     run = load_run(run_dir, checkpoint, device)
-    data_cfg = dataclasses.replace(
-        run.cfg.data, tokenizer=str(Path(run_dir) / "tokenizer.json"), source=source or run.cfg.data.source
-    )
+    data_cfg = dataclasses.replace(run.cfg.data, tokenizer=str(Path(run_dir) / "tokenizer.json"))
+    if source:  # no training source: every document of ``source`` is val
+        data_cfg = dataclasses.replace(data_cfg, source="", val_source=source)
     prepared = prepare(data_cfg)
     seq_len = run.cfg.data.seq_len
-    splits = ("train", "val") if source else ("val",)
     batch = micro_batch_size or run.cfg.train.micro_batch_size
-    batches = []
-    for split in splits:
-        ds = TokenSequences(prepared.tokens(split), seq_len)
-        batches += val_batches(ds, batch, max_batches) if len(ds) else []
-    if not batches:
-        raise ConfigError([f"data.seq_len: no sequence of {seq_len} tokens fits in {data_cfg.source}"])
-    batches = batches[:max_batches]
+    val = TokenSequences(prepared.tokens("val"), seq_len)
+    if source:
+        batches = covering_batches(val, batch)[:max_batches]
+        if not batches:
+            raise ConfigError([f"--data: {source} holds fewer than 2 tokens"])
+    else:
+        batches = val_batches(val, batch, max_batches or 100)
     dev = next(run.model.parameters()).device
     metrics = run.family.evaluate(run.model, batches, torch.from_numpy(prepared.token_bytes()), dev)
     metrics.update(step=run.step, tokens=sum(y.numel() for _, y in batches))

@@ -39,17 +39,32 @@ class StepMeter:
         self.start()
 
     def state_dict(self) -> dict:
-        return {"tokens_seen": self.tokens_seen}
+        """The tokens so far and the interval not yet logged, so that a resumed run logs what the
+        uninterrupted run would have. Reading the interval is a host sync and, with several
+        ranks, a collective: every rank saves checkpoints at the same steps."""
+        self._settle()
+        return {"tokens_seen": self.tokens_seen, "interval": dict(self._settled, seconds=self._seconds())}
 
     def load_state_dict(self, state: dict) -> None:
         self.tokens_seen = state["tokens_seen"]
+        self.start()
+        if "interval" in state:
+            interval = state["interval"]
+            self._settled = {k: interval[k] for k in ("losses", "grad_norms", "tokens")}
+            self._earlier_s = interval["seconds"]
 
     def start(self) -> None:
         """Begin an interval: no steps yet, the clock from now."""
         self.losses: list[torch.Tensor] = []
         self.grad_norms: list[torch.Tensor] = []
-        self.samples = 0
         self.tokens = 0  # this rank's, in the interval
+        # Steps of the interval already read from the device (at a checkpoint, or before a resume).
+        self._settled: dict[str, Any] = {"losses": [], "grad_norms": [], "tokens": 0}
+        self._earlier_s = 0.0  # of the interval, in a process before a resume
+        self.start_clock()
+
+    def start_clock(self) -> None:
+        """Time the interval from now (after work before the loop that is not training)."""
         self._t0 = time.perf_counter()
         self._paused_s = 0.0
 
@@ -70,25 +85,28 @@ class StepMeter:
         self.losses.append(loss)
         self.grad_norms.append(grad_norm.detach().float())
         rows = batch_rows(batch)
-        self.samples += rows
         self.tokens += batch.tokens if isinstance(batch, TokenBatch) else rows * self.tokens_per_sample
 
     def flush(self) -> dict[str, Any]:
         """Per-step losses (averaged over ranks) and gradient norms of the interval, read in one go;
         a new interval starts."""
-        losses, grad_norms = [], []
+        self._settle()
+        values = dict(self._settled, seconds=self._seconds())
+        self.start()
+        return values
+
+    def _settle(self) -> None:
+        """Read the steps still on the device into the interval's host values."""
         if self.losses:
             per_step = torch.stack([self.world.mean(torch.stack(self.losses)).float(), torch.stack(self.grad_norms)])
             losses, grad_norms = per_step.tolist()
-        values = {
-            "losses": losses,
-            "grad_norms": grad_norms,
-            "samples": self.samples,
-            "tokens": self.world.dp_total(self.tokens),
-            "seconds": max(1e-9, time.perf_counter() - self._t0 - self._paused_s),
-        }
-        self.start()
-        return values
+            self._settled["losses"] += losses
+            self._settled["grad_norms"] += grad_norms
+        self._settled["tokens"] += self.world.dp_total(self.tokens)
+        self.losses, self.grad_norms, self.tokens = [], [], 0
+
+    def _seconds(self) -> float:
+        return max(1e-9, self._earlier_s + time.perf_counter() - self._t0 - self._paused_s)
 
     def record(
         self, values: dict[str, Any], *, step: int, lr: float, elapsed_s: float, micro_batch_size: int

@@ -64,7 +64,8 @@ def lr_at(step: int, cfg: TrainConfig) -> float:
         return peak * (step + 1) / cfg.warmup_steps
     if cfg.schedule == "constant":
         return peak
-    total = max(1, cfg.max_steps - cfg.warmup_steps)
+    # The last step (max_steps - 1) trains at the final rate: the run ends at the schedule's end.
+    total = max(1, cfg.max_steps - cfg.warmup_steps - 1)
     if cfg.schedule == "wsd":
         decay_steps = max(1, round(cfg.decay_fraction * cfg.max_steps))
         decay_start = cfg.max_steps - decay_steps

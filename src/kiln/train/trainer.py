@@ -6,13 +6,16 @@ step's batch, update, and at intervals log, evaluate and checkpoint. Each featur
 that owns its state and decides its own timing, and the loop calls it the same way in every
 configuration: the step (``TrainStep``: precision, accumulation, clipping), the memory ladder
 (the micro-batch, and a retry one rung down when the device runs out of memory), the guard
-(non-finite steps and loss spikes), the meter (metrics), the checkpointer and the profiler.
+(non-finite steps and loss spikes), the meter (metrics), the checkpointer, the time plan (the
+steps that fill a time budget) and the profiler.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import math
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -22,12 +25,14 @@ import torch
 from torch import nn
 from torch.utils.data import Dataset, default_collate
 
-from kiln.config import Config, parse_duration, validate
+from kiln.config import Config, ConfigError, parse_duration, validate
 from kiln.data.batch import split_batch, to_device
 from kiln.data.batch_schedule import BatchSchedule
 from kiln.data.loader import StepBatches
+from kiln.device import resolve_precision
 from kiln.distributed.parallelize import parallelize
 from kiln.distributed.world import World, init_world
+from kiln.io import directory_problem
 from kiln.models.family import ParallelPlan
 from kiln.observe import MetricsLogger, NullLogger
 from kiln.observe.profiler import StepProfiler
@@ -41,6 +46,7 @@ from kiln.train.optim import build_optimizer, lr_at
 from kiln.train.precision import Precision
 from kiln.train.run import Budget, StopRequest, write_run_files
 from kiln.train.step import LossFn, TrainStep
+from kiln.train.time_plan import WARMUP_STEPS, Costs, TimePlan
 
 
 @dataclass
@@ -86,13 +92,17 @@ class Trainer:
         faults: Faults | None = None,
         console: bool = True,
     ):
-        self.cfg = cfg = config or Config()
+        cfg = config or Config()
         validate(cfg)  # a Config built in Python has not been through load_config
-        t = cfg.train
+        if problem := directory_problem(cfg.run.dir):
+            raise ConfigError([f"run.dir: {problem}"])
         if cfg.run.threads:
             torch.set_num_threads(cfg.run.threads)
         self.world: World = init_world(cfg.run.device, cfg.parallel.tp)
         self.device = self.world.device
+        # The run's config is the resolved one: it is what config.toml and checkpoints record.
+        self.cfg = cfg = resolve_precision(cfg, self.device)
+        t = cfg.train
         self.console = console and self.world.is_main
         self.run_dir = Path(cfg.run.dir)
         self.eval_fn, self.sample_fn = eval_fn, sample_fn
@@ -140,12 +150,19 @@ class Trainer:
         self.meter = StepMeter(
             self.world, t.log_every, schedule, tokens_per_sample=tokens_per_sample, flops_per_token=flops_per_token
         )
+        self.time_plan = TimePlan(cfg, parse_duration(t.time_budget) if t.time_budget else math.inf)
         self.checkpointer = Checkpointer(
             cfg,
             self.world,
             self.model,
             self.optimizer,
-            {"precision": self.precision, "memory": self.ladder, "guard": self.guard, "meter": self.meter},
+            {
+                "precision": self.precision,
+                "memory": self.ladder,
+                "guard": self.guard,
+                "meter": self.meter,
+                "time_plan": self.time_plan,
+            },
             self.batches,
             self._say,
         )
@@ -167,21 +184,24 @@ class Trainer:
     # -- the loop ----------------------------------------------------------------------------
 
     def fit(self) -> FitResult:
-        cfg, t = self.cfg, self.cfg.train
+        clock = Budget(self.time_plan.stop_s)
         resumed_from = self.checkpointer.resume()
         self.step = resumed_from or 0
-        write_run_files(self.run_dir, cfg, self.world, self.model)
         result = FitResult(step=self.step, resumed_from=resumed_from)
-        if self.step >= t.max_steps:
-            self._say(f"kiln: already trained to step {self.step} (train.max_steps={t.max_steps}); nothing to do")
-            return result
         logger = self._logger()
-        batches = self.batches.loader(self.step)
-        clock = Budget(parse_duration(t.time_budget) if t.time_budget else math.inf)
         with logger, StopRequest() as stop:
             if self.ladder.probe_needed:
                 self.ladder.find_micro_batch(self.batches, self.step, logger)
-            self.meter.start()
+            if self.time_plan.needs_probe:
+                self._plan_steps(logger, clock)
+            self._set_max_steps(self.time_plan.max_steps, logger)
+            cfg, t = self.cfg, self.cfg.train
+            write_run_files(self.run_dir, cfg, self.world, self.model)
+            if self.step >= t.max_steps:
+                self._say(f"kiln: already trained to step {self.step} (train.max_steps={t.max_steps}); nothing to do")
+                return result
+            batches = self.batches.loader(self.step)
+            self.meter.start_clock()
             while self.step < t.max_steps:
                 clock.step_started()
                 self.profiler.step_begins(self.step + 1)
@@ -196,6 +216,7 @@ class Trainer:
                     grad_norm = self.train_step.update(lr, inspect=self._histograms(logger))
                 self.step += 1
                 self.meter.end_step(loss, grad_norm, batch)
+                logger.step_done(self.step)
                 self.profiler.step_ends(self.step)
 
                 # The run ends at max_steps, or early when the next step would overrun the time
@@ -205,9 +226,8 @@ class Trainer:
                 final = self.step == t.max_steps or out_of_time
                 if self.meter.due(self.step, final or stop.requested):
                     result.metrics, rollback = self._log(logger, lr, clock.elapsed())
-                    if rollback:
-                        with self.meter.paused():
-                            self._roll_back(logger)
+                    if rollback:  # the meter, its clock too, is restored with the checkpoint
+                        self._roll_back(logger)
                         batches = self.batches.loader(self.step)
                         continue
                 # Evaluation and saving are not training throughput: the meter's clock stops.
@@ -235,13 +255,70 @@ class Trainer:
     def save(self) -> Path:
         return self.checkpointer.save(self.step)
 
+    def _plan_steps(self, logger, clock: Budget) -> None:
+        """``max_steps = "auto"``: time a checkpoint, training steps and an evaluation of this
+        very run, put the run back exactly as it was, and plan the steps that fill the budget."""
+        self._say("kiln: timing a checkpoint, a few steps and an evaluation to plan train.max_steps=auto ...")
+        held = self.checkpointer.hold()
+        resumed_at = self.checkpointer.latest()
+        save_s = self._warm_seconds(self.save)
+        path = self.checkpointer.latest()
+        started = time.perf_counter()
+        batches = self.batches.loader(self.step)
+        start_s, timed_from, steps = 0.0, 0.0, 0
+        for i in itertools.count():
+            batch = to_device(next(batches), self.device)
+            start_s = start_s or time.perf_counter() - started
+            self.ladder.forward_backward(batch, self.step + i + 1, logger, save=self.save)
+            self.train_step.update(0.0)  # whatever it changes, the checkpoint restores
+            if self.device.type == "cuda":
+                torch.cuda.synchronize(self.device)
+            now = time.perf_counter()
+            steps = i + 1 - WARMUP_STEPS
+            if steps == 0:
+                timed_from = now
+            elif steps >= 3 and now - timed_from >= self.time_plan.probe_seconds():
+                break
+        del batches  # its workers stop
+        step_s = (now - timed_from) / steps
+        eval_s = self._warm_seconds(lambda: self._evaluate(NullLogger()))
+        self.checkpointer.put_back(held)
+        if path != resumed_at:
+            self.checkpointer.discard(path)
+        # Every rank plans with the slowest rank's costs, so that all agree on the steps.
+        costs = Costs(*self.world.largest(step_s, eval_s, save_s, start_s))
+        self.time_plan.fix(costs, clock.elapsed())
+        logger.event(
+            self.step, "time_plan", self.time_plan.describe(), max_steps=self.time_plan.max_steps, **vars(costs)
+        )
+
+    def _warm_seconds(self, work: Callable[[], Any]) -> float:
+        """How long ``work`` takes once warm: the first call also pays for imports and first
+        allocations, so one that is cheap next to the budget is timed a second time."""
+        started = time.perf_counter()
+        work()
+        seconds = time.perf_counter() - started
+        if seconds > 0.005 * self.time_plan.budget_s:
+            return seconds
+        started = time.perf_counter()
+        work()
+        return time.perf_counter() - started
+
+    def _set_max_steps(self, steps: int, logger) -> None:
+        """The run's config with the steps it trains for (those planned for "auto")."""
+        if steps == self.cfg.train.max_steps:
+            return
+        self.cfg = dataclasses.replace(self.cfg, train=dataclasses.replace(self.cfg.train, max_steps=steps))
+        self.checkpointer.cfg = self.cfg
+        logger.total_steps = steps
+
     def _logger(self) -> MetricsLogger | NullLogger:
         if not self.world.is_main:
             return NullLogger()
         o = self.cfg.observe
         return MetricsLogger(
             self.run_dir,
-            total_steps=self.cfg.train.max_steps,
+            total_steps=self.time_plan.max_steps or 0,
             start_step=self.step,
             console=self.console,
             wandb_project=o.wandb_project if o.wandb else None,

@@ -1,0 +1,94 @@
+"""How long a run is: ``train.max_steps``, or with ``"auto"`` as many steps as fit
+``train.time_budget``.
+
+The plan is measured, not guessed: at the start of a fresh run the loop times one checkpoint,
+a few real training steps (after two warm-up steps, which take the compile and the allocator's
+first growth) and one evaluation, then puts the run back exactly as it was. The number of steps
+is then the most whose training, evaluations and checkpoints, the final ones included, end
+inside the budget. It is part of the run's state: a resumed run keeps the steps it planned, so
+its learning-rate schedule is the one it started with.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+from kiln.config import Config
+
+# Steps whose time is not counted: the first runs compile, the first few grow the allocator.
+WARMUP_STEPS = 2
+# The plan aims this far inside the budget, for the jitter of step times; a run that turns out
+# slower than measured may go this far past it to end its schedule, and is stopped there.
+MARGIN = 0.04
+OVERRUN = 0.05
+
+
+@dataclasses.dataclass
+class Costs:
+    """Seconds, measured in the probe: one training step, one evaluation, one checkpoint, and
+    the data loader's start before the first batch."""
+
+    step_s: float
+    eval_s: float
+    save_s: float
+    start_s: float
+
+
+class TimePlan:
+    def __init__(self, cfg: Config, budget_s: float):
+        t = cfg.train
+        self.auto = t.max_steps == "auto"
+        self.max_steps: int | None = None if self.auto else t.max_steps
+        self.costs: Costs | None = None
+        self.budget_s = budget_s
+        self.eval_every, self.save_every = cfg.eval.every, cfg.checkpoint.every
+
+    @property
+    def needs_probe(self) -> bool:
+        return self.max_steps is None
+
+    @property
+    def stop_s(self) -> float:
+        """When the loop stops whatever the plan: the budget, a little later for a planned run."""
+        return self.budget_s * (1 + OVERRUN) if self.auto else self.budget_s
+
+    def probe_seconds(self) -> float:
+        """How long to time training steps for: long enough to average out their jitter, a
+        small share of the budget."""
+        return min(30.0, max(2.0, 0.03 * self.budget_s))
+
+    def state_dict(self) -> dict:
+        return {"max_steps": self.max_steps, "costs": dataclasses.asdict(self.costs) if self.costs else None}
+
+    def load_state_dict(self, state: dict) -> None:
+        if self.auto and state.get("max_steps") is not None:
+            self.max_steps = state["max_steps"]
+            self.costs = Costs(**state["costs"]) if state.get("costs") else None
+
+    def cost_s(self, steps: int, costs: Costs) -> float:
+        """Seconds that ``steps`` steps take from the first: training, every evaluation and
+        checkpoint (periodic and final) and the data loader's start."""
+        evals = math.ceil(steps / self.eval_every) if self.eval_every else 1
+        saves = math.ceil(steps / self.save_every) if self.save_every else 1
+        return costs.start_s + steps * costs.step_s + evals * costs.eval_s + saves * costs.save_s
+
+    def fix(self, costs: Costs, elapsed_s: float) -> int:
+        """Fix max_steps from the probe's ``costs`` with ``elapsed_s`` of the budget spent: the
+        most steps whose cost ends inside it (at least one)."""
+        seconds = self.budget_s * (1 - MARGIN) - elapsed_s
+        low, high = 1, 1
+        while self.cost_s(high, costs) <= seconds:
+            low, high = high, high * 2
+        while high - low > 1:  # cost_s(low) fits (or low is 1), cost_s(high) does not
+            mid = (low + high) // 2
+            low, high = (mid, high) if self.cost_s(mid, costs) <= seconds else (low, mid)
+        self.max_steps, self.costs = low, costs
+        return low
+
+    def describe(self) -> str:
+        c = self.costs
+        return (
+            f"planned {self.max_steps} steps to fill the time budget: a step takes {c.step_s:.3g}s, "
+            f"an evaluation {c.eval_s:.3g}s, a checkpoint {c.save_s:.3g}s (measured at the start)"
+        )

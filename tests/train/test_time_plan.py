@@ -1,0 +1,138 @@
+"""train.max_steps = "auto": the steps that fill train.time_budget, planned from a probe that
+leaves no trace, recorded in the run and kept on resume."""
+
+from __future__ import annotations
+
+import json
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+from safetensors.torch import load_file
+
+from kiln.config import ConfigError, load_config, tomllib
+from kiln.train.time_plan import Costs, TimePlan
+
+from conftest import tiny_overrides
+
+
+def _plan(budget_s, **sets):
+    cfg = load_config(None, ["train.max_steps=auto", f"train.time_budget={budget_s}s", *sets.values()])
+    return TimePlan(cfg, budget_s)
+
+
+def test_the_plan_is_the_most_steps_that_fit():
+    plan = _plan(100, eval="eval.every=10", save="checkpoint.every=25")
+    costs = Costs(step_s=0.5, eval_s=2.0, save_s=1.0, start_s=0.5)
+    steps = plan.fix(costs, elapsed_s=10)
+    room = 100 * 0.96 - 10
+    assert plan.cost_s(steps, costs) <= room < plan.cost_s(steps + 1, costs)
+    # 0.5 s a step, an evaluation every 10 steps (0.2 s a step), a checkpoint every 25 (0.04 s);
+    # the loader's start, and the final evaluation and checkpoint (at most one of each extra).
+    assert steps == pytest.approx((room - 0.5 - 2.0 - 1.0) / 0.74, abs=3)
+    assert plan.state_dict()["max_steps"] == steps
+
+
+def test_a_budget_too_short_still_plans_one_step():
+    plan = _plan(1)
+    assert plan.fix(Costs(step_s=5.0, eval_s=5.0, save_s=5.0, start_s=0.0), elapsed_s=0.5) == 1
+
+
+def test_auto_needs_a_budget():
+    with pytest.raises(ConfigError, match="train.max_steps: auto plans the steps that fit train.time_budget"):
+        load_config(None, ["train.max_steps=auto"])
+
+
+def _kiln(*args):
+    return [sys.executable, "-m", "kiln", *map(str, args)]
+
+
+def _sets(items):
+    return [a for item in items for a in ("--set", item)]
+
+
+def _records(run):
+    return [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+
+
+def test_auto_fills_the_budget_ends_the_schedule_and_resumes_exactly(tmp_path, corpus_dir):
+    """A planned run ends its schedule at its last step, inside the budget; the probe leaves no
+    trace (the same steps given as a number train the same weights); SIGKILL + resume keeps the
+    planned steps and ends bitwise equal."""
+    budget = 8
+    common = dict(
+        train__max_steps="auto",
+        train__time_budget=f"{budget}s",
+        train__log_every=5,
+        train__warmup_steps=5,
+        checkpoint__every=10,
+        eval__every=40,
+        eval__sample_tokens=0,
+    )
+    auto = tmp_path / "auto"
+    started = time.perf_counter()
+    subprocess.run(_kiln("train", *_sets(tiny_overrides(auto, corpus_dir, **common))), check=True, capture_output=True)
+    wall = time.perf_counter() - started
+    steps = tomllib.loads((auto / "config.toml").read_text())["train"]["max_steps"]
+    assert isinstance(steps, int) and steps > 20
+    records = _records(auto)
+    [plan] = [r for r in records if r.get("event") == "time_plan"]
+    assert plan["max_steps"] == steps and plan["step_s"] > 0
+    last = [r for r in records if "loss" in r][-1]
+    assert last["step"] == steps
+    assert last["lr"] == pytest.approx(1e-2 * 0.1)  # the schedule's final value, train.lr x min_lr_ratio
+    assert last["elapsed_s"] <= budget * 1.05
+    assert wall < budget + 10  # the interpreter's start and the data's fingerprint come on top
+    assert not (auto / "checkpoints" / "step-00000000").exists()  # the probe's checkpoint is gone
+
+    fixed = tmp_path / "fixed"
+    overrides = tiny_overrides(fixed, corpus_dir, **{**common, "train__max_steps": steps, "train__time_budget": ""})
+    subprocess.run(_kiln("train", *_sets(overrides)), check=True, capture_output=True)
+    final = f"checkpoints/step-{steps:08d}/model.safetensors"
+    a, b = load_file(auto / final), load_file(fixed / final)
+    assert all((a[k] == b[k]).all() for k in a)
+
+    killed = tmp_path / "killed"
+    args = _kiln("train", *_sets(tiny_overrides(killed, corpus_dir, **common)))
+    proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.time() + 60
+    while time.time() < deadline and not list((killed / "checkpoints").glob("step-0000002*")):
+        time.sleep(0.02)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    planned = tomllib.loads((killed / "config.toml").read_text())["train"]["max_steps"]
+    subprocess.run(args, check=True, capture_output=True)
+    assert tomllib.loads((killed / "config.toml").read_text())["train"]["max_steps"] == planned
+    again = [r for r in _records(killed) if "loss" in r][-1]
+    assert again["step"] == planned
+    # The same planned steps, uninterrupted, give the same weights.
+    if planned != steps:
+        fixed = tmp_path / "fixed-again"
+        overrides = tiny_overrides(
+            fixed, corpus_dir, **{**common, "train__max_steps": planned, "train__time_budget": ""}
+        )
+        subprocess.run(_kiln("train", *_sets(overrides)), check=True, capture_output=True)
+    final = f"checkpoints/step-{planned:08d}/model.safetensors"
+    a, b = load_file(fixed / final), load_file(killed / final)
+    assert all((a[k] == b[k]).all() for k in a)
+
+
+@pytest.mark.slow
+def test_a_sixty_second_budget_ends_within_ten_percent(tmp_path, corpus_dir):
+    run = tmp_path / "run"
+    overrides = tiny_overrides(
+        run,
+        corpus_dir,
+        train__max_steps="auto",
+        train__time_budget="60s",
+        train__log_every=10,
+        eval__every=500,
+        checkpoint__every=500,
+    )
+    started = time.perf_counter()
+    subprocess.run(_kiln("train", *_sets(overrides)), check=True, capture_output=True)
+    assert abs(time.perf_counter() - started - 60) <= 6
+    last = [r for r in _records(run) if "loss" in r][-1]
+    assert last["step"] == tomllib.loads((run / "config.toml").read_text())["train"]["max_steps"]
