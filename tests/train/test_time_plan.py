@@ -20,7 +20,7 @@ from conftest import tiny_overrides
 
 def _plan(budget_s, **sets):
     cfg = load_config(None, ["train.max_steps=auto", f"train.time_budget={budget_s}s", *sets.values()])
-    return TimePlan(cfg, budget_s)
+    return TimePlan(cfg)
 
 
 def test_the_plan_is_the_most_steps_that_fit():

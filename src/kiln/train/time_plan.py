@@ -14,7 +14,7 @@ from __future__ import annotations
 import dataclasses
 import math
 
-from kiln.config import Config
+from kiln.config import Config, parse_duration
 
 # Steps whose time is not counted: the first runs compile, the first few grow the allocator.
 WARMUP_STEPS = 2
@@ -36,12 +36,12 @@ class Costs:
 
 
 class TimePlan:
-    def __init__(self, cfg: Config, budget_s: float):
+    def __init__(self, cfg: Config):
         t = cfg.train
         self.auto = t.max_steps == "auto"
         self.max_steps: int | None = None if self.auto else t.max_steps
         self.costs: Costs | None = None
-        self.budget_s = budget_s
+        self.budget_s = parse_duration(t.time_budget) if t.time_budget else math.inf
         self.eval_every, self.save_every = cfg.eval.every, cfg.checkpoint.every
 
     @property

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
-import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -25,7 +24,7 @@ import torch
 from torch import nn
 from torch.utils.data import Dataset, default_collate
 
-from kiln.config import Config, ConfigError, parse_duration, validate
+from kiln.config import Config, ConfigError, validate
 from kiln.data.batch import split_batch, to_device
 from kiln.data.batch_schedule import BatchSchedule
 from kiln.data.loader import StepBatches
@@ -150,7 +149,7 @@ class Trainer:
         self.meter = StepMeter(
             self.world, t.log_every, schedule, tokens_per_sample=tokens_per_sample, flops_per_token=flops_per_token
         )
-        self.time_plan = TimePlan(cfg, parse_duration(t.time_budget) if t.time_budget else math.inf)
+        self.time_plan = TimePlan(cfg)
         self.checkpointer = Checkpointer(
             cfg,
             self.world,
