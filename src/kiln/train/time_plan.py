@@ -2,8 +2,8 @@
 ``train.time_budget``.
 
 The plan is measured, not guessed: at the start of a fresh run the loop times one checkpoint,
-a few real training steps (after two warm-up steps, which take the compile and the allocator's
-first growth) and one evaluation, then puts the run back exactly as it was. The number of steps
+a few real training steps (after a warm-up, which takes the compile, the allocator's first
+growth and the caches) and one evaluation, then puts the run back exactly as it was. The number of steps
 is then the most whose training, evaluations and checkpoints, the final ones included, end
 inside the budget. It is part of the run's state: a resumed run keeps the steps it planned, so
 its learning-rate schedule is the one it started with.
@@ -16,7 +16,8 @@ import math
 
 from kiln.config import Config, parse_duration
 
-# Steps whose time is not counted: the first runs compile, the first few grow the allocator.
+# Steps whose time is not counted, at least (see TimePlan.warmup_seconds): the first runs
+# compile, the first few grow the allocator.
 WARMUP_STEPS = 2
 # The plan aims this far inside the budget, for the jitter of step times; a run that turns out
 # slower than measured may go this far past it to end its schedule, and is stopped there.
@@ -57,6 +58,11 @@ class TimePlan:
         """How long to time training steps for: long enough to average out their jitter, a
         small share of the budget."""
         return min(30.0, max(2.0, 0.03 * self.budget_s))
+
+    def warmup_seconds(self) -> float:
+        """How long to run steps before timing them: the first few of a process are slower
+        (allocator growth, kernel and thread-pool caches), for longer than a step or two."""
+        return 0.25 * self.probe_seconds()
 
     def state_dict(self) -> dict:
         return {"max_steps": self.max_steps, "costs": dataclasses.asdict(self.costs) if self.costs else None}

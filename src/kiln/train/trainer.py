@@ -264,19 +264,22 @@ class Trainer:
         path = self.checkpointer.latest()
         started = time.perf_counter()
         batches = self.batches.loader(self.step)
-        start_s, timed_from, steps = 0.0, 0.0, 0
+        start_s, timed_from, steps = 0.0, None, 0
         for i in itertools.count():
             batch = to_device(next(batches), self.device)
             start_s = start_s or time.perf_counter() - started
             self.ladder.forward_backward(batch, self.step + i + 1, logger, save=self.save)
-            self.train_step.update(0.0)  # whatever it changes, the checkpoint restores
+            self.train_step.update(0.0)  # whatever it changes is put back below
             if self.device.type == "cuda":
                 torch.cuda.synchronize(self.device)
             now = time.perf_counter()
-            steps = i + 1 - WARMUP_STEPS
-            if steps == 0:
-                timed_from = now
-            elif steps >= 3 and now - timed_from >= self.time_plan.probe_seconds():
+            if timed_from is not None:
+                steps += 1
+            elif i + 1 >= WARMUP_STEPS and now - started >= self.time_plan.warmup_seconds():
+                timed_from = now  # warm: the compile, the allocator's growth and the caches are behind
+            # Every rank runs the same number of probe steps, or one would wait in a collective.
+            (done,) = self.world.agree(steps >= 3 and now - timed_from >= self.time_plan.probe_seconds())
+            if done:
                 break
         del batches  # its workers stop
         step_s = (now - timed_from) / steps
