@@ -292,3 +292,19 @@ def test_nccl_on_every_visible_gpu(tmp_path, corpus_dir, strategy):
     got, want = _losses(run_dir), _losses(ref)
     for step in range(1, STEPS + 1):
         assert got[step] == pytest.approx(want[step], rel=1e-3)
+
+
+def test_time_planned_run_agrees_over_ranks(tmp_path, corpus_dir):
+    """max_steps=auto on 2 ranks: they probe the same number of steps (a rank stopping on its own
+    clock would leave the other in a collective) and plan the same run from the slowest costs."""
+    run = tmp_path / "ddp"
+    items = tiny_overrides(
+        run, corpus_dir, train__max_steps="auto", train__time_budget="8s", eval__sample_tokens=0, checkpoint__every=0
+    )
+    _launch(2, [a for item in items for a in ("--set", item)])
+    planned = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    [plan] = [r for r in planned if r.get("event") == "time_plan"]
+    config = (run / "config.toml").read_text()
+    assert f"max_steps = {plan['max_steps']}" in config and plan["max_steps"] > STEPS
+    # Both ranks then trained in step (the run ends at its plan, or on the budget's hard stop).
+    assert STEPS < max(_losses(run)) <= plan["max_steps"]
