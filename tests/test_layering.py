@@ -22,11 +22,12 @@ LAYERS = {
     "doctor": 7,
     "plan": 7,
     "export": 7,
+    "serve": 7,
     "cli": 8,
     "__main__": 9,  # python -m kiln: runs the cli
 }
 LOWER = ("models", "data", "checkpoint", "distributed", "config")
-UPPER = ("train", "doctor", "plan", "export", "observe", "cli")
+UPPER = ("train", "doctor", "plan", "export", "serve", "observe", "cli")
 
 
 def _modules() -> dict[str, Path]:

@@ -133,16 +133,39 @@ def _parser() -> argparse.ArgumentParser:
 
     x = sub.add_parser(
         "export",
-        help="write a run's model in a format other tools load",
-        description="Export a run's checkpoint: --format hf writes a directory transformers loads with "
-        "from_pretrained (config, safetensors weights, tokenizer; for LoRA runs the merged model and the "
-        "adapter in PEFT's format under adapter/).",
+        help="write a run's model in a format other tools load, checked against the model",
+        description="Export a run's checkpoint (RUN_DIR: its newest; or a checkpoint directory). "
+        "hf: a directory transformers loads with from_pretrained (for LoRA runs the merged model, and the "
+        "adapter in PEFT's format under adapter/); safetensors: kiln's weights with the run's config and "
+        "tokenizer (kiln generate/eval/serve load it); pt2: a torch.export program and an AOTInductor "
+        "package; onnx: an ONNX model checked in ONNX Runtime. export.json records the logit difference "
+        "from the PyTorch model on validation inputs (docs/export.md).",
     )
-    x.add_argument("run_dir", help="run directory")
-    x.add_argument("--format", required=True, choices=["hf"], help="hf: a Hugging Face transformers directory")
+    x.add_argument("run_dir", metavar="RUN_DIR|CHECKPOINT", help="run directory or checkpoint directory")
+    x.add_argument("--format", required=True, choices=["hf", "safetensors", "pt2", "onnx"])
     x.add_argument("--out", required=True, help="output directory (written whole, or not at all)")
+    x.add_argument(
+        "--quantize",
+        choices=["int8", "int8-static"],
+        help="int8: int8 weights and dynamically quantized activations (pt2 with torchao, onnx with "
+        "ONNX Runtime); int8-static: calibrated on validation batches (onnx)",
+    )
     x.add_argument("--checkpoint", help="checkpoint directory (default: the newest complete one)")
     x.add_argument("--force", action="store_true", help="replace --out if it exists and is not empty")
+
+    sv = sub.add_parser(
+        "serve",
+        help="serve a run's model over an OpenAI-compatible HTTP API (docs/serve.md)",
+        description="Serve RUN_DIR (its newest checkpoint), a checkpoint directory, or a safetensors or hf "
+        "export: /v1/completions, /v1/chat/completions (streaming or not), /v1/models and /health.",
+    )
+    sv.add_argument("run_dir", metavar="RUN_DIR|EXPORT_DIR", help="run, checkpoint or export directory")
+    sv.add_argument("--host", default="127.0.0.1", help="address to listen on (0.0.0.0: every interface)")
+    sv.add_argument("--port", type=int, default=8000, help="port (0: any free one)")
+    sv.add_argument("--device", default="auto")
+    sv.add_argument("--model-name", help="the model's name in the API (default: the directory's name)")
+    sv.add_argument("--checkpoint", help="checkpoint directory (default: the newest complete one)")
+    sv.add_argument("--parallel", type=int, default=8, help="requests decoded at once; the others wait in a queue")
 
     from kiln.distributed.launch import add_arguments
 
@@ -304,11 +327,37 @@ def cmd_report(args) -> int:
 
 
 def cmd_export(args) -> int:
-    from kiln.export import export_hf
+    from kiln.export import export
 
-    info = export_hf(args.run_dir, args.out, checkpoint=args.checkpoint, force=args.force)
+    info = export(
+        args.run_dir, args.format, args.out, checkpoint=args.checkpoint, quantize=args.quantize, force=args.force
+    )
     print(f"kiln: exported step {info['step']} of {args.run_dir} to {args.out} ({len(info['files'])} files)")
+    for name, value in info.items():
+        if isinstance(value, dict) and "max_abs_diff" in value:
+            where = info["check"]["inputs"]
+            print(f"  {name}: logits within {value['max_abs_diff']:.2e} of the PyTorch model ({where})")
+    if "quantized" in info:
+        q = info["quantized"]
+        print(
+            f"  int8: {q['size_ratio']:.0%} of the float size, {q['speedup']:.2f}x the float speed per token, "
+            + ", ".join(f"{k} {v[next(iter(v))]:.4g}" for k, v in q["metric"].items())
+        )
     return 0
+
+
+def cmd_serve(args) -> int:
+    from kiln.serve import serve
+
+    return serve(
+        args.run_dir,
+        host=args.host,
+        port=args.port,
+        device=args.device,
+        model_name=args.model_name,
+        checkpoint=args.checkpoint,
+        parallel=args.parallel,
+    )
 
 
 def cmd_launch(args) -> int:
@@ -334,6 +383,7 @@ COMMANDS = {
     "doctor": cmd_doctor,
     "report": cmd_report,
     "export": cmd_export,
+    "serve": cmd_serve,
     "launch": cmd_launch,
 }
 

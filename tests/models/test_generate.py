@@ -21,16 +21,33 @@ def greedy_without_cache(model, prompt, max_new_tokens):
     return idx
 
 
-@pytest.mark.parametrize("prompt_len, new", [(5, 20), (1, 8), (30, 10), (40, 4)])
-def test_cached_greedy_equals_recomputed_greedy(prompt_len, new):
+@pytest.mark.parametrize("prompt_len, new", [(5, 20), (1, 8), (30, 2), (40, 4)])
+def test_cached_greedy_equals_recomputed_greedy_within_the_context(prompt_len, new):
     # float64 so that no near-tie of the argmax can flip between the two computations; the
-    # longer prompts run past max_seq_len (32) and exercise the sliding window and the crop.
+    # longest prompt is cut to the last max_seq_len (32) tokens.
     model = small_model(torch.float64).eval()
     prompt = torch.randint(0, 61, (3, prompt_len))
     out = generate(model, prompt, new, temperature=0)
     assert out.shape == (3, prompt_len + new)
     assert torch.equal(out[:, :prompt_len], prompt)
     assert torch.equal(out, greedy_without_cache(model, prompt, new))
+
+
+def test_past_the_context_the_cache_is_a_ring_seeing_the_last_max_seq_len_tokens():
+    # With one layer a token's key and value depend only on the token and its position, and RoPE's
+    # scores only on distances, so attending to the ring equals recomputing the shifted window.
+    model = small_model(torch.float64, n_layer=1).eval()
+    prompt = torch.randint(0, 61, (2, 20))
+    out = generate(model, prompt, 50, temperature=0)  # 70 tokens: the ring wraps twice
+    assert torch.equal(out, greedy_without_cache(model, prompt, 50))
+
+
+def test_decoding_feeds_one_token_per_step_and_never_rebuilds_the_cache():
+    model = small_model().eval()
+    lengths = []
+    model.register_forward_pre_hook(lambda module, args: lengths.append(args[0].size(1)))
+    generate(model, torch.randint(0, 61, (1, 10)), 100, temperature=0)
+    assert lengths == [10] + [1] * 99
 
 
 def test_restores_training_mode():

@@ -1,5 +1,154 @@
-"""Turning a run into artifacts people load elsewhere: ``kiln export RUN --format hf`` (hf.py)."""
+"""Turning a run into artifacts that run elsewhere: ``kiln export RUN --format FORMAT --out DIR``.
 
-from kiln.export.hf import export_hf
+Formats: ``hf`` (hf.py), ``safetensors`` (weights.py), ``pt2`` (pt2.py: ``torch.export`` and
+AOTInductor) and ``onnx`` (onnx.py), the last two optionally ``--quantize int8`` (dynamic) or, for
+ONNX, ``int8-static`` (calibrated on validation batches).
 
-__all__ = ["export_hf"]
+Every export is checked where it is made: each artifact is loaded back from its files and run on
+the run's validation inputs, and ``export.json`` records the largest logit difference from the
+PyTorch model; a quantized export also records the task's metric (perplexity or accuracy) and CPU
+latency per token against the float model. The directory is written under a temporary name beside
+``out`` and renamed when complete, so an interrupted or failed export leaves nothing that looks
+whole.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from kiln.config import ConfigError
+from kiln.export.check import Inputs, Logits, latency_per_token, logit_difference, task_metric, validation_inputs
+from kiln.export.hf import write_hf
+from kiln.export.weights import write_safetensors
+from kiln.io import write_atomic
+from kiln.train.run import LoadedRun, load_run
+
+FORMATS = ("hf", "safetensors", "pt2", "onnx")
+QUANTIZE = {"pt2": ("int8",), "onnx": ("int8", "int8-static")}
+
+
+def export(
+    source: str | Path,
+    fmt: str,
+    out: str | Path,
+    *,
+    checkpoint: str | Path | None = None,
+    quantize: str | None = None,
+    force: bool = False,
+) -> dict[str, Any]:
+    """Export a run's checkpoint (the newest by default; ``source`` may also be a checkpoint
+    directory) to ``out``; what was written and how it was checked, as a dict (also
+    ``out/export.json``)."""
+    if fmt not in FORMATS:
+        raise ConfigError([f"--format: {fmt!r} is not one of {', '.join(FORMATS)}"])
+    if quantize and quantize not in QUANTIZE.get(fmt, ()):
+        allowed = "; ".join(f"{', '.join(q)} with --format {f}" for f, q in QUANTIZE.items())
+        raise ConfigError([f"--quantize: {quantize!r} does not apply to --format {fmt} ({allowed})"])
+    out = Path(out)
+    if out.exists() and (not out.is_dir() or any(out.iterdir())) and not force:
+        raise FileExistsError(f"{out}: exists and is not empty; choose another --out or pass --force")
+    run = load_run(source, checkpoint, device="cpu")
+    inputs = validation_inputs(run, run.directory, rows=64 if quantize else 16)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(dir=out.parent, prefix=f".{out.name}.", suffix=".tmp"))
+    try:
+        info = {
+            "format": fmt,
+            "quantize": quantize,
+            "run": str(run.directory.absolute()),
+            "checkpoint": str(run.checkpoint.absolute()),
+            "step": run.step,
+            "task": run.cfg.model.task,
+            **_write(run, fmt, quantize, inputs, staging),
+        }
+        files = {str(p.relative_to(staging)): p.stat().st_size for p in sorted(staging.rglob("*")) if p.is_file()}
+        info.update(files=files, size_bytes=sum(files.values()))
+        write_atomic(staging / "export.json", json.dumps(info, indent=2))
+        if out.exists():
+            shutil.rmtree(out)
+        staging.rename(out)
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+    return info
+
+
+def _write(run: LoadedRun, fmt: str, quantize: str | None, inputs: Inputs, out: Path) -> dict[str, Any]:
+    """Write the format's files into ``out``; the checks of what was written."""
+    model = run.model
+    # Two batch sizes and two sequence lengths, as the dynamic dimensions promise.
+    batches = [inputs.batch(2), inputs.batch(3, max(2, inputs.seq_len // 2))]
+    if fmt == "hf":
+        return _checks(model, write_hf(run, out), batches, inputs)
+    if fmt == "safetensors":
+        return _checks(model, write_safetensors(run, out), batches, inputs)
+    max_len = _context(run)
+    if fmt == "pt2":
+        from kiln.export.pt2 import PROGRAM, export_program, quantize_int8, write_pt2
+
+        if not quantize:
+            return _checks(model, write_pt2(model, batches[0], max_len, out), batches, inputs)
+        with tempfile.TemporaryDirectory(dir=out.parent) as tmp:
+            floats = export_program(model, batches[0], max_len)
+            torch.export.save(floats, Path(tmp) / PROGRAM)
+            written = write_pt2(quantize_int8(model), batches[0], max_len, out)
+            checks = _checks(model, written, batches, inputs, floats.module())
+            return _sizes(checks, Path(tmp) / PROGRAM, out / PROGRAM)
+    from kiln.export.onnx import OnnxModel, export_onnx, quantize_onnx_dynamic, quantize_onnx_static
+
+    if not quantize:
+        export_onnx(model, batches[0], out / "model.onnx")
+        return _checks(model, {"onnx": OnnxModel(out / "model.onnx").logits}, batches, inputs)
+    with tempfile.TemporaryDirectory(dir=out.parent) as tmp:
+        fp32 = Path(tmp) / "model.onnx"
+        export_onnx(model, batches[0], fp32)
+        if quantize == "int8":
+            quantize_onnx_dynamic(fp32, out / "model.onnx")
+        else:  # calibrated on validation rows other than those the metric is measured on
+            half = len(inputs.rows) // 2
+            quantize_onnx_static(fp32, out / "model.onnx", [ids.numpy() for ids in inputs.rows[half:]])
+            inputs.rows = inputs.rows[:half]
+            inputs.labels = inputs.labels[:half] if inputs.labels else None
+        checks = _checks(model, {"onnx": OnnxModel(out / "model.onnx").logits}, batches, inputs, OnnxModel(fp32).logits)
+        return _sizes(checks, fp32, out / "model.onnx")
+
+
+def _sizes(checks: dict[str, Any], float_file: Path, quantized_file: Path) -> dict[str, Any]:
+    """The quantized file's size against the float one's (external data included)."""
+    sizes = [sum(p.stat().st_size for p in f.parent.glob(f.name + "*")) for f in (float_file, quantized_file)]
+    checks["quantized"].update(float_bytes=sizes[0], bytes=sizes[1], size_ratio=sizes[1] / sizes[0])
+    return checks
+
+
+def _checks(
+    model: torch.nn.Module, artifacts: dict[str, Logits], batches: list, inputs: Inputs, floats: Logits | None = None
+) -> dict[str, Any]:
+    checks: dict[str, Any] = {
+        "check": {"inputs": inputs.source, "shapes": [list(b.shape) for b in batches]},
+        **{name: logit_difference(model, run, batches) for name, run in artifacts.items()},
+    }
+    if floats is not None:
+        name, quantized = next(iter(artifacts.items()))
+        ids = inputs.batch(1)
+        float_latency, latency = latency_per_token(floats, ids), latency_per_token(quantized, ids)
+        checks["quantized"] = {
+            "metric": {"float": task_metric(floats, inputs), name: task_metric(quantized, inputs)},
+            "latency_s_per_token": {"float": float_latency, name: latency, "tokens": ids.size(1)},
+            "speedup": float_latency / latency,
+            "threads": torch.get_num_threads(),
+        }
+    return checks
+
+
+def _context(run: LoadedRun) -> int:
+    config = getattr(run.model, "config", None) or run.model.hf.config
+    return getattr(config, "max_seq_len", None) or getattr(config, "max_position_embeddings", None) or 4096
+
+
+__all__ = ["FORMATS", "QUANTIZE", "export"]

@@ -1,56 +1,23 @@
-"""``kiln export RUN --format hf``: a directory ``transformers`` loads with its own classes
-(``from_pretrained``): config.json, model.safetensors and the tokenizer files; for a classifier its
-label names (``id2label``) are in the config; for LoRA runs the merged model, plus the adapter in
-PEFT's own format under ``adapter/``.
-
-The directory is written under a temporary name beside ``out`` and renamed when complete, so an
-interrupted export leaves nothing that looks whole.
+"""``--format hf``: a directory ``transformers`` loads with its own classes (``from_pretrained``):
+config.json, model.safetensors and the tokenizer files. kiln's GPT becomes a ``LlamaForCausalLM``
+(its state-dict adapter gives the names and the config); a fine-tuned ``transformers`` model is
+saved by ``transformers`` itself, a classifier with its label names (``id2label``); a LoRA run
+as the merged model, plus the adapter in PEFT's own format under ``adapter/``.
 """
 
 from __future__ import annotations
 
 import json
-import shutil
-import tempfile
 from pathlib import Path
-from typing import Any
 
 from kiln.checkpoint import CheckpointError
-from kiln.io import write_atomic
-from kiln.train.run import LoadedRun, load_run
+from kiln.export.check import Logits
+from kiln.models.hf.loading import transformers_module
+from kiln.train.run import LoadedRun
 
 
-def export_hf(
-    run_dir: str | Path, out: str | Path, *, checkpoint: str | Path | None = None, force: bool = False
-) -> dict[str, Any]:
-    """Export a run's checkpoint (the newest by default) to ``out``; what was written, as a dict
-    (also ``out/export.json``)."""
-    out = Path(out)
-    if out.exists() and (not out.is_dir() or any(out.iterdir())) and not force:
-        raise FileExistsError(f"{out}: exists and is not empty; choose another --out or pass --force")
-    run = load_run(run_dir, checkpoint, device="cpu")
-    out.parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(dir=out.parent, prefix=f".{out.name}.", suffix=".tmp"))
-    try:
-        files = _write(run, staging)
-        info = {
-            "format": "hf",
-            "run": str(Path(run_dir).absolute()),
-            "checkpoint": str(run.checkpoint),
-            "step": run.step,
-            "files": files,
-        }
-        write_atomic(staging / "export.json", json.dumps(info, indent=2))
-        if out.exists():
-            shutil.rmtree(out)
-        staging.rename(out)
-    except BaseException:
-        shutil.rmtree(staging, ignore_errors=True)
-        raise
-    return info
-
-
-def _write(run: LoadedRun, out: Path) -> list[str]:
+def write_hf(run: LoadedRun, out: Path) -> dict[str, Logits]:
+    """Write the directory; the model loaded back from it through ``transformers``' public API."""
     hf = getattr(run.model, "hf", None)
     if hf is None:
         _write_converted(run, out)
@@ -60,7 +27,14 @@ def _write(run: LoadedRun, out: Path) -> list[str]:
             hf = hf.merge_and_unload()
         hf.save_pretrained(out)
     _write_tokenizer(run, out)
-    return sorted(str(p.relative_to(out)) for p in out.rglob("*") if p.is_file())
+    return {"hf": _reload(out, run.cfg.model.task)}
+
+
+def _reload(out: Path, task: str) -> Logits:
+    transformers = transformers_module()
+    auto = transformers.AutoModelForSequenceClassification if task == "sequence_classification" else None
+    model = (auto or transformers.AutoModelForCausalLM).from_pretrained(out, local_files_only=True).eval()
+    return lambda ids: model(ids).logits
 
 
 def _write_converted(run: LoadedRun, out: Path) -> None:

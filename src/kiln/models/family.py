@@ -18,7 +18,7 @@ family; families are for the built-in jobs.
 from __future__ import annotations
 
 import importlib
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
@@ -26,6 +26,7 @@ import torch
 from torch import nn
 
 from kiln.config import Config, ConfigError, ModelConfig
+from kiln.models.generate import collect
 from kiln.models.lm import evaluate_lm, lm_loss
 
 TP_STYLES = ("colwise", "rowwise")
@@ -268,11 +269,20 @@ class ModelFamily:
         """Validation metrics over fixed batches (eval mode, no_grad, the run's precision)."""
         return evaluate_lm(model, batches, token_bytes, device)
 
+    def stream(
+        self, model: nn.Module, prompt: torch.Tensor, max_new_tokens: int, **sampling: Any
+    ) -> Iterator[torch.Tensor] | None:
+        """The tokens [B] continuing ``prompt`` [B, T], one step at a time (``kiln serve`` streams
+        them); None if the family cannot sample. ``sampling``: the keywords of
+        ``kiln.models.generate.stream``."""
+        return None
+
     def generate(
         self, model: nn.Module, prompt: torch.Tensor, max_new_tokens: int, **sampling: Any
     ) -> torch.Tensor | None:
         """Continue ``prompt`` [B, T]: [B, T + new] token ids; None if the family cannot sample."""
-        return None
+        steps = self.stream(model, prompt, max_new_tokens, **sampling)
+        return None if steps is None else collect(prompt, steps)
 
 
 def materialize(model: nn.Module, device: torch.device | str, seed: int) -> nn.Module:

@@ -1,9 +1,13 @@
 """Autoregressive sampling with a KV cache: the prompt is processed once, then one token per step.
 
 Any model that offers ``new_kv_cache`` and takes ``kv_cache``/``start_pos`` in its forward (as
-kiln's GPT does) can be sampled this way."""
+kiln's GPT does) can be sampled this way: ``stream`` yields each step's tokens as they are made
+(for a server), ``generate`` returns them all."""
 
 from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Iterator
+from typing import Any
 
 import torch
 from torch import nn
@@ -36,10 +40,30 @@ def sample_next(
     return torch.multinomial(probs, num_samples=1, generator=generator).squeeze(-1)
 
 
-@torch.inference_mode()
-def generate(
+def stream(model: nn.Module, prompt: torch.Tensor, max_new_tokens: int, **sampling: Any) -> Iterator[torch.Tensor]:
+    """The tokens [B] that continue prompt [B, T], one step at a time (see ``decode``).
+
+    The prompt is cut to the model's last max_seq_len tokens; decoding then goes on as long as
+    asked, each token seeing the max_seq_len before it (the cache is a ring, never rebuilt).
+    """
+    max_len = model.config.max_seq_len
+    param = next(model.parameters())
+    cache = model.new_kv_cache(prompt.size(0), max_len, param.device, param.dtype)
+    window = prompt[:, -max_len:]
+    pos = window.size(1)
+
+    def step(token: torch.Tensor) -> torch.Tensor:
+        nonlocal pos
+        pos += 1
+        return model(token[:, None], kv_cache=cache, start_pos=pos - 1)[:, -1]
+
+    return decode(model, lambda: model(window, kv_cache=cache)[:, -1], step, max_new_tokens, **sampling)
+
+
+def decode(
     model: nn.Module,
-    prompt: torch.Tensor,
+    prefill: Callable[[], torch.Tensor],
+    step: Callable[[torch.Tensor], torch.Tensor],
     max_new_tokens: int,
     *,
     temperature: float = 1.0,
@@ -47,38 +71,39 @@ def generate(
     top_p: float | None = None,
     eos_id: int | None = None,
     generator: torch.Generator | None = None,
-) -> torch.Tensor:
-    """Continue prompt [B, T] by up to max_new_tokens tokens: returns [B, T + new].
+) -> Iterator[torch.Tensor]:
+    """Sampled tokens [B], one step at a time, up to max_new_tokens: ``prefill()`` gives the
+    next-token logits [B, V] after the prompt, ``step(tokens)`` those after feeding the tokens.
 
-    The model sees at most its last max_seq_len tokens. Rows that produced eos_id keep emitting
-    it; generation stops early once every row has. The model's train/eval mode is restored.
+    Rows that produced eos_id keep emitting it; the stream ends once every row has. The model is
+    in eval mode while the stream is open and gets its own mode back when it ends or is closed.
     """
     was_training = model.training
     model.eval()
     try:
-        max_len = model.config.max_seq_len
-        param = next(model.parameters())
-        cache = model.new_kv_cache(prompt.size(0), max_len, param.device, param.dtype)
-        out = prompt
-        window = prompt[:, -max_len:]
-        logits = model(window, kv_cache=cache)[:, -1]
-        pos = window.size(1)
-        done = torch.zeros(prompt.size(0), dtype=torch.bool, device=prompt.device)
-        for step in range(max_new_tokens):
-            token = sample_next(logits, temperature, top_k, top_p, generator)
-            if eos_id is not None:
-                token = token.masked_fill(done, eos_id)
-                done |= token == eos_id
-            out = torch.cat((out, token[:, None]), dim=1)
-            if step == max_new_tokens - 1 or (eos_id is not None and done.all()):
-                break
-            if pos < max_len:
-                logits = model(token[:, None], kv_cache=cache, start_pos=pos)[:, -1]
-                pos += 1
-            else:
-                # The context is full: slide it by one token, which changes every position, so
-                # the cache is rebuilt from the window (as slow as generating without a cache).
-                logits = model(out[:, -max_len:], kv_cache=cache)[:, -1]
-        return out
+        with torch.inference_mode():
+            logits = prefill()
+            done = torch.zeros(logits.size(0), dtype=torch.bool, device=logits.device)
+        for i in range(max_new_tokens):
+            with torch.inference_mode():
+                token = sample_next(logits, temperature, top_k, top_p, generator)
+                if eos_id is not None:
+                    token = token.masked_fill(done, eos_id)
+                    done |= token == eos_id
+            yield token
+            if i == max_new_tokens - 1 or (eos_id is not None and bool(done.all())):
+                return
+            with torch.inference_mode():
+                logits = step(token)
     finally:
         model.train(was_training)
+
+
+def generate(model: nn.Module, prompt: torch.Tensor, max_new_tokens: int, **sampling) -> torch.Tensor:
+    """Continue prompt [B, T] by up to max_new_tokens tokens (see ``stream``): [B, T + new]."""
+    return collect(prompt, stream(model, prompt, max_new_tokens, **sampling))
+
+
+def collect(prompt: torch.Tensor, tokens: Iterable[torch.Tensor]) -> torch.Tensor:
+    """The prompt [B, T] with a stream's tokens appended: [B, T + new]."""
+    return torch.cat([prompt, *(token[:, None] for token in tokens)], dim=1)

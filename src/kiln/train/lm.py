@@ -23,7 +23,8 @@ from kiln.data.batch import split_batch
 from kiln.data.loader import covering_batches
 from kiln.data.tokenizer import eot_id
 from kiln.distributed.world import init_world
-from kiln.models.family import ModelFamily, build_model, family_of
+from kiln.models.family import ModelFamily, family_of
+from kiln.models.hf.loading import model_dir
 from kiln.train.run import load_run
 from kiln.train.trainer import FitResult, Trainer
 
@@ -68,24 +69,37 @@ def sample_text(
     return tokenizer.decode(out[0].tolist(), skip_special_tokens=True) if hf else tokenizer.decode(out[0].tolist())
 
 
+def _with_model_tokenizer(cfg: Config):
+    """The data config, tokenizing with the model's own tokenizer when the model comes from a
+    Hugging Face directory (continued pretraining on text)."""
+    if not cfg.model.source:
+        return cfg.data
+    path = model_dir(cfg.model.source) / "tokenizer.json"
+    if cfg.data.tokenizer != "bpe":
+        raise ConfigError(
+            [f"data.tokenizer: a model from model.source={cfg.model.source} reads text with its own tokenizer"]
+        )
+    if not path.is_file():
+        raise ConfigError(
+            [
+                f"model.source: {path.parent} has no tokenizer.json (a fast tokenizer), which kiln needs to "
+                "tokenize text; fine-tune on records instead (data.format=records)"
+            ]
+        )
+    return dataclasses.replace(cfg.data, tokenizer=str(path))
+
+
 def build_trainer(cfg: Config, *, console: bool = True) -> Trainer:
     world = init_world(cfg.run.device, cfg.parallel.tp)
     console = console and world.is_main
     family = family_of(cfg.model)
+    data_cfg = _with_model_tokenizer(cfg)
     # Rank 0 fills the cache (tokenizer, shards); the others then find it there.
     with world.main_first():
-        prepared = prepare(cfg.data, progress=console)
+        prepared = prepare(data_cfg, progress=console)
     args = family.resolve(cfg.model, vocab_size=prepared.vocab_size, seq_len=cfg.data.seq_len)
-    if family.tokenizer(args) is not None:
-        raise ConfigError(
-            [
-                f"data.source: {cfg.data.source} is a text corpus, and this model comes with its own "
-                "tokenizer; kiln fine-tunes such models on records (.jsonl, .csv or .parquet with "
-                "prompt/completion, messages or text/label fields; data.format=records)"
-            ]
-        )
     # Initialised on the CPU on every rank and device alike: the same seed, the same weights.
-    model = build_model(family, args, "cpu", cfg.train.seed)
+    model = family.create(args, "cpu", cfg.train.seed)
     if console:
         print(f"kiln: model {family.describe(cfg.model, args, model)}", flush=True)
     seq_len = cfg.data.seq_len

@@ -103,37 +103,80 @@ class LoadedRun:
     tokenizer: Any  # a tokenizers.Tokenizer (kiln's own), or the model's transformers tokenizer
     checkpoint: Path
     step: int
+    directory: Path  # the run directory, or the export directory it was loaded from
 
 
-def load_run(run_dir: str | Path, checkpoint: str | Path | None = None, device: str = "auto") -> LoadedRun:
-    """A run directory's model at a checkpoint (the newest complete one by default), in eval mode,
-    with its tokenizer: everything from the run directory, nothing from the data or its cache."""
-    run_dir = Path(run_dir)
+def load_run(path: str | Path, checkpoint: str | Path | None = None, device: str = "auto") -> LoadedRun:
+    """A model with its tokenizer, in eval mode, from ``path``: a run directory (at its newest
+    complete checkpoint, or ``checkpoint``), one of its checkpoint directories, or a directory
+    ``kiln export`` wrote in the ``safetensors`` or ``hf`` format. Nothing is read from the data or
+    its cache."""
+    path = Path(path)
+    if (path / "export.json").is_file():
+        info = json.loads((path / "export.json").read_text())
+        return load_export(path, info.get("format"), device, int(info.get("step", 0)), info.get("task", "causal_lm"))
+    if checkpoint is None and path.parent.name == "checkpoints" and (path.parent.parent / "config.toml").is_file():
+        path, checkpoint = path.parent.parent, path
+    run_dir = path
     hf_tokenizer = (run_dir / "tokenizer").is_dir()
     for name in ("config.toml", "model.json", "tokenizer" if hf_tokenizer else "tokenizer.json"):
         if not (run_dir / name).exists():
             raise CheckpointError(f"{run_dir}: not a kiln run directory (missing {name})")
-    cfg = from_dict(tomllib.loads((run_dir / "config.toml").read_text()))
     path = Path(checkpoint) if checkpoint else latest_checkpoint(run_dir / "checkpoints")
     if path is None:
         raise CheckpointError(f"{run_dir}: no complete checkpoint in {run_dir / 'checkpoints'}")
     model_state, _ = load_checkpoint(path)
-    family = family_of(cfg.model)
-    args = family.args_from_dict(json.loads((run_dir / "model.json").read_text()))
-    model = build_model(family, args, "cpu", cfg.train.seed)
-    if cfg.lora.rank:
-        model = apply_lora(model, cfg.lora, family.lora_targets(args), cfg.model.task)
+    cfg, family, args, model = _build_saved(run_dir)
     if model_state is None:  # saved sharded: gather it into this one process
         model_state = model.state_dict()
         load_sharded(path, {"model": model_state})
     model.load_state_dict(model_state)
     model.to(resolve_device(device)).eval()
-    if hf_tokenizer:
+    step = int(path.name.split("-")[-1])
+    return LoadedRun(cfg, family, args, model, _tokenizer(run_dir), path, step, run_dir)
+
+
+def _build_saved(directory: Path) -> tuple[Config, ModelFamily, Any, nn.Module]:
+    """The config, family, arguments and (freshly initialised) model described by the
+    ``config.toml`` and ``model.json`` of a run or a safetensors export."""
+    cfg = from_dict(tomllib.loads((directory / "config.toml").read_text()))
+    family = family_of(cfg.model)
+    args = family.args_from_dict(json.loads((directory / "model.json").read_text()))
+    model = build_model(family, args, "cpu", cfg.train.seed)
+    if cfg.lora.rank:
+        model = apply_lora(model, cfg.lora, family.lora_targets(args), cfg.model.task)
+    return cfg, family, args, model
+
+
+def _tokenizer(directory: Path):
+    if (directory / "tokenizer").is_dir():
         from transformers import AutoTokenizer
 
-        tokenizer = AutoTokenizer.from_pretrained(str(run_dir / "tokenizer"), local_files_only=True)
-    else:
-        from tokenizers import Tokenizer
+        return AutoTokenizer.from_pretrained(str(directory / "tokenizer"), local_files_only=True)
+    from tokenizers import Tokenizer
 
-        tokenizer = Tokenizer.from_file(str(run_dir / "tokenizer.json"))
-    return LoadedRun(cfg, family, args, model, tokenizer, path, int(path.name.split("-")[-1]))
+    return Tokenizer.from_file(str(directory / "tokenizer.json"))
+
+
+def load_export(path: Path, fmt: str, device: str = "auto", step: int = 0, task: str = "causal_lm") -> LoadedRun:
+    """A directory ``kiln export`` wrote: safetensors (kiln's names, beside the run's config) or hf
+    (loaded through ``transformers`` as the hf family loads any model directory)."""
+    if fmt == "safetensors":
+        from safetensors.torch import load_model
+
+        cfg, family, args, model = _build_saved(path)
+        load_model(model, str(path / "model.safetensors"))
+        tokenizer = _tokenizer(path)
+    elif fmt == "hf":
+        cfg = from_dict({"model": {"source": f"hf:{path}", "task": task}})
+        family = family_of(cfg.model)
+        args = family.resolve(cfg.model, vocab_size=0, seq_len=0)
+        model = family.create(args, "cpu", cfg.train.seed)
+        tokenizer = family.tokenizer(args)
+    else:
+        raise CheckpointError(
+            f"{path}: a {fmt} export runs without kiln (see its export.json); kiln loads run directories "
+            "and the safetensors and hf exports"
+        )
+    model.to(resolve_device(device)).eval()
+    return LoadedRun(cfg, family, args, model, tokenizer, path, step, path)

@@ -13,7 +13,7 @@ from torch import nn
 
 from kiln.config import ModelConfig
 from kiln.models.family import ModelFamily, ParallelPlan
-from kiln.models.generate import generate
+from kiln.models.generate import stream
 from kiln.models.gpt.hf import LlamaAdapter
 from kiln.models.gpt.memory import GPTMemory
 from kiln.models.gpt.model import GPT, GPTConfig
@@ -88,8 +88,8 @@ class GPTFamily(ModelFamily):
     def lora_targets(self, args: GPTConfig) -> list[str]:
         return ["wq", "wk", "wv", "wo", "w1", "w2", "w3"]
 
-    def generate(self, model: nn.Module, prompt: torch.Tensor, max_new_tokens: int, **sampling: Any) -> torch.Tensor:
-        return generate(model, prompt, max_new_tokens, **sampling)
+    def stream(self, model: nn.Module, prompt: torch.Tensor, max_new_tokens: int, **sampling: Any):
+        return stream(model, prompt, max_new_tokens, **sampling)
 
 
 FAMILY = GPTFamily()

@@ -37,10 +37,11 @@ class GPTConfig:
         return self.d_model // self.n_head
 
 
-def rope_tables(head_dim: int, max_seq_len: int, theta: float, device=None):
-    """cos and sin of every (position, frequency) pair, each [max_seq_len, head_dim // 2], fp32."""
+def rope_tables(head_dim: int, end: int, theta: float, device=None, start: int = 0):
+    """cos and sin of every (position, frequency) pair for positions start..end - 1, each
+    [end - start, head_dim // 2], fp32."""
     freqs = 1.0 / theta ** (torch.arange(0, head_dim, 2, device=device, dtype=torch.float32) / head_dim)
-    angles = torch.outer(torch.arange(max_seq_len, device=device, dtype=torch.float32), freqs)
+    angles = torch.outer(torch.arange(start, end, device=device, dtype=torch.float32), freqs)
     return angles.cos(), angles.sin()
 
 
@@ -54,7 +55,13 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 
 
 class KVCache:
-    """Preallocated keys and values of every layer, [B, n_kv_head, max_len, head_dim] each."""
+    """Preallocated keys and values of every layer, [B, n_kv_head, max_len, head_dim] each.
+
+    Once positions reach max_len it is a ring: position p is stored in slot p % max_len, over the
+    oldest one, so decoding goes on at the cost of one token per step with the last max_len
+    tokens in view. Keys are stored rotated for their own position and RoPE's attention scores
+    depend only on the distance between positions, so the order of the slots does not matter.
+    """
 
     def __init__(self, n_layer, batch_size, n_kv_head, max_len, head_dim, device=None, dtype=None):
         shape = (batch_size, n_kv_head, max_len, head_dim)
@@ -80,24 +87,40 @@ class Attention(nn.Module):
         v = self.wv(x).view(B, T, -1, self.head_dim).transpose(1, 2)
         q, k = apply_rope(q, rope_cos, rope_sin), apply_rope(k, rope_cos, rope_sin)
 
-        mask = None
-        if cache is not None:
-            k_cache, v_cache = cache
-            end = start_pos + T
-            k_cache[:, :, start_pos:end] = k
-            v_cache[:, :, start_pos:end] = v
-            k, v = k_cache[:, :, :end].to(q.dtype), v_cache[:, :, :end].to(q.dtype)
-            if start_pos > 0:
-                # Query i sits at position start_pos + i and sees keys 0..start_pos + i; SDPA's
-                # is_causal would align the triangle to the top-left corner instead.
-                mask = torch.ones(T, end, dtype=torch.bool, device=x.device).tril(start_pos)
+        mask, causal = None, True
+        if cache is not None and start_pos > 0:
+            k, v, mask = _attend_cached(cache, k, v, start_pos)
+            causal = False
+        elif cache is not None:
+            cache[0][:, :, :T] = k
+            cache[1][:, :, :T] = v
 
         if self.n_kv_head != self.n_head:
             # Each group of n_head // n_kv_head query heads shares one key/value head.
             k = k.repeat_interleave(self.n_head // self.n_kv_head, dim=1)
             v = v.repeat_interleave(self.n_head // self.n_kv_head, dim=1)
-        y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None)
+        y = F.scaled_dot_product_attention(q, k.to(q.dtype), v.to(q.dtype), attn_mask=mask, is_causal=causal)
         return self.wo(y.transpose(1, 2).reshape(B, T, -1))
+
+
+def _attend_cached(cache, k, v, start_pos):
+    """Write the keys and values of positions start_pos.. into the cache; the keys and values the
+    new queries see, and the mask (None: each sees them all)."""
+    k_cache, v_cache = cache
+    size, T, end = k_cache.size(2), k.size(2), start_pos + k.size(2)  # noqa: N806
+    if end <= size:
+        k_cache[:, :, start_pos:end] = k
+        v_cache[:, :, start_pos:end] = v
+        # Query i sits at position start_pos + i and sees keys 0..start_pos + i; SDPA's is_causal
+        # would align the triangle to the top-left corner instead.
+        mask = torch.ones(T, end, dtype=torch.bool, device=k.device).tril(start_pos) if T > 1 else None
+        return k_cache[:, :, :end], v_cache[:, :, :end], mask
+    if T != 1:
+        raise ValueError(f"past the cache's {size} positions tokens are fed one at a time, not {T}")
+    slot = start_pos % size
+    k_cache[:, :, slot] = k[:, :, 0]
+    v_cache[:, :, slot] = v[:, :, 0]
+    return k_cache, v_cache, None
 
 
 class MLP(nn.Module):
@@ -183,13 +206,18 @@ class GPT(nn.Module):
         given targets [B, T] (-100 where no loss is wanted), their mean cross-entropy.
 
         With a kv_cache, the keys and values of these positions are written into it and the
-        tokens attend to every cached position before them as well.
+        tokens attend to the cached positions before them as well (the last max_seq_len of them:
+        past that, one token at a time).
         """
         T = idx.size(1)  # noqa: N806
-        if start_pos + T > self.config.max_seq_len:
-            raise ValueError(f"positions up to {start_pos + T} exceed max_seq_len {self.config.max_seq_len}")
-        rope_cos = self.rope_cos[start_pos : start_pos + T]
-        rope_sin = self.rope_sin[start_pos : start_pos + T]
+        end = start_pos + T
+        if end <= self.config.max_seq_len:
+            rope_cos, rope_sin = self.rope_cos[start_pos:end], self.rope_sin[start_pos:end]
+        elif kv_cache is not None:
+            cfg = self.config
+            rope_cos, rope_sin = rope_tables(cfg.head_dim, end, cfg.rope_theta, idx.device, start=start_pos)
+        else:
+            raise ValueError(f"positions up to {end} exceed max_seq_len {self.config.max_seq_len}")
         x = self.tok_emb(idx)
         for i, block in enumerate(self.blocks):
             cache = None if kv_cache is None else (kv_cache.k[i], kv_cache.v[i])

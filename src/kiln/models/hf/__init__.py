@@ -25,6 +25,7 @@ from torch import nn
 from kiln.config import ConfigError, ModelConfig
 from kiln.models.family import MemoryModel, ModelFamily, ParallelPlan, StateDictAdapter, build_model
 from kiln.models.fused_loss import linear_cross_entropy
+from kiln.models.generate import decode
 from kiln.models.gpt.memory import GPTMemory
 from kiln.models.gpt.model import GPTConfig
 from kiln.models.hf.loading import (
@@ -96,16 +97,21 @@ class CausalLM(nn.Module):
     def init_weights(self) -> None:
         self.hf.init_weights()
 
-    def forward(self, input_ids, labels=None, attention_mask=None, position_ids=None, token_type_ids=None):
+    def forward(
+        self, input_ids, labels=None, attention_mask=None, position_ids=None, token_type_ids=None, targets=None
+    ):
+        """Logits; or given ``labels`` (aligned with the inputs, shifted here) or ``targets`` (the
+        next token of each input, as kiln's GPT takes them on text), the mean loss."""
         inputs = dict(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids)
-        if labels is None:
+        if labels is None and targets is None:
             return self.hf(**inputs, use_cache=False).logits
-        targets = labels[:, 1:].flatten()
+        keep = slice(None) if targets is not None else slice(None, -1)
+        targets = (targets if targets is not None else labels[:, 1:]).flatten()
         if not self.fused:
-            logits = self.hf(**inputs, use_cache=False).logits[:, :-1]
+            logits = self.hf(**inputs, use_cache=False).logits[:, keep]
             return F.cross_entropy(logits.flatten(0, 1).float(), targets)
         hf = _base(self.hf)
-        hidden = hf.base_model(**inputs, use_cache=False).last_hidden_state[:, :-1]
+        hidden = hf.base_model(**inputs, use_cache=False).last_hidden_state[:, keep]
         return linear_cross_entropy(hidden.flatten(0, 1), hf.get_output_embeddings().weight, targets)
 
 
@@ -270,7 +276,11 @@ class HFFamily(ModelFamily):
         return c.get("head_dim") or c["hidden_size"] // c["num_attention_heads"]
 
     def loss(self, model: nn.Module, batch: Any) -> torch.Tensor:
-        """The mean loss of a ``kiln.data.batch.TokenBatch`` (padded or packed rows)."""
+        """The mean loss of a ``kiln.data.batch.TokenBatch`` (padded or packed rows), or of text's
+        ``(inputs, targets)`` sequences (continued pretraining)."""
+        if isinstance(batch, (tuple, list)):
+            inputs, targets = batch
+            return model(inputs, targets=targets)
         return model(
             batch.input_ids,
             labels=batch.labels,
@@ -287,22 +297,24 @@ class HFFamily(ModelFamily):
             return [name.split(".")[-1] for name in LLAMA_TP]
         return ["query", "key", "value"] if args.task == "sequence_classification" else []
 
-    def generate(self, model: nn.Module, prompt: torch.Tensor, max_new_tokens: int, **sampling: Any):
-        """``transformers``' own ``generate`` (greedy at temperature 0), stopping at ``eos_id``."""
+    def stream(self, model: nn.Module, prompt: torch.Tensor, max_new_tokens: int, **sampling: Any):
+        """A causal LM decoded step by step through ``transformers``' own KV cache, sampled as
+        kiln samples (greedy at temperature 0, as ``transformers``' ``generate`` is)."""
         if not isinstance(model, CausalLM):
             return None
-        temperature = sampling.get("temperature", 1.0)
-        kwargs = dict(
-            do_sample=temperature > 0,
-            max_new_tokens=max_new_tokens,
-            eos_token_id=sampling.get("eos_id"),
-            pad_token_id=sampling.get("eos_id"),
-        )
-        if temperature > 0:
-            kwargs.update(temperature=temperature, top_k=sampling.get("top_k") or 0, top_p=sampling.get("top_p") or 1.0)
-        if sampling.get("generator") is not None:
-            torch.manual_seed(int(sampling["generator"].initial_seed()))
-        return _base(model.hf).generate(prompt, **kwargs)
+        return _stream(_base(model.hf), prompt, max_new_tokens, **sampling)
+
+
+def _stream(hf: nn.Module, prompt: torch.Tensor, max_new_tokens: int, **sampling: Any):
+    cache = None
+
+    def forward(tokens: torch.Tensor) -> torch.Tensor:
+        nonlocal cache
+        out = hf(tokens, past_key_values=cache, use_cache=True)
+        cache = out.past_key_values
+        return out.logits[:, -1]
+
+    return decode(hf, lambda: forward(prompt), lambda token: forward(token[:, None]), max_new_tokens, **sampling)
 
 
 FAMILY = HFFamily()

@@ -1,0 +1,119 @@
+"""What an export is checked on: real validation inputs of the run, the largest logit difference
+between an artifact and the PyTorch model, the task's metric (perplexity, or a classifier's
+accuracy), and CPU latency per token.
+
+Every artifact is seen the same way, as a function from token ids [B, T] to logits (``Logits``):
+an exported program, an AOTInductor package, an ONNX Runtime session or a ``transformers`` model.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import statistics
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from kiln.data import DataError, TokenSequences, prepare
+from kiln.train.run import LoadedRun
+
+Logits = Callable[[torch.Tensor], torch.Tensor]
+
+
+class AsLogits(nn.Module):
+    """A model whose forward takes token ids [B, T] alone and returns its logits: kiln's GPT and
+    the hf family's wrappers already do; this gives the exporters one positional input."""
+
+    def __init__(self, model: nn.Module):
+        super().__init__()
+        self.model = model
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return self.model(input_ids)
+
+
+@dataclasses.dataclass
+class Inputs:
+    """Validation inputs of a run: ``rows`` of token ids (each [1, T]: records are unpadded so that
+    no attention mask is needed), ``labels`` for a classifier, and where they came from."""
+
+    rows: list[torch.Tensor]
+    labels: list[int] | None
+    source: str
+    seq_len: int
+
+    def batch(self, n: int, length: int | None = None) -> torch.Tensor:
+        """n rows cut to one length (the shortest of them, or ``length``), as [n, length]."""
+        rows = self.rows[:n]
+        length = min([length or self.seq_len, *(r.size(1) for r in rows)])
+        return torch.cat([r[:, :length] for r in rows])
+
+
+def validation_inputs(run: LoadedRun, run_dir: Path, rows: int = 32) -> Inputs:
+    """Up to ``rows`` validation rows of the run: token sequences of data.seq_len from its val
+    split (a language model trained on text), or its validation records (a fine-tuning run)."""
+    cfg = run.cfg
+    if hasattr(run.tokenizer, "save_pretrained"):
+        from kiln.data.finetune import prepare_finetune
+
+        data = prepare_finetune(cfg.data, cfg.model.task, run.tokenizer, cfg.data.seq_len)
+        val = data.val.rows[:rows]
+        if not val:
+            raise DataError(f"{cfg.data.source}: no validation records to check the export on")
+        ids = [torch.tensor([r["input_ids"]]) for r in val]
+        labels = [int(r["labels"]) for r in val] if cfg.model.task == "sequence_classification" else None
+        return Inputs(ids, labels, f"{len(val)} validation records of {cfg.data.source}", cfg.data.seq_len)
+    data_cfg = dataclasses.replace(cfg.data, tokenizer=str(run_dir / "tokenizer.json"))
+    val = TokenSequences(prepare(data_cfg, progress=False).tokens("val"), cfg.data.seq_len)
+    n = min(rows, len(val))
+    if n == 0:
+        raise DataError(f"{cfg.data.source}: the validation split is shorter than data.seq_len={cfg.data.seq_len}")
+    # Spread over the split, not its first documents only.
+    picks = [int(i * len(val) / n) for i in range(n)]
+    ids = [torch.as_tensor(val[i][0], dtype=torch.long)[None] for i in picks]
+    return Inputs(ids, None, f"{n} sequences of {cfg.data.seq_len} tokens from the val split", cfg.data.seq_len)
+
+
+@torch.no_grad()
+def logit_difference(reference: Logits, artifact: Logits, batches: list[torch.Tensor]) -> dict[str, float]:
+    """The largest absolute difference of the logits over ``batches``, and the same relative to the
+    largest logit magnitude (an element-wise ratio explodes where a logit is near zero)."""
+    worst, scale = 0.0, 0.0
+    for ids in batches:
+        expected, got = reference(ids).float(), torch.as_tensor(artifact(ids)).float()
+        worst = max(worst, (got - expected).abs().max().item())
+        scale = max(scale, expected.abs().max().item())
+    return {"max_abs_diff": worst, "max_rel_diff": worst / max(scale, 1e-12)}
+
+
+@torch.no_grad()
+def task_metric(logits: Logits, inputs: Inputs) -> dict[str, float]:
+    """A classifier's accuracy, or a language model's perplexity of next tokens, over the rows."""
+    if inputs.labels is not None:
+        pairs = zip(inputs.rows, inputs.labels, strict=True)
+        right = sum(int(torch.as_tensor(logits(ids)).argmax(-1).item() == y) for ids, y in pairs)
+        return {"accuracy": right / len(inputs.rows)}
+    total, count = 0.0, 0
+    for ids in inputs.rows:
+        out = torch.as_tensor(logits(ids)).float()[:, :-1]
+        total += F.cross_entropy(out.flatten(0, 1), ids[:, 1:].flatten(), reduction="sum").item()
+        count += ids.size(1) - 1
+    return {"perplexity": math.exp(total / count)}
+
+
+@torch.no_grad()
+def latency_per_token(logits: Logits, ids: torch.Tensor, repeats: int = 10) -> float:
+    """Seconds per token of one batch-1 forward over ``ids`` [1, T] (the median of ``repeats``,
+    after a warm-up), on the CPU threads torch is set to use."""
+    logits(ids)
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        logits(ids)
+        times.append(time.perf_counter() - start)
+    return statistics.median(times) / ids.size(1)

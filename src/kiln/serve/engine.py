@@ -1,0 +1,294 @@
+"""The model side of ``kiln serve``: one worker thread owns the model and decodes the requests.
+
+Up to ``parallel`` requests are decoded at once, one token of each in turn (each with its own KV
+cache and random generator, so a request's tokens do not depend on what else is running); the
+rest wait in a queue. Each request's text goes back to its HTTP handler through its own asyncio
+queue, so the event loop never runs the model.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import queue
+import threading
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from kiln.data.tokenizer import eot_id
+from kiln.train.run import LoadedRun
+
+log = logging.getLogger("kiln.serve")
+
+# Prompt tokens decoded in front of the generated ones, so that a tokenizer that writes a token
+# differently at the start of a text (SentencePiece drops the leading space) spells it as it will
+# read in the whole text.
+PROMPT_CONTEXT = 4
+
+
+class ServeError(Exception):
+    """This run cannot be served (its model does not generate text)."""
+
+
+class Codec:
+    """Text to token ids and back with kiln's own tokenizer or a ``transformers`` one, encoding as
+    ``kiln generate`` does. One lock guards the tokenizer: the HTTP handlers encode while the
+    worker decodes, and a ``transformers`` tokenizer is not safe to share between threads."""
+
+    def __init__(self, tokenizer):
+        self.tokenizer = tokenizer
+        self.hf = hasattr(tokenizer, "eos_token_id")
+        self.eos_id = tokenizer.eos_token_id if self.hf else eot_id(tokenizer)
+        self.vocab_size = len(tokenizer) if self.hf else tokenizer.get_vocab_size()
+        self.has_chat_template = self.hf and getattr(tokenizer, "chat_template", None) is not None
+        self._lock = threading.Lock()
+
+    def encode(self, text: str) -> list[int]:
+        """Token ids of a prompt; an empty one starts from end-of-text, as ``kiln generate`` does."""
+        with self._lock:
+            ids = self.tokenizer(text)["input_ids"] if self.hf else self.tokenizer.encode(text).ids
+        return ids or ([] if self.eos_id is None else [self.eos_id])
+
+    def chat(self, messages: list[dict]) -> list[int]:
+        """Token ids of a conversation rendered by the tokenizer's chat template, ready for the
+        assistant's turn; tokenized as kiln's fine-tuning tokenizes it (the template writes the
+        special tokens)."""
+        with self._lock:
+            text = self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+            return self.tokenizer(text, add_special_tokens=False)["input_ids"]
+
+    def decode(self, ids: list[int]) -> str:
+        with self._lock:
+            return self.tokenizer.decode(ids, skip_special_tokens=True) if self.hf else self.tokenizer.decode(ids)
+
+
+def context_length(model: nn.Module) -> int | None:
+    """The most tokens the model attends to: kiln's GPT's max_seq_len, a Hugging Face model's
+    max_position_embeddings; None if the model does not say."""
+    limit = getattr(getattr(model, "config", None), "max_seq_len", None)
+    if limit is None and hasattr(model, "hf"):
+        limit = getattr(model.hf.config, "max_position_embeddings", None)
+    return limit
+
+
+class TextStream:
+    """The text of the generated tokens as it grows, released piece by piece.
+
+    All the tokens so far are decoded together at each step, so characters of several bytes and
+    tokenizers that join tokens come out right; text is held back while it ends in U+FFFD (the
+    rest of a character is still to come) or in the beginning of a stop string. The text ends
+    before the first stop string.
+    """
+
+    def __init__(self, decode: Callable[[list[int]], str], prompt: list[int], stop: list[str]):
+        self.decode = decode
+        self.context = prompt[-PROMPT_CONTEXT:]
+        self.prefix = decode(self.context)
+        self.stop = stop
+        self.ids: list[int] = []
+        self.text = ""
+        self.released = 0
+
+    def add(self, token: int) -> tuple[str, bool]:
+        """Take one more token: the text it releases, and whether a stop string ended the text."""
+        self.ids.append(token)
+        self.text = self.decode(self.context + self.ids)[len(self.prefix) :]
+        found = [i for i in (self.text.find(s) for s in self.stop) if i >= 0]
+        if found:
+            self.text = self.text[: min(found)]
+            return self.rest(), True
+        settled = self.text.rstrip("\ufffd")
+        return self._release(len(settled) - _stop_prefix(settled, self.stop)), False
+
+    def rest(self) -> str:
+        """All the text not released yet."""
+        return self._release(len(self.text))
+
+    def _release(self, end: int) -> str:
+        piece = self.text[self.released : end]
+        self.released = max(self.released, end)
+        return piece
+
+
+def _stop_prefix(text: str, stop: list[str]) -> int:
+    """The length of the longest end of ``text`` that a stop string begins with (0: none)."""
+    longest = 0
+    for s in stop:
+        for n in range(min(len(s) - 1, len(text)), longest, -1):
+            if text.endswith(s[:n]):
+                longest = n
+                break
+    return longest
+
+
+@dataclass
+class Job:
+    """One request for the worker: a prompt's token ids and how to continue it."""
+
+    prompt: list[int]
+    max_tokens: int
+    temperature: float = 1.0
+    top_p: float | None = None
+    top_k: int | None = None
+    stop: list[str] = field(default_factory=list)
+    seed: int | None = None  # None: fresh randomness
+    cancelled: bool = False  # set by the handler once nobody waits for the answer
+
+
+@dataclass(frozen=True)
+class Update:
+    """Text released by one step; the last update has the finish_reason (``stop``: end-of-text
+    or a stop string, ``length``: max_tokens) and the count of generated tokens."""
+
+    text: str
+    finish_reason: str | None = None
+    completion_tokens: int = 0
+
+
+Emit = Callable[[Update | Exception], None]
+
+
+class Engine:
+    """The worker thread that owns the model (see the module's docstring)."""
+
+    def __init__(self, run: LoadedRun, parallel: int = 8):
+        if parallel < 1:
+            raise ServeError(f"parallel must be at least 1, not {parallel}")
+        self.run = run
+        self.codec = Codec(run.tokenizer)
+        self.context = context_length(run.model)
+        self.device = next(run.model.parameters()).device
+        self.parallel = parallel
+        probe = run.family.stream(run.model, torch.zeros(1, 1, dtype=torch.long, device=self.device), 1)
+        if probe is None:
+            raise ServeError(f"model family {run.cfg.model.family} ({run.cfg.model.task}) cannot generate text")
+        probe.close()
+        self._inbox: queue.SimpleQueue[tuple[Job, Emit] | None] = queue.SimpleQueue()
+        self._thread = threading.Thread(target=self._work, name="kiln-serve-engine", daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self) -> None:
+        """End the worker after its current step; requests still running or waiting get an error."""
+        self._inbox.put(None)
+        self._thread.join()
+
+    async def generate(self, job: Job) -> AsyncIterator[Update]:
+        """Queue the job and yield its updates up to the last; a failure in the worker is raised
+        here. Leaving early (the client disconnected) cancels the job."""
+        loop = asyncio.get_running_loop()
+        updates: asyncio.Queue[Update | Exception] = asyncio.Queue()
+
+        def emit(update: Update | Exception) -> None:
+            try:
+                loop.call_soon_threadsafe(updates.put_nowait, update)
+            except RuntimeError:  # the event loop has closed: nobody is listening any more
+                job.cancelled = True
+
+        self._inbox.put((job, emit))
+        try:
+            while True:
+                update = await updates.get()
+                if isinstance(update, Exception):
+                    raise RuntimeError(f"generation failed: {update}") from update
+                yield update
+                if update.finish_reason:
+                    return
+        finally:
+            job.cancelled = True
+
+    def _work(self) -> None:
+        active: list[_Decoding] = []
+        while True:
+            while len(active) < self.parallel:
+                try:
+                    item = self._inbox.get(block=not active)  # wait for work only when there is none
+                except queue.Empty:
+                    break
+                if item is None:
+                    self._drop(active)
+                    return
+                active.append(_Decoding(self, *item))
+            active = [decoding for decoding in active if decoding.step()]
+
+    def _drop(self, active: list[_Decoding]) -> None:
+        """At shutdown: tell every request still running or waiting that it will get no answer."""
+        gone = RuntimeError("the server is shutting down")
+        for decoding in active:
+            decoding.close()
+            decoding.emit(gone)
+        while not self._inbox.empty():
+            item = self._inbox.get()
+            if item is not None:
+                item[1](gone)
+
+
+class _Decoding:
+    """One job being decoded: its token stream (opened at its first step) and its text."""
+
+    def __init__(self, engine: Engine, job: Job, emit: Emit):
+        self.engine = engine
+        self.job = job
+        self.emit = emit
+        self.tokens = None
+        self.text: TextStream  # made with the stream, where a failure is this request's alone
+        self.count = 0
+
+    def step(self) -> bool:
+        """Decode one token and send what it releases; False once the job is over."""
+        job = self.job
+        if job.cancelled:
+            self.close()
+            return False
+        try:
+            if self.tokens is None:
+                self.tokens = self._open()
+            token = next(self.tokens, None)  # None: the family's stream ended by itself
+            if token is not None:
+                self.count += 1
+            if token is None or int(token[0]) == self.engine.codec.eos_id:
+                finish, piece = "stop", self.text.rest()
+            else:
+                piece, stopped = self.text.add(int(token[0]))
+                finish = "stop" if stopped else "length" if self.count == job.max_tokens else None
+                if finish == "length":
+                    piece += self.text.rest()
+        except Exception as e:  # the failure belongs to this request; the worker goes on with the others
+            log.exception("generation failed")
+            self.emit(e)
+            self.close()
+            return False
+        if piece or finish:
+            self.emit(Update(piece, finish, self.count))
+        if finish:
+            self.close()
+        return finish is None
+
+    def _open(self):
+        job, run = self.job, self.engine.run
+        self.text = TextStream(self.engine.codec.decode, job.prompt, job.stop)
+        generator = torch.Generator(device=self.engine.device)
+        if job.seed is None:
+            generator.seed()
+        else:
+            generator.manual_seed(job.seed)
+        prompt = torch.tensor([job.prompt], device=self.engine.device)
+        return run.family.stream(
+            run.model,
+            prompt,
+            job.max_tokens,
+            temperature=job.temperature,
+            top_k=job.top_k,
+            top_p=job.top_p,
+            eos_id=self.engine.codec.eos_id,
+            generator=generator,
+        )
+
+    def close(self) -> None:
+        """Close the token stream, which gives the model its own train/eval mode back."""
+        if self.tokens is not None:
+            self.tokens.close()

@@ -1,0 +1,141 @@
+"""kiln export --format safetensors | pt2: every artifact computes the trained model's logits, the
+AOTInductor package runs in a process that never imports kiln, int8 keeps perplexity, bad input
+writes nothing."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from kiln.cli import main
+from kiln.train.run import load_run
+
+from conftest import tiny_overrides
+
+
+def train(run, corpus, *more, **extra):
+    sets = tiny_overrides(run, corpus, **{"train.max_steps": 8, "eval.sample_tokens": 0, **extra})
+    assert main(["train", *[a for item in [*sets, *more] for a in ("--set", item)]]) == 0
+    return run
+
+
+@pytest.fixture(scope="module")
+def gpt_run(tmp_path_factory, corpus_dir):
+    return train(tmp_path_factory.mktemp("gpt") / "run", corpus_dir)
+
+
+def export_info(out):
+    return json.loads((out / "export.json").read_text())
+
+
+def test_safetensors_is_loaded_by_generate_and_eval_like_the_run(gpt_run, tmp_path, capsys):
+    out = tmp_path / "weights"
+    assert main(["export", str(gpt_run), "--format", "safetensors", "--out", str(out)]) == 0
+    info = export_info(out)
+    assert info["safetensors"]["max_abs_diff"] == 0 and info["step"] == 8
+    assert {"model.safetensors", "config.toml", "model.json", "tokenizer.json"} <= set(info["files"])
+    checkpoint = max((gpt_run / "checkpoints").iterdir())
+    assert (out / "model.safetensors").stat().st_size < sum(p.stat().st_size for p in checkpoint.rglob("*"))
+
+    capsys.readouterr()
+    for source in (gpt_run, out):
+        assert main(["generate", str(source), "--prompt", "def ", "--temperature", "0", "--max-new-tokens", "12"]) == 0
+    from_run, from_export = capsys.readouterr().out.split("def ", 2)[1:]
+    assert from_run == from_export
+    for source in (gpt_run, out):
+        assert main(["eval", str(source)]) == 0
+    from_run, from_export = (json.loads(line) for line in capsys.readouterr().out.strip().splitlines())
+    assert from_run["val_loss"] == from_export["val_loss"] and from_run["step"] == from_export["step"]
+
+
+def test_a_checkpoint_directory_is_a_source_too(gpt_run, tmp_path):
+    first = sorted((gpt_run / "checkpoints").iterdir())[0]
+    out = tmp_path / "early"
+    assert main(["export", str(first), "--format", "safetensors", "--out", str(out)]) == 0
+    assert export_info(out)["step"] == 4
+    early = load_run(first.parent.parent, checkpoint=first, device="cpu").model.state_dict()
+    exported = load_run(out, device="cpu").model.state_dict()
+    assert all(torch.equal(early[k], exported[k]) for k in early)
+
+
+RUN_PACKAGE = """
+import sys, torch
+package = torch._inductor.aoti_load_package(sys.argv[1] + "/model.aoti.pt2")
+program = torch.export.load(sys.argv[1] + "/model.pt2").module()
+inputs = torch.load(sys.argv[2])
+torch.save([(package(ids), program(ids)) for ids in inputs], sys.argv[3])
+assert not any(name == "kiln" or name.startswith("kiln.") for name in sys.modules), "kiln was imported"
+"""
+
+
+@pytest.mark.slow
+def test_pt2_program_and_aoti_package_run_without_kiln_at_any_batch_and_length(gpt_run, tmp_path):
+    out = tmp_path / "pt2"
+    assert main(["export", str(gpt_run), "--format", "pt2", "--out", str(out)]) == 0
+    info = export_info(out)
+    assert info["pt2"]["max_abs_diff"] <= 1e-5 and info["aoti"]["max_abs_diff"] <= 1e-5
+    assert info["check"]["shapes"] == [[2, 32], [3, 16]]
+
+    run = load_run(gpt_run, device="cpu")
+    tokens = torch.randint(0, run.args.vocab_size, (5, 32))
+    # Contiguous, as the package is compiled for (a strided view of a batch would be misread).
+    inputs = [tokens[:1, :7].contiguous(), tokens[:, :32], tokens[:4, :20].contiguous()]
+    torch.save(inputs, tmp_path / "inputs.pt")
+    script = tmp_path / "run_package.py"
+    script.write_text(RUN_PACKAGE)
+    # A fresh interpreter in another directory, given nothing of kiln's.
+    subprocess.run(
+        [sys.executable, str(script), str(out), str(tmp_path / "inputs.pt"), str(tmp_path / "outputs.pt")],
+        check=True,
+        cwd=tmp_path,
+        env={"PATH": "/usr/bin:/bin"},
+    )
+    with torch.no_grad():
+        for ids, (package, program) in zip(inputs, torch.load(tmp_path / "outputs.pt"), strict=True):
+            expected = run.model(ids)
+            torch.testing.assert_close(package, expected, rtol=0, atol=1e-5)
+            torch.testing.assert_close(program, expected, rtol=0, atol=1e-5)
+
+
+@pytest.mark.slow
+def test_pt2_int8_is_smaller_and_keeps_perplexity(tmp_path_factory, corpus_dir):
+    # Wide enough that weights, not the program's graph, make up the file; trained enough that
+    # perplexity means something.
+    run = train(
+        tmp_path_factory.mktemp("wide") / "run",
+        corpus_dir,
+        "model.d_model=256",
+        "model.d_ff=1536",
+        **{"train.max_steps": 30, "train.lr": 3e-3},
+    )
+    out = run.parent / "int8"
+    assert main(["export", str(run), "--format", "pt2", "--quantize", "int8", "--out", str(out)]) == 0
+    q = export_info(out)["quantized"]
+    assert q["size_ratio"] <= 0.35
+    ppl = q["metric"]
+    assert abs(ppl["pt2"]["perplexity"] / ppl["float"]["perplexity"] - 1) <= 0.05
+    assert q["latency_s_per_token"]["pt2"] > 0 and q["speedup"] > 0
+
+
+def test_bad_input_is_one_line_and_writes_nothing(gpt_run, tmp_path, capsys):
+    out = tmp_path / "out"
+    cases = [
+        (["export", str(tmp_path / "nothing"), "--format", "safetensors"], "not a kiln run directory"),
+        (["export", str(gpt_run), "--format", "hf", "--quantize", "int8"], "does not apply to --format hf"),
+        (["export", str(gpt_run), "--format", "pt2", "--quantize", "int8-static"], "int8-static"),
+    ]
+    partial = tmp_path / "partial"
+    partial.mkdir()
+    (partial / "checkpoints" / "step-00000004").mkdir(parents=True)
+    for name in ("config.toml", "model.json", "tokenizer.json"):
+        (partial / name).write_bytes((gpt_run / name).read_bytes())
+    cases.append((["export", str(partial), "--format", "safetensors"], "no complete checkpoint"))
+    for argv, message in cases:
+        assert main([*argv, "--out", str(out)]) == 2
+        err = capsys.readouterr().err
+        assert message in err and len(err.strip().splitlines()) == 1, err
+        assert not out.exists() and not list(tmp_path.glob(".out.*"))
+    with pytest.raises(SystemExit):
+        main(["export", str(gpt_run), "--format", "tflite", "--out", str(out)])
