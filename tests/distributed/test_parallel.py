@@ -89,6 +89,26 @@ def test_ddp_two_ranks_equal_one_process_with_twice_the_micro_batch(tmp_path, co
     assert json.loads((run_dir / "env.json").read_text())["world_size"] == 2
 
 
+@pytest.mark.slow
+def test_a_sharded_checkpoint_exports_like_a_whole_one(tmp_path, corpus_dir, single):
+    run_dir = tmp_path / "fsdp"
+    _launch(2, _sets(run_dir, corpus_dir, micro=2, parallel__strategy="fsdp"))
+    assert list((run_dir / "checkpoints" / f"step-{STEPS:08d}" / "state").glob("*.distcp"))
+    ids = torch.randint(0, 512, (3, 32))
+    for fmt in ("safetensors", "hf"):
+        outputs = []
+        for name, source in (("sharded", run_dir), ("whole", single)):
+            out = tmp_path / f"{fmt}-{name}"
+            _kiln("export", str(source), "--format", fmt, "--out", str(out))
+            info = json.loads((out / "export.json").read_text())
+            assert info[fmt]["max_abs_diff"] <= 1e-5  # the artifact computes the gathered model
+            outputs.append((sorted(info["files"]), load_run(out, device="cpu").model(ids).detach()))
+        (sharded_files, sharded), (whole_files, whole) = outputs
+        assert sharded_files == whole_files
+        # The two runs trained alike (to Adam's amplified rounding, see _assert_same_training).
+        torch.testing.assert_close(sharded, whole, rtol=0, atol=1e-3)
+
+
 @pytest.mark.parametrize(
     "strategy, micro, extra",
     [

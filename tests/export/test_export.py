@@ -132,6 +132,7 @@ def test_bad_input_is_one_line_and_writes_nothing(gpt_run, tmp_path, capsys):
     for name in ("config.toml", "model.json", "tokenizer.json"):
         (partial / name).write_bytes((gpt_run / name).read_bytes())
     cases.append((["export", str(partial), "--format", "safetensors"], "no complete checkpoint"))
+    cases.append((["export", str(partial / "checkpoints" / "step-00000004"), "--format", "pt2"], "step-00000004"))
     for argv, message in cases:
         assert main([*argv, "--out", str(out)]) == 2
         err = capsys.readouterr().err
