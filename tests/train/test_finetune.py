@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from tokenizers import Tokenizer
 
 from kiln.cli import main
 from kiln.config import DataConfig, load_config
@@ -445,3 +446,26 @@ def test_llama_class_models_split_over_two_tensor_parallel_ranks(tmp_path, sft, 
     a, b = load_run(run, device="cpu").model.state_dict(), load_run(single, device="cpu").model.state_dict()
     for name in a:
         torch.testing.assert_close(a[name], b[name], rtol=0, atol=1e-4, msg=name)
+
+
+def test_a_causal_lm_continues_pretraining_on_text_with_its_own_tokenizer(tmp_path, corpus_dir, hf_llama, capsys):
+    run = tmp_path / "text"
+    sets = ft_sets(run, corpus_dir, hf_llama, train__max_steps=12, eval__every=12, eval__sample_tokens=8)
+    assert main(["train", *as_args(sets)]) == 0
+    steps = losses(run)
+    assert steps[12] < steps[1]
+    # The text was tokenized by the model's own tokenizer, whose end-of-sequence token ends documents.
+    own = transformers.AutoTokenizer.from_pretrained(hf_llama)
+    manifest = json.loads((run / "data.json").read_text())
+    saved, theirs = (Tokenizer.from_file(str(d / "tokenizer.json")).to_str() for d in (run, hf_llama))
+    assert saved == theirs
+    assert manifest["vocab_size"] == len(own)
+    capsys.readouterr()
+    assert main(["generate", str(run), "--prompt", "def ", "--max-new-tokens", "5", "--temperature", "0"]) == 0
+    assert capsys.readouterr().out.startswith("def")
+
+
+def test_text_with_a_tokenizer_of_ones_own_is_refused_for_a_model_with_its_own(tmp_path, corpus_dir, hf_llama, capsys):
+    sets = ft_sets(tmp_path / "run", corpus_dir, hf_llama, data__tokenizer=hf_llama / "tokenizer.json")
+    assert main(["train", *as_args(sets)]) == 2
+    assert "data.tokenizer" in capsys.readouterr().err and not (tmp_path / "run").exists()
