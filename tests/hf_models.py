@@ -3,6 +3,7 @@ real tokenizers trained here: nothing is downloaded."""
 
 from __future__ import annotations
 
+import random
 import sysconfig
 from pathlib import Path
 
@@ -110,3 +111,22 @@ def tiny_bert(directory: Path, *, seed: int = 0, num_labels: int = 2, **config) 
     model = BertForSequenceClassification(BertConfig(**{**dims, **config}))
     model.save_pretrained(directory)
     return directory
+
+
+def learnable_classes(n: int = 320, seed: int = 0) -> list[dict]:
+    """Sentences of words from three vocabularies; the label is the vocabulary most words come from."""
+    rng = random.Random(seed)
+    words = {
+        "sport": "ball goal team match score coach league",
+        "food": "bread soup apple cheese salt dinner",
+        "code": "loop function class import return value",
+    }
+    out = []
+    for _ in range(n):
+        label = rng.choice(sorted(words))
+        own = words[label].split()
+        noise = " ".join(words[k] for k in words if k != label).split()
+        text = [rng.choice(own) for _ in range(5)] + [rng.choice(noise) for _ in range(2)]
+        rng.shuffle(text)
+        out.append({"text": " ".join(text), "label": label})
+    return out

@@ -393,6 +393,7 @@ def _run(args) -> int:
     from kiln.config import ConfigError
     from kiln.data import DataError
     from kiln.distributed import in_torchrun
+    from kiln.export.check import ExportError
     from kiln.train.guard import TrainingDiverged
     from kiln.train.memory_ladder import OutOfMemoryExhausted, RestartForRung
 
@@ -408,7 +409,7 @@ def _run(args) -> int:
         for line in e.errors:
             print(f"{who}: config error: {line}", file=sys.stderr)
         return USAGE_ERROR
-    except (DataError, CheckpointError, FileExistsError, FileNotFoundError) as e:
+    except (DataError, CheckpointError, ExportError, FileExistsError, FileNotFoundError) as e:
         print(f"{who}: error: {e}", file=sys.stderr)
         return USAGE_ERROR
     except (OutOfMemoryExhausted, RestartForRung) as e:

@@ -12,7 +12,8 @@ import torch
 from kiln.cli import main
 from kiln.train.run import load_run
 
-from conftest import tiny_overrides
+from conftest import tiny_overrides, write_jsonl
+from hf_models import learnable_classes
 
 
 def train(run, corpus, *more, **extra):
@@ -140,3 +141,47 @@ def test_bad_input_is_one_line_and_writes_nothing(gpt_run, tmp_path, capsys):
         assert not out.exists() and not list(tmp_path.glob(".out.*"))
     with pytest.raises(SystemExit):
         main(["export", str(gpt_run), "--format", "tflite", "--out", str(out)])
+
+
+def test_onnx_runs_in_onnx_runtime_and_int8_keeps_perplexity(gpt_run, tmp_path):
+    out = tmp_path / "onnx"
+    assert main(["export", str(gpt_run), "--format", "onnx", "--out", str(out)]) == 0
+    info = export_info(out)
+    assert info["onnx"]["max_abs_diff"] <= 1e-4 and info["check"]["shapes"] == [[2, 32], [3, 16]]
+    for quantize in ("int8", "int8-static"):
+        q_out = tmp_path / quantize
+        assert main(["export", str(gpt_run), "--format", "onnx", "--quantize", quantize, "--out", str(q_out)]) == 0
+        q = export_info(q_out)["quantized"]
+        assert q["size_ratio"] <= 0.35 and q["bytes"] == (q_out / "model.onnx").stat().st_size
+        ppl = q["metric"]
+        assert abs(ppl["onnx"]["perplexity"] / ppl["float"]["perplexity"] - 1) <= 0.05
+
+
+@pytest.mark.slow
+def test_a_fine_tuned_classifier_exports_and_int8_keeps_its_accuracy(tmp_path, hf_bert):
+    source = write_jsonl(tmp_path / "cls.jsonl", learnable_classes())
+    run = tmp_path / "run"
+    sets = {
+        "run.dir": run,
+        "model.source": f"hf:{hf_bert}",
+        "model.task": "sequence_classification",
+        "data.source": source,
+        "data.seq_len": 64,
+        "data.val_fraction": 0.2,
+        "train.max_steps": 100,
+        "train.micro_batch_size": 16,
+        "train.global_batch_size": 16,
+        "train.lr": 3e-3,
+        "eval.every": 0,
+    }
+    assert main(["train", *[a for k, v in sets.items() for a in ("--set", f"{k}={v}")]]) == 0
+    for fmt, more in (("hf", []), ("pt2", []), ("onnx", ["--quantize", "int8"])):
+        out = tmp_path / fmt
+        assert main(["export", str(run), "--format", fmt, "--out", str(out), *more]) == 0
+        info = export_info(out)
+        assert "validation records" in info["check"]["inputs"]
+        for name in {"hf": ["hf"], "pt2": ["pt2", "aoti"], "onnx": []}[fmt]:
+            assert info[name]["max_abs_diff"] <= 1e-4, name
+    accuracy = export_info(tmp_path / "onnx")["quantized"]["metric"]
+    assert accuracy["float"]["accuracy"] >= 0.8
+    assert abs(accuracy["onnx"]["accuracy"] - accuracy["float"]["accuracy"]) <= 0.01

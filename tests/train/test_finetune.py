@@ -27,6 +27,7 @@ from kiln.train.run import load_run
 
 from conftest import sft_records, write_jsonl
 from grad_probe import step_gradients
+from hf_models import learnable_classes
 
 transformers = pytest.importorskip("transformers")
 TESTS = Path(__file__).parents[1]
@@ -79,25 +80,6 @@ def losses(run_dir: Path) -> dict[int, float]:
 @pytest.fixture(scope="module")
 def sft(tmp_path_factory) -> Path:
     return write_jsonl(tmp_path_factory.mktemp("sft") / "sft.jsonl", sft_records(96))
-
-
-def learnable_classes(n: int = 320, seed: int = 0) -> list[dict]:
-    """Sentences of words from three vocabularies; the label is the vocabulary most words come from."""
-    rng = random.Random(seed)
-    words = {
-        "sport": "ball goal team match score coach league",
-        "food": "bread soup apple cheese salt dinner",
-        "code": "loop function class import return value",
-    }
-    out = []
-    for _ in range(n):
-        label = rng.choice(sorted(words))
-        own = words[label].split()
-        noise = " ".join(words[k] for k in words if k != label).split()
-        text = [rng.choice(own) for _ in range(5)] + [rng.choice(noise) for _ in range(2)]
-        rng.shuffle(text)
-        out.append({"text": " ".join(text), "label": label})
-    return out
 
 
 # -- token-exact normalisation -----------------------------------------------------------------

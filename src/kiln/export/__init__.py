@@ -23,7 +23,16 @@ from typing import Any
 import torch
 
 from kiln.config import ConfigError
-from kiln.export.check import Inputs, Logits, latency_per_token, logit_difference, task_metric, validation_inputs
+from kiln.export.check import (
+    ExportError,
+    Inputs,
+    Logits,
+    latency_per_token,
+    logit_difference,
+    max_sequence_length,
+    task_metric,
+    validation_inputs,
+)
 from kiln.export.hf import write_hf
 from kiln.export.weights import write_safetensors
 from kiln.io import write_atomic
@@ -65,7 +74,7 @@ def export(
             "checkpoint": str(run.checkpoint.absolute()),
             "step": run.step,
             "task": run.cfg.model.task,
-            **_write(run, fmt, quantize, inputs, staging),
+            **_write_checked(run, fmt, quantize, inputs, staging),
         }
         files = {str(p.relative_to(staging)): p.stat().st_size for p in sorted(staging.rglob("*")) if p.is_file()}
         info.update(files=files, size_bytes=sum(files.values()))
@@ -79,6 +88,13 @@ def export(
     return info
 
 
+def _write_checked(run: LoadedRun, fmt: str, quantize: str | None, inputs: Inputs, out: Path) -> dict[str, Any]:
+    try:
+        return _write(run, fmt, quantize, inputs, out)
+    except ImportError as e:  # an optional package of this format is missing
+        raise ConfigError([f"--format {fmt}{f' --quantize {quantize}' if quantize else ''}: {e}"]) from None
+
+
 def _write(run: LoadedRun, fmt: str, quantize: str | None, inputs: Inputs, out: Path) -> dict[str, Any]:
     """Write the format's files into ``out``; the checks of what was written."""
     model = run.model
@@ -88,7 +104,7 @@ def _write(run: LoadedRun, fmt: str, quantize: str | None, inputs: Inputs, out: 
         return _checks(model, write_hf(run, out), batches, inputs)
     if fmt == "safetensors":
         return _checks(model, write_safetensors(run, out), batches, inputs)
-    max_len = _context(run)
+    max_len = max_sequence_length(model) or 4096
     if fmt == "pt2":
         from kiln.export.pt2 import PROGRAM, export_program, quantize_int8, write_pt2
 
@@ -146,9 +162,4 @@ def _checks(
     return checks
 
 
-def _context(run: LoadedRun) -> int:
-    config = getattr(run.model, "config", None) or run.model.hf.config
-    return getattr(config, "max_seq_len", None) or getattr(config, "max_position_embeddings", None) or 4096
-
-
-__all__ = ["FORMATS", "QUANTIZE", "export"]
+__all__ = ["FORMATS", "QUANTIZE", "ExportError", "export"]

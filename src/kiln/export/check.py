@@ -25,6 +25,10 @@ from kiln.train.run import LoadedRun
 Logits = Callable[[torch.Tensor], torch.Tensor]
 
 
+class ExportError(RuntimeError):
+    """The model cannot be exported to the format asked for; the message says why."""
+
+
 class AsLogits(nn.Module):
     """A model whose forward takes token ids [B, T] alone and returns its logits: kiln's GPT and
     the hf family's wrappers already do; this gives the exporters one positional input."""
@@ -35,6 +39,13 @@ class AsLogits(nn.Module):
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         return self.model(input_ids)
+
+
+def max_sequence_length(model: nn.Module) -> int | None:
+    """The most positions the model takes: kiln GPT's max_seq_len, a Hugging Face config's
+    max_position_embeddings; None if it does not say."""
+    config = getattr(getattr(model, "hf", model), "config", None)
+    return getattr(config, "max_seq_len", None) or getattr(config, "max_position_embeddings", None)
 
 
 @dataclasses.dataclass
