@@ -478,7 +478,7 @@ class Config:
         return self.train.global_batch_size // (self.train.micro_batch_size * data_parallel)
 
     def errors(self) -> list[str]:
-        """Every problem in every section; no check needs to read two sections."""
+        """Every problem in every section, then the combinations of sections that cannot work."""
         # The order validate() has always reported them in, so that what users see does not reshuffle.
         order = (
             self.model,
@@ -493,7 +493,15 @@ class Config:
             self.run,
             self.lora,
         )
-        return [message for section in order for message in section.errors()]
+        combinations = [
+            (
+                not (self.lora.rank and self.parallel.tp > 1),
+                "lora.rank: LoRA adapters do not split over tensor-parallel ranks; set parallel.tp=1",
+            )
+        ]
+        return [message for section in order for message in section.errors()] + [
+            message for ok, message in combinations if not ok
+        ]
 
     def to_dict(self) -> dict[str, dict[str, Any]]:
         return dataclasses.asdict(self)

@@ -36,6 +36,7 @@ from kiln.export.check import (
 from kiln.export.hf import write_hf
 from kiln.export.weights import write_safetensors
 from kiln.io import write_atomic
+from kiln.train.apply import merge_lora
 from kiln.train.run import LoadedRun, load_run
 
 FORMATS = ("hf", "safetensors", "pt2", "onnx")
@@ -105,25 +106,26 @@ def _write(run: LoadedRun, fmt: str, quantize: str | None, inputs: Inputs, out: 
     if fmt == "safetensors":
         return _checks(model, write_safetensors(run, out), batches, inputs)
     max_len = max_sequence_length(model) or 4096
+    plain = merge_lora(model)  # adapters folded in: the exporters see the family's own layers
     if fmt == "pt2":
         from kiln.export.pt2 import PROGRAM, export_program, quantize_int8, write_pt2
 
         if not quantize:
-            return _checks(model, write_pt2(model, batches[0], max_len, out), batches, inputs)
+            return _checks(model, write_pt2(plain, batches[0], max_len, out), batches, inputs)
         with tempfile.TemporaryDirectory(dir=out.parent) as tmp:
-            floats = export_program(model, batches[0], max_len)
+            floats = export_program(plain, batches[0], max_len)
             torch.export.save(floats, Path(tmp) / PROGRAM)
-            written = write_pt2(quantize_int8(model), batches[0], max_len, out)
+            written = write_pt2(quantize_int8(plain), batches[0], max_len, out)
             checks = _checks(model, written, batches, inputs, floats.module())
             return _sizes(checks, Path(tmp) / PROGRAM, out / PROGRAM)
     from kiln.export.onnx import OnnxModel, export_onnx, quantize_onnx_dynamic, quantize_onnx_static
 
     if not quantize:
-        export_onnx(model, batches[0], out / "model.onnx")
+        export_onnx(plain, batches[0], out / "model.onnx")
         return _checks(model, {"onnx": OnnxModel(out / "model.onnx").logits}, batches, inputs)
     with tempfile.TemporaryDirectory(dir=out.parent) as tmp:
         fp32 = Path(tmp) / "model.onnx"
-        export_onnx(model, batches[0], fp32)
+        export_onnx(plain, batches[0], fp32)
         if quantize == "int8":
             quantize_onnx_dynamic(fp32, out / "model.onnx")
         else:  # calibrated on validation rows other than those the metric is measured on

@@ -13,6 +13,7 @@ from pathlib import Path
 from kiln.checkpoint import CheckpointError
 from kiln.export.check import Logits
 from kiln.models.hf.loading import transformers_module
+from kiln.train.apply import merge_lora
 from kiln.train.run import LoadedRun
 
 
@@ -44,7 +45,7 @@ def _write_converted(run: LoadedRun, out: Path) -> None:
     adapter = run.family.state_dict_adapter(run.args)
     if adapter is None:
         raise CheckpointError(f"model family {run.cfg.model.family!r} has no Hugging Face equivalent to export to")
-    state = adapter.to_hf(run.model.state_dict())
+    state = adapter.to_hf(merge_lora(run.model).state_dict())
     save_file(
         {k: v.detach().contiguous() for k, v in state.items()},
         str(out / "model.safetensors"),

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import functools
 from collections.abc import Callable
 
@@ -9,7 +10,7 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from kiln.config import ConfigError, LoraConfig
+from kiln.config import Config, ConfigError
 from kiln.models.family import ParallelPlan
 
 
@@ -36,35 +37,56 @@ def apply_compile(fn: Callable) -> Callable:
     return torch.compile(fn)
 
 
-def apply_lora(model: nn.Module, cfg: LoraConfig, default_targets: list[str], task: str) -> nn.Module:
-    """Low-rank adapters (PEFT's LoRA) on a Hugging Face model inside kiln's wrapper (``model.hf``):
-    the base weights freeze, only the adapters (and a classifier's new head) train, and the
-    adapter saves in PEFT's own format."""
+def apply_lora(model: nn.Module, cfg: Config, targets: list[str]) -> nn.Module:
+    """Low-rank adapters (PEFT's LoRA) when ``lora.rank`` is set: the base weights freeze and only
+    the adapters (and a classifier's new head) train. A Hugging Face model inside kiln's wrapper
+    (``model.hf``) becomes a PEFT model, whose adapter saves in PEFT's own format; any other
+    model (kiln's GPT) keeps its class, with the adapted layers replaced in place, so its family's
+    parallel plan and calling convention still apply. ``targets``: the family's default modules."""
+    lora = cfg.lora
+    if not lora.rank:
+        return model
     try:
         import peft
     except ImportError:
         raise ConfigError(["lora.rank: LoRA needs the peft package: pip install 'kiln[hf]'"]) from None
-    if not hasattr(model, "hf"):
-        raise ConfigError(
-            [
-                f"lora.rank: LoRA applies to Hugging Face models (model.source = hf:PATH); "
-                f"{type(model).__name__} is not one"
-            ]
-        )
-    targets = [name.strip() for name in cfg.target_modules.split(",") if name.strip()] or default_targets
+    targets = [name.strip() for name in lora.target_modules.split(",") if name.strip()] or targets
     if not targets:
         raise ConfigError(
             ["lora.target_modules: this model has no default; name the modules to adapt, e.g. q_proj,v_proj"]
         )
+    hf = getattr(model, "hf", None)
+    task = {"sequence_classification": "SEQ_CLS", "causal_lm": "CAUSAL_LM"}.get(cfg.model.task) if hf else None
     config = peft.LoraConfig(
-        r=cfg.rank,
-        lora_alpha=cfg.alpha,
-        lora_dropout=cfg.dropout,
-        target_modules=targets,
-        task_type="SEQ_CLS" if task == "sequence_classification" else "CAUSAL_LM",
+        r=lora.rank, lora_alpha=lora.alpha, lora_dropout=lora.dropout, target_modules=targets, task_type=task
     )
     try:
-        model.hf = peft.get_peft_model(model.hf, config)
+        if hf is not None:
+            model.hf = peft.get_peft_model(hf, config)
+        else:
+            peft.inject_adapter_in_model(config, model)
+            for name, param in model.named_parameters():
+                param.requires_grad_("lora_" in name)
     except ValueError as e:
         raise ConfigError([f"lora.target_modules: {str(e).splitlines()[0]}"]) from None
     return model
+
+
+def merge_lora(model: nn.Module) -> nn.Module:
+    """A copy of ``model`` with every LoRA adapter folded into its layer's weight and the plain
+    layer put back: the model its family's exporters know (``model`` itself if it has none)."""
+    hf = getattr(model, "hf", None)
+    if hf is not None and hasattr(hf, "merge_and_unload"):
+        merged = copy.deepcopy(model)
+        merged.hf = merged.hf.merge_and_unload()
+        return merged
+    adapted = [name for name, module in model.named_modules() if hasattr(module, "lora_A")]
+    if not adapted:
+        return model
+    merged = copy.deepcopy(model)
+    for name in adapted:
+        layer = merged.get_submodule(name)
+        layer.merge()
+        parent, _, child = name.rpartition(".")
+        setattr(merged.get_submodule(parent), child, layer.get_base_layer())
+    return merged

@@ -55,8 +55,7 @@ class FineTuneJob:
     def model(self):
         """The model to train: pretrained (or random) weights, with LoRA adapters if asked for."""
         model = self.family.create(self.args, "cpu", self.cfg.train.seed)
-        if self.cfg.lora.rank:
-            model = apply_lora(model, self.cfg.lora, self.family.lora_targets(self.args), self.cfg.model.task)
+        model = apply_lora(model, self.cfg, self.family.lora_targets(self.args))
         return model
 
 
@@ -70,8 +69,6 @@ def prepare_job(cfg: Config) -> FineTuneJob:
         raise ConfigError(
             ["data.format: fine-tuning records need a model that comes with its own tokenizer (model.source = hf:PATH)"]
         )
-    if cfg.lora.rank and cfg.parallel.tp > 1:
-        raise ConfigError(["lora.rank: LoRA adapters do not split over tensor-parallel ranks; set parallel.tp=1"])
     data = prepare_finetune(cfg.data, cfg.model.task, tokenizer, cfg.data.seq_len)
     if data.labels:
         args = dataclasses.replace(args, labels=data.labels)

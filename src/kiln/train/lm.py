@@ -25,6 +25,7 @@ from kiln.data.tokenizer import eot_id
 from kiln.distributed.world import init_world
 from kiln.models.family import ModelFamily, family_of
 from kiln.models.hf.loading import model_dir
+from kiln.train.apply import apply_lora
 from kiln.train.run import load_run
 from kiln.train.trainer import FitResult, Trainer
 
@@ -99,7 +100,7 @@ def build_trainer(cfg: Config, *, console: bool = True) -> Trainer:
         prepared = prepare(data_cfg, progress=console)
     args = family.resolve(cfg.model, vocab_size=prepared.vocab_size, seq_len=cfg.data.seq_len)
     # Initialised on the CPU on every rank and device alike: the same seed, the same weights.
-    model = family.create(args, "cpu", cfg.train.seed)
+    model = apply_lora(family.create(args, "cpu", cfg.train.seed), cfg, family.lora_targets(args))
     if console:
         print(f"kiln: model {family.describe(cfg.model, args, model)}", flush=True)
     seq_len = cfg.data.seq_len

@@ -143,8 +143,7 @@ def _build_saved(directory: Path) -> tuple[Config, ModelFamily, Any, nn.Module]:
     family = family_of(cfg.model)
     args = family.args_from_dict(json.loads((directory / "model.json").read_text()))
     model = build_model(family, args, "cpu", cfg.train.seed)
-    if cfg.lora.rank:
-        model = apply_lora(model, cfg.lora, family.lora_targets(args), cfg.model.task)
+    model = apply_lora(model, cfg, family.lora_targets(args))
     return cfg, family, args, model
 
 

@@ -70,6 +70,9 @@ class Trainer:
     batch of dataset items (default: ``default_collate``; a ``TokenBatch`` for variable-length
     rows, whose micro-batches are then weighed by their loss tokens). ``faults`` injects test
     faults (by default those the environment asks for, see ``kiln.train.faults``).
+    ``on_evaluate(step, metrics)`` is called on rank 0 after each evaluation (e.g. to report it
+    to a hyperparameter search); returning True stops the run there, on every rank, with a
+    checkpoint, as a stop signal does (ignored at the last evaluation).
 
     Under ``torchrun`` it joins the process group and applies ``cfg.parallel`` (DDP, FSDP2,
     tensor parallel) to the model; only rank 0 prints and writes logs.
@@ -90,6 +93,7 @@ class Trainer:
         collate_fn: Callable[[list], Any] = default_collate,
         faults: Faults | None = None,
         console: bool = True,
+        on_evaluate: Callable[[int, dict[str, Any]], bool] | None = None,
     ):
         cfg = config or Config()
         validate(cfg)  # a Config built in Python has not been through load_config
@@ -104,7 +108,7 @@ class Trainer:
         t = cfg.train
         self.console = console and self.world.is_main
         self.run_dir = Path(cfg.run.dir)
-        self.eval_fn, self.sample_fn = eval_fn, sample_fn
+        self.eval_fn, self.sample_fn, self.on_evaluate = eval_fn, sample_fn, on_evaluate
         schedule = BatchSchedule.from_config(t, tokens_per_sample)
         self.batches = StepBatches(
             train_data,
@@ -232,7 +236,9 @@ class Trainer:
                 # Evaluation and saving are not training throughput: the meter's clock stops.
                 with self.meter.paused():
                     if final or (cfg.eval.every and self.step % cfg.eval.every == 0):
-                        result.eval_metrics = self._evaluate(logger) or result.eval_metrics
+                        metrics = self._evaluate(logger)
+                        result.eval_metrics = metrics or result.eval_metrics
+                        stop.requested |= self._halt_after(metrics) and not final
                     if self.checkpointer.due(self.step, final or stop.requested):
                         self.save()
                 if out_of_time and self.step < t.max_steps:
@@ -397,6 +403,13 @@ class Trainer:
         finally:
             self.model.train(was_training)
         return metrics
+
+    def _halt_after(self, metrics: dict[str, Any] | None) -> bool:
+        """``on_evaluate``'s answer (rank 0's), the same on every rank."""
+        if self.on_evaluate is None or metrics is None:
+            return False
+        (halt,) = self.world.agree(self.world.is_main and bool(self.on_evaluate(self.step, metrics)))
+        return halt
 
     def _say(self, msg: str) -> None:
         if self.console:

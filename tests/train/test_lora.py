@@ -1,0 +1,63 @@
+"""LoRA on kiln's own GPT: the adapters are injected into the plain model (its class, plan and
+calling convention kept), only they train, and exports fold them into the weights."""
+
+import json
+
+import pytest
+import torch
+
+from kiln.cli import main
+from kiln.config import load_config
+from kiln.models.family import build_model, family_of
+from kiln.train.run import load_run
+
+from conftest import tiny_overrides
+
+peft = pytest.importorskip("peft")
+transformers = pytest.importorskip("transformers")
+
+
+@pytest.fixture(scope="module")
+def lora_run(tmp_path_factory, corpus_dir):
+    run = tmp_path_factory.mktemp("lora") / "run"
+    sets = tiny_overrides(run, corpus_dir, train__max_steps=8, eval__sample_tokens=0)
+    sets += ["lora.rank=4", "lora.alpha=8", "lora.dropout=0", "train.lr=3e-2"]
+    assert main(["train", *[a for item in sets for a in ("--set", item)]]) == 0
+    return run
+
+
+def test_only_the_adapters_train_on_the_unchanged_base(lora_run):
+    run = load_run(lora_run, device="cpu")
+    assert type(run.model).__name__ == "GPT"
+    cfg = load_config(lora_run / "config.toml", [])
+    fresh = build_model(family_of(cfg.model), run.args, "cpu", cfg.train.seed).state_dict()
+    trained = run.model.state_dict()
+    adapters = [k for k in trained if "lora_" in k]
+    assert {k.split(".lora_")[0].split(".")[-1] for k in adapters} == {"wq", "wk", "wv", "wo", "w1", "w2", "w3"}
+    for name, tensor in trained.items():
+        if "lora_" not in name:
+            assert torch.equal(tensor, fresh[name.replace(".base_layer", "")]), name
+    assert any(trained[k].abs().sum() > 0 for k in adapters if "lora_B" in k)  # B starts at zero
+    records = [json.loads(line) for line in (lora_run / "metrics.jsonl").read_text().splitlines()]
+    losses = [r["loss"] for r in records if "loss" in r]
+    assert losses[-1] < losses[0]
+
+
+def test_exports_fold_the_adapters_into_the_weights(lora_run, tmp_path):
+    out = tmp_path / "hf"
+    assert main(["export", str(lora_run), "--format", "hf", "--out", str(out)]) == 0
+    assert json.loads((out / "export.json").read_text())["hf"]["max_abs_diff"] <= 1e-5
+    model = transformers.AutoModelForCausalLM.from_pretrained(out).eval()
+    run = load_run(lora_run, device="cpu")
+    ids = torch.randint(0, run.args.vocab_size, (2, 24))
+    with torch.no_grad():
+        torch.testing.assert_close(model(ids).logits, run.model(ids), rtol=0, atol=1e-5)
+    weights = tmp_path / "weights"
+    assert main(["export", str(lora_run), "--format", "safetensors", "--out", str(weights)]) == 0
+    assert json.loads((weights / "export.json").read_text())["safetensors"]["max_abs_diff"] == 0
+
+
+def test_lora_with_tensor_parallelism_is_refused(tmp_path, corpus_dir, capsys):
+    sets = tiny_overrides(tmp_path / "run", corpus_dir) + ["lora.rank=4", "parallel.tp=2"]
+    assert main(["train", *[a for item in sets for a in ("--set", item)]]) == 2
+    assert "lora.rank" in capsys.readouterr().err and not (tmp_path / "run").exists()
