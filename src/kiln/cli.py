@@ -339,10 +339,14 @@ def cmd_export(args) -> int:
             print(f"  {name}: logits within {value['max_abs_diff']:.2e} of the PyTorch model ({where})")
     if "quantized" in info:
         q = info["quantized"]
-        print(
-            f"  int8: {q['size_ratio']:.0%} of the float size, {q['speedup']:.2f}x the float speed per token, "
-            + ", ".join(f"{k} {v[next(iter(v))]:.4g}" for k, v in q["metric"].items())
-        )
+        print(f"  int8: {q['size_ratio']:.0%} of the float size on disk")
+        for name, r in q.items():
+            if isinstance(r, dict):
+                metric = next(iter(r["metric"]["float"]))
+                print(
+                    f"  {name} int8: {r['speedup']:.2f}x the float speed per token ({q['threads']} threads); "
+                    f"{metric} {r['metric']['int8'][metric]:.4g} (float {r['metric']['float'][metric]:.4g})"
+                )
     return 0
 
 

@@ -108,15 +108,15 @@ def _write(run: LoadedRun, fmt: str, quantize: str | None, inputs: Inputs, out: 
     max_len = max_sequence_length(model) or 4096
     plain = merge_lora(model)  # adapters folded in: the exporters see the family's own layers
     if fmt == "pt2":
-        from kiln.export.pt2 import PROGRAM, export_program, quantize_int8, write_pt2
+        from kiln.export.pt2 import PROGRAM, quantize_int8, write_pt2
 
         if not quantize:
             return _checks(model, write_pt2(plain, batches[0], max_len, out), batches, inputs)
         with tempfile.TemporaryDirectory(dir=out.parent) as tmp:
-            floats = export_program(plain, batches[0], max_len)
-            torch.export.save(floats, Path(tmp) / PROGRAM)
+            # The float program and package too, so that each int8 artifact is timed against its own kind.
+            floats = write_pt2(plain, batches[0], max_len, Path(tmp))
             written = write_pt2(quantize_int8(plain), batches[0], max_len, out)
-            checks = _checks(model, written, batches, inputs, floats.module())
+            checks = _checks(model, written, batches, inputs, floats)
             return _sizes(checks, Path(tmp) / PROGRAM, out / PROGRAM)
     from kiln.export.onnx import OnnxModel, export_onnx, quantize_onnx_dynamic, quantize_onnx_static
 
@@ -133,7 +133,8 @@ def _write(run: LoadedRun, fmt: str, quantize: str | None, inputs: Inputs, out: 
             quantize_onnx_static(fp32, out / "model.onnx", [ids.numpy() for ids in inputs.rows[half:]])
             inputs.rows = inputs.rows[:half]
             inputs.labels = inputs.labels[:half] if inputs.labels else None
-        checks = _checks(model, {"onnx": OnnxModel(out / "model.onnx").logits}, batches, inputs, OnnxModel(fp32).logits)
+        floats = {"onnx": OnnxModel(fp32).logits}
+        checks = _checks(model, {"onnx": OnnxModel(out / "model.onnx").logits}, batches, inputs, floats)
         return _sizes(checks, fp32, out / "model.onnx")
 
 
@@ -145,22 +146,28 @@ def _sizes(checks: dict[str, Any], float_file: Path, quantized_file: Path) -> di
 
 
 def _checks(
-    model: torch.nn.Module, artifacts: dict[str, Logits], batches: list, inputs: Inputs, floats: Logits | None = None
+    model: torch.nn.Module,
+    artifacts: dict[str, Logits],
+    batches: list,
+    inputs: Inputs,
+    floats: dict[str, Logits] | None = None,
 ) -> dict[str, Any]:
+    """The logit difference of each artifact from the PyTorch model; for a quantized export, each
+    int8 artifact's metric and latency against the float artifact of the same kind."""
     checks: dict[str, Any] = {
         "check": {"inputs": inputs.source, "shapes": [list(b.shape) for b in batches]},
         **{name: logit_difference(model, run, batches) for name, run in artifacts.items()},
     }
     if floats is not None:
-        name, quantized = next(iter(artifacts.items()))
         ids = inputs.batch(1)
-        float_latency, latency = latency_per_token(floats, ids), latency_per_token(quantized, ids)
-        checks["quantized"] = {
-            "metric": {"float": task_metric(floats, inputs), name: task_metric(quantized, inputs)},
-            "latency_s_per_token": {"float": float_latency, name: latency, "tokens": ids.size(1)},
-            "speedup": float_latency / latency,
-            "threads": torch.get_num_threads(),
-        }
+        checks["quantized"] = {"tokens": ids.size(1), "threads": torch.get_num_threads()}
+        for name, quantized in artifacts.items():
+            float_latency, latency = latency_per_token(floats[name], ids), latency_per_token(quantized, ids)
+            checks["quantized"][name] = {
+                "metric": {"float": task_metric(floats[name], inputs), "int8": task_metric(quantized, inputs)},
+                "latency_s_per_token": {"float": float_latency, "int8": latency},
+                "speedup": float_latency / latency,
+            }
     return checks
 
 
