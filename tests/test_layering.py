@@ -23,11 +23,12 @@ LAYERS = {
     "plan": 7,
     "export": 7,
     "serve": 7,
+    "sweep": 7,
     "cli": 8,
     "__main__": 9,  # python -m kiln: runs the cli
 }
 LOWER = ("models", "data", "checkpoint", "distributed", "config")
-UPPER = ("train", "doctor", "plan", "export", "serve", "observe", "cli")
+UPPER = ("train", "doctor", "plan", "export", "serve", "sweep", "observe", "cli")
 
 
 def _modules() -> dict[str, Path]:

@@ -167,6 +167,18 @@ def _parser() -> argparse.ArgumentParser:
     sv.add_argument("--checkpoint", help="checkpoint directory (default: the newest complete one)")
     sv.add_argument("--parallel", type=int, default=8, help="requests decoded at once; the others wait in a queue")
 
+    from kiln.sweep import add_arguments as add_sweep_arguments
+
+    sw = sub.add_parser(
+        "sweep",
+        help="search hyperparameters with Optuna; each trial is a kiln run (docs/sweep.md)",
+        description="Run an Optuna study over the config keys of --space (one TOML table per key), each "
+        "trial a kiln run in STUDY/trials/NNNN; prune trials that fall behind; continue the study when "
+        "run again; write trials.csv, best.toml and sweep.png (docs/sweep.md).",
+    )
+    _add_config_args(sw)
+    add_sweep_arguments(sw)
+
     from kiln.distributed.launch import add_arguments
 
     la = sub.add_parser(
@@ -364,6 +376,12 @@ def cmd_serve(args) -> int:
     )
 
 
+def cmd_sweep(args) -> int:
+    from kiln.sweep import sweep_command
+
+    return sweep_command(args)
+
+
 def cmd_launch(args) -> int:
     from kiln.distributed.launch import launch, torchrun_args
 
@@ -388,6 +406,7 @@ COMMANDS = {
     "report": cmd_report,
     "export": cmd_export,
     "serve": cmd_serve,
+    "sweep": cmd_sweep,
     "launch": cmd_launch,
 }
 

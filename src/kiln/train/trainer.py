@@ -238,7 +238,8 @@ class Trainer:
                     if final or (cfg.eval.every and self.step % cfg.eval.every == 0):
                         metrics = self._evaluate(logger)
                         result.eval_metrics = metrics or result.eval_metrics
-                        stop.requested |= self._halt_after(metrics) and not final
+                        if self._halt_after(metrics) and not final:
+                            stop.requested = True  # set, never cleared: a signal may have set it meanwhile
                     if self.checkpointer.due(self.step, final or stop.requested):
                         self.save()
                 if out_of_time and self.step < t.max_steps:
