@@ -35,6 +35,29 @@ def test_the_plan_is_the_most_steps_that_fit():
     assert plan.state_dict()["max_steps"] == steps
 
 
+def test_halfway_the_plan_is_corrected_with_the_pace_kept():
+    plan = _plan(100, eval="eval.every=10", save="checkpoint.every=25")
+    costs = Costs(step_s=0.5, eval_s=2.0, save_s=1.0, start_s=0.5)
+    steps = plan.fix(costs, elapsed_s=10)
+    assert plan.correct_at == steps // 2
+    # Steps turned out 20% faster: the rest of the budget holds more of them.
+    half = plan.correct_at
+    elapsed = 10 + plan.cost_s(half, Costs(0.4, 2.0, 1.0, 0.5))
+    more = plan.correct(half, 0.4, elapsed)
+    assert more > steps and plan.max_steps == more and plan.correct_at == half + (more - half) // 2
+    assert elapsed + plan.cost_s(more, Costs(0.4, 2.0, 1.0, 0.5)) - plan.cost_s(half, Costs(0.4, 2.0, 1.0, 0.5)) <= 96
+    # Much slower: fewer steps, but never so few that the decay should have begun already.
+    plan.fix(costs, elapsed_s=10)
+    fewer = plan.correct(half, 5.0, elapsed)
+    assert fewer < steps and fewer - round(0.2 * fewer) >= half
+
+
+def test_schedules_whose_rate_depends_on_the_length_are_not_corrected():
+    plan = _plan(100, schedule="train.schedule=cosine")
+    plan.fix(Costs(step_s=0.5, eval_s=2.0, save_s=1.0, start_s=0.5), elapsed_s=10)
+    assert plan.correct_at is None
+
+
 def test_a_budget_too_short_still_plans_one_step():
     plan = _plan(1)
     assert plan.fix(Costs(step_s=5.0, eval_s=5.0, save_s=5.0, start_s=0.0), elapsed_s=0.5) == 1
@@ -79,7 +102,8 @@ def test_auto_fills_the_budget_ends_the_schedule_and_resumes_exactly(tmp_path, c
     assert isinstance(steps, int) and steps > 20
     records = _records(auto)
     [plan] = [r for r in records if r.get("event") == "time_plan"]
-    assert plan["max_steps"] == steps and plan["step_s"] > 0
+    corrected = [r for r in records if r.get("event") == "time_replan"]
+    assert (corrected or [plan])[-1]["max_steps"] == steps and plan["step_s"] > 0 and len(corrected) <= 2
     last = [r for r in records if "loss" in r][-1]
     assert last["step"] == steps
     assert last["lr"] == pytest.approx(1e-2 * 0.1)  # the schedule's final value, train.lr x min_lr_ratio

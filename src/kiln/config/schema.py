@@ -182,9 +182,10 @@ class TrainConfig:
     max_steps: int | Literal["auto"] = 1050
     """Optimizer steps to train for (the default run takes about five minutes on 2 CPU cores), or
     "auto" with train.time_budget: as many as fit the budget, measured at the start of the run
-    (a few timed steps, an evaluation and a checkpoint), so that the schedule ends, and the run
-    evaluates and saves, when the budget does. The planned steps are recorded in the run's
-    config.toml and kept on resume."""
+    (a few timed steps, an evaluation and a checkpoint) and corrected at 1/2 and 3/4 of the run
+    with the pace kept (wsd and constant schedules, whose rate so far does not depend on it), so
+    that the schedule ends, and the run evaluates and saves, when the budget does. The planned
+    steps are recorded in the run's config.toml and kept on resume."""
     micro_batch_size: int | Literal["auto"] = 32
     """Sequences per forward/backward pass on each rank, or "auto": before training, find the
     largest that fits in device memory by probing real steps (accumulation then makes up the

@@ -7,6 +7,13 @@ growth and the caches) and one evaluation, then puts the run back exactly as it 
 is then the most whose training, evaluations and checkpoints, the final ones included, end
 inside the budget. It is part of the run's state: a resumed run keeps the steps it planned, so
 its learning-rate schedule is the one it started with.
+
+Step times drift over a run (on a shared or throttled machine by a tenth or more), so the process
+that planned corrects the plan with the pace it actually kept, halfway and again halfway through
+the rest (CORRECTIONS times): where the schedule's
+rate up to then does not depend on the number of steps (constant, or warmup-stable-decay before
+its decay, which the correction never moves behind the current step), the corrected run trains
+exactly as a run given the corrected steps as a number.
 """
 
 from __future__ import annotations
@@ -23,6 +30,8 @@ WARMUP_STEPS = 2
 # slower than measured may go this far past it to end its schedule, and is stopped there.
 MARGIN = 0.04
 OVERRUN = 0.05
+# Corrections of the plan with the pace kept (see above): at 1/2 and 3/4 of the run.
+CORRECTIONS = 2
 
 
 @dataclasses.dataclass
@@ -44,6 +53,9 @@ class TimePlan:
         self.costs: Costs | None = None
         self.budget_s = parse_duration(t.time_budget) if t.time_budget else math.inf
         self.eval_every, self.save_every = cfg.eval.every, cfg.checkpoint.every
+        self.schedule, self.decay_fraction = t.schedule, t.decay_fraction
+        self.correct_at: int | None = None  # the step of the next correction (set by fix)
+        self.corrections_left = 0
 
     @property
     def needs_probe(self) -> bool:
@@ -90,7 +102,30 @@ class TimePlan:
             mid = (low + high) // 2
             low, high = (mid, high) if self.cost_s(mid, costs) <= seconds else (low, mid)
         self.max_steps, self.costs = low, costs
+        if self.schedule in ("constant", "wsd") and low >= 8:
+            self.correct_at, self.corrections_left = low // 2, CORRECTIONS
         return low
+
+    def correct(self, step: int, step_s: float, elapsed_s: float) -> int:
+        """The steps that fill the budget at the pace kept so far (``step_s`` a step), ``step``
+        steps and ``elapsed_s`` seconds into the run; never so few that a decay would have had
+        to start before ``step``."""
+        costs = dataclasses.replace(self.costs, step_s=step_s)
+        seconds = self.budget_s * (1 - MARGIN) - elapsed_s + self.cost_s(step, costs)
+        steps = step + 1
+        while self.cost_s(steps * 2, costs) <= seconds:
+            steps *= 2
+        high = steps * 2
+        while high - steps > 1:
+            mid = (steps + high) // 2
+            steps, high = (mid, high) if self.cost_s(mid, costs) <= seconds else (steps, mid)
+        if self.schedule == "wsd":
+            while steps - max(1, round(self.decay_fraction * steps)) < step:
+                steps += 1
+        self.corrections_left -= 1
+        later = step + (steps - step) // 2
+        self.max_steps, self.correct_at = steps, later if self.corrections_left and later > step else None
+        return steps
 
     def describe(self) -> str:
         c = self.costs

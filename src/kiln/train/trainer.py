@@ -195,7 +195,7 @@ class Trainer:
         with logger, StopRequest() as stop:
             if self.ladder.probe_needed:
                 self.ladder.find_micro_batch(self.batches, self.step, logger)
-            if self.time_plan.needs_probe:
+            if self.time_plan.needs_probe:  # only the process that plans corrects its plan later
                 self._plan_steps(logger, clock)
             self._set_max_steps(self.time_plan.max_steps, logger)
             cfg, t = self.cfg, self.cfg.train
@@ -205,6 +205,7 @@ class Trainer:
                 return result
             batches = self.batches.loader(self.step)
             self.meter.start_clock()
+            loop_started = (self.step, clock.elapsed())
             while self.step < t.max_steps:
                 clock.step_started()
                 self.profiler.step_begins(self.step + 1)
@@ -221,7 +222,9 @@ class Trainer:
                 self.meter.end_step(loss, grad_norm, batch)
                 logger.step_done(self.step)
                 self.profiler.step_ends(self.step)
-
+                if self.step == self.time_plan.correct_at:
+                    self._correct_plan(logger, clock, loop_started)
+                    t = self.cfg.train
                 # The run ends at max_steps, or early when the next step would overrun the time
                 # budget; either way it ends with an evaluation and a checkpoint. Ranks decide
                 # together, or one would wait forever in a collective the others skipped.
@@ -299,6 +302,29 @@ class Trainer:
         self.time_plan.fix(costs, clock.elapsed())
         logger.event(
             self.step, "time_plan", self.time_plan.describe(), max_steps=self.time_plan.max_steps, **vars(costs)
+        )
+
+    def _correct_plan(self, logger, clock: Budget, loop_started: tuple[int, float]) -> None:
+        """Plan again with the pace this run has kept so far (see TimePlan: at 1/2 and 3/4 of the run)."""
+        plan, cfg = self.time_plan, self.cfg
+        first_step, first_s = loop_started
+        done = self.step - first_step
+        evals = done // cfg.eval.every if cfg.eval.every else 0
+        saves = done // cfg.checkpoint.every if cfg.checkpoint.every else 0
+        spent = clock.elapsed() - first_s - evals * plan.costs.eval_s - saves * plan.costs.save_s
+        # The slowest rank's pace and clock, so that every rank plans the same steps.
+        step_s, elapsed = self.world.largest(max(spent, 0.0) / done, clock.elapsed())
+        before = plan.max_steps
+        steps = plan.correct(self.step, step_s, elapsed)
+        self._set_max_steps(steps, logger)
+        write_run_files(self.run_dir, self.cfg, self.world, self.model)
+        logger.event(
+            self.step,
+            "time_replan",
+            f"corrected the plan at step {self.step}: {before} -> {steps} steps "
+            f"(a step took {step_s:.3g}s, {plan.costs.step_s:.3g}s in the probe)",
+            max_steps=steps,
+            step_s=step_s,
         )
 
     def _warm_seconds(self, work: Callable[[], Any]) -> float:
