@@ -451,3 +451,14 @@ def test_text_with_a_tokenizer_of_ones_own_is_refused_for_a_model_with_its_own(t
     sets = ft_sets(tmp_path / "run", corpus_dir, hf_llama, data__tokenizer=hf_llama / "tokenizer.json")
     assert main(["train", *as_args(sets)]) == 2
     assert "data.tokenizer" in capsys.readouterr().err and not (tmp_path / "run").exists()
+
+
+@pytest.mark.slow
+def test_compile_matches_eager_for_a_hugging_face_model(tmp_path, corpus_dir, hf_llama):
+    runs = {}
+    for name, compile_ in (("eager", "false"), ("compiled", "true")):
+        runs[name] = tmp_path / name
+        sets = ft_sets(runs[name], corpus_dir, hf_llama, train__max_steps=4, train__compile=compile_, eval__every=0)
+        assert main(["train", *as_args(sets)]) == 0
+    eager, compiled = losses(runs["eager"]), losses(runs["compiled"])
+    assert compiled.keys() == eager.keys() and all(compiled[s] == pytest.approx(eager[s], rel=1e-5) for s in eager)
