@@ -29,13 +29,13 @@ from kiln.export.check import (
     Logits,
     latency_per_token,
     logit_difference,
-    max_sequence_length,
     task_metric,
     validation_inputs,
 )
 from kiln.export.hf import write_hf
 from kiln.export.weights import write_safetensors
 from kiln.io import write_atomic
+from kiln.models.family import context_length
 from kiln.train.apply import merge_lora
 from kiln.train.run import LoadedRun, load_run
 
@@ -105,7 +105,7 @@ def _write(run: LoadedRun, fmt: str, quantize: str | None, inputs: Inputs, out: 
         return _checks(model, write_hf(run, out), batches, inputs)
     if fmt == "safetensors":
         return _checks(model, write_safetensors(run, out), batches, inputs)
-    max_len = max_sequence_length(model) or 4096
+    max_len = context_length(model) or 4096
     plain = merge_lora(model)  # adapters folded in: the exporters see the family's own layers
     if fmt == "pt2":
         from kiln.export.pt2 import PROGRAM, quantize_int8, write_pt2

@@ -41,13 +41,6 @@ class AsLogits(nn.Module):
         return self.model(input_ids)
 
 
-def max_sequence_length(model: nn.Module) -> int | None:
-    """The most positions the model takes: kiln GPT's max_seq_len, a Hugging Face config's
-    max_position_embeddings; None if it does not say."""
-    config = getattr(getattr(model, "hf", model), "config", None)
-    return getattr(config, "max_seq_len", None) or getattr(config, "max_position_embeddings", None)
-
-
 @dataclasses.dataclass
 class Inputs:
     """Validation inputs of a run: ``rows`` of token ids (each [1, T]: records are unpadded so that

@@ -22,7 +22,8 @@ import numpy as np
 import torch
 from torch import nn
 
-from kiln.export.check import AsLogits, ExportError, max_sequence_length
+from kiln.export.check import AsLogits, ExportError
+from kiln.models.family import context_length
 
 INPUT, OUTPUT = "input_ids", "logits"
 # Above this many bytes of weights, they go to one ``<name>.data`` file beside the graph: protobuf
@@ -68,7 +69,7 @@ def export_onnx(model: nn.Module, example_ids: torch.Tensor, path: str | os.Path
 
     path = Path(path)
     wrapper = AsLogits(model)
-    limit = max_sequence_length(model)
+    limit = context_length(model)
     # Example sizes of 1 would be specialized by torch.export (a size-1 dimension broadcasts),
     # so the traced example has at least two rows and two positions.
     example = example_ids.to(torch.long).repeat(2, 2)[: max(2, example_ids.size(0)), : max(2, example_ids.size(1))]

@@ -303,6 +303,13 @@ def materialize(model: nn.Module, device: torch.device | str, seed: int) -> nn.M
     return model
 
 
+def context_length(model: nn.Module) -> int | None:
+    """The most positions a model attends to: kiln's GPT's max_seq_len, a Hugging Face model's
+    max_position_embeddings (inside kiln's wrapper); None if the model does not say."""
+    config = getattr(getattr(model, "hf", model), "config", None)
+    return getattr(config, "max_seq_len", None) or getattr(config, "max_position_embeddings", None)
+
+
 def build_model(family: ModelFamily, args: Any, device: torch.device | str, seed: int) -> nn.Module:
     """The family's model for ``args``, built on ``meta`` and materialised on ``device`` from ``seed``."""
     with torch.device("meta"):

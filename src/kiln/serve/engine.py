@@ -16,9 +16,9 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 
 import torch
-from torch import nn
 
 from kiln.data.tokenizer import eot_id
+from kiln.models.family import context_length
 from kiln.train.run import LoadedRun
 
 log = logging.getLogger("kiln.serve")
@@ -63,15 +63,6 @@ class Codec:
     def decode(self, ids: list[int]) -> str:
         with self._lock:
             return self.tokenizer.decode(ids, skip_special_tokens=True) if self.hf else self.tokenizer.decode(ids)
-
-
-def context_length(model: nn.Module) -> int | None:
-    """The most tokens the model attends to: kiln's GPT's max_seq_len, a Hugging Face model's
-    max_position_embeddings; None if the model does not say."""
-    limit = getattr(getattr(model, "config", None), "max_seq_len", None)
-    if limit is None and hasattr(model, "hf"):
-        limit = getattr(model.hf.config, "max_position_embeddings", None)
-    return limit
 
 
 class TextStream:
