@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import random
 import sysconfig
+from collections import Counter
 from pathlib import Path
 
 import torch
@@ -53,10 +54,19 @@ def bpe_tokenizer(directory: Path, vocab_size: int = 300, chat_template: str | N
 
 def wordpiece_tokenizer(directory: Path, vocab_size: int = 400):
     specials = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"]
-    tok = Tokenizer(models.WordPiece(unk_token="[UNK]"))
-    tok.pre_tokenizer = pre_tokenizers.BertPreTokenizer()
+    # The vocabulary is counted here rather than by tokenizers' WordPieceTrainer, whose choice
+    # among equally frequent words changes from run to run (and a classifier's accuracy with it).
+    pre = pre_tokenizers.BertPreTokenizer()
+    # The texts of the classification tests are in it too, as a pretrained tokenizer's words would be.
+    texts = [*_texts(), *(r["text"] for r in learnable_classes())]
+    words = Counter(w for text in texts for w, _ in pre.pre_tokenize_str(text))
+    chars = sorted({c for w in words for c in w})
+    vocab = [*specials, *chars, *(f"##{c}" for c in chars)]
+    frequent = sorted((w for w in words if len(w) > 1), key=lambda w: (-words[w], w))
+    vocab += frequent[: max(0, vocab_size - len(vocab))]
+    tok = Tokenizer(models.WordPiece({token: i for i, token in enumerate(vocab)}, unk_token="[UNK]"))
+    tok.pre_tokenizer = pre
     tok.decoder = decoders.WordPiece()
-    tok.train_from_iterator(_texts(), trainers.WordPieceTrainer(vocab_size=vocab_size, special_tokens=specials))
     cls, sep = tok.token_to_id("[CLS]"), tok.token_to_id("[SEP]")
     tok.post_processor = processors.BertProcessing(("[SEP]", sep), ("[CLS]", cls))
     fast = BertTokenizerFast(tokenizer_object=tok)
