@@ -94,13 +94,7 @@ class TimePlan:
     def fix(self, costs: Costs, elapsed_s: float) -> int:
         """Fix max_steps from the probe's ``costs`` with ``elapsed_s`` of the budget spent: the
         most steps whose cost ends inside it (at least one)."""
-        seconds = self.budget_s * (1 - MARGIN) - elapsed_s
-        low, high = 1, 1
-        while self.cost_s(high, costs) <= seconds:
-            low, high = high, high * 2
-        while high - low > 1:  # cost_s(low) fits (or low is 1), cost_s(high) does not
-            mid = (low + high) // 2
-            low, high = (mid, high) if self.cost_s(mid, costs) <= seconds else (low, mid)
+        low = self._most_steps(self.budget_s * (1 - MARGIN) - elapsed_s, costs, least=1)
         self.max_steps, self.costs = low, costs
         if self.schedule in ("constant", "wsd") and low >= 8:
             self.correct_at, self.corrections_left = low // 2, CORRECTIONS
@@ -112,13 +106,7 @@ class TimePlan:
         to start before ``step``."""
         costs = dataclasses.replace(self.costs, step_s=step_s)
         seconds = self.budget_s * (1 - MARGIN) - elapsed_s + self.cost_s(step, costs)
-        steps = step + 1
-        while self.cost_s(steps * 2, costs) <= seconds:
-            steps *= 2
-        high = steps * 2
-        while high - steps > 1:
-            mid = (steps + high) // 2
-            steps, high = (mid, high) if self.cost_s(mid, costs) <= seconds else (steps, mid)
+        steps = self._most_steps(seconds, costs, least=step + 1)
         if self.schedule == "wsd":
             while steps - max(1, round(self.decay_fraction * steps)) < step:
                 steps += 1
@@ -126,6 +114,16 @@ class TimePlan:
         later = step + (steps - step) // 2
         self.max_steps, self.correct_at = steps, later if self.corrections_left and later > step else None
         return steps
+
+    def _most_steps(self, seconds: float, costs: Costs, least: int) -> int:
+        """The most steps whose cost from the first fits in ``seconds`` (at least ``least``)."""
+        low, high = least, least
+        while self.cost_s(high, costs) <= seconds:
+            low, high = high, high * 2
+        while high - low > 1:  # cost_s(low) fits (or low is least), cost_s(high) does not
+            mid = (low + high) // 2
+            low, high = (mid, high) if self.cost_s(mid, costs) <= seconds else (low, mid)
+        return low
 
     def describe(self) -> str:
         c = self.costs
