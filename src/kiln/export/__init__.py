@@ -129,10 +129,8 @@ def _write(run: LoadedRun, fmt: str, quantize: str | None, inputs: Inputs, out: 
         if quantize == "int8":
             quantize_onnx_dynamic(fp32, out / "model.onnx")
         else:  # calibrated on validation rows other than those the metric is measured on
-            half = len(inputs.rows) // 2
-            quantize_onnx_static(fp32, out / "model.onnx", [ids.numpy() for ids in inputs.rows[half:]])
-            inputs.rows = inputs.rows[:half]
-            inputs.labels = inputs.labels[:half] if inputs.labels else None
+            inputs, calibration = inputs.halves()
+            quantize_onnx_static(fp32, out / "model.onnx", [ids.numpy() for ids in calibration])
         floats = {"onnx": OnnxModel(fp32).logits}
         checks = _checks(model, {"onnx": OnnxModel(out / "model.onnx").logits}, batches, inputs, floats)
         return _sizes(checks, fp32, out / "model.onnx")

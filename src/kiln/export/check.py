@@ -51,6 +51,17 @@ class Inputs:
     source: str
     seq_len: int
 
+    def halves(self) -> tuple[Inputs, list[torch.Tensor]]:
+        """The first half of the rows, to measure on, and the other half, to calibrate with."""
+        half = len(self.rows) // 2
+        measured = dataclasses.replace(
+            self,
+            rows=self.rows[:half],
+            labels=self.labels[:half] if self.labels else None,
+            source=f"{self.source}; the metric on {half} of them, the others calibrated the int8 model",
+        )
+        return measured, self.rows[half:]
+
     def batch(self, n: int, length: int | None = None) -> torch.Tensor:
         """n rows cut to one length (the shortest of them, or ``length``), as [n, length]."""
         rows = self.rows[:n]
