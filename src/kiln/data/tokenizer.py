@@ -1,9 +1,11 @@
-"""Tokenizers: train a byte-level BPE on a corpus's train split (cached), or load a tokenizer.json."""
+"""Tokenizers: train a byte-level BPE on a corpus's train split (cached), or load a tokenizer.json; and
+Codec, text to ids and back with kiln's own tokenizer or a model's transformers one."""
 
 from __future__ import annotations
 
 import hashlib
 import json
+import threading
 from collections.abc import Iterable
 from pathlib import Path
 
@@ -108,3 +110,36 @@ def token_byte_lengths(tok: Tokenizer) -> np.ndarray:
     for i, token in added.items():
         lengths[i] = 0 if token.special else len(token.content.encode("utf-8"))
     return lengths
+
+
+class Codec:
+    """Text to token ids and back with kiln's own tokenizer (a ``tokenizers.Tokenizer``) or a
+    model's ``transformers`` one, as ``kiln generate`` and ``kiln serve`` use them. One lock
+    guards the tokenizer: a server's handlers encode while its worker decodes, and a
+    ``transformers`` tokenizer is not safe to share between threads."""
+
+    def __init__(self, tokenizer):
+        self.tokenizer = tokenizer
+        self.hf = hasattr(tokenizer, "eos_token_id")
+        self.eos_id = tokenizer.eos_token_id if self.hf else eot_id(tokenizer)
+        self.vocab_size = len(tokenizer) if self.hf else tokenizer.get_vocab_size()
+        self.has_chat_template = self.hf and getattr(tokenizer, "chat_template", None) is not None
+        self._lock = threading.Lock()
+
+    def encode(self, text: str) -> list[int]:
+        """Token ids of a prompt; an empty one starts from end-of-text."""
+        with self._lock:
+            ids = self.tokenizer(text)["input_ids"] if self.hf else self.tokenizer.encode(text).ids
+        return ids or ([] if self.eos_id is None else [self.eos_id])
+
+    def chat(self, messages: list[dict]) -> list[int]:
+        """Token ids of a conversation rendered by the tokenizer's chat template, ready for the
+        assistant's turn; tokenized as kiln's fine-tuning tokenizes it (the template writes the
+        special tokens)."""
+        with self._lock:
+            text = self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+            return self.tokenizer(text, add_special_tokens=False)["input_ids"]
+
+    def decode(self, ids: list[int]) -> str:
+        with self._lock:
+            return self.tokenizer.decode(ids, skip_special_tokens=True) if self.hf else self.tokenizer.decode(ids)

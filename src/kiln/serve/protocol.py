@@ -9,7 +9,8 @@ import time
 import uuid
 from typing import Any
 
-from kiln.serve.engine import Codec, Job
+from kiln.data.tokenizer import Codec
+from kiln.serve.engine import Job
 
 # OpenAI's default for /v1/completions; chat gets the rest of the context.
 DEFAULT_MAX_TOKENS = 16

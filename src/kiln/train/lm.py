@@ -21,7 +21,7 @@ from kiln.config import Config, ConfigError
 from kiln.data import TokenSequences, prepare, val_batches
 from kiln.data.batch import split_batch
 from kiln.data.loader import covering_batches
-from kiln.data.tokenizer import eot_id
+from kiln.data.tokenizer import Codec
 from kiln.distributed.world import init_world
 from kiln.models.family import ModelFamily, family_of
 from kiln.models.hf.loading import model_dir
@@ -51,23 +51,19 @@ def sample_text(
     """``prompt`` continued by the model, as text; None if its family cannot sample. The tokenizer
     is kiln's own (a ``tokenizers.Tokenizer``) or a model's ``transformers`` tokenizer."""
     device = device or next(model.parameters()).device
-    hf = hasattr(tokenizer, "eos_token_id")
-    eos = tokenizer.eos_token_id if hf else eot_id(tokenizer)
-    ids = (tokenizer(prompt)["input_ids"] if hf else tokenizer.encode(prompt).ids) or [eos]
+    codec = Codec(tokenizer)
     generator = torch.Generator(device=device).manual_seed(seed)
     out = family.generate(
         model,
-        torch.tensor([ids], device=device),
+        torch.tensor([codec.encode(prompt)], device=device),
         max_new_tokens,
         temperature=temperature,
         top_k=top_k,
         top_p=top_p,
-        eos_id=eos,
+        eos_id=codec.eos_id,
         generator=generator,
     )
-    if out is None:
-        return None
-    return tokenizer.decode(out[0].tolist(), skip_special_tokens=True) if hf else tokenizer.decode(out[0].tolist())
+    return None if out is None else codec.decode(out[0].tolist())
 
 
 def _with_model_tokenizer(cfg: Config):
