@@ -346,6 +346,10 @@ class CheckpointConfig:
     resume: str = "auto"
     """'auto' resumes from the newest complete checkpoint in run.dir if there is one, 'never'
     starts fresh (refusing a run.dir that already has checkpoints), or a checkpoint path."""
+    async_save: bool = False
+    """Write checkpoints in the background (torch.distributed.checkpoint's async_save): training
+    goes on once the state is copied to host memory. A checkpoint counts only once fully written,
+    so a kill during the write leaves the previous one as the newest."""
 
     def errors(self) -> list[str]:
         return _failed(
@@ -372,12 +376,73 @@ class ParallelConfig:
     """With fsdp/fsdp_grad_op on CUDA: keep sharded parameters, gradients and optimizer state in
     CPU memory, and run the optimizer there (slower; fits much larger models). Works in a single
     process too (FSDP over a group of one), e.g. to train a 7B model on one GPU."""
+    pp: int = 1
+    """Pipeline-parallel degree: the model's layers are split into this many consecutive stages,
+    one group of ranks each (the embedding goes with the first, the final norm, output layer and
+    loss with the last). The world is pp x dp x tp ranks."""
+    pp_schedule: Literal["gpipe", "1f1b", "interleaved_1f1b"] = "1f1b"
+    """How the pipeline orders its micro-batches: gpipe (all forwards, then all backwards: the
+    most activation memory), 1f1b (one forward, one backward: at most pp micro-batches in flight)
+    or interleaved_1f1b (1f1b over parallel.pp_virtual_stages stages per rank: a smaller bubble,
+    more communication)."""
+    pp_microbatches: int = 0
+    """Pipeline micro-batches each micro-batch of train.micro_batch_size sequences is cut into
+    (it must divide the micro-batch); at least as many as the pipeline's stages. 0 means as many
+    as the stages (parallel.pp x parallel.pp_virtual_stages). More of them shrink the bubble."""
+    pp_virtual_stages: int = 1
+    """Stages per pipeline rank: 2 or more with interleaved_1f1b (rank r holds stages r, r + pp,
+    ...), 1 with the other schedules."""
+    init_timeout: str = "10m"
+    """How long a collective may wait while the process group starts and the model is set up
+    (loading, first compile) before the watchdog declares the job hung (a duration: 600, 10m)."""
+    train_timeout: str = "5m"
+    """How long a collective may wait once the first step is done; shorter than init_timeout, so
+    a rank stuck in training is found quickly. The watchdog then dumps every rank's stacks into
+    RUN_DIR/hang/, names the rank that did not arrive and exits non-zero (kiln launch
+    --max-restarts restarts from the last checkpoint)."""
 
     def errors(self) -> list[str]:
-        return _failed(
+        errors = _failed(
             (self.tp >= 1, f"parallel.tp: must be >= 1, got {self.tp}"),
             (self.bucket_mb >= 1, f"parallel.bucket_mb: must be >= 1, got {self.bucket_mb}"),
+            (self.pp >= 1, f"parallel.pp: must be >= 1, got {self.pp}"),
+            (
+                self.pp_microbatches >= 0,
+                f"parallel.pp_microbatches: must be >= 0 (0: one per stage), got {self.pp_microbatches}",
+            ),
+            (self.pp_virtual_stages >= 1, f"parallel.pp_virtual_stages: must be >= 1, got {self.pp_virtual_stages}"),
+            (
+                self.pp_virtual_stages == 1 or self.pp_schedule == "interleaved_1f1b",
+                f"parallel.pp_virtual_stages: {self.pp_virtual_stages} stages per rank need "
+                "parallel.pp_schedule=interleaved_1f1b",
+            ),
+            (
+                self.pp_schedule != "interleaved_1f1b" or self.pp == 1 or self.pp_virtual_stages >= 2,
+                "parallel.pp_schedule: interleaved_1f1b needs parallel.pp_virtual_stages >= 2",
+            ),
+            (
+                self.pp_microbatches == 0 or self.pp_microbatches >= self.pp_stages,
+                f"parallel.pp_microbatches: {self.pp_microbatches} is fewer than the pipeline's "
+                f"{self.pp_stages} stages (parallel.pp x parallel.pp_virtual_stages); every stage needs one",
+            ),
         )
+        for key in ("init_timeout", "train_timeout"):
+            try:
+                if parse_duration(getattr(self, key)) <= 0:
+                    errors.append(f"parallel.{key}: must be above 0, got {getattr(self, key)!r}")
+            except ValueError as e:
+                errors.append(f"parallel.{key}: {e} (write e.g. 300, 90s or 10m)")
+        return errors
+
+    @property
+    def pp_stages(self) -> int:
+        """Stages of the whole pipeline."""
+        return self.pp * self.pp_virtual_stages
+
+    @property
+    def microbatches(self) -> int:
+        """Pipeline micro-batches per micro-batch (``pp_microbatches``, or one per stage)."""
+        return self.pp_microbatches or self.pp_stages
 
 
 @dataclass
@@ -413,10 +478,23 @@ class ObserveConfig:
     """Also log to Weights & Biases (needs the wandb package; WANDB_MODE=offline logs without a network)."""
     wandb_project: str = "kiln"
     """Weights & Biases project name."""
+    straggler_factor: float = 1.5
+    """A data-parallel run logs a straggler event when one rank's step time exceeds the median
+    rank's by this factor for observe.straggler_intervals log intervals in a row; 0 is off."""
+    straggler_intervals: int = 3
+    """Log intervals in a row a rank must be slow before it is named a straggler."""
 
     def errors(self) -> list[str]:
         return _failed(
             (self.histograms_every >= 0, f"observe.histograms_every: must be >= 0, got {self.histograms_every}"),
+            (
+                self.straggler_factor == 0 or self.straggler_factor > 1,
+                f"observe.straggler_factor: must be above 1 (or 0: off), got {self.straggler_factor}",
+            ),
+            (
+                self.straggler_intervals >= 1,
+                f"observe.straggler_intervals: must be >= 1, got {self.straggler_intervals}",
+            ),
         )
 
 
