@@ -2,7 +2,8 @@
 
 Bad input (config, data, paths) exits with status 2 and one line per problem on stderr; a run
 that runs out of device memory beyond what its out-of-memory ladder can absorb exits with 3, one
-whose steps stay non-finite after the guard's rollbacks with 4.
+whose steps stay non-finite after the guard's rollbacks with 4; every rank of a job the hang
+watchdog finds stuck exits with 5 (``kiln.distributed.watchdog.HANG_EXIT``).
 """
 
 from __future__ import annotations
@@ -86,10 +87,11 @@ def _parser() -> argparse.ArgumentParser:
 
     pl = sub.add_parser(
         "plan",
-        help="estimate memory per device and time per step of a config, before running it",
-        description="Estimate the memory each device needs for a config and its time per step, "
-        "without allocating the model; if it does not fit, recommend --set changes "
-        "that do (docs/plan.md).",
+        help="estimate memory per device and time per step of a config, and the fastest layout that fits",
+        description="Estimate the memory each device needs for a config and its time per step "
+        "(compute, communication, pipeline bubble, MFU), without allocating the model; when it does "
+        "not fit, or runs on several GPUs, list the fastest setups that fit as --set changes "
+        "(docs/plan.md). The layout comes from the config: --set parallel.pp=4 --set parallel.tp=8 ...",
     )
     _add_config_args(pl)
     pl.add_argument(
@@ -97,8 +99,30 @@ def _parser() -> argparse.ArgumentParser:
         metavar="SIZE",
         help="memory per device: 80GB, 80GiB, 24G, 512MB or bytes (default: this machine's GPU, else its RAM)",
     )
-    pl.add_argument("--world-size", type=int, default=1, metavar="N", help="number of devices (default 1)")
     pl.add_argument("--gpu", metavar="NAME", help="plan for this GPU, e.g. h100, a100 (default: this machine's GPU)")
+    pl.add_argument(
+        "--world-size", type=int, metavar="N", help="GPUs (processes) in all (default: nodes x GPUs per node, or 1)"
+    )
+    pl.add_argument("--nodes", type=int, metavar="N", help="nodes (default: as many as the world size fills)")
+    pl.add_argument(
+        "--gpus-per-node", type=int, metavar="N", help="GPUs per node, joined by NVLink (default 8; one node if fewer)"
+    )
+    pl.add_argument(
+        "--bandwidth",
+        action="append",
+        metavar="LINK=GB/s,...",
+        help="effective bandwidth per GPU and direction, in GB/s, of nvlink (inside a node), network (between "
+        "nodes) or pcie (host copies), e.g. nvlink=360,network=40 (default: 80%% of the GPU's NVLink, of "
+        "a 400 Gb/s NIC per GPU; pcie 25)",
+    )
+    pl.add_argument(
+        "--compute-efficiency",
+        type=float,
+        metavar="F",
+        help="fraction of the dense bf16 peak the kernels reach while nothing waits for communication "
+        "(default 0.40; 0.60 on A100)",
+    )
+    pl.add_argument("--top", type=int, default=3, metavar="N", help="how many setups to list (default 3)")
     pl.add_argument("--json", action="store_true", help="print one JSON object (bytes, seconds) instead of the table")
 
     pf = sub.add_parser(
@@ -290,7 +314,17 @@ def cmd_presets(args) -> int:
 def cmd_plan(args) -> int:
     from kiln.plan import format_plan, make_plan, plan_json
 
-    plan = make_plan(_load(args), world_size=args.world_size, device_memory=args.device_memory, gpu=args.gpu)
+    plan = make_plan(
+        _load(args),
+        world_size=args.world_size,
+        nodes=args.nodes,
+        gpus_per_node=args.gpus_per_node,
+        device_memory=args.device_memory,
+        gpu=args.gpu,
+        bandwidth=args.bandwidth,
+        compute_efficiency=args.compute_efficiency,
+        top=args.top,
+    )
     print(json.dumps(plan_json(plan), indent=2) if args.json else format_plan(plan))
     return 0
 

@@ -60,7 +60,7 @@ def _weights(run_dir: Path) -> dict[str, torch.Tensor]:
     return load_run(run_dir, device="cpu").model.state_dict()
 
 
-def _assert_same_training(run_dir: Path, ref_dir: Path, steps=None) -> None:
+def _assert_same_training(run_dir: Path, ref_dir: Path, steps=None, atol: float = 1e-4) -> None:
     got, want = _losses(run_dir), _losses(ref_dir)
     for step in steps or range(1, STEPS + 1):
         assert got[step] == pytest.approx(want[step], rel=1e-5), f"loss at step {step}"
@@ -69,7 +69,7 @@ def _assert_same_training(run_dir: Path, ref_dir: Path, steps=None) -> None:
     # moves a weight by up to lr = 1e-2; a real fault (a missing reduction, a wrong shard) shows
     # at that scale, 100x above this tolerance.
     for (name, a), b in zip(_weights(run_dir).items(), _weights(ref_dir).values(), strict=True):
-        torch.testing.assert_close(a, b, rtol=0, atol=1e-4, msg=name)
+        torch.testing.assert_close(a, b, rtol=0, atol=atol, msg=name)
 
 
 @pytest.fixture(scope="module")
@@ -230,6 +230,22 @@ def _workers(launcher_pid: int) -> list[int]:
     return [int(line.split()[0]) for line in out.splitlines() if "kiln" in line and " train" in line]
 
 
+def _started(cmd: list[str], run_dir: Path, steps: int) -> tuple[subprocess.Popen, list[int]]:
+    """``cmd`` (a ``kiln launch`` of 2 workers) started and left to log 25 of its ``steps``
+    steps; the launcher and its workers."""
+    launcher = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.time() + 120
+    done: dict[int, float] = {}
+    while time.time() < deadline:
+        done = _losses(run_dir) if (run_dir / "metrics.jsonl").exists() else {}
+        if max(done, default=0) >= 25:
+            break
+        time.sleep(0.05)
+    workers = _workers(launcher.pid)
+    assert len(workers) == 2 and max(done, default=0) < steps, "the run ended before a worker could be killed"
+    return launcher, workers
+
+
 def test_elastic_restart_after_a_worker_is_killed(tmp_path, corpus_dir):
     steps = 300
     extra = dict(train__max_steps=steps, checkpoint__every=10, train__log_every=1)
@@ -263,15 +279,7 @@ def test_elastic_restart_after_a_worker_is_killed(tmp_path, corpus_dir):
         "train",
         *sets(run_dir),
     ]
-    launcher = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    deadline = time.time() + 120
-    while time.time() < deadline:
-        done = _losses(run_dir) if (run_dir / "metrics.jsonl").exists() else {}
-        if max(done, default=0) >= 25:
-            break
-        time.sleep(0.05)
-    workers = _workers(launcher.pid)
-    assert len(workers) == 2 and max(done) < steps, "the run ended before a worker could be killed"
+    launcher, workers = _started(cmd, run_dir, steps)
     os.kill(workers[1], signal.SIGKILL)
     out, err = launcher.communicate(timeout=300)
     assert launcher.returncode == 0, err[-4000:]

@@ -1,23 +1,27 @@
-"""Atomic checkpoints: save, find the newest complete one, load, and RNG state capture."""
+"""Atomic checkpoints: save (also in the background), find the newest complete one, load, and RNG state capture."""
 
 from kiln.checkpoint.store import (
     CheckpointError,
     capture_rng,
+    host_stager,
     latest_checkpoint,
     list_checkpoints,
     load_checkpoint,
     load_sharded,
     restore_rng,
     save_checkpoint,
+    save_checkpoint_async,
 )
 
 __all__ = [
     "CheckpointError",
     "capture_rng",
+    "host_stager",
     "list_checkpoints",
     "latest_checkpoint",
     "load_checkpoint",
     "load_sharded",
     "restore_rng",
     "save_checkpoint",
+    "save_checkpoint_async",
 ]

@@ -16,6 +16,10 @@ The directory is built under a temporary name, every file and the directory are 
 only then is it renamed to ``step-XXXXXXXX``: rename is atomic on POSIX file systems. With
 several ranks, the main rank creates, finishes and renames it, and barriers keep the others in
 step (the run directory must be on storage every rank sees).
+
+``save_checkpoint_async`` does the same in a background thread, from a copy of the state in host
+memory; its temporary directory becomes a checkpoint only when every rank's part is written, so
+a process killed meanwhile leaves the previous checkpoint the newest.
 """
 
 from __future__ import annotations
@@ -25,6 +29,8 @@ import json
 import os
 import random
 import shutil
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -87,19 +93,97 @@ def save_checkpoint(
     *,
     sharded_state: dict[str, Any] | None = None,
     world=None,
+    before_write: Callable[[], None] | None = None,
 ) -> Path:
     """Write checkpoint ``step`` under ``root`` atomically; then keep only the newest ``keep``.
 
     Either ``model_state`` (complete weights, written as safetensors by the main rank) or
     ``sharded_state`` (this rank's shards of whatever it holds, written by every rank with DCP).
-    With a ``world`` of several ranks every rank must call this."""
-    from safetensors.torch import save_file
+    With a ``world`` of several ranks every rank must call this. ``before_write`` runs before the
+    main rank writes its files (a test's slow disk)."""
+    tmp, final = _begin(root, step, world)
+    if sharded_state is not None:
+        import torch.distributed.checkpoint as dcp
 
+        dcp.save(sharded_state, checkpoint_id=str(tmp / SHARDED_DIR))
+    if world is not None:
+        world.barrier()
+    if world is None or world.is_main:
+        _commit(tmp, final, model_state, train_state, keep, before_write)
+    if world is not None:
+        world.barrier()
+    return final
+
+
+def host_stager(device: torch.device):
+    """Host memory for ``save_checkpoint_async`` to copy a state into. Kept from save to save it
+    reuses its buffers, so only the first save allocates them (pinned when the state is on a GPU,
+    for fast copies); ``close()`` frees them. Copies are made by storage, so tied weights stay one
+    tensor, as in the synchronous save."""
+    from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
+
+    return DefaultStager(
+        StagingOptions(
+            use_pinned_memory=device.type == "cuda",
+            use_shared_memory=False,
+            use_async_staging=False,
+            use_non_blocking_copy=False,
+        )
+    )
+
+
+def save_checkpoint_async(
+    root: str | os.PathLike,
+    step: int,
+    model_state: dict[str, torch.Tensor] | None,
+    train_state: dict[str, Any],
+    keep: int | None = None,
+    *,
+    stager,
+    sharded_state: dict[str, Any] | None = None,
+    world=None,
+    group=None,
+    before_write: Callable[[], None] | None = None,
+) -> tuple[Path, Future[None]]:
+    """``save_checkpoint`` in a background thread: the caller only waits while the state is
+    copied into ``stager`` (a ``host_stager``), so training may change it meanwhile; the next
+    save given the same stager must wait for this one. Returns the checkpoint's path and the
+    future of this rank's part of the write, which raises what the write raised.
+
+    The checkpoint is complete (``latest_checkpoint`` finds it) once the main rank's future is
+    done: its write commits only after DCP has gathered every rank's result. A sharded write
+    coordinates over ``group``, a process group of its own (gloo): on one the training thread
+    uses, its collectives would pair up with training's in another order on each rank."""
+    tmp, final = _begin(root, step, world)
     is_main = world is None or world.is_main
+    staged = stager.stage({"model": model_state, "train": train_state}) if is_main else None
+    shards = None
+    if sharded_state is not None:
+        import torch.distributed.checkpoint as dcp
+
+        shards = dcp.async_save(
+            sharded_state, checkpoint_id=str(tmp / SHARDED_DIR), process_group=group, async_stager=stager
+        )
+
+    def write() -> None:
+        if shards is not None:
+            shards.result()
+        if is_main:
+            _commit(tmp, final, staged["model"], staged["train"], keep, before_write)
+
+    writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kiln-checkpoint")
+    # Its thread is joined at interpreter exit, so a process that ends while writing finishes first.
+    future = writer.submit(write)
+    writer.shutdown(wait=False)
+    return final, future
+
+
+def _begin(root: str | os.PathLike, step: int, world) -> tuple[Path, Path]:
+    """The temporary directory of checkpoint ``step``, made by the main rank; and its final path."""
     root = Path(root)
     final = root / f"{PREFIX}{step:08d}"
     tmp = root / f".tmp-{PREFIX}{step:08d}"
-    if is_main:
+    if world is None or world.is_main:
         root.mkdir(parents=True, exist_ok=True)
         # One writer per run directory: leftovers of a writer that was killed are garbage.
         for stale in root.glob(".tmp-*"):
@@ -107,40 +191,48 @@ def save_checkpoint(
         tmp.mkdir()
     if world is not None:
         world.barrier()
-    if sharded_state is not None:
-        import torch.distributed.checkpoint as dcp
+    return tmp, final
 
-        dcp.save(sharded_state, checkpoint_id=str(tmp / SHARDED_DIR))
-    if world is not None:
-        world.barrier()
-    if is_main:
-        if model_state is not None:
-            tensors, aliases = _dedupe_shared(model_state)
-            save_file(tensors, str(tmp / MODEL_FILE), metadata={"aliases": json.dumps(aliases), "step": str(step)})
-        torch.save(train_state, tmp / STATE_FILE)
-        files = {}
-        for f in sorted(p for p in tmp.rglob("*") if p.is_file()):
-            _fsync_file(f)
-            files[str(f.relative_to(tmp))] = {"bytes": f.stat().st_size, "sha256": _sha256(f)}
-        manifest = {"step": step, "files": files, "complete": True}
-        (tmp / MANIFEST).write_text(json.dumps(manifest, indent=2))
-        _fsync_file(tmp / MANIFEST)
-        for d in [*(p for p in tmp.rglob("*") if p.is_dir()), tmp]:
-            _fsync_dir(d)
-        if final.exists():  # re-saving the same step (e.g. after a resume): replace it whole
-            old = root / f".old-{PREFIX}{step:08d}-{os.getpid()}"
-            final.rename(old)
-            tmp.rename(final)
-            shutil.rmtree(old)
-        else:
-            tmp.rename(final)
-        _fsync_dir(root)
-        if keep is not None:
-            for stale in list_checkpoints(root)[:-keep]:
-                shutil.rmtree(stale, ignore_errors=True)
-    if world is not None:
-        world.barrier()
-    return final
+
+def _commit(
+    tmp: Path,
+    final: Path,
+    model_state: dict[str, torch.Tensor] | None,
+    train_state: dict[str, Any],
+    keep: int | None,
+    before_write: Callable[[], None] | None,
+) -> None:
+    """The main rank's part: its files, then the manifest, the rename that makes the checkpoint
+    complete, and the rotation (which never deletes the newest, the one just completed)."""
+    from safetensors.torch import save_file
+
+    root, step = final.parent, int(final.name[len(PREFIX) :])
+    if before_write is not None:
+        before_write()
+    if model_state is not None:
+        tensors, aliases = _dedupe_shared(model_state)
+        save_file(tensors, str(tmp / MODEL_FILE), metadata={"aliases": json.dumps(aliases), "step": str(step)})
+    torch.save(train_state, tmp / STATE_FILE)
+    files = {}
+    for f in sorted(p for p in tmp.rglob("*") if p.is_file()):
+        _fsync_file(f)
+        files[str(f.relative_to(tmp))] = {"bytes": f.stat().st_size, "sha256": _sha256(f)}
+    manifest = {"step": step, "files": files, "complete": True}
+    (tmp / MANIFEST).write_text(json.dumps(manifest, indent=2))
+    _fsync_file(tmp / MANIFEST)
+    for d in [*(p for p in tmp.rglob("*") if p.is_dir()), tmp]:
+        _fsync_dir(d)
+    if final.exists():  # re-saving the same step (e.g. after a resume): replace it whole
+        old = root / f".old-{PREFIX}{step:08d}-{os.getpid()}"
+        final.rename(old)
+        tmp.rename(final)
+        shutil.rmtree(old)
+    else:
+        tmp.rename(final)
+    _fsync_dir(root)
+    if keep is not None:
+        for stale in list_checkpoints(root)[:-keep]:
+            shutil.rmtree(stale, ignore_errors=True)
 
 
 def _is_complete(path: Path, verify_digests: bool = False) -> bool:

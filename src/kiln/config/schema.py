@@ -65,7 +65,8 @@ class ModelConfig:
     """With model.source: start from its pretrained weights, or from random ones (its
     architecture only, e.g. to compare with training from scratch)."""
     preset: str = "tiny"
-    """Model preset of the gpt family: tiny, small, gpt2-124m, 350m, 1b or 7b (see `kiln presets`)."""
+    """Model preset of the gpt family: tiny, small, gpt2-124m, 350m, 1b, 7b, or llama3-8b, llama3-70b,
+    llama3-405b (shaped like Llama 3: set data.vocab_size=128256); see `kiln presets`."""
     n_layer: int = 0
     """Number of Transformer blocks; 0 keeps the preset's."""
     d_model: int = 0
@@ -394,7 +395,8 @@ class ParallelConfig:
     ...), 1 with the other schedules."""
     init_timeout: str = "10m"
     """How long a collective may wait while the process group starts and the model is set up
-    (loading, first compile) before the watchdog declares the job hung (a duration: 600, 10m)."""
+    (loading, first compile), and during evaluations and checkpoint saves, before the watchdog
+    declares the job hung (a duration: 600, 10m)."""
     train_timeout: str = "5m"
     """How long a collective may wait once the first step is done; shorter than init_timeout, so
     a rank stuck in training is found quickly. The watchdog then dumps every rank's stacks into
@@ -527,12 +529,21 @@ class LoraConfig:
     target_modules: str = ""
     """Comma-separated module names to adapt (e.g. q_proj,v_proj); empty uses the model family's
     default (the attention and MLP projections of Llama-class models, query/key/value of BERT)."""
+    quantize_base: Literal["none", "nf4"] = "none"
+    """QLoRA: nf4 stores the frozen weight of every adapted linear layer in 4 bits (NormalFloat4
+    with double-quantized block scales, torchao's NF4Tensor: about 0.52 bytes a weight instead of
+    4 in fp32; needs torchao), dequantized on the fly in each forward; the adapters train in the
+    run's precision. Needs lora.rank, and one process or parallel.strategy=ddp."""
 
     def errors(self) -> list[str]:
         return _failed(
             (self.rank >= 0, f"lora.rank: must be >= 0 (0 is off), got {self.rank}"),
             (self.alpha > 0, f"lora.alpha: must be > 0, got {self.alpha}"),
             (0 <= self.dropout < 1, f"lora.dropout: must be in [0, 1), got {self.dropout}"),
+            (
+                self.quantize_base == "none" or self.rank > 0,
+                f"lora.quantize_base: {self.quantize_base} quantizes the frozen base of a LoRA run; set lora.rank too",
+            ),
         )
 
 
@@ -572,11 +583,32 @@ class Config:
             self.run,
             self.lora,
         )
+        pp, micro = self.parallel.pp, self.train.micro_batch_size
         combinations = [
             (
                 not (self.lora.rank and self.parallel.tp > 1),
                 "lora.rank: LoRA adapters do not split over tensor-parallel ranks; set parallel.tp=1",
-            )
+            ),
+            (
+                self.lora.quantize_base == "none"
+                or (self.parallel.strategy == "ddp" and not self.parallel.cpu_offload and self.parallel.pp == 1),
+                "lora.quantize_base: a 4-bit base is neither sharded nor pipelined; use parallel.strategy=ddp "
+                "(every rank holds the whole base) without parallel.cpu_offload or parallel.pp",
+            ),
+            (
+                pp == 1 or micro != "auto",
+                "train.micro_batch_size: auto is not probed under pipeline parallelism (parallel.pp > 1); give a "
+                "number that parallel.pp_microbatches divides",
+            ),
+            (
+                pp == 1 or micro == "auto" or micro % self.parallel.microbatches == 0,
+                f"parallel.pp_microbatches: each micro-batch of train.micro_batch_size={micro} sequences is cut into "
+                f"{self.parallel.microbatches} pipeline micro-batches, which must divide it",
+            ),
+            (
+                pp == 1 or self.train.precision != "fp16",
+                "train.precision: fp16 loss scaling is not supported under pipeline parallelism; use bf16",
+            ),
         ]
         return [message for section in order for message in section.errors()] + [
             message for ok, message in combinations if not ok

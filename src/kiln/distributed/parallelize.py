@@ -52,7 +52,7 @@ def apply_fsdp(
     fully_shard(model, reshard_after_forward=reshard_after_forward, **kwargs)
 
 
-def apply_ddp(model: nn.Module, plan: ParallelPlan, device: torch.device, bucket_mb: int) -> nn.Module:
+def apply_ddp(model: nn.Module, plan: ParallelPlan, dp_mesh, device: torch.device, bucket_mb: int) -> nn.Module:
     import inspect
 
     from torch.nn.parallel import DistributedDataParallel
@@ -61,8 +61,14 @@ def apply_ddp(model: nn.Module, plan: ParallelPlan, device: torch.device, bucket
     # broadcast them before every forward (the keyword was renamed in PyTorch 2.13).
     renamed = "forward_sync_buffers" in inspect.signature(DistributedDataParallel).parameters
     buffer_sync = {"forward_sync_buffers" if renamed else "broadcast_buffers": not plan.derived_buffers}
+    # Frozen weights (a LoRA base) have no gradients to reduce and every rank builds them alike:
+    # DDP leaves them out, also of its first broadcast, whose copy would quantize a QLoRA base anew.
+    frozen = [name for name, p in model.named_parameters() if not p.requires_grad]
+    DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(model, frozen)
     return DistributedDataParallel(
         model,
+        # Its replicas are the data-parallel ranks (the other ranks of a pipeline hold other layers).
+        process_group=dp_mesh.get_group(),
         device_ids=[device.index] if device.type == "cuda" else None,
         bucket_cap_mb=bucket_mb,
         **buffer_sync,
@@ -88,7 +94,7 @@ def parallelize(
             )
         if pcfg.cpu_offload:
             raise ConfigError(["parallel.cpu_offload: needs parallel.strategy fsdp or fsdp_grad_op"])
-        return apply_ddp(model, plan, world.device, pcfg.bucket_mb)
+        return apply_ddp(model, plan, world.mesh["dp"], world.device, pcfg.bucket_mb)
     if pcfg.cpu_offload and world.device.type != "cuda":
         raise ConfigError(["parallel.cpu_offload: offloads from a GPU; this run is on the CPU already"])
     mesh = world.mesh if world.distributed else world.mesh_of_one()
@@ -116,31 +122,46 @@ def gradient_sync(model: nn.Module, enabled: bool) -> Iterator[None]:
             yield
 
 
-def clip_grad_norm_(params: Iterable[torch.Tensor], max_norm: float) -> torch.Tensor:
+def clip_grad_norm_(
+    params: Iterable[torch.Tensor], max_norm: float, group=None, uncounted: Iterable[torch.Tensor] = ()
+) -> torch.Tensor:
     """Clip to a global L2 norm and return the norm, for plain tensors and DTensors alike.
 
     Gradients are grouped by how they are laid out (plain, or DTensor of one mesh and placement),
     each group's norm is computed with the foreach kernels (one collective per DTensor group),
-    and the groups are combined; plain gradients are replicated, so they count once."""
-    grads = [p.grad for p in params if p.grad is not None]
-    if not grads:
+    and the groups are combined; plain gradients are replicated, so they count once. ``group``:
+    the ranks that each hold other parameters (the stages of a pipeline), whose squares add up;
+    ``uncounted``: parameters another rank of ``group`` counts (a copy of a tied weight), clipped
+    but left out of the norm."""
+    skip = {id(p) for p in uncounted}
+    params = [p for p in params if p.grad is not None]
+    if not params:
         return torch.zeros(())
     try:
         from torch.distributed.tensor import DTensor
     except ImportError:  # a build without distributed support
         DTensor = ()  # noqa: N806
-    groups: dict[object, list[torch.Tensor]] = defaultdict(list)
-    for g in grads:
-        groups[(g.device_mesh, g.placements) if isinstance(g, DTensor) else None].append(g)
-    squares = []
-    for group in groups.values():
-        norm = torch.nn.utils.get_total_norm(group, 2.0, foreach=True)
+    layouts: dict[object, list[torch.Tensor]] = defaultdict(list)
+    counted: dict[object, list[torch.Tensor]] = defaultdict(list)
+    for p in params:
+        key = (p.grad.device_mesh, p.grad.placements) if isinstance(p.grad, DTensor) else None
+        layouts[key].append(p.grad)
+        if id(p) not in skip:
+            counted[key].append(p.grad)
+    squares = [torch.zeros((), device=params[0].grad.device)]
+    for members in counted.values():
+        norm = torch.nn.utils.get_total_norm(members, 2.0, foreach=True)
         if isinstance(norm, DTensor):
             norm = norm.full_tensor()
         squares.append(norm.float().square())
-    total = torch.stack(squares).sum().sqrt()
+    total = torch.stack(squares).sum()
+    if group is not None:
+        import torch.distributed as dist
+
+        dist.all_reduce(total, group=group)
+    total = total.sqrt()
     coef = (max_norm / (total + 1e-6)).clamp(max=1.0)
-    for group in groups.values():
-        locals_ = [g.to_local() if isinstance(g, DTensor) else g for g in group]
+    for members in layouts.values():
+        locals_ = [g.to_local() if isinstance(g, DTensor) else g for g in members]
         torch._foreach_mul_(locals_, coef.to(locals_[0].device))
     return total

@@ -2,9 +2,11 @@
 
 ``kiln train`` under ``torchrun`` (or ``kiln launch``) finds RANK, WORLD_SIZE and LOCAL_RANK in
 the environment and joins the group itself: NCCL on CUDA, gloo on CPU. The world is split into
-``dp x tp`` (data-parallel x tensor-parallel) on a 2-D DeviceMesh; nothing else builds a mesh
-or asks for a rank. In a single process (no torchrun) the world is one rank and no process group
-exists, so everything here is a no-op and nothing distributed is imported.
+``pp x dp x tp`` (pipeline x data-parallel x tensor-parallel, pipeline outermost, so that a
+tensor-parallel group is the closest ranks, on one node) on a 3-D DeviceMesh; nothing else
+builds a mesh or asks for a rank. In a single process (no torchrun) the world is one rank and no process group
+exists, so everything here is a no-op and nothing distributed is imported. The world's hang watchdog
+(``kiln.distributed.watchdog``) starts with the process group and sets its timeouts.
 """
 
 from __future__ import annotations
@@ -13,13 +15,15 @@ import atexit
 import contextlib
 import os
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import torch
 
-from kiln.config import ConfigError
+from kiln.config import ConfigError, ParallelConfig, parse_duration
 from kiln.device import resolve_device
+from kiln.distributed.watchdog import Watchdog, set_collective_env
 
 
 @dataclass
@@ -28,17 +32,23 @@ class World:
     local_rank: int = 0
     size: int = 1
     tp: int = 1
+    pp: int = 1
     device: torch.device = torch.device("cpu")
-    mesh: Any = None  # DeviceMesh with dims ("dp", "tp") when size > 1
+    mesh: Any = None  # DeviceMesh with dims ("pp", "dp", "tp") when size > 1
     control_group: Any = None  # a gloo group for host-side agreement
+    watchdog: Watchdog = field(default_factory=Watchdog)  # the loop's beats go here
 
     @property
     def dp(self) -> int:
-        return self.size // self.tp
+        return self.size // (self.tp * self.pp)
 
     @property
     def dp_rank(self) -> int:
-        return self.rank // self.tp
+        return self.rank // self.tp % self.dp
+
+    @property
+    def pp_rank(self) -> int:
+        return self.rank // (self.tp * self.dp)
 
     @property
     def is_main(self) -> bool:
@@ -82,16 +92,27 @@ class World:
         dist.all_reduce(tensor, op=dist.ReduceOp.MAX, group=self.control_group)
         return tuple(tensor.tolist())
 
+    def gather(self, value: Any) -> list[Any]:
+        """Every rank's host-side ``value`` (anything picklable), in rank order (over the gloo group)."""
+        if not self.distributed:
+            return [value]
+        import torch.distributed as dist
+
+        values: list[Any] = [None] * self.size
+        dist.all_gather_object(values, value, group=self.control_group)
+        return values
+
     def dp_total(self, count: int) -> int:
         """The sum of a host-side count over the data-parallel ranks (the ranks of one tensor-
-        parallel group hold the same batch and count once), over the gloo group on the host."""
+        parallel group, and the stages of one pipeline, hold the same batch and count once), over
+        the gloo group on the host."""
         if not self.distributed:
             return count
         import torch.distributed as dist
 
         value = torch.tensor([count], dtype=torch.int64)
         dist.all_reduce(value, group=self.control_group)
-        return int(value.item()) // self.tp
+        return int(value.item()) // (self.tp * self.pp)
 
     def mesh_of_one(self) -> Any:
         """The mesh, made for a single process on first use: FSDP needs a process group even
@@ -106,7 +127,7 @@ class World:
                 dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
                 _OWN_GROUP = True
                 atexit.register(close_world)
-            self.mesh = init_device_mesh(self.device.type, (1, 1), mesh_dim_names=("dp", "tp"))
+            self.mesh = init_device_mesh(self.device.type, (1, 1, 1), mesh_dim_names=MESH_DIMS)
         return self.mesh
 
     @contextlib.contextmanager
@@ -119,6 +140,7 @@ class World:
             self.barrier()
 
 
+MESH_DIMS = ("pp", "dp", "tp")
 _WORLD: World | None = None
 _OWN_GROUP = False  # this module started the process group, so it ends it
 
@@ -127,18 +149,33 @@ def in_torchrun() -> bool:
     return "RANK" in os.environ and "WORLD_SIZE" in os.environ
 
 
-def init_world(device: str = "auto", tp: int = 1) -> World:
-    """Join the process group described by the torchrun environment (once per process)."""
+def init_world(
+    device: str = "auto", parallel: ParallelConfig | None = None, run_dir: str | Path | None = None
+) -> World:
+    """Join the process group described by the torchrun environment (once per process), laid
+    out as ``parallel`` says (its pp and tp degrees; the rest of the world is data-parallel),
+    watched by the hang watchdog with its timeouts (it starts watching with the training loop, and
+    NCCL's own dumps on a timeout go to ``run_dir``, if given)."""
     global _WORLD, _OWN_GROUP
+    parallel = parallel or ParallelConfig()
+    tp, pp = parallel.tp, parallel.pp
     if _WORLD is not None:
-        if _WORLD.tp != tp:
-            raise ConfigError([f"parallel.tp: this process already runs with tp={_WORLD.tp}, not {tp}"])
+        for key, degree in (("tp", tp), ("pp", pp)):
+            if getattr(_WORLD, key) != degree:
+                raise ConfigError(
+                    [f"parallel.{key}: this process already runs with {key}={getattr(_WORLD, key)}, not {degree}"]
+                )
         return _WORLD
     size = int(os.environ.get("WORLD_SIZE", "1")) if in_torchrun() else 1
     rank = int(os.environ.get("RANK", "0")) if in_torchrun() else 0
     local_rank = int(os.environ.get("LOCAL_RANK", "0")) if in_torchrun() else 0
-    if size % tp:
-        raise ConfigError([f"parallel.tp: {tp} does not divide the world size {size}"])
+    if size % (tp * pp):
+        raise ConfigError(
+            [
+                f"parallel: the world size {size} is not a multiple of parallel.pp x parallel.tp = {pp} x {tp}; "
+                "it must be pp x dp x tp ranks"
+            ]
+        )
     dev = resolve_device(device)
     if size == 1:
         _WORLD = World(device=dev)
@@ -151,19 +188,35 @@ def init_world(device: str = "auto", tp: int = 1) -> World:
             raise ConfigError([f"run.device: LOCAL_RANK {local_rank} has no GPU ({torch.cuda.device_count()} visible)"])
         dev = torch.device("cuda", local_rank)
         torch.cuda.set_device(dev)
+    watchdog = Watchdog(rank, size, parse_duration(parallel.init_timeout), parse_duration(parallel.train_timeout))
     if not dist.is_initialized():
-        dist.init_process_group("nccl" if dev.type == "cuda" else "gloo", rank=rank, world_size=size)
+        set_collective_env(run_dir, nccl=dev.type == "cuda")  # read when the group is made
+        backend = "nccl" if dev.type == "cuda" else "gloo"
+        dist.init_process_group(backend, rank=rank, world_size=size, timeout=watchdog.collective_timeout())
         _OWN_GROUP = True
         atexit.register(close_world)
-    mesh = init_device_mesh(dev.type, (size // tp, tp), mesh_dim_names=("dp", "tp"))
+    mesh = init_device_mesh(dev.type, (pp, size // (pp * tp), tp), mesh_dim_names=MESH_DIMS)
     control = dist.new_group(backend="gloo") if dev.type == "cuda" else None
-    _WORLD = World(rank=rank, local_rank=local_rank, size=size, tp=tp, device=dev, mesh=mesh, control_group=control)
+    watchdog.watch_groups([None, *mesh.get_all_groups(), control])  # None: the default group
+    _WORLD = World(
+        rank=rank,
+        local_rank=local_rank,
+        size=size,
+        tp=tp,
+        pp=pp,
+        device=dev,
+        mesh=mesh,
+        control_group=control,
+        watchdog=watchdog,
+    )
     return _WORLD
 
 
 def close_world() -> None:
     """Leave the process group (at exit, or explicitly when a script is done with it)."""
     global _WORLD, _OWN_GROUP
+    if _WORLD is not None:
+        _WORLD.watchdog.stop()
     _WORLD = None
     if _OWN_GROUP:
         import torch.distributed as dist

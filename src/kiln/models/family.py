@@ -47,6 +47,11 @@ class ParallelPlan:
     config keys whose values the tensor-parallel degree must divide, with those values.
     ``derived_buffers``: the model's buffers are computed from its config and equal on every rank,
     so DDP need not broadcast them before each forward.
+    ``pipeline_first`` and ``pipeline_last``: the modules (attributes of the model) that go with
+    the first pipeline stage (the embedding) and with the last (final norm, output layer); a
+    model that can be pipelined names them, and its ``forward`` runs with any of them set to
+    None: without the first it takes hidden states instead of tokens, without the last it
+    returns hidden states (given targets, the last stage returns the loss).
     """
 
     blocks: str | None = "blocks"
@@ -54,11 +59,26 @@ class ParallelPlan:
     tensor_parallel: Mapping[str, str] = field(default_factory=dict)
     tp_divisors: Mapping[str, int] = field(default_factory=dict)
     derived_buffers: bool = False
+    pipeline_first: tuple[str, ...] = ()
+    pipeline_last: tuple[str, ...] = ()
 
     def __post_init__(self):
         bad = {name: style for name, style in self.tensor_parallel.items() if style not in TP_STYLES}
         if bad:
             raise ValueError(f"tensor-parallel styles must be one of {TP_STYLES}, got {bad}")
+
+    @property
+    def pipelined(self) -> bool:
+        """Whether the model can be cut into pipeline stages: the plan names the first and last
+        stages' modules, and the repeated layers are an attribute of the model itself."""
+        return bool(self.pipeline_first or self.pipeline_last) and bool(self.blocks) and "." not in self.blocks
+
+    def pipeline_error(self, what: str) -> str:
+        """Why ``what`` (the model's name) cannot be pipelined."""
+        return (
+            f"parallel.pp: {what} cannot be split into pipeline stages: its family's parallel plan does not name "
+            "the modules of the first and last stage (kiln's GPT does); set parallel.pp=1"
+        )
 
     @classmethod
     def infer(cls, model: nn.Module) -> ParallelPlan:

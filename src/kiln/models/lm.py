@@ -5,7 +5,6 @@ from __future__ import annotations
 import math
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 
@@ -21,15 +20,16 @@ def evaluate_lm(model: nn.Module, batches, token_bytes: torch.Tensor, device: to
     """Mean loss, perplexity and bits per byte over fixed batches.
 
     Bits per byte divides the summed loss (in bits) by the UTF-8 bytes the target tokens stand
-    for, so models with different tokenizers are compared on the same scale."""
+    for, so models with different tokenizers are compared on the same scale. The model computes
+    each batch's mean loss itself, as in training (kiln's GPT without ever holding the logits of
+    the whole batch; a pipeline returns it from its last stage to every rank)."""
     nats = torch.zeros((), device=device, dtype=torch.float64)
     tokens = 0
     nbytes = torch.zeros((), device=device, dtype=torch.int64)
     token_bytes = token_bytes.to(device)
     for x, y in batches:
         x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
-        logits = model(x)
-        nats += F.cross_entropy(logits.flatten(0, 1).float(), y.flatten(), reduction="sum").double()
+        nats += model(x, targets=y).double() * y.numel()
         tokens += y.numel()
         nbytes += token_bytes[y].sum()
     loss = nats.item() / tokens

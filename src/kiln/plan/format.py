@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 from kiln.observe.memory import GIB
-from kiln.plan.estimate import ALLOCATOR_SLACK, ASSUMED_MFU, Job, MemoryEstimate, Setup, Target
+from kiln.plan.estimate import ALLOCATOR_SLACK, LINKS, RECOMPUTE_TIME, Job, MemoryEstimate, Setup, StepTime, Target
 from kiln.plan.planner import Plan
+from kiln.plan.recommend import Recommendation, sequences
 
 
 def gib(n: float) -> float:
@@ -18,6 +19,7 @@ LABELS = {
     "ddp_gradient_buckets": "DDP gradient buckets",
     "gathered_parameters": "gathered parameters (FSDP)",
     "activations": "activations",
+    "pipeline_activations": "activations of other pipeline micro-batches",
     "autocast_weight_copies": "autocast weight copies",
     "output_layer_and_loss": "output layer and loss",
     "backward_workspace": "backward workspace",
@@ -27,17 +29,33 @@ LABELS = {
 }
 
 
-def _setup_line(s: Setup, job: Job, auto_micro: bool, fits: bool) -> str:
+def _layout(s: Setup) -> str:
+    return f"pipeline {s.pp} x data-parallel {s.dp} x tensor-parallel {s.tp}"
+
+
+def _pipeline(s: Setup) -> str:
+    virtual = f", parallel.pp_virtual_stages={s.pp_virtual_stages}" if s.pp_virtual_stages > 1 else ""
+    return (
+        f"parallel.pp_schedule={s.pp_schedule}{virtual}, parallel.pp_microbatches={s.microbatches} "
+        f"({sequences(s.pipeline_micro)} each)"
+    )
+
+
+def _setup_lines(s: Setup, job: Job, auto_micro: bool, fits: bool) -> list[str]:
     micro = f"{s.micro_batch_size}"
     if auto_micro:
-        micro += " (auto: the largest that fits)" if fits else " (auto: none fits; shown at 1)"
+        micro += " (auto: the largest that fits)" if fits else " (auto: none fits; shown at the smallest)"
     accumulation = job.rank_batch(s) // s.micro_batch_size
-    return (
-        f"train.micro_batch_size={micro} x {job.seq_len:,} tokens, train.global_batch_size={job.global_batch} "
-        f"(accumulation {accumulation}), train.precision={s.precision}\n"
-        f"  train.activation_checkpointing={str(s.activation_checkpointing).lower()}, "
-        f"parallel.strategy={s.strategy}, parallel.cpu_offload={str(s.cpu_offload).lower()}"
-    )
+    lines = [
+        f"  layout: {_layout(s)} (parallel.pp={s.pp}, parallel.tp={s.tp}), parallel.strategy={s.strategy}, "
+        f"parallel.cpu_offload={str(s.cpu_offload).lower()}",
+        f"  train.micro_batch_size={micro} x {job.seq_len:,} tokens, train.global_batch_size={job.global_batch} "
+        f"(accumulation {accumulation}), train.precision={s.precision}, "
+        f"train.activation_checkpointing={str(s.activation_checkpointing).lower()}",
+    ]
+    if s.pp > 1:
+        lines.append(f"  pipeline: {_pipeline(s)}")
+    return lines
 
 
 def _overhead_label(target: Target, s: Setup) -> str:
@@ -46,7 +64,7 @@ def _overhead_label(target: Target, s: Setup) -> str:
     return "overhead (CUDA context" + (", NCCL" if s.world_size > 1 else "") + f", +{ALLOCATOR_SLACK:.0%} allocator)"
 
 
-def _row(label: str, value: str, width: int = 48) -> str:
+def _row(label: str, value: str, width: int = 52) -> str:
     return f"  {label:<{width}}{value:>14}"
 
 
@@ -58,6 +76,14 @@ def _amount(n: int, unit: tuple[str, int]) -> str:
     return f"{n / unit[1]:,.2f} {unit[0]}"
 
 
+def _devices(job: Job, world_size: int) -> str:
+    nodes = job.cluster.nodes(world_size)
+    if job.target.kind != "cuda":
+        return f"{world_size} x {job.target.name}"
+    per_node = min(world_size, job.cluster.gpus_per_node)
+    return f"{world_size} x {job.target.name} ({nodes} node{'s' * (nodes > 1)} x {per_node} GPU{'s' * (per_node > 1)})"
+
+
 def format_plan(plan: Plan) -> str:
     job, s, m, target = plan.job, plan.base, plan.memory, plan.job.target
     cfg = job.shape.memory
@@ -65,9 +91,8 @@ def format_plan(plan: Plan) -> str:
     lines = [
         f"kiln plan: model {plan.config.model.preset}, {job.shape.num_params():,} parameters "
         f"({cfg.n_layer} layers, d_model {cfg.d_model}, vocab {cfg.vocab_size:,} from data.vocab_size)",
-        f"  on {s.world_size} x {target.name} (data-parallel {s.dp} x tensor-parallel {s.tp}), "
-        f"{gib(target.memory):.2f} GiB each ({target.memory_source})",
-        "  " + _setup_line(s, job, plan.auto_micro, plan.fits),
+        f"  on {_devices(job, s.world_size)}, {gib(target.memory):.2f} GiB each ({target.memory_source})",
+        *_setup_lines(s, job, plan.auto_micro, plan.fits),
         "",
         f"memory per device at its peak ({m.peak_phase}):",
     ]
@@ -85,62 +110,137 @@ def format_plan(plan: Plan) -> str:
     if m.host:
         lines.append(_row("host memory per rank (CPU offload)", _amount(m.host, unit)))
     lines += ["", *_time_lines(plan)]
-    if not plan.fits:
+    if plan.searched:
         lines += ["", *_recommendation_lines(plan)]
+    if target.peak_flops is not None:
+        lines += ["", *_assumption_lines(plan)]
     lines += [f"note: {n}" for n in plan.notes]
     return "\n".join(lines)
 
 
+def _seconds(x: float) -> str:
+    return f"{x:.3g} s"
+
+
 def _time_lines(plan: Plan) -> list[str]:
-    job, s = plan.job, plan.base
+    job, s, t = plan.job, plan.base, plan.time
     tokens = job.global_batch * job.seq_len
     lines = [
-        f"compute per step: {tokens:,} tokens x {job.shape.flops_per_token(job.seq_len):.3g} FLOPs "
-        f"per token (the model family's count) = {job.flops_per_step:.3g} FLOPs"
+        f"compute per step: {tokens:,} tokens x {job.flops_per_token:.3g} FLOPs per token "
+        f"(the model family's count) = {job.flops_per_step:.3g} FLOPs"
     ]
     bound = job.seconds_at_peak(s.world_size)
     if bound is None:
         lines.append("  no time estimate: the device's peak FLOP/s is unknown (name a GPU with --gpu)")
         return lines
-    peak = job.target.peak_flops
-    lines.append(
+    c, peak, width = job.cluster, job.target.peak_flops, 70
+    recompute = f", x{RECOMPUTE_TIME:.3g} blocks recomputed" if s.activation_checkpointing else ""
+    parts = [(f"compute at {c.efficiency:.0%} of the {peak / 1e12:.0f} TFLOP/s peak{recompute}", t.compute)]
+    if s.tp > 1:
+        parts.append((f"tensor-parallel all-reduces ({t.links['tensor_parallel']}), not overlapped", t.tensor_parallel))
+    if s.dp > 1:
+        what = "DDP all-reduce" if not s.sharded else f"{s.strategy} collectives"
+        traffic = _seconds(t.data_parallel_traffic)
+        parts.append((f"{what} ({t.links['data_parallel']}): {traffic} in all, not hidden", t.data_parallel))
+    if s.pp > 1:
+        parts += [
+            (f"pipeline sends between stages ({t.links['pipeline']}), not overlapped", t.pipeline_sends),
+            (f"pipeline bubble: {bubble_fraction(s):.1%} of the schedule idle", t.bubble),
+        ]
+    if t.offload:
+        parts.append(("CPU offload: PCIe copies and AdamW on the CPU", t.offload))
+    mfu = job.mfu(s)
+    lines += [
+        "estimated time per step, on the busiest rank (rules of thumb, listed below):",
+        *(_row(label, _seconds(seconds), width) for label, seconds in parts),
+        _row("step time", _seconds(t.total), width),
         _row(
             f"at 100% of {s.world_size} x {job.target.name} bf16 peak ({peak / 1e12:.0f} TFLOP/s each): the MFU bound",
-            f"{bound:.3g} s",
-            width=66,
-        )
-    )
-    lines.append(
-        _row(
-            f"estimated at an assumed {ASSUMED_MFU:.0%} MFU, with this setup's costs",
-            f"{job.seconds(s):.3g} s",
-            width=66,
-        )
-    )
+            _seconds(bound),
+            width,
+        ),
+        f"  {tokens / t.total / s.world_size:,.0f} tokens/s per GPU, MFU {mfu:.1%}, scaling efficiency "
+        f"{t.scaling_efficiency:.0%} (against one GPU doing its share of the work alone: no communication, "
+        "no bubble)",
+    ]
     return lines
+
+
+def bubble_fraction(s: Setup) -> float:
+    """The pipeline's idle share of its schedule: (p - 1) / (v m + p - 1)."""
+    return (s.pp - 1) / (s.pp_virtual_stages * s.microbatches + s.pp - 1)
+
+
+def _command(job: Job, world_size: int) -> str:
+    nodes = job.cluster.nodes(world_size)
+    per_node = min(world_size, job.cluster.gpus_per_node)
+    if nodes == 1:
+        return f"kiln launch --nproc-per-node {per_node} -- train ..."
+    return f"kiln launch --nnodes {nodes} --nproc-per-node {per_node} --rdzv-endpoint HOST:PORT -- train ..."
+
+
+def _summary(rec: Recommendation, job: Job) -> str:
+    s = rec.setup
+    accumulation = job.rank_batch(s) // s.micro_batch_size
+    parts = [
+        f"pp {s.pp} x dp {s.dp} x tp {s.tp}",
+        (s.strategy if s.dp > 1 or s.cpu_offload else "no data parallelism")
+        + (" + CPU offload" if s.cpu_offload else ""),
+        f"checkpointing {'on' if s.activation_checkpointing else 'off'}",
+        f"micro-batch {s.micro_batch_size} (accumulation {accumulation})",
+    ]
+    if s.pp > 1:
+        parts.append(f"{s.pp_schedule} x {s.microbatches}")
+    return ", ".join(parts)
 
 
 def _recommendation_lines(plan: Plan) -> list[str]:
+    job = plan.job
     if not plan.recommendations:
-        return ["does not fit, and no combination kiln plan searches makes it fit"]
-    known_time = plan.job.target.peak_flops is not None
-    lines = ["does not fit; these changes would (cheapest first; speed costs are rules of thumb):"]
+        return ["does not fit, and no setup kiln plan searches makes it fit"]
+    known_time = job.target.peak_flops is not None
+    where = f"on {_devices(job, plan.base.world_size)}"
+    if plan.fits:
+        lines = [f"the fastest setups that fit {where} (estimated; docs/plan.md says how they are searched):"]
+    else:
+        lines = [f"does not fit; the fastest setups that do {where} (estimated; docs/plan.md):"]
     for i, rec in enumerate(plan.recommendations, 1):
-        sets = " ".join(f"--set {o}" for o in rec.overrides)
-        where = (
-            f"on {rec.setup.world_size} GPUs: kiln launch --nproc-per-node {rec.setup.world_size} -- train ... "
-            if rec.setup.world_size != plan.base.world_size
-            else ""
-        )
-        time = f"about {rec.seconds:.3g} s per step, " if known_time else ""
+        s = rec.setup
+        if s == plan.base:
+            head = "the config as given"
+        else:
+            head = " ".join(f"--set {o}" for o in rec.overrides)
+            if s.world_size != plan.base.world_size:
+                head = f"on {_devices(job, s.world_size)}: {_command(job, s.world_size)} {head}"
         host = f", {gib(rec.memory.host):.1f} GiB host memory per rank" if rec.memory.host else ""
-        lines.append(f"  {i}. {where}{sets}")
-        lines.append(
-            f"     {gib(rec.memory.total):.2f} GiB per device{host}; {time}"
-            f"{rec.time_factor:.2f}x the time of the config as given"
-        )
+        lines.append(f"  {i}. {head}")
+        lines.append(f"     {_summary(rec, job)}")
+        if known_time:
+            mfu = job.mfu(s)
+            speed = (
+                f"{rec.seconds:.3g} s per step ({rec.time_factor:.3g}x the config as given), MFU {mfu:.1%}, "
+                f"scaling efficiency {rec.time.scaling_efficiency:.0%}"
+            )
+        else:
+            speed = f"{rec.time_factor:.3g}x the time of the config as given"
+        lines.append(f"     {gib(rec.memory.total):.2f} GiB per device{host}; {speed}")
         lines += [f"     - {c}" for c in rec.costs]
     return lines
+
+
+def _assumption_lines(plan: Plan) -> list[str]:
+    c = plan.job.cluster
+    links = ", ".join(f"{name} {getattr(c, name) / 1e9:.0f} GB/s ({c.source(name)})" for name in LINKS)
+    return [
+        "assumptions (docs/plan.md):",
+        f"  compute efficiency {c.efficiency:.0%} of the dense bf16 peak while nothing waits "
+        f"({c.source('efficiency')}; --compute-efficiency)",
+        f"  links per GPU and direction (--bandwidth): {links}",
+        f"  nodes of {c.gpus_per_node} GPUs: a group of ranks inside a node uses NVLink, one that spans nodes the "
+        "network; collectives cost (n-1)/n of their bytes per ring pass",
+        "  FSDP's and DDP's collectives overlap compute (what exceeds it shows, and the first all-gather and "
+        "last reduce-scatter of each micro-batch); tensor-parallel all-reduces and pipeline sends do not",
+    ]
 
 
 def _memory_json(m: MemoryEstimate) -> dict:
@@ -155,11 +255,52 @@ def _memory_json(m: MemoryEstimate) -> dict:
     }
 
 
+def _setup_json(s: Setup, job: Job) -> dict:
+    return {
+        "micro_batch_size": s.micro_batch_size,
+        "global_batch_size": job.global_batch,
+        "accumulation": job.rank_batch(s) // s.micro_batch_size,
+        "precision": s.precision,
+        "activation_checkpointing": s.activation_checkpointing,
+        "strategy": s.strategy,
+        "cpu_offload": s.cpu_offload,
+        "world_size": s.world_size,
+        "pp": s.pp,
+        "dp": s.dp,
+        "tp": s.tp,
+        "pp_schedule": s.pp_schedule if s.pp > 1 else None,
+        "pp_microbatches": s.microbatches,
+        "pp_virtual_stages": s.pp_virtual_stages if s.pp > 1 else 1,
+        "pipeline_micro_batch_size": s.pipeline_micro,
+    }
+
+
+def _time_json(job: Job, s: Setup, t: StepTime) -> dict:
+    """Seconds of each part of a step; null without a known peak."""
+    if job.target.peak_flops is None:
+        return {"seconds": None, "mfu": None, "scaling_efficiency": None, "tokens_per_second_per_gpu": None}
+    return {
+        "seconds": t.total,
+        "compute": t.compute,
+        "tensor_parallel": t.tensor_parallel,
+        "data_parallel": t.data_parallel,
+        "data_parallel_traffic": t.data_parallel_traffic,
+        "pipeline_sends": t.pipeline_sends,
+        "bubble": t.bubble,
+        "bubble_fraction": bubble_fraction(s),
+        "offload": t.offload,
+        "reference_seconds": t.reference,
+        "links": t.links,
+        "tokens_per_second_per_gpu": job.global_batch * job.seq_len / t.total / s.world_size,
+        "mfu": job.mfu(s),
+        "scaling_efficiency": t.scaling_efficiency,
+    }
+
+
 def plan_json(plan: Plan) -> dict:
-    """The plan as one JSON-ready object; memory in bytes, time in seconds."""
-    job, s, target = plan.job, plan.base, plan.job.target
+    """The plan as one JSON-ready object; memory in bytes, time in seconds, bandwidth in bytes/s."""
+    job, s, target, c = plan.job, plan.base, plan.job.target, plan.job.cluster
     cfg = job.shape.memory
-    known_time = target.peak_flops is not None
     return {
         "model": {
             "preset": plan.config.model.preset,
@@ -176,36 +317,38 @@ def plan_json(plan: Plan) -> dict:
             "memory_source": target.memory_source,
             "peak_flops": target.peak_flops,
             "world_size": s.world_size,
+            "nodes": c.nodes(s.world_size),
+            "gpus_per_node": c.gpus_per_node,
+            "pp": s.pp,
             "dp": s.dp,
             "tp": s.tp,
         },
-        "setup": {
-            "micro_batch_size": s.micro_batch_size,
-            "micro_batch_size_auto": plan.auto_micro,
-            "global_batch_size": job.global_batch,
-            "accumulation": job.rank_batch(s) // s.micro_batch_size,
-            "precision": s.precision,
-            "activation_checkpointing": s.activation_checkpointing,
-            "strategy": s.strategy,
-            "cpu_offload": s.cpu_offload,
+        "assumptions": {
+            "compute_efficiency": c.efficiency,
+            "bandwidth": {"nvlink": c.nvlink, "network": c.network, "pcie": c.pcie},
+            "sources": dict(c.sources),
         },
+        "setup": {**_setup_json(s, job), "micro_batch_size_auto": plan.auto_micro},
         "memory": _memory_json(plan.memory),
         "fits": plan.fits,
         "time": {
-            "flops_per_token": job.shape.flops_per_token(job.seq_len),
+            "flops_per_token": job.flops_per_token,
             "tokens_per_step": job.global_batch * job.seq_len,
             "flops_per_step": job.flops_per_step,
             "seconds_at_peak": job.seconds_at_peak(s.world_size),
-            "assumed_mfu": ASSUMED_MFU,
-            "seconds": job.seconds(s) if known_time else None,
+            **_time_json(job, s, plan.time),
         },
         "recommendations": [
             {
                 "overrides": r.overrides,
+                "is_config": r.setup == s,
                 "world_size": r.setup.world_size,
+                "nodes": c.nodes(r.setup.world_size),
+                "setup": _setup_json(r.setup, job),
                 "memory": _memory_json(r.memory),
                 "fits": True,
-                "seconds": r.seconds if known_time else None,
+                "seconds": r.seconds if target.peak_flops is not None else None,
+                "time": _time_json(job, r.setup, r.time),
                 "time_factor": r.time_factor,
                 "costs": r.costs,
             }

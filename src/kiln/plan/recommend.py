@@ -1,5 +1,7 @@
-"""What to change when a config does not fit: every combination of the settings a plan may
-change, estimated, and the cheapest few that fit, each with what it costs in words."""
+"""What to run: every combination of the settings a plan may change (the layout of the world
+into pipeline x data-parallel x tensor-parallel ranks, the data-parallel strategy, CPU offload,
+activation checkpointing, bf16, the micro-batch and the pipeline's schedule), estimated, and
+the fastest few that fit, each with what it costs in words."""
 
 from __future__ import annotations
 
@@ -8,7 +10,7 @@ import itertools
 from collections.abc import Iterator
 from dataclasses import dataclass
 
-from kiln.plan.estimate import STRATEGY_TIME, Job, MemoryEstimate, Setup, offload_seconds
+from kiln.plan.estimate import Job, MemoryEstimate, Setup, StepTime
 
 
 @dataclass
@@ -16,27 +18,87 @@ class Recommendation:
     setup: Setup
     overrides: list[str]  # --set items
     memory: MemoryEstimate
-    seconds: float  # estimated time per step (rules of thumb)
+    time: StepTime  # estimated, rules of thumb
     time_factor: float  # relative to the config as given
     costs: list[str]  # what each change costs, in words
 
+    @property
+    def seconds(self) -> float:
+        return self.time.total
 
-def _candidates(job: Job, base: Setup, world_size: int, auto_micro: bool) -> Iterator[Setup]:
-    """Every combination of the changes a plan may recommend, for ``world_size`` devices."""
+
+# Above this share of the device's memory a recommendation says its margin is thin.
+TIGHT_MEMORY = 0.95
+
+
+def sequences(n: int) -> str:
+    return f"{n} sequence{'s' * (n != 1)}"
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def _layouts(job: Job, base: Setup, world_size: int) -> Iterator[tuple[int, int]]:
+    """(pp, tp) degrees the world divides into, leaving a data-parallel degree that divides the
+    global batch: stages the model's layers fill equally, tensor parallelism the model can
+    split and no wider than a node (unless the config asks for it)."""
+    for pp in _divisors(world_size):
+        if pp > 1 and not job.shape.pipelines(pp):
+            continue
+        for tp in _divisors(world_size // pp):
+            if job.global_batch % (world_size // (pp * tp)):
+                continue
+            if tp > 1 and (tp > max(job.cluster.gpus_per_node, base.tp) or not job.shape.splits(tp)):
+                continue
+            yield pp, tp
+
+
+def _schedules(job: Job, base: Setup, pp: int) -> list[tuple[str, int]]:
+    """Pipeline schedules with their virtual stages per rank: 1f1b, interleaved 1F1B over two
+    stages per rank where the layers allow, and the config's own. gpipe is never faster than
+    1f1b (the same bubble) and holds more activations."""
+    if pp == 1:
+        return [(base.pp_schedule, base.pp_virtual_stages)]
+    options = {("1f1b", 1)}
+    if job.shape.pipelines(2 * pp):
+        options.add(("interleaved_1f1b", 2))
+    if base.pp == pp and job.shape.pipelines(base.stages):
+        options.add((base.pp_schedule, base.pp_virtual_stages))
+    return sorted(options)
+
+
+def _strategies(job: Job, base: Setup, dp: int, pp: int, tp: int, virtual: int) -> list[tuple[str, bool]]:
+    """(strategy, CPU offload) pairs that kiln runs: DDP not with tensor parallelism, FSDP not
+    with several pipeline stages per rank (kiln.distributed.pipeline); offload only without
+    tensor or pipeline parallelism, on a GPU; with one data-parallel rank the strategy matters
+    only to offload."""
     gpu = job.target.kind == "cuda"
-    dp = world_size // base.tp
-    precisions = {base.precision, "bf16"} if gpu and base.precision == "fp32" else {base.precision}
+    alone = pp == 1 and tp == 1
     if dp > 1:
-        layouts = [
+        return [
             (strategy, offload)
             for strategy in ("ddp", "fsdp_grad_op", "fsdp")
-            for offload in ((False, True) if gpu and strategy != "ddp" else (False,))
-            if not (strategy == "ddp" and base.tp > 1)
+            if (strategy != "ddp" or tp == 1) and (strategy == "ddp" or virtual == 1)
+            for offload in ((False, True) if gpu and strategy != "ddp" and alone else (False,))
         ]
-    else:  # one data-parallel rank: FSDP matters only to offload
-        layouts = [(base.strategy, False)] + [("fsdp", True)] * gpu
-    for precision, checkpointing, (strategy, offload) in itertools.product(
-        sorted(precisions), sorted({base.activation_checkpointing, True}), layouts
+    return [(base.strategy, False)] + [("fsdp", True)] * (gpu and alone)
+
+
+def _candidates(job: Job, base: Setup, world_size: int) -> Iterator[Setup]:
+    """The fastest fitting micro-batch of every combination of the changes a plan may
+    recommend, for ``world_size`` devices."""
+    precisions = {base.precision}
+    if job.target.kind == "cuda" and base.precision == "fp32":
+        precisions.add("bf16")
+    combinations = (
+        (pp, tp, schedule, virtual, strategy, offload)
+        for pp, tp in _layouts(job, base, world_size)
+        for schedule, virtual in _schedules(job, base, pp)
+        for strategy, offload in _strategies(job, base, world_size // (pp * tp), pp, tp, virtual)
+    )
+    for (pp, tp, schedule, virtual, strategy, offload), precision, checkpointing in itertools.product(
+        combinations, sorted(precisions), (False, True)
     ):
         s = dataclasses.replace(
             base,
@@ -45,14 +107,14 @@ def _candidates(job: Job, base: Setup, world_size: int, auto_micro: bool) -> Ite
             strategy=strategy,
             cpu_offload=offload,
             world_size=world_size,
+            tp=tp,
+            pp=pp,
+            pp_schedule=schedule,
+            pp_virtual_stages=virtual,
         )
-        if auto_micro:  # the run will pick its micro-batch: the largest that fits
-            fitting = largest_fitting_micro_batch(job, s)
-            if fitting:
-                yield fitting
-        else:
-            for micro in job.micro_batch_options(s):
-                yield dataclasses.replace(s, micro_batch_size=micro)
+        fastest = fastest_fitting_micro_batch(job, s)
+        if fastest:
+            yield fastest
 
 
 def largest_fitting_micro_batch(job: Job, s: Setup) -> Setup | None:
@@ -63,10 +125,26 @@ def largest_fitting_micro_batch(job: Job, s: Setup) -> Setup | None:
     return None
 
 
+def fastest_fitting_micro_batch(job: Job, s: Setup) -> Setup | None:
+    """Without a pipeline the largest micro-batch that fits is the fastest (fewer collectives,
+    larger matmuls). In a pipeline, every micro-batch and count of pipeline micro-batches that
+    fit are compared: more of them shrink the bubble, smaller ones compute less efficiently."""
+    if s.pp == 1:
+        return largest_fitting_micro_batch(job, s)
+    fitting = [
+        candidate
+        for micro in job.micro_batch_options(dataclasses.replace(s, pp_microbatches=s.stages))
+        for m in _divisors(micro)
+        if m >= s.stages and job.fits(candidate := dataclasses.replace(s, micro_batch_size=micro, pp_microbatches=m))
+    ]
+    return min(fitting, key=job.seconds, default=None)
+
+
 def needs_fixed_micro_batch(s: Setup) -> bool:
     """kiln probes for train.micro_batch_size = "auto" only without collectives in the forward
-    pass: in one process or under DDP, not with FSDP or tensor parallelism over several ranks."""
-    return s.world_size > 1 and (s.strategy != "ddp" or s.tp > 1)
+    pass: in one process or under DDP, not with FSDP, tensor or pipeline parallelism over
+    several ranks."""
+    return s.world_size > 1 and (s.strategy != "ddp" or s.tp > 1 or s.pp > 1)
 
 
 def _recommendation(job: Job, base: Setup, s: Setup, auto_micro: bool) -> Recommendation:
@@ -75,14 +153,14 @@ def _recommendation(job: Job, base: Setup, s: Setup, auto_micro: bool) -> Recomm
         overrides = [o for o in overrides if not o.startswith("train.micro_batch_size=")]
         if needs_fixed_micro_batch(s):
             overrides.insert(0, f"train.micro_batch_size={s.micro_batch_size}")
-    seconds = job.seconds(s)
     return Recommendation(
-        s, overrides, job.memory(s), seconds, seconds / job.seconds(base), _costs(job, base, s, auto_micro)
+        s, overrides, job.memory(s), job.time(s), job.seconds(s) / job.seconds(base), _costs(job, base, s, auto_micro)
     )
 
 
 def _costs(job: Job, base: Setup, s: Setup, auto_micro: bool) -> list[str]:
     costs = []
+    t = job.time(s)
     accumulation = job.rank_batch(s) // s.micro_batch_size
     if auto_micro:
         costs.append(f"micro-batch auto: {s.micro_batch_size} fits ({accumulation} per rank and step)")
@@ -100,50 +178,71 @@ def _costs(job: Job, base: Setup, s: Setup, auto_micro: bool) -> list[str]:
         costs.append("activation checkpointing recomputes each block's forward: about +33% compute")
     if s.precision != base.precision:
         costs.append("bf16 autocast runs the matmuls on the tensor cores: faster (numerics change slightly)")
-    if s.strategy != base.strategy and s.dp > 1:
+    if s.tp > 1 and s.tp != base.tp:
         costs.append(
-            f"{s.strategy} shards state over the {s.dp} data-parallel ranks: more communication, "
-            f"mostly overlapped (about +{round(100 * (STRATEGY_TIME[s.strategy] - 1))}%)"
+            f"tensor parallelism over {s.tp} GPUs ({t.links['tensor_parallel']}): all-reduces inside every "
+            f"block, {t.tensor_parallel:.3g} s per step, not overlapped"
+        )
+    if s.pp > 1 and (s.pp, s.pp_schedule, s.microbatches) != (base.pp, base.pp_schedule, base.microbatches):
+        costs.append(
+            f"pipeline of {s.pp} stages ({s.pp_schedule}, {s.microbatches} pipeline micro-batches of "
+            f"{sequences(s.pipeline_micro)}): idle {t.bubble:.3g} s per step in its bubble"
+        )
+    if s.dp > 1 and (s.strategy, s.dp) != (base.strategy, base.dp):
+        what = "all-reduces gradients" if s.strategy == "ddp" else "shards parameters, gradients and AdamW state"
+        costs.append(
+            f"{s.strategy} over {s.dp} data-parallel ranks ({t.links['data_parallel']}) {what}: "
+            f"{t.data_parallel_traffic:.3g} s of collectives per step, {t.data_parallel:.3g} s not hidden by compute"
         )
     if s.offload:
-        extra = offload_seconds(job.shape, s, job.rank_batch(s) // s.micro_batch_size)
         costs.append(
             "CPU offload copies parameters and gradients over PCIe every micro-batch and runs AdamW "
-            f"on the CPU: about +{extra:.1f} s per step"
+            f"on the CPU: about +{t.offload:.1f} s per step"
         )
+    share = job.memory(s).total / job.target.memory
+    if share > TIGHT_MEMORY:
+        costs.append(f"uses {share:.0%} of the device's memory: little margin for what the estimate leaves out")
     return costs
 
 
-def recommend(job: Job, base: Setup, auto_micro: bool, limit: int = 3) -> list[Recommendation]:
-    """The cheapest setups that fit (by estimated step time, then fewest changes), each not
-    merely adding changes to one listed before it; then the fewest GPUs that fit with fsdp."""
-    fitting = [s for s in _candidates(job, base, base.world_size, auto_micro) if s != base and job.fits(s)]
-    fitting.sort(key=lambda s: (job.seconds(s), len(s.overrides(base))))
+def _keys(overrides: list[str]) -> set[str]:
+    return {item.split("=")[0] for item in overrides}
+
+
+def recommend(job: Job, base: Setup, auto_micro: bool, limit: int = 3, more_gpus: bool = True) -> list[Recommendation]:
+    """The fastest setups that fit on the config's devices, by estimated step time, then fewest
+    changes: the config itself among them if it fits; each other one not merely adding changes
+    to one listed before it (it would be slower and change more). Then, with ``more_gpus``
+    and when nothing fits on one device or on the config's devices, the fewest GPUs that fit."""
+    options = set(_candidates(job, base, base.world_size))
+    if job.fits(base):
+        options.add(base)
+    ranked = sorted(options, key=lambda s: (job.seconds(s), len(s.overrides(base)), s.overrides(base)))
     chosen: list[Recommendation] = []
-    for s in fitting:
+    for s in ranked:
         rec = _recommendation(job, base, s, auto_micro)
-        changed = {item.split("=")[0] for item in rec.overrides}
-        if rec.overrides and not any({i.split("=")[0] for i in c.overrides} <= changed for c in chosen):
-            chosen.append(rec)
+        if s != base:
+            changed = _keys(rec.overrides)
+            if not rec.overrides or any(_keys(c.overrides) <= changed for c in chosen if c.setup != base):
+                continue
+        chosen.append(rec)
         if len(chosen) == limit:
             break
-    more_gpus = _fewest_gpus(job, base, auto_micro)
-    return chosen + ([more_gpus] if more_gpus else [])
+    if more_gpus and not job.fits(base) and (base.world_size == 1 or not chosen):
+        fewest = _fewest_gpus(job, base, auto_micro)
+        chosen += [fewest] if fewest else []
+    return chosen
 
 
 def _fewest_gpus(job: Job, base: Setup, auto_micro: bool, most: int = 4096) -> Recommendation | None:
-    """The smallest power-of-two multiple of the world size that fits with fsdp (no offload)."""
+    """The smallest power-of-two multiple of the world size with a layout that fits without
+    offload: the fastest of them."""
     if job.target.kind != "cuda":
         return None
     world = base.world_size * 2
     while world <= most:
-        if job.global_batch % (world // base.tp) == 0:
-            options = [
-                s
-                for s in _candidates(job, dataclasses.replace(base, strategy="fsdp"), world, auto_micro)
-                if s.strategy == "fsdp" and not s.cpu_offload and job.fits(s)
-            ]
-            if options:
-                return _recommendation(job, base, min(options, key=job.seconds), auto_micro)
+        options = [s for s in _candidates(job, base, world) if not s.cpu_offload]
+        if options:
+            return _recommendation(job, base, min(options, key=job.seconds), auto_micro)
         world *= 2
     return None

@@ -5,13 +5,20 @@ can load it; each rank's shards when sharded) and one dict of the loop's statefu
 saved with its ``state_dict`` and restored with its ``load_state_dict``: precision (the loss
 scaler), the memory ladder's rung, the guard. Beside them: the step, the RNG state, the data
 position (a pure function of seed and step), the config and the parallel layout.
+
+With ``checkpoint.async_save`` the training thread only copies that state to host memory and a
+background thread writes it; at most one write is in flight, and anything that reads or writes
+checkpoints (the next save, a rollback, a resume, the end of the loop) first waits for it.
 """
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import shutil
-from collections.abc import Callable, Mapping
+import sys
+from collections.abc import Callable, Iterator, Mapping
+from concurrent.futures import Future
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -21,17 +28,20 @@ from torch import nn
 from kiln.checkpoint import (
     CheckpointError,
     capture_rng,
+    host_stager,
     latest_checkpoint,
     list_checkpoints,
     load_checkpoint,
     load_sharded,
     restore_rng,
     save_checkpoint,
+    save_checkpoint_async,
 )
 from kiln.config import Config
 from kiln.data.loader import StepBatches
 from kiln.distributed.parallelize import is_sharded
 from kiln.distributed.world import World
+from kiln.train.faults import Faults
 
 
 class Stateful(Protocol):
@@ -50,11 +60,24 @@ class Checkpointer:
         parts: Mapping[str, Stateful],
         batches: StepBatches,
         say: Callable[[str], None],
+        faults: Faults | None = None,
     ):
         self.cfg, self.world, self.model, self.optimizer = cfg, world, model, optimizer
         self.parts, self.batches, self._say = parts, batches, say
+        self.faults = faults or Faults()
         self.dir = Path(cfg.run.dir) / "checkpoints"
-        self.sharded = world.mesh is not None and is_sharded(model)
+        # Sharded (every rank writes its own part with DCP) when parameters are split, and under
+        # pipeline parallelism, where each rank holds other layers.
+        self.sharded = world.mesh is not None and (world.pp > 1 or is_sharded(model))
+        self._writing: tuple[Path, Future[None]] | None = None  # the checkpoint written in the background
+        self._stager = None  # the host copy of the state it is written from, reused by the next
+        # DCP's collectives in the background (planning the write, gathering its results) get a
+        # gloo group of their own; every rank makes it here, together.
+        self._write_group = None
+        if cfg.checkpoint.async_save and self.sharded:
+            import torch.distributed as dist
+
+            self._write_group = dist.new_group(backend="gloo")
 
     def due(self, step: int, now: bool = False) -> bool:
         """Is ``step`` (just done) a checkpoint? ``now``: the run ends or stops here."""
@@ -62,14 +85,17 @@ class Checkpointer:
         return now or bool(every and step % every == 0)
 
     def latest(self) -> Path | None:
+        self.wait()
         return latest_checkpoint(self.dir)
 
     def save(self, step: int) -> Path:
+        """Checkpoint ``step``; with ``checkpoint.async_save`` it is complete only after ``wait``."""
         from torch.distributed.checkpoint.state_dict import get_state_dict
 
+        self.wait()
         # Model and optimizer state keyed by parameter name (no "module." of DDP), each rank's
         # shards when sharded: so any strategy or world size can load it back.
-        model_state, optim_state = get_state_dict(self.model, self.optimizer)
+        model_state, optim_state = get_state_dict(self.model, self.optimizer, options=_options(self.sharded))
         train_state: dict[str, Any] = {
             "step": step,
             **{name: part.state_dict() for name, part in self.parts.items()},
@@ -77,18 +103,66 @@ class Checkpointer:
             # The data order is a pure function of (seed, step): this is the whole position.
             "data": self.batches.position(step),
             "config": self.cfg.to_dict(),
-            "world": {"size": self.world.size, "tp": self.world.tp, "strategy": self.cfg.parallel.strategy},
+            "world": {
+                "size": self.world.size,
+                "pp": self.world.pp,
+                "tp": self.world.tp,
+                "strategy": self.cfg.parallel.strategy,
+            },
         }
         if self.sharded:
             weights, sharded = None, {"model": model_state, "optimizer": optim_state}
         else:
             weights, sharded = model_state, None
             train_state["optimizer"] = optim_state
-        path = save_checkpoint(
-            self.dir, step, weights, train_state, keep=self.cfg.checkpoint.keep, sharded_state=sharded, world=self.world
-        )
+        args = (self.dir, step, weights, train_state, self.cfg.checkpoint.keep)
+        kwargs = dict(sharded_state=sharded, world=self.world, before_write=self.faults.writing_checkpoint)
+        if self.cfg.checkpoint.async_save:
+            self._stager = self._stager or host_stager(self.world.device)
+            path, future = save_checkpoint_async(*args, stager=self._stager, group=self._write_group, **kwargs)
+            self._writing = (path, future)
+            return path
+        path = save_checkpoint(*args, **kwargs)
         self._say(f"kiln: saved checkpoint {path}")
         return path
+
+    def wait(self) -> None:
+        """Return once the checkpoint being written in the background, if any, is complete; raise
+        if its write failed on any rank. Every rank calls it where it calls ``save``, together."""
+        if self._writing is None:
+            return
+        path, future = self._writing
+        self._writing = None
+        error = future.exception()
+        # Also a barrier: no rank reads the checkpoints before the main rank has completed this one.
+        (failed,) = self.world.agree(error is not None)
+        if error is not None:
+            raise CheckpointError(f"{path}: writing the checkpoint in the background failed: {error}") from error
+        if failed:
+            raise CheckpointError(f"{path}: another rank failed to write its part of the checkpoint (see its error)")
+        self._say(f"kiln: saved checkpoint {path}")
+
+    @contextlib.contextmanager
+    def finishing(self) -> Iterator[None]:
+        """The block (the training loop) ends only once the checkpoint being written in the
+        background, if any, is complete; then the host copy of the state is freed."""
+        try:
+            yield
+        except BaseException:
+            # Other ranks may be inside a collective of the step that failed here: this rank
+            # finishes its own part without them, and tells of a failed write beside the error.
+            if self._writing is not None:
+                path, future = self._writing
+                self._writing = None
+                if (error := future.exception()) is not None:
+                    print(f"kiln: {path}: writing the checkpoint in the background failed: {error}", file=sys.stderr)
+            raise
+        else:
+            self.wait()
+        finally:
+            if self._stager is not None:
+                self._stager.close()
+                self._stager = None
 
     def hold(self) -> dict[str, Any]:
         """The run's whole state (this rank's shards), copied to host memory, for ``put_back``
@@ -123,6 +197,7 @@ class Checkpointer:
 
     def discard(self, path: Path) -> None:
         """Delete checkpoint ``path`` once every rank is done with it."""
+        self.wait()
         self.world.barrier()
         if self.world.is_main:
             shutil.rmtree(path)
@@ -130,6 +205,7 @@ class Checkpointer:
 
     def resume(self) -> int | None:
         """The step the run resumes at, per ``checkpoint.resume``, everything restored; None if fresh."""
+        self.wait()
         resume = self.cfg.checkpoint.resume
         if resume == "never":
             if list_checkpoints(self.dir):
@@ -149,21 +225,24 @@ class Checkpointer:
         """Restore model, optimizer, every part and the RNG from ``path``; its step."""
         from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 
+        self.wait()
         model_state, train_state = load_checkpoint(path, weights_only=False)
         if model_state is None:  # sharded: DCP fills this process's own layout, resharding as needed
-            model_state, optim_state = get_state_dict(self.model, self.optimizer)
+            model_state, optim_state = get_state_dict(self.model, self.optimizer, options=_options(True))
             state = {"model": model_state, "optimizer": optim_state}
             load_sharded(path, state)
             model_state, optim_state, full = state["model"], state["optimizer"], False
         else:
             optim_state, full = train_state["optimizer"], True
+            if self.world.pp > 1:  # a whole model's checkpoint, of which this stage takes its layers
+                model_state, optim_state = _restrict(model_state, optim_state, set(self.model.state_dict()))
         try:
             set_state_dict(
                 self.model,
                 self.optimizer,
                 model_state_dict=model_state,
                 optim_state_dict=optim_state,
-                options=StateDictOptions(full_state_dict=full and self.sharded),
+                options=StateDictOptions(full_state_dict=full and self.sharded, flatten_optimizer_state_dict=not full),
             )
         except (RuntimeError, KeyError, ValueError) as e:
             raise CheckpointError(
@@ -175,6 +254,35 @@ class Checkpointer:
                 part.load_state_dict(train_state[name])
         restore_rng(train_state["rng"])
         return train_state["step"]
+
+
+def _restrict(
+    model_state: dict[str, torch.Tensor], optim_state: dict[str, Any], names: set[str]
+) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+    """A whole model's weights and optimizer state (keyed by parameter name) cut down to the
+    parameters ``names``. A parameter the whole model shares under two names (a tied embedding)
+    has its optimizer state under one of them: a stage that knows it by the other takes it there."""
+    states = optim_state["state"]
+    source = {}
+    for name in names:
+        tensor = model_state.get(name)
+        shared = (other for other in states if tensor is not None and model_state.get(other) is tensor)
+        source[name] = name if name in states else next(shared, name)
+    groups = [
+        {**group, "params": [name for name in names if source[name] in group["params"]]}
+        for group in optim_state["param_groups"]
+    ]
+    kept = {name: states[source[name]] for name in names if source[name] in states}
+    return {name: model_state[name] for name in names if name in model_state}, {"state": kept, "param_groups": groups}
+
+
+def _options(sharded: bool):
+    """How model and optimizer state are laid out in a checkpoint. Sharded optimizer state is
+    flat, one entry per parameter and setting ("param_groups.blocks.3.attn.wq.weight.lr"), so the
+    ranks of a pipeline, which hold different parameters, never write the same key."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions
+
+    return StateDictOptions(flatten_optimizer_state_dict=sharded)
 
 
 def _local(tensor: torch.Tensor) -> torch.Tensor:

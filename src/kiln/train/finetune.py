@@ -76,7 +76,7 @@ def prepare_job(cfg: Config) -> FineTuneJob:
 
 
 def build_trainer(cfg: Config, *, console: bool = True) -> Trainer:
-    world = init_world(cfg.run.device, cfg.parallel.tp)
+    world = init_world(cfg.run.device, cfg.parallel, cfg.run.dir)
     console = console and world.is_main
     job = prepare_job(cfg)
     family, args, data = job.family, job.args, job.data

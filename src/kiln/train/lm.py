@@ -87,7 +87,7 @@ def _with_model_tokenizer(cfg: Config):
 
 
 def build_trainer(cfg: Config, *, console: bool = True) -> Trainer:
-    world = init_world(cfg.run.device, cfg.parallel.tp)
+    world = init_world(cfg.run.device, cfg.parallel, cfg.run.dir)
     console = console and world.is_main
     family = family_of(cfg.model)
     data_cfg = _with_model_tokenizer(cfg)

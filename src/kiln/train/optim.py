@@ -15,9 +15,11 @@ def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
 
     Weight decay pulls weights towards zero; that regularises the linear maps but only hurts
     gains (norms), offsets (biases) and lookup tables (embeddings), which is why GPT-style
-    recipes exclude them. A tied embedding/output matrix counts as an embedding.
+    recipes exclude them. A tied embedding/output matrix counts as an embedding, also where a
+    pipeline stage holds only its output side (marked ``is_embedding`` by the pipeline).
     """
     embedding_params = {id(m.weight) for m in model.modules() if isinstance(m, nn.Embedding)}
+    embedding_params |= {id(p) for p in model.parameters() if getattr(p, "is_embedding", False)}
     decay, no_decay, seen = [], [], set()
     for p in model.parameters():
         if not p.requires_grad or id(p) in seen:

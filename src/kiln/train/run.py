@@ -38,7 +38,7 @@ def write_run_files(run_dir: Path, cfg: Config, world: World, model: nn.Module) 
         "threads": torch.get_num_threads(),
         "parameters": sum(p.numel() for p in model.parameters()),
         "world_size": world.size,
-        "parallel": {"strategy": cfg.parallel.strategy, "dp": world.dp, "tp": world.tp},
+        "parallel": {"strategy": cfg.parallel.strategy, "pp": world.pp, "dp": world.dp, "tp": world.tp},
     }
     (run_dir / "env.json").write_text(json.dumps(env, indent=2))
 
@@ -143,7 +143,8 @@ def _build_saved(directory: Path) -> tuple[Config, ModelFamily, Any, nn.Module]:
     family = family_of(cfg.model)
     args = family.args_from_dict(json.loads((directory / "model.json").read_text()))
     model = build_model(family, args, "cpu", cfg.train.seed)
-    model = apply_lora(model, cfg, family.lora_targets(args))
+    # A QLoRA base is loaded as the checkpoint holds it, dequantized: what the run computed, exactly.
+    model = apply_lora(model, cfg, family.lora_targets(args), quantize=False)
     return cfg, family, args, model
 
 

@@ -21,17 +21,21 @@ from torch import nn
 
 from kiln.data.batch import batch_rows, loss_count
 from kiln.distributed.parallelize import clip_grad_norm_, gradient_sync
+from kiln.distributed.pipeline import Pipeline
 from kiln.models.family import ParallelPlan
 from kiln.train.apply import apply_activation_checkpointing
 from kiln.train.faults import Faults
 from kiln.train.precision import Precision
+from kiln.train.straggler import BusyClock
 
 LossFn = Callable[[nn.Module, Any], torch.Tensor]
 
 
 class TrainStep:
     """``model`` is what the loss function calls (a DDP wrapper, say); ``plain`` the model
-    itself, to which activation checkpointing is applied along ``plan``'s repeated layers."""
+    itself, to which activation checkpointing is applied along ``plan``'s repeated layers. With a
+    ``pipeline`` (pipeline parallelism), its schedule runs each micro-batch's forward and
+    backward instead, and the loss function is not called."""
 
     def __init__(
         self,
@@ -46,6 +50,8 @@ class TrainStep:
         faults: Faults | None = None,
         dp_total: Callable[[int], int] = int,
         dp: int = 1,
+        pipeline: Pipeline | None = None,
+        busy: BusyClock | None = None,
     ):
         self.model = model
         self.plain = plain if plain is not None else model
@@ -55,10 +61,15 @@ class TrainStep:
         self.precision = precision
         self.clip = grad_clip if grad_clip > 0 else math.inf
         self.faults = faults or Faults()
+        # Times this rank's forward passes, its own work (no collectives wait there under DDP).
+        self.busy = busy or BusyClock()
         # The sum of a host-side count over the data-parallel ranks, and their number.
         self.dp_total, self.dp = dp_total, dp
         self.params = [p for p in model.parameters() if p.requires_grad]
         self.checkpointing = False
+        self.pipeline = pipeline
+        # Each pipeline rank holds some of the layers: the gradient norm sums over all of them.
+        self.norm_group = pipeline.group if pipeline is not None else None
 
     def recompute_activations(self) -> None:
         """Turn activation checkpointing on (once): recompute each layer in the backward pass."""
@@ -68,9 +79,10 @@ class TrainStep:
 
     def loss(self, micro_batch: Any, step: int) -> torch.Tensor:
         """The loss of one micro-batch of (1-based) ``step``, under the run's precision."""
-        self.faults.before_forward(step, batch_rows(micro_batch), self.checkpointing)
-        with self.precision.autocast():
-            return self.loss_fn(self.model, micro_batch)
+        with self.busy.device():
+            self.faults.before_forward(step, batch_rows(micro_batch), self.checkpointing)
+            with self.precision.autocast():
+                return self.loss_fn(self.model, micro_batch)
 
     def forward_backward(self, micro_batches: list[Any], step: int, *, sync: bool = True) -> torch.Tensor:
         """Gradients of the micro-batches, accumulated; the step's loss (on the device).
@@ -91,13 +103,20 @@ class TrainStep:
             divisors = [n] * n
         total = None
         for i, micro in enumerate(micro_batches):
-            with gradient_sync(self.model, sync and i == n - 1):
-                loss = self.loss(micro, step)
-                self.precision.backward(loss / divisors[i])
+            if self.pipeline is not None:  # its stages sync their data-parallel gradients themselves
+                self.faults.before_forward(step, batch_rows(micro), self.checkpointing)
+                with self.precision.autocast():
+                    loss = self.pipeline.forward_backward(micro, 1 / divisors[i])
+            else:
+                with gradient_sync(self.model, sync and i == n - 1):
+                    loss = self.loss(micro, step)
+                    self.precision.backward(loss / divisors[i])
             if total is None:
                 total = torch.zeros((), device=loss.device)
             # This rank's share of the step's loss, times the ranks (the meter averages over them).
             total += loss.detach() / divisors[i] if counted else loss.detach()
+        if self.pipeline is not None and sync:
+            self.pipeline.reduce_gradients()
         return total if counted else total / n
 
     def update(self, lr: float, inspect: Callable[[nn.Module], None] | None = None) -> torch.Tensor:
@@ -108,7 +127,8 @@ class TrainStep:
         self.precision.unscale_(self.optimizer)
         if inspect is not None:
             inspect(self.plain)
-        grad_norm = clip_grad_norm_(self.params, self.clip)
+        uncounted = self.pipeline.uncounted if self.pipeline is not None else ()
+        grad_norm = clip_grad_norm_(self.params, self.clip, group=self.norm_group, uncounted=uncounted)
         # A NaN/Inf gradient norm (the same on every rank) skips the update, on the device.
         self.precision.step(self.optimizer, finite=torch.isfinite(grad_norm))
         self.optimizer.zero_grad(set_to_none=True)

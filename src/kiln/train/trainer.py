@@ -7,7 +7,8 @@ that owns its state and decides its own timing, and the loop calls it the same w
 configuration: the step (``TrainStep``: precision, accumulation, clipping), the memory ladder
 (the micro-batch, and a retry one rung down when the device runs out of memory), the guard
 (non-finite steps and loss spikes), the meter (metrics), the checkpointer, the time plan (the
-steps that fill a time budget) and the profiler.
+steps that fill a time budget), the profiler, the stragglers (the slow rank, at log points) and
+the world's hang watchdog (told which phase of the step each rank is in).
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ from kiln.data.batch_schedule import BatchSchedule
 from kiln.data.loader import StepBatches
 from kiln.device import resolve_precision
 from kiln.distributed.parallelize import parallelize
+from kiln.distributed.pipeline import Pipeline
 from kiln.distributed.world import World, init_world
 from kiln.io import directory_problem
 from kiln.models.family import ParallelPlan
@@ -45,6 +47,7 @@ from kiln.train.optim import build_optimizer, lr_at
 from kiln.train.precision import Precision
 from kiln.train.run import Budget, StopRequest, write_run_files
 from kiln.train.step import LossFn, TrainStep
+from kiln.train.straggler import Stragglers
 from kiln.train.time_plan import WARMUP_STEPS, Costs, TimePlan
 
 
@@ -101,7 +104,8 @@ class Trainer:
             raise ConfigError([f"run.dir: {problem}"])
         if cfg.run.threads:
             torch.set_num_threads(cfg.run.threads)
-        self.world: World = init_world(cfg.run.device, cfg.parallel.tp)
+        self.world: World = init_world(cfg.run.device, cfg.parallel, cfg.run.dir)
+        self.watchdog = self.world.watchdog  # told where the loop is, to name a hung rank
         self.device = self.world.device
         # The run's config is the resolved one: it is what config.toml and checkpoints record.
         self.cfg = cfg = resolve_precision(cfg, self.device)
@@ -127,15 +131,24 @@ class Trainer:
         self.faults.attach(model)
         plan = plan or ParallelPlan.infer(model)
         # Evaluation calls the model itself, not a DDP wrapper (whose forward prepares a
-        # gradient reduction); under FSDP the two are the same object.
+        # gradient reduction); under FSDP the two are the same object. A pipeline rank holds
+        # some of the layers (``part``), and evaluation runs through every stage.
         self.unwrapped = model.to(self.device)
         pcfg = dataclasses.replace(cfg.parallel, cpu_offload=self.ladder.rung.cpu_offload)
-        self.model = parallelize(model, plan, self.world, pcfg, bf16=t.precision == "bf16")
+        bf16 = t.precision == "bf16"
+        self.pipeline = (
+            Pipeline(model, plan, self.world, pcfg, bf16=bf16, compile=t.compile) if self.world.pp > 1 else None
+        )
+        if self.pipeline is not None:
+            self.model, self.unwrapped = self.pipeline.model, self.pipeline.part
+        else:
+            self.model = parallelize(model, plan, self.world, pcfg, bf16=bf16)
         self.optimizer = build_optimizer(self.model, t, self.device)
         self.precision = Precision(t.precision, self.device)
         # Compiling the loss function compiles the model's forward with it, so the compiler can
         # fuse the output projection with the cross-entropy; the model itself stays plain, and
         # its state dict keeps its own names.
+        self.stragglers = Stragglers(self.world, cfg.observe)
         self.train_step = TrainStep(
             self.model,
             apply_compile(loss_fn) if t.compile else loss_fn,
@@ -147,6 +160,8 @@ class Trainer:
             faults=self.faults,
             dp_total=self.world.dp_total,
             dp=self.world.dp,
+            pipeline=self.pipeline,
+            busy=self.stragglers.clock,
         )
         self.params = self.train_step.params
         self.ladder.bind(self.train_step)
@@ -168,6 +183,7 @@ class Trainer:
             },
             self.batches,
             self._say,
+            faults=self.faults,
         )
         profile_dir = Path(cfg.profile.dir) if cfg.profile.dir else self.run_dir / "profile"
         if self.world.distributed:
@@ -192,7 +208,8 @@ class Trainer:
         self.step = resumed_from or 0
         result = FitResult(step=self.step, resumed_from=resumed_from)
         logger = self._logger()
-        with logger, StopRequest() as stop:
+        self.watchdog.beat(self.step, "setting up the loop (probes, run files)")
+        with logger, StopRequest() as stop, self.checkpointer.finishing(), self.watchdog.watching(self.run_dir):
             if self.ladder.probe_needed:
                 self.ladder.find_micro_batch(self.batches, self.step, logger)
             if self.time_plan.needs_probe:  # only the process that plans corrects its plan later
@@ -210,12 +227,15 @@ class Trainer:
                 clock.step_started()
                 self.profiler.step_begins(self.step + 1)
                 lr = lr_at(self.step, t) * self.guard.lr_scale
-                with self.profiler.region("kiln/data"):
+                self.watchdog.beat(self.step, "loading the batch")
+                with self.profiler.region("kiln/data"), self.stragglers.clock.host():
                     # This rank's share of the step's global batch, kept until the step is done
                     # so that a retry after running out of memory sees the same sequences.
                     batch = to_device(next(batches), self.device)
+                self.watchdog.beat(self.step, "forward/backward (gradient reduction)")
                 with self.profiler.region("kiln/forward_backward"):
                     loss = self.ladder.forward_backward(batch, self.step + 1, logger, save=self.save)
+                self.watchdog.beat(self.step, "optimizer step (gradient-norm reduction)")
                 with self.profiler.region("kiln/optimizer"):
                     grad_norm = self.train_step.update(lr, inspect=self._histograms(logger))
                 self.step += 1
@@ -228,6 +248,7 @@ class Trainer:
                 # The run ends at max_steps, or early when the next step would overrun the time
                 # budget; either way it ends with an evaluation and a checkpoint. Ranks decide
                 # together, or one would wait forever in a collective the others skipped.
+                self.watchdog.beat(self.step, "step end (ranks agree to go on)")
                 out_of_time, stop.requested = self.world.agree(clock.next_step_overruns(), stop.requested)
                 final = self.step == t.max_steps or out_of_time
                 if self.meter.due(self.step, final or stop.requested):
@@ -237,6 +258,7 @@ class Trainer:
                         batches = self.batches.loader(self.step)
                         continue
                 # Evaluation and saving are not training throughput: the meter's clock stops.
+                self.watchdog.beat(self.step, "evaluation or checkpoint", patient=True)
                 with self.meter.paused():
                     if final or (cfg.eval.every and self.step % cfg.eval.every == 0):
                         metrics = self._evaluate(logger)
@@ -370,6 +392,7 @@ class Trainer:
 
     def _log(self, logger, lr: float, elapsed_s: float) -> tuple[dict[str, float], bool]:
         """Log the interval ending now; whether the guard calls for a rollback."""
+        self.watchdog.beat(self.step, "log point (metrics gathered)")
         values = self.meter.flush()  # the one host sync of the interval
         review = self.guard.review(self.step - len(values["losses"]) + 1, values["losses"], values["grad_norms"])
         self.guard.report(review, logger, self.batches, self._locate_non_finite)
@@ -379,10 +402,14 @@ class Trainer:
         record.update(self.precision.metrics())
         record.update(self.guard.metrics())
         logger.log(self.step, record)
+        self.stragglers.review(self.step, len(values["losses"]), logger)
         return record, review.rollback
 
     def _locate_non_finite(self, step: int) -> str | None:
-        """The first module whose output is non-finite when ``step``'s batch runs again."""
+        """The first module whose output is non-finite when ``step``'s batch runs again (not
+        looked for in a pipeline, whose ranks cannot run the model alone)."""
+        if self.pipeline is not None:
+            return None
         batch = self.batches.batch(step, self.device)
         return first_non_finite_module(
             self.unwrapped,
@@ -412,7 +439,7 @@ class Trainer:
             return None
         was_training = self.model.training
         self.model.eval()
-        model = self.unwrapped
+        model = self.pipeline or self.unwrapped
         metrics = None
         try:
             with torch.no_grad(), self.precision.autocast():
@@ -422,9 +449,10 @@ class Trainer:
                         k: v if isinstance(v, (list, dict)) else float(v) for k, v in self.eval_fn(model).items()
                     }
                     logger.log(self.step, metrics)
-                # The built-in sampler's KV cache holds every head, which a tensor-parallel
-                # rank does not have; samples are skipped there.
-                sample = self.sample_fn(model, self.step) if self.sample_fn is not None and self.world.tp == 1 else None
+                # The built-in sampler's KV cache holds every head and layer, which a tensor- or
+                # pipeline-parallel rank does not have; samples are skipped there.
+                whole = self.world.tp == 1 and self.pipeline is None
+                sample = self.sample_fn(model, self.step) if self.sample_fn is not None and whole else None
                 if sample is not None:
                     logger.text(self.step, "sample", sample)
         finally:

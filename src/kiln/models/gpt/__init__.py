@@ -67,11 +67,19 @@ class GPTFamily(ModelFamily):
         """Megatron-style tensor parallelism: q/k/v and the MLP's input projections split
         column-wise (each rank owns whole heads and a slice of the hidden units), the output
         projections row-wise, so each block needs one all-reduce forward and one backward.
-        Embedding, norms and output layer stay whole. The RoPE tables are derived buffers."""
+        Embedding, norms and output layer stay whole. The RoPE tables are derived buffers. A
+        pipeline's first stage holds the embedding, its last the final norm and output layer."""
         tp = dict.fromkeys(("attn.wq", "attn.wk", "attn.wv", "mlp.w1", "mlp.w3"), "colwise")
         tp.update(dict.fromkeys(("attn.wo", "mlp.w2"), "rowwise"))
         divisors = {f"model.{key}": getattr(args, key) for key in ("n_head", "n_kv_head", "d_ff")}
-        return ParallelPlan(blocks="blocks", tensor_parallel=tp, tp_divisors=divisors, derived_buffers=True)
+        return ParallelPlan(
+            blocks="blocks",
+            tensor_parallel=tp,
+            tp_divisors=divisors,
+            derived_buffers=True,
+            pipeline_first=("tok_emb",),
+            pipeline_last=("norm", "lm_head"),
+        )
 
     def flops_per_token(self, args: GPTConfig, seq_len: int) -> float:
         return flops_per_token(args, seq_len)

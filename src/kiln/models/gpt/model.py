@@ -208,6 +208,10 @@ class GPT(nn.Module):
         With a kv_cache, the keys and values of these positions are written into it and the
         tokens attend to the cached positions before them as well (the last max_seq_len of them:
         past that, one token at a time).
+
+        A pipeline stage is this model with some modules removed (None): without ``tok_emb`` it
+        takes hidden states [B, T, d_model] instead of tokens, without ``norm`` and ``lm_head``
+        it returns them.
         """
         T = idx.size(1)  # noqa: N806
         end = start_pos + T
@@ -218,10 +222,12 @@ class GPT(nn.Module):
             rope_cos, rope_sin = rope_tables(cfg.head_dim, end, cfg.rope_theta, idx.device, start=start_pos)
         else:
             raise ValueError(f"positions up to {end} exceed max_seq_len {self.config.max_seq_len}")
-        x = self.tok_emb(idx)
+        x = idx if self.tok_emb is None else self.tok_emb(idx)
         for i, block in enumerate(self.blocks):
             cache = None if kv_cache is None else (kv_cache.k[i], kv_cache.v[i])
             x = block(x, rope_cos, rope_sin, cache, start_pos)
+        if self.norm is None:
+            return x
         x = self.norm(x)
         if targets is None:
             return self.lm_head(x)

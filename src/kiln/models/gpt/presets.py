@@ -18,6 +18,10 @@ PRESETS: dict[str, dict] = {
     "350m":      dict(n_layer=24, d_model=1024, n_head=16, n_kv_head=16, d_ff=2816,  max_seq_len=2048, rope_theta=10000.0,  tie_embeddings=True),
     "1b":        dict(n_layer=16, d_model=2048, n_head=32, n_kv_head=8,  d_ff=8192,  max_seq_len=8192, rope_theta=500000.0, tie_embeddings=True),
     "7b":        dict(n_layer=32, d_model=4096, n_head=32, n_kv_head=32, d_ff=11008, max_seq_len=4096, rope_theta=10000.0,  tie_embeddings=False),
+    # Shaped like Llama 3 (vocabulary 128,256: set data.vocab_size), for kiln plan and from-scratch runs.
+    "llama3-8b":   dict(n_layer=32,  d_model=4096,  n_head=32,  n_kv_head=8, d_ff=14336, max_seq_len=8192, rope_theta=500000.0, tie_embeddings=False),
+    "llama3-70b":  dict(n_layer=80,  d_model=8192,  n_head=64,  n_kv_head=8, d_ff=28672, max_seq_len=8192, rope_theta=500000.0, tie_embeddings=False),
+    "llama3-405b": dict(n_layer=126, d_model=16384, n_head=128, n_kv_head=8, d_ff=53248, max_seq_len=8192, rope_theta=500000.0, tie_embeddings=False),
 }
 # fmt: on
 # ruff: enable[E501]

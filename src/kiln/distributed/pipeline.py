@@ -1,0 +1,267 @@
+"""Pipeline parallelism: the model's repeated layers cut into consecutive stages along the "pp"
+dimension of the world's mesh, run by a ``torch.distributed.pipelining`` schedule.
+
+The model stays plain. Its family's plan names the repeated layers and the modules that go with
+the first stage (the embedding) and with the last (final norm, output layer); a stage is the
+model with every other layer and module removed. The layers keep their numbers, so parameter
+names are those of the whole model and a checkpoint of any layout loads into any other. Stage
+``s`` of ``pp * v`` lives on pipeline rank ``s % pp`` (with ``v`` virtual stages per rank, the
+interleaved schedule's "loop" placement), and each rank's stages share one module that holds
+all of its layers: the optimizer, clipping and checkpoints see that one module.
+
+Each micro-batch of the training loop is one pipeline step: the schedule cuts it into
+``parallel.pp_microbatches`` pieces, and the last stage weighs each piece's loss by its share of
+the step's loss tokens, so the gradients are those of the whole batch, accumulation or not.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Iterable
+
+import torch
+from torch import nn
+
+from kiln.config import ConfigError, ParallelConfig
+from kiln.data.batch import IGNORE_INDEX
+from kiln.distributed.parallelize import parallelize
+from kiln.distributed.world import World
+from kiln.models.family import ParallelPlan
+
+SCHEDULES = {
+    "gpipe": "ScheduleGPipe",
+    "1f1b": "Schedule1F1B",
+    "interleaved_1f1b": "ScheduleInterleaved1F1B",
+}
+
+
+def stage_layers(n_layers: int, stages: int) -> list[range]:
+    """The repeated layers of each stage: equal, consecutive runs."""
+    if n_layers % stages:
+        raise ConfigError(
+            [
+                f"parallel.pp: the model's {n_layers} layers do not split into {stages} equal pipeline stages "
+                "(parallel.pp x parallel.pp_virtual_stages); choose a divisor of the layer count"
+            ]
+        )
+    size = n_layers // stages
+    return [range(s * size, (s + 1) * size) for s in range(stages)]
+
+
+def _view(model: nn.Module, plan: ParallelPlan, layers: Iterable[int], first: bool, last: bool) -> nn.Module:
+    """``model`` holding only ``layers`` (numbered as in the whole model), with the first stage's
+    modules if ``first`` and the last's if ``last``. It shares its modules with ``model``; its own
+    registries (modules, hooks) are copies, so what is applied to it does not reach the original."""
+    view = copy.copy(model)
+    for key, value in vars(model).items():
+        if isinstance(value, dict):
+            setattr(view, key, type(value)(value))
+    whole = model.get_submodule(plan.blocks)
+    kept = nn.ModuleList()
+    kept._modules = {str(i): whole._modules[str(i)] for i in layers}
+    view._modules[plan.blocks] = kept
+    for name in () if first else plan.pipeline_first:
+        view._modules[name] = None
+    for name in () if last else plan.pipeline_last:
+        view._modules[name] = None
+    return view
+
+
+def _tied(model: nn.Module, plan: ParallelPlan) -> dict[str, str]:
+    """The weights the first and the last stage share (tied input and output embeddings): each
+    one's name among the first stage's parameters and among the last's. Raises ConfigError if the
+    model's plan cannot pipeline it."""
+    if not plan.pipelined:
+        raise ConfigError([plan.pipeline_error(type(model).__name__)])
+
+    def named(names):
+        return {id(p): f"{name}.{key}" for name in names for key, p in model.get_submodule(name).named_parameters()}
+
+    first, last = named(plan.pipeline_first), named(plan.pipeline_last)
+    return {first[key]: last[key] for key in first.keys() & last.keys()}
+
+
+class Pipeline:
+    """This rank's share of a pipelined model: ``part`` (its layers, as one module, with the
+    data-parallel and tensor-parallel wrapping applied), the stages cut from it and the schedule.
+
+    ``compile``: each of its layers is compiled (``torch.compile``).
+    ``forward_backward`` runs one micro-batch through the pipeline with gradients; calling the
+    pipeline itself, ``pipeline(inputs, targets)``, runs it forward only and returns the mean
+    loss on every rank (evaluation)."""
+
+    def __init__(
+        self,
+        model: nn.Module,
+        plan: ParallelPlan,
+        world: World,
+        pcfg: ParallelConfig,
+        *,
+        bf16: bool = False,
+        compile: bool = False,
+    ):
+        from torch.distributed import pipelining
+
+        tied = _tied(model, plan)
+        n_stages, pp, rank = pcfg.pp_stages, world.pp, world.pp_rank
+        layers = stage_layers(len(plan.repeated_blocks(model)), n_stages)
+        mine = list(range(rank, n_stages, pp))
+        self.pp, self.world, self.n_stages = pp, world, n_stages
+        self.group = world.mesh["pp"].get_group()
+        part = _view(model, plan, [i for s in mine for i in layers[s]], 0 in mine, n_stages - 1 in mine)
+        self.part = part  # the plain module: state dict, activation checkpointing, evaluation
+        # Data-parallel replicas of a stage average their gradients once the step's micro-batches
+        # are all through the pipeline (``reduce_gradients``): DDP's per-bucket hooks do not
+        # survive a schedule that runs backward piece by piece across several calls.
+        self._replicas = None
+        if pcfg.strategy == "ddp" and world.dp > 1:
+            if world.tp > 1:
+                raise ConfigError(
+                    ["parallel.strategy: ddp cannot be combined with parallel.tp > 1; use fsdp or fsdp_grad_op"]
+                )
+            self._replicas = world.mesh["dp"].get_group()
+            self.model = part
+        elif len(mine) > 1 and world.dp > 1:
+            raise ConfigError(
+                [
+                    "parallel.pp_virtual_stages: several stages per rank are not combined with FSDP yet; use "
+                    "parallel.strategy=ddp, or parallel.pp_schedule=1f1b"
+                ]
+            )
+        else:
+            self.model = parallelize(part, plan, world, pcfg, bf16=bf16)
+        modules = (
+            [self.model] if len(mine) == 1 else [_view(part, plan, layers[s], s == 0, s == n_stages - 1) for s in mine]
+        )
+        self._tie(tied, 0 in mine, n_stages - 1 in mine)
+        if compile:  # the loss function is not what runs here: each layer is compiled instead
+            for block in plan.repeated_blocks(part):
+                block.compile()
+        # Evaluation runs the stages one after the other, forward only.
+        self._eval_modules = dict(zip(mine, modules if len(mine) > 1 else [part], strict=True))
+        self.stages = [
+            pipelining.PipelineStage(module, s, n_stages, world.device, group=self.group)
+            for s, module in zip(mine, modules, strict=True)
+        ]
+        self.is_last = n_stages - 1 in mine
+        schedule = getattr(pipelining, SCHEDULES[pcfg.pp_schedule])
+        # The loss of each piece is weighed here (by its share of the step's loss tokens), so the
+        # schedule must not divide the gradients by the number of pieces again.
+        kwargs = {"n_microbatches": pcfg.microbatches, "loss_fn": self._weighed, "scale_grads": False}
+        self.schedule = schedule(self.stages if len(self.stages) > 1 else self.stages[0], **kwargs)
+        self._scale: torch.Tensor | None = None
+
+    def _weighed(self, loss: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        """A piece's mean loss (the last stage returns it, fused with its output layer) as its
+        part of the micro-batch's loss times the step's weight."""
+        return loss * (targets != IGNORE_INDEX).sum() * self._scale
+
+    def forward_backward(self, batch: tuple[torch.Tensor, torch.Tensor], weight: float) -> torch.Tensor:
+        """Gradients of ``weight`` times the mean loss of ``batch`` (inputs, targets), added to
+        those already held; that mean loss on the last stage, times the pipeline's ranks, and zero
+        on the others (the meter averages the loss over every rank)."""
+        inputs, targets = batch
+        self._scale = weight / (targets != IGNORE_INDEX).sum()
+        losses: list[torch.Tensor] = []
+        # Every stage gets the targets as a keyword: the last computes the loss with them.
+        self.schedule.step(inputs, target=targets, losses=losses, return_outputs=False, targets=targets)
+        if not self.is_last:
+            return torch.zeros((), device=self.world.device)
+        return torch.stack(losses).sum().detach() * (self.pp / weight)
+
+    def _tie(self, tied: dict[str, str], first: bool, last: bool) -> None:
+        """A weight the first and last stage share (tied embeddings) is a copy on each of their
+        ranks, equal at the start; summing the two copies' gradients keeps them equal. One group
+        per pair of such ranks; every rank takes part in making every group."""
+        import torch.distributed as dist
+
+        self._tied_group, self._tied, self.uncounted = None, [], []
+        if not tied:
+            return
+        params = dict(self.part.named_parameters())
+        self._tied = [params[name] for name in (tied if first else tied.values() if last else ())]
+        # The last stage's copy is clipped with the first's norm, not counted twice, and is
+        # optimized as the embedding it is (no weight decay), like the first's.
+        self.uncounted = self._tied if last and not first else []
+        for param in self._tied:
+            param.is_embedding = True
+        world, ranks = self.world, dist.get_process_group_ranks(self.group)
+        if self.pp == 2:
+            self._tied_group = self.group
+            return
+        for dp_rank in range(world.dp):
+            for tp_rank in range(world.tp):
+                ends = [(p * world.dp + dp_rank) * world.tp + tp_rank for p in (0, self.pp - 1)]
+                made = dist.new_group(ends)
+                if ends == [ranks[0], ranks[-1]] and (first or last):
+                    self._tied_group = made
+
+    @torch.no_grad()
+    def reduce_gradients(self) -> None:
+        """Average the gradients over the data-parallel replicas (with ``parallel.strategy=ddp``;
+        FSDP reduces its own), in one all-reduce of all of them; sum the gradients of the copies
+        of a tied weight."""
+        import torch.distributed as dist
+
+        for param in self._tied:
+            grad = param.grad.to_local() if hasattr(param.grad, "to_local") else param.grad
+            dist.all_reduce(grad, group=self._tied_group)
+        if self._replicas is None:
+            return
+        from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
+
+        grads = [p.grad for p in self.part.parameters() if p.grad is not None]
+        flat = _flatten_dense_tensors(grads)
+        dist.all_reduce(flat, group=self._replicas)
+        flat /= self.world.dp
+        for grad, reduced in zip(grads, _unflatten_dense_tensors(flat, grads), strict=True):
+            grad.copy_(reduced)
+
+    @torch.no_grad()
+    def __call__(self, inputs: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
+        """The mean loss of ``targets`` given ``inputs``, on every rank: the stages run in turn,
+        each passing its hidden states to the next, and the last stage's loss is broadcast."""
+        import torch.distributed as dist
+
+        if targets is None:
+            raise ValueError("a pipelined model returns its loss, not logits: give it targets")
+        ranks = dist.get_process_group_ranks(self.group)
+        x = inputs
+        for s in range(self.n_stages):
+            if s % self.pp != self.world.pp_rank:
+                continue
+            if s > 0:
+                shape, dtype = _recv_header(ranks[(s - 1) % self.pp], self.group)
+                x = torch.empty(shape, dtype=dtype, device=self.world.device)
+                dist.recv(x, ranks[(s - 1) % self.pp], group=self.group)
+            x = self._eval_modules[s](x, targets=targets)
+            if s < self.n_stages - 1:
+                _send_header(x, ranks[(s + 1) % self.pp], self.group)
+                dist.send(x.contiguous(), ranks[(s + 1) % self.pp], group=self.group)
+        loss = x.float() if self.is_last else torch.zeros((), device=self.world.device)
+        dist.broadcast(loss, ranks[(self.n_stages - 1) % self.pp], group=self.group)
+        return loss
+
+    def train(self, mode: bool = True) -> Pipeline:
+        self.model.train(mode)
+        return self
+
+    def eval(self) -> Pipeline:
+        return self.train(False)
+
+    def parameters(self):
+        return self.part.parameters()
+
+
+def _send_header(x: torch.Tensor, dst: int, group) -> None:
+    import torch.distributed as dist
+
+    dist.send_object_list([tuple(x.shape), x.dtype], dst, group=group)
+
+
+def _recv_header(src: int, group) -> tuple[tuple[int, ...], torch.dtype]:
+    import torch.distributed as dist
+
+    header: list = [None, None]
+    dist.recv_object_list(header, src, group=group)
+    return header[0], header[1]

@@ -1,0 +1,49 @@
+"""checkpoint.async_save with a sharded model on two ranks: every rank writes its shards in the
+background, and only the main rank's commit, once all are written, makes the checkpoint count."""
+
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import torch
+from test_parallel import STEPS, _launch, _losses, _sets, _weights, _workers
+
+from kiln.checkpoint import latest_checkpoint
+
+
+def test_killing_every_rank_during_a_background_write_resumes_from_the_previous_checkpoint(tmp_path, corpus_dir):
+    """SIGKILL both FSDP ranks while the step-6 checkpoint is written (its shards are on disk, the
+    main rank's part is slowed down): step 3 stays the newest, and resuming from it ends bitwise
+    where an uninterrupted synchronous run does."""
+    ref = tmp_path / "ref"
+    _launch(2, _sets(ref, corpus_dir, micro=2, parallel__strategy="fsdp"))
+
+    run_dir = tmp_path / "killed"
+    sets = _sets(run_dir, corpus_dir, micro=2, parallel__strategy="fsdp", checkpoint__async_save="true")
+    launcher = subprocess.Popen(
+        [sys.executable, "-m", "kiln", "launch", "--nproc-per-node", "2", "--", "train", *sets],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        env={**os.environ, "KILN_TEST_SLOW_SAVE_SECONDS": "2"},
+    )
+    checkpoints, in_flight = run_dir / "checkpoints", run_dir / "checkpoints" / f".tmp-step-{STEPS:08d}"
+    deadline = time.time() + 180
+    while time.time() < deadline and launcher.poll() is None:
+        newest = latest_checkpoint(checkpoints)
+        if newest is not None and newest.name == "step-00000003" and list(in_flight.glob("state/*.distcp")):
+            break
+        time.sleep(0.02)
+    workers = _workers(launcher.pid)
+    for pid in workers:
+        os.kill(pid, signal.SIGKILL)
+    launcher.wait(timeout=120)
+    assert len(workers) == 2 and launcher.returncode != 0, "the run ended before its ranks could be killed"
+    assert in_flight.is_dir() and latest_checkpoint(checkpoints).name == "step-00000003"
+
+    out = _launch(2, sets).stdout
+    assert "resumed from" in out and "at step 3" in out
+    assert _losses(run_dir) == _losses(ref)
+    for (name, a), b in zip(_weights(run_dir).items(), _weights(ref).values(), strict=True):
+        assert torch.equal(a, b), name

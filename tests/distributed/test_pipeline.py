@@ -1,0 +1,197 @@
+"""Pipeline parallelism through the real launcher (gloo processes on the CPU): every schedule,
+and pipelines combined with data and tensor parallelism, train as one process does; their
+checkpoints resume in other layouts; bad layouts are refused before the first step.
+
+The reference process accumulates micro-batches of the size of a pipeline's pieces, so both sum
+the same partial gradients, and the weights agree to rounding (see test_parallel.py)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from test_parallel import STEPS, _assert_same_training, _cut_after, _kiln, _launch, _sets, _started, _weights
+
+from kiln.config import ParallelConfig
+from kiln.distributed.pipeline import _view, stage_layers
+from kiln.models.gpt import FAMILY, GPTConfig
+
+from conftest import tiny_overrides
+
+# Four layers (two stages of two, or four of one), untied: the embedding and the output layer
+# live on different stages.
+PIPE_MODEL = dict(model__n_layer=4, model__tie_embeddings="false")
+
+
+def _pipe_sets(run_dir: Path, corpus: Path, micro: int, **extra) -> list[str]:
+    return _sets(run_dir, corpus, micro, **PIPE_MODEL, **extra)
+
+
+@pytest.fixture(scope="module")
+def single_by(tmp_path_factory, corpus_dir):
+    """One process accumulating micro-batches of ``micro`` sequences, made once per size."""
+    runs: dict[int, Path] = {}
+
+    def get(micro: int) -> Path:
+        if micro not in runs:
+            runs[micro] = tmp_path_factory.mktemp(f"single{micro}") / "run"
+            _kiln("train", *_pipe_sets(runs[micro], corpus_dir, micro))
+        return runs[micro]
+
+    return get
+
+
+@pytest.mark.parametrize(
+    "schedule, extra, piece",
+    [
+        ("gpipe", {}, 2),
+        ("1f1b", {}, 2),
+        # Two virtual stages per rank: four stages, so at least four pieces.
+        ("interleaved_1f1b", {"parallel__pp_virtual_stages": 2}, 1),
+    ],
+)
+def test_two_stages_train_as_one_process(tmp_path, corpus_dir, single_by, schedule, extra, piece):
+    run_dir = tmp_path / "pp"
+    # Micro-batches of 4 with accumulation 2; each cut into 4 / piece pipeline micro-batches.
+    _launch(2, _pipe_sets(run_dir, corpus_dir, micro=4, parallel__pp=2, parallel__pp_schedule=schedule, **extra))
+    _assert_same_training(run_dir, single_by(piece))
+
+
+def test_tied_embeddings_are_pipelined(tmp_path, corpus_dir):
+    """The first and the last stage each hold a copy of the tied matrix; their gradients are
+    summed, so the copies stay equal and train as the one matrix of a single process."""
+    ref, run_dir = tmp_path / "single", tmp_path / "pp"
+    tied = {**PIPE_MODEL, "model__tie_embeddings": "true"}
+    _kiln("train", *_sets(ref, corpus_dir, micro=2, **tied))
+    _launch(2, _sets(run_dir, corpus_dir, micro=4, parallel__pp=2, **tied))
+    _assert_same_training(run_dir, ref)
+    weights = _weights(run_dir)
+    assert torch.equal(weights["tok_emb.weight"], weights["lm_head.weight"])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
+def test_pipeline_times_data_parallel_on_four_ranks(tmp_path, corpus_dir, single_by, strategy):
+    run_dir = tmp_path / "ppdp"
+    _launch(4, _pipe_sets(run_dir, corpus_dir, micro=2, parallel__pp=2, parallel__strategy=strategy))
+    _assert_same_training(run_dir, single_by(1))
+
+
+@pytest.mark.slow
+def test_pipeline_times_tensor_parallel_on_four_ranks(tmp_path, corpus_dir, single_by):
+    run_dir = tmp_path / "pptp"
+    _launch(4, _pipe_sets(run_dir, corpus_dir, micro=4, parallel__pp=2, parallel__tp=2))
+    # Tensor parallelism adds its all-reduce's rounding to the pipeline's; Adam magnifies it in
+    # the embedding rows of rare tokens (whose gradients are near zero) to about 1e-4.
+    _assert_same_training(run_dir, single_by(2), atol=3e-4)
+
+
+@pytest.mark.parametrize("then", ["single", "dp2"])
+def test_a_pipeline_checkpoint_resumes_in_another_layout(tmp_path, corpus_dir, single_by, then):
+    run_dir = tmp_path / "run"
+    _launch(2, _pipe_sets(run_dir, corpus_dir, micro=4, parallel__pp=2))
+    _cut_after(run_dir, 3)
+    if then == "single":
+        proc = _kiln("train", *_pipe_sets(run_dir, corpus_dir, micro=2))
+    else:
+        proc = _launch(2, _pipe_sets(run_dir, corpus_dir, micro=2))
+    assert "resumed from" in proc.stdout and "at step 3" in proc.stdout
+    _assert_same_training(run_dir, single_by(2), steps=range(4, STEPS + 1))
+    # The one-process tools read the pipeline's checkpoint too.
+    assert "val_loss" in _kiln("eval", str(run_dir)).stdout
+
+
+@pytest.mark.parametrize("tie", ["false", "true"])
+def test_a_whole_model_checkpoint_resumes_as_a_pipeline(tmp_path, corpus_dir, tie):
+    """Each stage takes its layers of a one-process checkpoint (and a tied matrix's optimizer
+    state, kept there under the embedding's name, for the output layer's copy)."""
+    ref, run_dir = tmp_path / "single", tmp_path / "run"
+    model = {**PIPE_MODEL, "model__tie_embeddings": tie}
+    _kiln("train", *_sets(ref, corpus_dir, micro=2, **model))
+    _kiln("train", *_sets(run_dir, corpus_dir, micro=2, **model))
+    _cut_after(run_dir, 3)
+    proc = _launch(2, _sets(run_dir, corpus_dir, micro=4, parallel__pp=2, **model))
+    assert "resumed from" in proc.stdout and "at step 3" in proc.stdout
+    _assert_same_training(run_dir, ref, steps=range(4, STEPS + 1))
+
+
+def test_a_killed_pipeline_resumes_bitwise(tmp_path, corpus_dir):
+    steps = 200
+
+    def sets(run_dir):
+        items = tiny_overrides(
+            run_dir, corpus_dir, **PIPE_MODEL, parallel__pp=2, train__max_steps=steps, checkpoint__every=10
+        )
+        return [a for item in items for a in ("--set", item)]
+
+    ref = tmp_path / "uninterrupted"
+    _launch(2, sets(ref))
+    run_dir = tmp_path / "killed"
+    cmd = [sys.executable, "-m", "kiln", "launch", "--nproc-per-node", "2", "--", "train", *sets(run_dir)]
+    launcher, workers = _started(cmd, run_dir, steps)
+    for pid in workers:
+        os.kill(pid, signal.SIGKILL)
+    launcher.communicate(timeout=120)
+    assert launcher.returncode != 0
+    proc = _launch(2, sets(run_dir))
+    assert "resumed from" in proc.stdout
+    for (name, a), b in zip(_weights(run_dir).items(), _weights(ref).values(), strict=True):
+        torch.testing.assert_close(a, b, rtol=0, atol=0, msg=name)
+
+
+@pytest.mark.parametrize(
+    "nproc, extra, message",
+    [
+        (
+            2,
+            dict(parallel__pp=2, parallel__pp_microbatches=1),
+            "parallel.pp_microbatches: 1 is fewer than the pipeline's 2 stages",
+        ),
+        (2, dict(parallel__pp=2, model__n_layer=3), "layers do not split into 2 equal pipeline stages"),
+        (3, dict(parallel__pp=2), "the world size 3 is not a multiple of parallel.pp x parallel.tp = 2 x 1"),
+    ],
+)
+def test_invalid_pipeline_layouts_are_refused_before_the_first_step(tmp_path, corpus_dir, nproc, extra, message):
+    run_dir = tmp_path / "run"
+    sets = _sets(run_dir, corpus_dir, micro=4, **{**PIPE_MODEL, **extra})
+    proc = _launch(nproc, sets, check=False)
+    assert proc.returncode != 0
+    assert message in proc.stderr
+    assert not (run_dir / "checkpoints").exists() and not (run_dir / "metrics.jsonl").exists()
+
+
+def test_config_refuses_pipelines_that_cannot_work():
+    from kiln.config import Config, TrainConfig
+
+    def errors(**parallel):
+        train = TrainConfig(micro_batch_size=4, global_batch_size=8)
+        return "\n".join(Config(parallel=ParallelConfig(**parallel), train=train).errors())
+
+    assert "interleaved_1f1b needs parallel.pp_virtual_stages >= 2" in errors(pp=2, pp_schedule="interleaved_1f1b")
+    assert "need parallel.pp_schedule=interleaved_1f1b" in errors(pp=2, pp_virtual_stages=2)
+    assert "3 pipeline micro-batches, which must divide it" in errors(pp=2, pp_microbatches=3)
+    assert errors(pp=2, pp_schedule="interleaved_1f1b", pp_virtual_stages=2) == ""
+    assert ParallelConfig(pp=2, pp_virtual_stages=2, pp_schedule="interleaved_1f1b").microbatches == 4
+
+
+def test_stages_compose_to_the_whole_model():
+    """The stage views, run one after the other, compute what the whole model does, and keep
+    its parameter names."""
+    args = GPTConfig(
+        vocab_size=64, n_layer=4, d_model=32, n_head=4, n_kv_head=2, d_ff=64, max_seq_len=16, tie_embeddings=False
+    )
+    torch.manual_seed(0)
+    model = FAMILY.build(args)
+    plan = FAMILY.parallel_plan(args)
+    x, y = torch.randint(0, 64, (2, 16)), torch.randint(0, 64, (2, 16))
+    layers = stage_layers(4, 2)
+    first, last = _view(model, plan, layers[0], True, False), _view(model, plan, layers[1], False, True)
+    torch.testing.assert_close(last(first(x), targets=y), model(x, y), rtol=0, atol=0)
+    names = set(model.state_dict())
+    assert set(first.state_dict()) | set(last.state_dict()) == names
+    assert "blocks.3.mlp.w2.weight" in last.state_dict() and "tok_emb.weight" not in last.state_dict()
+    assert len(model.blocks) == 4 and model.norm is not None  # the whole model is untouched
