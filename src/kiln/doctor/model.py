@@ -398,7 +398,8 @@ def _short_run(job: DoctorJob) -> tuple[list[float], str]:
     losses = [run.step(to_device(next(batches), job.device), lr_at(s, t)) for s in range(DETERMINISM_STEPS)]
     del batches
     digest = hashlib.blake2b(digest_size=16)
-    for p in run.model.parameters():
+    # The state dict's plain tensors: a QLoRA base is quantized, and gives its values there.
+    for p in run.model.state_dict().values():
         digest.update(p.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())
     return losses, digest.hexdigest()
 

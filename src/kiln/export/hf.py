@@ -2,7 +2,8 @@
 config.json, model.safetensors and the tokenizer files. kiln's GPT becomes a ``LlamaForCausalLM``
 (its state-dict adapter gives the names and the config); a fine-tuned ``transformers`` model is
 saved by ``transformers`` itself, a classifier with its label names (``id2label``); a LoRA run
-as the merged model, plus the adapter in PEFT's own format under ``adapter/``.
+as the merged model (a QLoRA run's adapters merged into its dequantized 4-bit base), plus the
+adapter in PEFT's own format under ``adapter/``.
 """
 
 from __future__ import annotations

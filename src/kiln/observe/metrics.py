@@ -88,8 +88,9 @@ def _histogram_values(tensor: torch.Tensor) -> torch.Tensor:
     if hasattr(tensor, "to_local"):
         tensor = tensor.to_local()
     # To the host before widening to float32: no extra copy on the device, where memory is
-    # tightest while the gradients are still held.
-    values = tensor.detach().cpu().float().flatten()
+    # tightest while the gradients are still held. ``to`` a dtype also dequantizes a quantized
+    # weight (a QLoRA base), where ``float()`` may keep it as it is.
+    values = tensor.detach().cpu().to(torch.float32).flatten()
     # Histogram bins come from the value range, which a NaN or inf makes meaningless.
     return values[torch.isfinite(values)]
 

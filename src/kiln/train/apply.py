@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import functools
+import math
 from collections.abc import Callable
 
 import torch
@@ -11,7 +12,13 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from kiln.config import Config, ConfigError
+from kiln.device import resolve_device
 from kiln.models.family import ParallelPlan
+
+# Weights per absmax scale of an NF4 weight, and scales per group of the scales' own 8-bit
+# quantization: QLoRA's (Dettmers et al., 2023) and torchtune's.
+NF4_BLOCK = 64
+NF4_SCALER_BLOCK = 256
 
 
 def apply_activation_checkpointing(model: nn.Module, plan: ParallelPlan | None = None) -> nn.Module:
@@ -37,12 +44,16 @@ def apply_compile(fn: Callable) -> Callable:
     return torch.compile(fn)
 
 
-def apply_lora(model: nn.Module, cfg: Config, targets: list[str]) -> nn.Module:
+def apply_lora(model: nn.Module, cfg: Config, targets: list[str], *, quantize: bool = True) -> nn.Module:
     """Low-rank adapters (PEFT's LoRA) when ``lora.rank`` is set: the base weights freeze and only
     the adapters (and a classifier's new head) train. A Hugging Face model inside kiln's wrapper
     (``model.hf``) becomes a PEFT model, whose adapter saves in PEFT's own format; any other
     model (kiln's GPT) keeps its class, with the adapted layers replaced in place, so its family's
-    parallel plan and calling convention still apply. ``targets``: the family's default modules."""
+    parallel plan and calling convention still apply. ``targets``: the family's default modules.
+    With ``lora.quantize_base`` the adapted layers' frozen weights are then quantized (QLoRA),
+    unless ``quantize`` is False: a model to load a QLoRA checkpoint into for use (its base is
+    saved dequantized, and computes in full precision exactly what the 4-bit one computed; a
+    base quantized anew from those values would not be the trained one, see ``quantize_base``)."""
     lora = cfg.lora
     if not lora.rank:
         return model
@@ -69,21 +80,104 @@ def apply_lora(model: nn.Module, cfg: Config, targets: list[str]) -> nn.Module:
                 param.requires_grad_("lora_" in name)
     except ValueError as e:
         raise ConfigError([f"lora.target_modules: {str(e).splitlines()[0]}"]) from None
+    if quantize and lora.quantize_base == "nf4":
+        # On the run's device: a GPU quantizes a large model far faster than the host.
+        quantize_base(model, resolve_device(cfg.run.device))
     return model
 
 
+def _nf4():
+    """torchao's NF4 tensor class and constructor (under ``torchao.dtypes`` before 0.17)."""
+    try:
+        from torchao.quantization import NF4Tensor, to_nf4
+    except ImportError:
+        try:
+            from torchao.dtypes.nf4tensor import NF4Tensor, to_nf4
+        except ImportError:
+            raise ConfigError(["lora.quantize_base: nf4 needs torchao: pip install 'kiln[hf]'"]) from None
+    return NF4Tensor, to_nf4
+
+
+def quantize_base(model: nn.Module, device: torch.device) -> None:
+    """QLoRA: the frozen weight of every LoRA-adapted linear layer becomes torchao's NF4 tensor
+    (4-bit NormalFloat codes, an absmax scale per ``NF4_BLOCK`` weights, the scales themselves
+    quantized to 8 bits), which ``F.linear`` dequantizes on the fly to the input's dtype; the
+    adapters, biases and every other weight keep their precision. Quantized on ``device``, then
+    put back where the weight was.
+
+    The layer's state dict holds the weight dequantized, on the host, so checkpoints and
+    exports see plain tensors; loading one back keeps the 4-bit weight when the values are the
+    ones it dequantizes to (a resume, which quantizes the same source weights again, continues
+    bit for bit: NF4 of dequantized NF4 is not the same NF4), and quantizes them otherwise."""
+    to_nf4 = _nf4()[1]
+    owners = {}
+    for name, param in model.named_parameters(remove_duplicate=False):
+        owners.setdefault(id(param), []).append(name)
+    for name, module in model.named_modules():
+        if not hasattr(module, "lora_A"):
+            continue
+        base = module.get_base_layer()
+        weight = base.weight
+        where = f"lora.quantize_base: {name}"
+        if not isinstance(base, nn.Linear):
+            raise ConfigError([f"{where} is a {type(base).__name__}; nf4 quantizes linear layers only"])
+        if len(owners[id(weight)]) > 1:
+            raise ConfigError(
+                [f"{where}.weight is shared with {owners[id(weight)][0]} (tied); leave it out of lora.target_modules"]
+            )
+        if weight.numel() % NF4_BLOCK:
+            raise ConfigError(
+                [f"{where}.weight has {weight.numel()} elements, not a multiple of NF4's block of {NF4_BLOCK}"]
+            )
+        # A small layer has fewer scales than a group: they go in the largest power of two that divides them.
+        scaler_block = math.gcd(weight.numel() // NF4_BLOCK, NF4_SCALER_BLOCK)
+        quantized = to_nf4(weight.detach().to(device), NF4_BLOCK, scaler_block).to(weight.device)
+        base.weight = nn.Parameter(quantized, requires_grad=False)
+        base.register_state_dict_post_hook(_dequantized_state)
+        base.register_load_state_dict_pre_hook(_load_quantized)
+
+
+def _dequantized_state(module: nn.Module, state: dict, prefix: str, local_metadata: dict) -> None:
+    # On the host one layer at a time: a save never holds the whole base dequantized on the device.
+    key = prefix + "weight"
+    if isinstance(state.get(key), _nf4()[0]):
+        state[key] = state[key].get_original_weight().cpu()
+
+
+def _load_quantized(module: nn.Module, state: dict, prefix: str, *args) -> None:
+    key, current = prefix + "weight", module.weight
+    if key not in state or not isinstance(current, _nf4()[0]):
+        return
+    saved = state[key].to(current.device, current.dtype)
+    # The same NF4 (a self-copy) if ``saved`` is what it dequantizes to; else NF4's copy_ quantizes it.
+    state[key] = current if torch.equal(saved, current.get_original_weight()) else saved
+
+
+def _dequantized_copy(model: nn.Module) -> nn.Module:
+    """A deep copy of ``model`` whose QLoRA base weights are plain tensors again (dequantized, in
+    the precision they were quantized from): what folding adapters into the base needs."""
+    # Copying an NF4 tensor itself would quantize it anew (torchao's clone), blocks and all.
+    memo = {
+        id(p): nn.Parameter(p.get_original_weight(), requires_grad=False)
+        for p in model.parameters()
+        if hasattr(p, "get_original_weight")
+    }
+    return copy.deepcopy(model, memo)
+
+
 def merge_lora(model: nn.Module) -> nn.Module:
-    """A copy of ``model`` with every LoRA adapter folded into its layer's weight and the plain
-    layer put back: the model its family's exporters know (``model`` itself if it has none)."""
+    """A copy of ``model`` with every LoRA adapter folded into its layer's weight (a QLoRA base
+    dequantized first) and the plain layer put back: the model its family's exporters know
+    (``model`` itself if it has none)."""
     hf = getattr(model, "hf", None)
     if hf is not None and hasattr(hf, "merge_and_unload"):
-        merged = copy.deepcopy(model)
+        merged = _dequantized_copy(model)
         merged.hf = merged.hf.merge_and_unload()
         return merged
     adapted = [name for name, module in model.named_modules() if hasattr(module, "lora_A")]
     if not adapted:
         return model
-    merged = copy.deepcopy(model)
+    merged = _dequantized_copy(model)
     for name in adapted:
         layer = merged.get_submodule(name)
         layer.merge()
