@@ -74,10 +74,18 @@ def test_tied_embeddings_are_pipelined(tmp_path, corpus_dir):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
-def test_pipeline_times_data_parallel_on_four_ranks(tmp_path, corpus_dir, single_by, strategy):
+@pytest.mark.parametrize(
+    "strategy, micro, extra",
+    [
+        ("ddp", 2, {}),
+        ("fsdp", 2, {}),
+        # Two stages per rank, each one an FSDP root of its own; four stages, four pieces.
+        ("fsdp", 4, {"parallel__pp_schedule": "interleaved_1f1b", "parallel__pp_virtual_stages": 2}),
+    ],
+)
+def test_pipeline_times_data_parallel_on_four_ranks(tmp_path, corpus_dir, single_by, strategy, micro, extra):
     run_dir = tmp_path / "ppdp"
-    _launch(4, _pipe_sets(run_dir, corpus_dir, micro=2, parallel__pp=2, parallel__strategy=strategy))
+    _launch(4, _pipe_sets(run_dir, corpus_dir, micro=micro, parallel__pp=2, parallel__strategy=strategy, **extra))
     _assert_same_training(run_dir, single_by(1))
 
 
@@ -120,7 +128,7 @@ def test_a_whole_model_checkpoint_resumes_as_a_pipeline(tmp_path, corpus_dir, ti
 
 
 def test_a_killed_pipeline_resumes_bitwise(tmp_path, corpus_dir):
-    steps = 200
+    steps = 100
 
     def sets(run_dir):
         items = tiny_overrides(

@@ -295,24 +295,6 @@ def test_world_size_alone_means_nodes_of_eight():
             ["--world-size", "8", *sets(["parallel.pp=8", "train.micro_batch_size=8", "train.global_batch_size=8"])],
             "parallel.pp: the model's 4 layers do not split into 8 equal pipeline stages",
         ),
-        (
-            [
-                "--world-size",
-                "8",
-                *sets(
-                    [
-                        "parallel.pp=2",
-                        "parallel.pp_schedule=interleaved_1f1b",
-                        "parallel.pp_virtual_stages=2",
-                        "parallel.strategy=fsdp",
-                        "train.micro_batch_size=4",
-                        "train.global_batch_size=16",
-                        "model.tie_embeddings=false",
-                    ]
-                ),
-            ],
-            "parallel.pp_virtual_stages: several stages per rank are not combined with FSDP yet",
-        ),
     ],
 )
 def test_bad_cluster_input_exits_2_naming_the_option(capsys, args, message):

@@ -24,7 +24,7 @@ from torch import nn
 
 from kiln.config import ConfigError, ParallelConfig
 from kiln.data.batch import IGNORE_INDEX
-from kiln.distributed.parallelize import parallelize
+from kiln.distributed.parallelize import apply_fsdp, apply_tp, parallelize
 from kiln.distributed.world import World
 from kiln.models.family import ParallelPlan
 
@@ -113,7 +113,7 @@ class Pipeline:
         # Data-parallel replicas of a stage average their gradients once the step's micro-batches
         # are all through the pipeline (``reduce_gradients``): DDP's per-bucket hooks do not
         # survive a schedule that runs backward piece by piece across several calls.
-        self._replicas = None
+        self._replicas, views = None, None
         if pcfg.strategy == "ddp" and world.dp > 1:
             if world.tp > 1:
                 raise ConfigError(
@@ -122,17 +122,28 @@ class Pipeline:
             self._replicas = world.mesh["dp"].get_group()
             self.model = part
         elif len(mine) > 1 and world.dp > 1:
-            raise ConfigError(
-                [
-                    "parallel.pp_virtual_stages: several stages per rank are not combined with FSDP yet; use "
-                    "parallel.strategy=ddp, or parallel.pp_schedule=1f1b"
-                ]
-            )
+            # Several stages per rank: each is FSDP's root for its own layers, as the schedule
+            # runs each one's forward and backward apart.
+            if world.tp > 1:
+                plan.check_tensor_parallel(world.tp, type(part).__name__)
+                apply_tp(part, plan, world.mesh["tp"])
+            views = [_view(part, plan, layers[s], s == 0, s == n_stages - 1) for s in mine]
+            for view in views:
+                apply_fsdp(
+                    view,
+                    plan,
+                    world.mesh["dp"],
+                    reshard_after_forward=pcfg.strategy == "fsdp",
+                    bf16=bf16,
+                    cpu_offload=pcfg.cpu_offload,
+                )
+            self.model = part
         else:
             self.model = parallelize(part, plan, world, pcfg, bf16=bf16)
-        modules = (
-            [self.model] if len(mine) == 1 else [_view(part, plan, layers[s], s == 0, s == n_stages - 1) for s in mine]
-        )
+        if len(mine) == 1:
+            modules = [self.model]
+        else:
+            modules = views or [_view(part, plan, layers[s], s == 0, s == n_stages - 1) for s in mine]
         self._tie(tied, 0 in mine, n_stages - 1 in mine)
         if compile:  # the loss function is not what runs here: each layer is compiled instead
             for block in plan.repeated_blocks(part):

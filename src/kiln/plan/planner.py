@@ -234,13 +234,6 @@ def _base_setup(cfg: Config, world_size: int, world_flag: str) -> Setup:
                 f"{t.global_batch_size // dp}, or auto (kiln plan shows the largest that fits)"
             ]
         )
-    if dp > 1 and p.pp > 1 and p.pp_virtual_stages > 1 and p.strategy != "ddp":
-        raise ConfigError(
-            [
-                "parallel.pp_virtual_stages: several stages per rank are not combined with FSDP yet; use "
-                "parallel.strategy=ddp, or parallel.pp_schedule=1f1b"
-            ]
-        )
     if dp > 1 and p.strategy == "ddp" and p.tp > 1:
         raise ConfigError(["parallel.strategy: ddp cannot be combined with parallel.tp > 1; use fsdp or fsdp_grad_op"])
     if dp > 1 and p.strategy == "ddp" and p.cpu_offload:

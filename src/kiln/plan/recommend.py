@@ -68,18 +68,17 @@ def _schedules(job: Job, base: Setup, pp: int) -> list[tuple[str, int]]:
     return sorted(options)
 
 
-def _strategies(job: Job, base: Setup, dp: int, pp: int, tp: int, virtual: int) -> list[tuple[str, bool]]:
-    """(strategy, CPU offload) pairs that kiln runs: DDP not with tensor parallelism, FSDP not
-    with several pipeline stages per rank (kiln.distributed.pipeline); offload only without
-    tensor or pipeline parallelism, on a GPU; with one data-parallel rank the strategy matters
-    only to offload."""
+def _strategies(job: Job, base: Setup, dp: int, pp: int, tp: int) -> list[tuple[str, bool]]:
+    """(strategy, CPU offload) pairs that kiln runs: DDP not with tensor parallelism
+    (kiln.distributed.pipeline); offload only without tensor or pipeline parallelism, on a GPU;
+    with one data-parallel rank the strategy matters only to offload."""
     gpu = job.target.kind == "cuda"
     alone = pp == 1 and tp == 1
     if dp > 1:
         return [
             (strategy, offload)
             for strategy in ("ddp", "fsdp_grad_op", "fsdp")
-            if (strategy != "ddp" or tp == 1) and (strategy == "ddp" or virtual == 1)
+            if strategy != "ddp" or tp == 1
             for offload in ((False, True) if gpu and strategy != "ddp" and alone else (False,))
         ]
     return [(base.strategy, False)] + [("fsdp", True)] * (gpu and alone)
@@ -95,7 +94,7 @@ def _candidates(job: Job, base: Setup, world_size: int) -> Iterator[Setup]:
         (pp, tp, schedule, virtual, strategy, offload)
         for pp, tp in _layouts(job, base, world_size)
         for schedule, virtual in _schedules(job, base, pp)
-        for strategy, offload in _strategies(job, base, world_size // (pp * tp), pp, tp, virtual)
+        for strategy, offload in _strategies(job, base, world_size // (pp * tp), pp, tp)
     )
     for (pp, tp, schedule, virtual, strategy, offload), precision, checkpointing in itertools.product(
         combinations, sorted(precisions), (False, True)

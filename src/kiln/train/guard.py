@@ -103,18 +103,24 @@ class Guard:
         """What the logged record says of the guard: the non-finite steps so far, once there are any."""
         return {"nonfinite_steps": self.bad_total} if self.bad_total else {}
 
-    def report(self, review: StepReview, logger, batches: StepBatches, locate: Callable[[int], str | None]) -> None:
-        """Log the review's bad steps (with the first non-finite module, found by ``locate(step)``)
-        and loss spikes (with the batch, from the data order) as events."""
+    def report(
+        self, review: StepReview, logger, batches: StepBatches, locate: Callable[[int], str | None] | None
+    ) -> None:
+        """Log the review's bad steps (with the first non-finite module, found by ``locate(step)``;
+        None where no process can run the whole model to look) and loss spikes (with the batch,
+        from the data order) as events."""
         if review.bad_steps:
             step = review.bad_steps[0]
-            module = locate(step)
-            where = (
-                f"the first non-finite output is module '{module}'"
-                if module
-                else "every module output was finite when the step's batch was run again (the loss or the backward "
-                "pass went non-finite)"
-            )
+            module = None if locate is None else locate(step)
+            if locate is None:
+                where = "the module was not looked for (under pipeline parallelism no process holds the whole model)"
+            elif module:
+                where = f"the first non-finite output is module '{module}'"
+            else:
+                where = (
+                    "every module output was finite when the step's batch was run again (the loss or the backward "
+                    "pass went non-finite)"
+                )
             logger.event(
                 step,
                 "non_finite",

@@ -395,7 +395,9 @@ class Trainer:
         self.watchdog.beat(self.step, "log point (metrics gathered)")
         values = self.meter.flush()  # the one host sync of the interval
         review = self.guard.review(self.step - len(values["losses"]) + 1, values["losses"], values["grad_norms"])
-        self.guard.report(review, logger, self.batches, self._locate_non_finite)
+        # A pipeline's ranks cannot run the model alone to look for the module.
+        locate = self._locate_non_finite if self.pipeline is None else None
+        self.guard.report(review, logger, self.batches, locate)
         record = self.meter.record(
             values, step=self.step, lr=lr, elapsed_s=elapsed_s, micro_batch_size=self.micro_batch_size
         )
@@ -406,10 +408,7 @@ class Trainer:
         return record, review.rollback
 
     def _locate_non_finite(self, step: int) -> str | None:
-        """The first module whose output is non-finite when ``step``'s batch runs again (not
-        looked for in a pipeline, whose ranks cannot run the model alone)."""
-        if self.pipeline is not None:
-            return None
+        """The first module whose output is non-finite when ``step``'s batch runs again."""
         batch = self.batches.batch(step, self.device)
         return first_non_finite_module(
             self.unwrapped,
