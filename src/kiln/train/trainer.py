@@ -351,10 +351,11 @@ class Trainer:
 
     def _warm_seconds(self, work: Callable[[], Any]) -> float:
         """How long ``work`` takes once warm: the first call also pays for imports and first
-        allocations, so one that is cheap next to the budget is timed a second time."""
+        allocations, so one that is cheap next to the budget is timed a second time. The slowest
+        rank's time decides, so that every rank runs ``work`` (and its collectives) as often."""
         started = time.perf_counter()
         work()
-        seconds = time.perf_counter() - started
+        (seconds,) = self.world.largest(time.perf_counter() - started)
         if seconds > 0.005 * self.time_plan.budget_s:
             return seconds
         started = time.perf_counter()
