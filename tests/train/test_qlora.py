@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from test_finetune import as_args, ft_sets, losses
 
 from kiln.checkpoint import load_checkpoint
 from kiln.cli import main
@@ -27,38 +28,9 @@ NF4Tensor = pytest.importorskip("torchao.quantization").NF4Tensor
 
 
 def sets(run_dir: Path, source: Path, model_dir: Path, **extra) -> list[str]:
-    items = {
-        "run.dir": run_dir,
-        "run.device": "cpu",
-        "model.source": f"hf:{model_dir}",
-        "data.source": source,
-        "data.num_workers": 0,
-        "data.seq_len": 64,
-        "train.max_steps": 8,
-        "train.micro_batch_size": 2,
-        "train.global_batch_size": 4,
-        "train.lr": 1e-2,
-        "train.warmup_steps": 2,
-        "train.log_every": 1,
-        "eval.every": 0,
-        "checkpoint.every": 4,
-        "checkpoint.keep": 10,
-        "lora.rank": 8,
-        "lora.alpha": 16,
-        "lora.dropout": 0.0,
-        "lora.quantize_base": "nf4",
-    }
-    items.update({k.replace("__", "."): v for k, v in extra.items()})
-    return [f"{k}={v}" for k, v in items.items()]
-
-
-def as_args(items: list[str]) -> list[str]:
-    return [a for item in items for a in ("--set", item)]
-
-
-def losses(run_dir: Path) -> dict[int, float]:
-    lines = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    return {r["step"]: r["loss"] for r in lines if "loss" in r}
+    """The fine-tuning tests' run, with QLoRA adapters of rank 8."""
+    qlora = dict(train__lr=1e-2, lora__rank=8, lora__alpha=16, lora__dropout=0.0, lora__quantize_base="nf4")
+    return ft_sets(run_dir, source, model_dir, **{**qlora, **extra})
 
 
 def stored_bytes(t: torch.Tensor) -> int:

@@ -82,8 +82,8 @@ def _tied(model: nn.Module, plan: ParallelPlan) -> dict[str, str]:
 
 
 class Pipeline:
-    """This rank's share of a pipelined model: ``part`` (its layers, as one module, with the
-    data-parallel and tensor-parallel wrapping applied), the stages cut from it and the schedule.
+    """This rank's share of a pipelined model: ``part`` (its layers, as one module, with tensor
+    parallelism and FSDP applied), the stages cut from it and the schedule.
 
     ``compile``: each of its layers is compiled (``torch.compile``).
     ``forward_backward`` runs one micro-batch through the pipeline with gradients; calling the
@@ -109,50 +109,48 @@ class Pipeline:
         self.pp, self.world, self.n_stages = pp, world, n_stages
         self.group = world.mesh["pp"].get_group()
         part = _view(model, plan, [i for s in mine for i in layers[s]], 0 in mine, n_stages - 1 in mine)
-        self.part = part  # the plain module: state dict, activation checkpointing, evaluation
+        self.part = part  # the module the optimizer, clipping, checkpoints and activation checkpointing see
+        # This rank's stages: the part itself, or views of it when it holds several.
+        stages = (
+            {mine[0]: part}
+            if len(mine) == 1
+            else {s: _view(part, plan, layers[s], s == 0, s == n_stages - 1) for s in mine}
+        )
         # Data-parallel replicas of a stage average their gradients once the step's micro-batches
         # are all through the pipeline (``reduce_gradients``): DDP's per-bucket hooks do not
         # survive a schedule that runs backward piece by piece across several calls.
-        self._replicas, views = None, None
+        self._replicas = None
         if pcfg.strategy == "ddp" and world.dp > 1:
             if world.tp > 1:
                 raise ConfigError(
                     ["parallel.strategy: ddp cannot be combined with parallel.tp > 1; use fsdp or fsdp_grad_op"]
                 )
             self._replicas = world.mesh["dp"].get_group()
-            self.model = part
         elif len(mine) > 1 and world.dp > 1:
             # Several stages per rank: each is FSDP's root for its own layers, as the schedule
             # runs each one's forward and backward apart.
             if world.tp > 1:
                 plan.check_tensor_parallel(world.tp, type(part).__name__)
                 apply_tp(part, plan, world.mesh["tp"])
-            views = [_view(part, plan, layers[s], s == 0, s == n_stages - 1) for s in mine]
-            for view in views:
+            for stage in stages.values():
                 apply_fsdp(
-                    view,
+                    stage,
                     plan,
                     world.mesh["dp"],
                     reshard_after_forward=pcfg.strategy == "fsdp",
                     bf16=bf16,
                     cpu_offload=pcfg.cpu_offload,
                 )
-            self.model = part
-        else:
-            self.model = parallelize(part, plan, world, pcfg, bf16=bf16)
-        if len(mine) == 1:
-            modules = [self.model]
-        else:
-            modules = views or [_view(part, plan, layers[s], s == 0, s == n_stages - 1) for s in mine]
+        else:  # tensor parallelism, and FSDP with the part as its root; never a DDP wrapper here
+            parallelize(part, plan, world, pcfg, bf16=bf16)
         self._tie(tied, 0 in mine, n_stages - 1 in mine)
         if compile:  # the loss function is not what runs here: each layer is compiled instead
             for block in plan.repeated_blocks(part):
                 block.compile()
-        # Evaluation runs the stages one after the other, forward only.
-        self._eval_modules = dict(zip(mine, modules if len(mine) > 1 else [part], strict=True))
+        self._stage_modules = stages  # evaluation runs them one after the other, forward only
         self.stages = [
             pipelining.PipelineStage(module, s, n_stages, world.device, group=self.group)
-            for s, module in zip(mine, modules, strict=True)
+            for s, module in stages.items()
         ]
         self.is_last = n_stages - 1 in mine
         schedule = getattr(pipelining, SCHEDULES[pcfg.pp_schedule])
@@ -245,23 +243,13 @@ class Pipeline:
                 shape, dtype = _recv_header(ranks[(s - 1) % self.pp], self.group)
                 x = torch.empty(shape, dtype=dtype, device=self.world.device)
                 dist.recv(x, ranks[(s - 1) % self.pp], group=self.group)
-            x = self._eval_modules[s](x, targets=targets)
+            x = self._stage_modules[s](x, targets=targets)
             if s < self.n_stages - 1:
                 _send_header(x, ranks[(s + 1) % self.pp], self.group)
                 dist.send(x.contiguous(), ranks[(s + 1) % self.pp], group=self.group)
         loss = x.float() if self.is_last else torch.zeros((), device=self.world.device)
         dist.broadcast(loss, ranks[(self.n_stages - 1) % self.pp], group=self.group)
         return loss
-
-    def train(self, mode: bool = True) -> Pipeline:
-        self.model.train(mode)
-        return self
-
-    def eval(self) -> Pipeline:
-        return self.train(False)
-
-    def parameters(self):
-        return self.part.parameters()
 
 
 def _send_header(x: torch.Tensor, dst: int, group) -> None:

@@ -103,7 +103,7 @@ class TrainStep:
             divisors = [n] * n
         total = None
         for i, micro in enumerate(micro_batches):
-            if self.pipeline is not None:  # its stages sync their data-parallel gradients themselves
+            if self.pipeline is not None:  # its schedule runs forward and backward; reduced below
                 self.faults.before_forward(step, batch_rows(micro), self.checkpointing)
                 with self.precision.autocast():
                     loss = self.pipeline.forward_backward(micro, 1 / divisors[i])

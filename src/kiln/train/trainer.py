@@ -140,7 +140,7 @@ class Trainer:
             Pipeline(model, plan, self.world, pcfg, bf16=bf16, compile=t.compile) if self.world.pp > 1 else None
         )
         if self.pipeline is not None:
-            self.model, self.unwrapped = self.pipeline.model, self.pipeline.part
+            self.model = self.unwrapped = self.pipeline.part
         else:
             self.model = parallelize(model, plan, self.world, pcfg, bf16=bf16)
         self.optimizer = build_optimizer(self.model, t, self.device)
