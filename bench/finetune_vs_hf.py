@@ -35,9 +35,12 @@ from classify_stdlib import build_records, functions, minilm  # noqa: E402
 
 from kiln.config import load_config  # noqa: E402
 from kiln.data.loader import StepSampler  # noqa: E402
+from kiln.distributed.world import World  # noqa: E402
 from kiln.models.hf import FAMILY as HF  # noqa: E402
 from kiln.models.hf import CausalLM, SequenceClassifier  # noqa: E402
-from kiln.train.finetune import build_trainer, evaluate, prepare_job  # noqa: E402
+from kiln.train.jobs import job_for  # noqa: E402
+from kiln.train.jobs.finetune import evaluate  # noqa: E402
+from kiln.train.trainer import Trainer  # noqa: E402
 
 from common import kiln_tokens_per_s  # noqa: E402
 
@@ -147,9 +150,9 @@ def sets(task: str, model: Path, train: Path, val: Path, run: Path, args, packin
 
 def run_kiln(cfg_sets: list[str], warmup: int) -> tuple[float, torch.nn.Module]:
     cfg = load_config(None, cfg_sets)
-    trainer = build_trainer(cfg, console=False)
+    trainer = Trainer(job_for(cfg), console=False)
     trainer.fit()
-    return kiln_tokens_per_s(cfg.run.dir, warmup), trainer.unwrapped
+    return kiln_tokens_per_s(cfg.run.dir, warmup), trainer.model.module
 
 
 def run_hf(task: str, job, args, out: Path) -> tuple[float, torch.nn.Module]:
@@ -265,7 +268,8 @@ def main() -> None:
                         if side == "kiln":
                             rates["kiln"], kiln_model = run_kiln(cfg_sets, args.warmup)
                         else:  # the Trainer pads: it gets the unpacked rows
-                            job = prepare_job(load_config(None, sets(task, model_dir, train, val, run, args)))
+                            job = job_for(load_config(None, sets(task, model_dir, train, val, run, args)))
+                            job.prepare(World(), console=False)
                             rates["hf"], hf_model = run_hf(task, job, args, run)
                     if r:
                         ratios.append(rates["kiln"] / rates["hf"])

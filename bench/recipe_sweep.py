@@ -19,7 +19,8 @@ import time
 from pathlib import Path
 
 from kiln.config import load_config, parse_duration
-from kiln.train.lm import build_trainer, evaluate_run
+from kiln.train.run import load_run
+from kiln.train.trainer import train
 
 # Overrides on top of the defaults; "default" is kiln's current default recipe.
 CANDIDATES: dict[str, list[str]] = {
@@ -51,7 +52,7 @@ def run_candidate(name: str, overrides: list[str], budget_s: float, work: Path) 
     probe_cfg = load_config(
         None, [*base, f"run.dir={work / name / 'probe'}", f"train.max_steps={PROBE_STEPS}", "train.warmup_steps=1"]
     )
-    build_trainer(probe_cfg, console=False).fit()  # also prepares data and warms compile caches
+    train(probe_cfg, console=False)  # also prepares data and warms compile caches
     lines = [json.loads(line) for line in (work / name / "probe" / "metrics.jsonl").read_text().splitlines()]
     rates = [record["tokens_per_s"] for record in lines if "tokens_per_s" in record and record["step"] > 4]
     tokens_per_step = probe_cfg.train.global_batch_size * probe_cfg.data.seq_len
@@ -68,9 +69,9 @@ def run_candidate(name: str, overrides: list[str], budget_s: float, work: Path) 
         ],
     )
     t0 = time.perf_counter()
-    result = build_trainer(cfg, console=False).fit()
+    result = train(cfg, console=False)
     wall = time.perf_counter() - t0
-    scores = evaluate_run(work / name / "run", max_batches=10**6, device="cpu")
+    scores = _evaluate(work / name / "run")
     return {
         "name": name,
         "overrides": overrides,
@@ -110,6 +111,12 @@ def main() -> None:
             f"| {r['name']} | {' '.join(r['overrides']) or '(defaults)'} | {r['steps']} | "
             f"{r['tokens']:,} | {r['val_bpb']:.4f} |"
         )
+
+
+def _evaluate(run_dir):
+    """kiln eval of the run: its whole validation split."""
+    run = load_run(run_dir, device="cpu")
+    return run.job.evaluate_saved(run, source=None, max_batches=10**6, batch_size=None)
 
 
 if __name__ == "__main__":

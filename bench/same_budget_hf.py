@@ -28,7 +28,8 @@ from kiln.config import ModelConfig, load_config, parse_duration
 from kiln.data import TokenSequences, prepare
 from kiln.models import build_gpt_config
 from kiln.models.lm import evaluate_lm
-from kiln.train.lm import build_trainer, evaluate_run
+from kiln.train.run import load_run
+from kiln.train.trainer import train
 
 from vs_hf_trainer import hf_model
 
@@ -124,9 +125,9 @@ def main() -> None:
         prepared = prepare(cfg.data, progress=False)
         if not args.skip_kiln:
             t0 = time.perf_counter()
-            result = build_trainer(cfg, console=False).fit()
+            result = train(cfg, console=False)
             wall = time.perf_counter() - t0
-            kiln_scores = evaluate_run(tmp / "kiln", max_batches=10**6, device="cpu")
+            kiln_scores = _evaluate(tmp / "kiln")
             results["kiln"] = {
                 "steps": result.step,
                 "wall_s": round(wall, 1),
@@ -156,6 +157,12 @@ def main() -> None:
         }
         print(json.dumps({"hf_trainer": results["hf_trainer"]}), flush=True)
     print(json.dumps({"bench": "same_budget_hf", "budget": args.budget, "seed": args.seed, **results}))
+
+
+def _evaluate(run_dir):
+    """kiln eval of the run: its whole validation split."""
+    run = load_run(run_dir, device="cpu")
+    return run.job.evaluate_saved(run, source=None, max_batches=10**6, batch_size=None)
 
 
 if __name__ == "__main__":

@@ -12,14 +12,15 @@ import torch
 
 from kiln.config import load_config
 from kiln.data.batch import split_batch, to_device
-from kiln.train.finetune import build_trainer
+from kiln.train.jobs import job_for
+from kiln.train.trainer import Trainer
 
 
 def step_gradients(sets: list[str]) -> dict[str, torch.Tensor]:
-    trainer = build_trainer(load_config(None, sets), console=False)
+    trainer = Trainer(job_for(load_config(None, sets)), console=False)
     batch = to_device(next(trainer.batches.loader(0)), trainer.device)
     trainer.train_step.forward_backward(split_batch(batch, trainer.micro_batch_size), 1)
-    return {n: p.grad.detach().clone() for n, p in trainer.unwrapped.named_parameters() if p.grad is not None}
+    return {n: p.grad.detach().clone() for n, p in trainer.model.module.named_parameters() if p.grad is not None}
 
 
 if __name__ == "__main__":

@@ -6,6 +6,11 @@ allocator keeps none, so there every tensor storage created while the work runs 
 count when Python frees it; storages shared by views and in-place results count once. That is
 live tensor memory, the same quantity the CUDA counter reports, less what kernels allocate
 privately for themselves (small scratch buffers).
+
+On the CPU the work runs on fake tensors (PyTorch's ``FakeTensorMode``): every operator runs for
+the shape, dtype and storage of its output, without computing a value, so the same storages live
+and die as in the real work, in a fraction of its time (a gpt2-124m step in bf16 takes minutes
+on 2 cores). Work that reads values on the host (``.item()``) cannot be measured this way.
 """
 
 from __future__ import annotations
@@ -66,6 +71,9 @@ def peak_memory(fn: Callable[[], object], device: torch.device | str = "cpu") ->
         fn()
         torch.cuda.synchronize(device)
         return torch.cuda.max_memory_allocated(device) - start
-    with _LiveStorages() as tracker:
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    # Tensors made before the call (real ones) become fake where the work uses them.
+    with FakeTensorMode(allow_non_fake_inputs=True), _LiveStorages() as tracker:
         fn()
     return tracker.peak

@@ -1,33 +1,13 @@
 """The command line as a user runs it: subprocesses, exit codes, files in the run directory."""
 
 import json
-import os
 import signal
-import subprocess
-import sys
 import time
 
 import pytest
-from safetensors.torch import load_file
 
 from conftest import tiny_overrides
-
-
-def kiln(*args, env=None, check=True, **kw):
-    proc = subprocess.run(
-        [sys.executable, "-m", "kiln", *map(str, args)],
-        capture_output=True,
-        text=True,
-        env={**os.environ, **(env or {})},
-        **kw,
-    )
-    if check and proc.returncode != 0:
-        raise AssertionError(f"kiln {args} exited {proc.returncode}\n{proc.stdout}\n{proc.stderr}")
-    return proc
-
-
-def sets(items):
-    return [a for item in items for a in ("--set", item)]
+from kilnrun import assert_equal, checkpoint, kiln, losses, sets, start
 
 
 @pytest.mark.parametrize(
@@ -56,11 +36,6 @@ def test_bad_data_path_exits_2(tmp_path):
     assert not (tmp_path / "run").exists()
 
 
-def _losses(run_dir):
-    lines = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    return [(record["step"], record["loss"]) for record in lines if "loss" in record]
-
-
 def test_sigkill_then_resume_is_bitwise_identical(tmp_path, corpus_dir):
     """Kill a run with SIGKILL mid-way, resume it, and compare with an uninterrupted run:
     accumulation 2, two loader workers, CPU fp32. Checkpoints (every 3) fall inside log
@@ -71,11 +46,10 @@ def test_sigkill_then_resume_is_bitwise_identical(tmp_path, corpus_dir):
     kiln("train", *sets(tiny_overrides(full, corpus_dir, **common)))
 
     killed = tmp_path / "killed"
-    args = [sys.executable, "-m", "kiln", "train", *sets(tiny_overrides(killed, corpus_dir, **common))]
-    proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    proc = start("train", *sets(tiny_overrides(killed, corpus_dir, **common)))
     deadline = time.time() + 120
     while time.time() < deadline:
-        steps = [s for s, _ in _losses(killed)] if (killed / "metrics.jsonl").exists() else []
+        steps = list(losses(killed)) if (killed / "metrics.jsonl").exists() else []
         if steps and steps[-1] >= 7:
             break
         time.sleep(0.02)
@@ -84,13 +58,30 @@ def test_sigkill_then_resume_is_bitwise_identical(tmp_path, corpus_dir):
     assert steps and steps[-1] < 16, "the run finished before it could be killed"
     kiln("train", *sets(tiny_overrides(killed, corpus_dir, **common)))
 
-    assert _losses(killed) == _losses(full)
-    assert [s for s, _ in _losses(full)] == [4, 8, 12, 16]
+    assert losses(killed) == losses(full)
+    assert list(losses(full)) == [4, 8, 12, 16]
     assert _scalars(killed, "loss") == _scalars(full, "loss")
-    final = "checkpoints/step-00000016/model.safetensors"
-    a, b = load_file(full / final), load_file(killed / final)
-    assert a.keys() == b.keys()
-    assert all((a[k] == b[k]).all() for k in a)
+    # The final checkpoints are the same in every entry but the wall clock: weights, optimizer,
+    # the meter, the data position and every RNG (Python's, NumPy's and torch's), so a resumed
+    # run goes on exactly as the straight one would.
+    final = "checkpoints/step-00000016"
+    (weights_a, state_a), (weights_b, state_b) = checkpoint(full / final), checkpoint(killed / final)
+    assert_equal(weights_a, weights_b, "weights")
+    state_a["config"]["run"].pop("dir"), state_b["config"]["run"].pop("dir")
+    assert_equal(state_a, state_b, "state")
+    assert {"python", "numpy", "torch"} <= set(state_a["rng"])
+
+
+def test_two_runs_of_one_seed_write_the_same_checkpoints(tmp_path, corpus_dir):
+    """Separate processes, so Python's and NumPy's generators start from the seed, not from
+    whatever a process inherited: every entry of the checkpoints is equal but the wall clock."""
+    runs = [tmp_path / "a", tmp_path / "b"]
+    for run in runs:
+        kiln("train", *sets(tiny_overrides(run, corpus_dir, train__max_steps=4, eval__sample_tokens=0)))
+    (weights_a, state_a), (weights_b, state_b) = (checkpoint(r / "checkpoints" / "step-00000004") for r in runs)
+    assert_equal(weights_a, weights_b, "weights")
+    state_a["config"]["run"].pop("dir"), state_b["config"]["run"].pop("dir")
+    assert_equal(state_a, state_b, "state")
 
 
 def _scalars(run_dir, tag):

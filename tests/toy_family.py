@@ -2,7 +2,8 @@
 interface alone: a causal MLP-mixer language model. Each block mixes tokens with a learned
 lower-triangular [T, T] matrix (no attention, no RoPE, no KV cache), then channels with a GELU
 MLP whose two projections are its tensor-parallel plan. Its loss is a plain cross-entropy over
-logits. Used as ``model.family = "toy_family:FAMILY"`` (tests/ on the Python path).
+logits. Used as ``model.family = "toy_family:FAMILY"`` (tests/ on the Python path);
+``toy_family:MINIMAL`` is the same model as a plug-in that keeps every default it can.
 """
 
 from __future__ import annotations
@@ -176,3 +177,27 @@ class MixerFamily(ModelFamily):
 
 
 FAMILY = MixerFamily()
+
+
+class MinimalFamily(ModelFamily):
+    """The mixer as a plug-in that overrides only what it must: how to read ``[model]``, build
+    the model, save its arguments and count its activations (for ``kiln plan``). Everything else
+    is ``ModelFamily``'s default: description, parallel plan, FLOPs, loss and evaluation."""
+
+    def resolve(self, model_cfg, *, vocab_size: int, seq_len: int) -> MixerArgs:
+        return MixerArgs(vocab_size=vocab_size, seq_len=seq_len, n_layer=model_cfg.n_layer or 2, d_model=32, d_ff=64)
+
+    def build(self, args: MixerArgs) -> MixerLM:
+        return MixerLM(args)
+
+    def args_to_dict(self, args: MixerArgs) -> dict:
+        return dataclasses.asdict(args)
+
+    def args_from_dict(self, values) -> MixerArgs:
+        return MixerArgs(**values)
+
+    def memory_model(self, args: MixerArgs) -> MixerMemory:
+        return MixerMemory(args)
+
+
+MINIMAL = MinimalFamily()

@@ -203,6 +203,17 @@ def _parser() -> argparse.ArgumentParser:
     _add_config_args(sw)
     add_sweep_arguments(sw)
 
+    st = sub.add_parser(
+        "sweep-trial",
+        help="train one trial of a sweep, reporting its evaluations to the study (kiln sweep runs this)",
+        description="Train trial NUMBER of the sweep in STUDY_DIR: its config is STUDY_DIR/trials/NNNN/trial.toml "
+        "(kiln sweep writes it); rank 0 reports each evaluation to the study and asks its pruner, and a pruned "
+        "trial stops there with a checkpoint. kiln sweep starts each trial this way (under kiln launch for "
+        "several ranks); run by hand, it continues an interrupted trial (docs/sweep.md).",
+    )
+    st.add_argument("study_dir", metavar="STUDY_DIR", help="the study directory (kiln sweep --study-dir)")
+    st.add_argument("number", type=int, metavar="NUMBER", help="the trial's number")
+
     from kiln.distributed.launch import add_arguments
 
     la = sub.add_parser(
@@ -225,7 +236,7 @@ def _load(args):
 
 
 def cmd_train(args) -> int:
-    from kiln.train.jobs import train
+    from kiln.train.trainer import train
 
     if args.resume:
         args.overrides.append(f"checkpoint.resume={args.resume}")
@@ -247,21 +258,16 @@ def cmd_prepare(args) -> int:
 
 
 def cmd_eval(args) -> int:
-    from pathlib import Path
+    from kiln.train.run import load_run
 
-    from kiln.train import finetune, lm
-
-    common = dict(source=args.data, checkpoint=args.checkpoint, micro_batch_size=args.batch_size, device=args.device)
-    if (Path(args.run_dir) / "tokenizer").is_dir():  # a fine-tuning run: its records and the task's metrics
-        metrics = finetune.evaluate_run(args.run_dir, **common)
-    else:
-        metrics = lm.evaluate_run(args.run_dir, max_batches=args.max_batches, **common)
+    run = load_run(args.run_dir, args.checkpoint, args.device)
+    metrics = run.job.evaluate_saved(run, source=args.data, max_batches=args.max_batches, batch_size=args.batch_size)
     print(json.dumps(metrics))
     return 0
 
 
 def cmd_generate(args) -> int:
-    from kiln.train.lm import sample_text
+    from kiln.train.jobs.lm import sample_text
     from kiln.train.run import load_run
 
     if args.max_new_tokens < 1 or args.temperature < 0 or not 0 < args.top_p <= 1 or args.top_k < 0:
@@ -334,7 +340,6 @@ def cmd_profile(args) -> int:
     from pathlib import Path
 
     from kiln.config import ConfigError, parse_step_range
-    from kiln.train.jobs import train
 
     try:
         _, end = parse_step_range(args.steps)
@@ -353,6 +358,8 @@ def cmd_profile(args) -> int:
         "eval.every=0",
         "eval.sample_tokens=0",
     ]
+    from kiln.train.trainer import train
+
     try:
         train(_load(args))
     finally:
@@ -416,6 +423,18 @@ def cmd_sweep(args) -> int:
     return sweep_command(args)
 
 
+def cmd_sweep_trial(args) -> int:
+    from pathlib import Path
+
+    from kiln.sweep.trial import PruningHook, trial_config
+    from kiln.train.trainer import train
+
+    study_dir = Path(args.study_dir)
+    cfg = trial_config(study_dir, args.number)
+    result = train(cfg, on_evaluate=PruningHook(study_dir, args.number, cfg.eval.every))
+    return 0 if not result.interrupted else 130
+
+
 def cmd_launch(args) -> int:
     from kiln.distributed.launch import launch, torchrun_args
 
@@ -441,6 +460,7 @@ COMMANDS = {
     "export": cmd_export,
     "serve": cmd_serve,
     "sweep": cmd_sweep,
+    "sweep-trial": cmd_sweep_trial,
     "launch": cmd_launch,
 }
 

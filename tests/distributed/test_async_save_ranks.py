@@ -3,14 +3,14 @@ background, and only the main rank's commit, once all are written, makes the che
 
 import os
 import signal
-import subprocess
-import sys
 import time
 
 import torch
-from test_parallel import STEPS, _launch, _losses, _sets, _weights, _workers
+from test_parallel import STEPS, _launch, _sets, _weights, _workers
 
 from kiln.checkpoint import latest_checkpoint
+
+from kilnrun import losses, start
 
 
 def test_killing_every_rank_during_a_background_write_resumes_from_the_previous_checkpoint(tmp_path, corpus_dir):
@@ -22,12 +22,7 @@ def test_killing_every_rank_during_a_background_write_resumes_from_the_previous_
 
     run_dir = tmp_path / "killed"
     sets = _sets(run_dir, corpus_dir, micro=2, parallel__strategy="fsdp", checkpoint__async_save="true")
-    launcher = subprocess.Popen(
-        [sys.executable, "-m", "kiln", "launch", "--nproc-per-node", "2", "--", "train", *sets],
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-        env={**os.environ, "KILN_TEST_SLOW_SAVE_SECONDS": "2"},
-    )
+    launcher = start("launch", "--nproc-per-node", "2", "--", "train", *sets, "--set", "debug.slow_save_seconds=2")
     checkpoints, in_flight = run_dir / "checkpoints", run_dir / "checkpoints" / f".tmp-step-{STEPS:08d}"
     deadline = time.time() + 180
     while time.time() < deadline and launcher.poll() is None:
@@ -44,6 +39,6 @@ def test_killing_every_rank_during_a_background_write_resumes_from_the_previous_
 
     out = _launch(2, sets).stdout
     assert "resumed from" in out and "at step 3" in out
-    assert _losses(run_dir) == _losses(ref)
+    assert losses(run_dir) == losses(ref)
     for (name, a), b in zip(_weights(run_dir).items(), _weights(ref).values(), strict=True):
         assert torch.equal(a, b), name

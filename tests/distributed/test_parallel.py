@@ -21,6 +21,7 @@ import torch
 from kiln.train.run import load_run
 
 from conftest import tiny_overrides
+from kilnrun import kiln, launch, losses
 
 STEPS = 6
 GLOBAL = 8
@@ -40,20 +41,8 @@ def _sets(run_dir: Path, corpus: Path, micro: int, **extra) -> list[str]:
     return [a for item in items for a in ("--set", item)]
 
 
-def _kiln(*args: str, timeout: int = 240, check: bool = True) -> subprocess.CompletedProcess:
-    proc = subprocess.run([sys.executable, "-m", "kiln", *args], capture_output=True, text=True, timeout=timeout)
-    if check:
-        assert proc.returncode == 0, proc.stderr[-4000:]
-    return proc
-
-
 def _launch(nproc: int, sets: list[str], *launch_args: str, **kw) -> subprocess.CompletedProcess:
-    return _kiln("launch", "--nproc-per-node", str(nproc), *launch_args, "--", "train", *sets, **kw)
-
-
-def _losses(run_dir: Path) -> dict[int, float]:
-    lines = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    return {record["step"]: record["loss"] for record in lines if "loss" in record}
+    return launch(nproc, "train", *sets, launch_args=launch_args, **kw)
 
 
 def _weights(run_dir: Path) -> dict[str, torch.Tensor]:
@@ -61,7 +50,7 @@ def _weights(run_dir: Path) -> dict[str, torch.Tensor]:
 
 
 def _assert_same_training(run_dir: Path, ref_dir: Path, steps=None, atol: float = 1e-4) -> None:
-    got, want = _losses(run_dir), _losses(ref_dir)
+    got, want = losses(run_dir), losses(ref_dir)
     for step in steps or range(1, STEPS + 1):
         assert got[step] == pytest.approx(want[step], rel=1e-5), f"loss at step {step}"
     # Reductions split over ranks sum in another order, so gradients differ by fp32 rounding, and
@@ -76,7 +65,7 @@ def _assert_same_training(run_dir: Path, ref_dir: Path, steps=None, atol: float 
 def single(tmp_path_factory, corpus_dir) -> Path:
     """One process, micro-batch 4, accumulation 2: the reference every strategy must match."""
     run_dir = tmp_path_factory.mktemp("single") / "run"
-    _kiln("train", *_sets(run_dir, corpus_dir, micro=4))
+    kiln("train", *_sets(run_dir, corpus_dir, micro=4))
     return run_dir
 
 
@@ -99,7 +88,7 @@ def test_a_sharded_checkpoint_exports_like_a_whole_one(tmp_path, corpus_dir, sin
         outputs = []
         for name, source in (("sharded", run_dir), ("whole", single)):
             out = tmp_path / f"{fmt}-{name}"
-            _kiln("export", str(source), "--format", fmt, "--out", str(out))
+            kiln("export", str(source), "--format", fmt, "--out", str(out))
             info = json.loads((out / "export.json").read_text())
             assert info[fmt]["max_abs_diff"] <= 1e-5  # the artifact computes the gathered model
             outputs.append((sorted(info["files"]), load_run(out, device="cpu").model(ids).detach()))
@@ -126,13 +115,13 @@ def test_sharded_strategies_equal_one_process(tmp_path, corpus_dir, single, stra
     assert sorted(p.name for p in state.glob("*.distcp")) == ["__0_0.distcp", "__1_0.distcp"]
 
 
-def test_out_of_memory_on_ranks_restarts_at_the_smaller_micro_batch(tmp_path, corpus_dir, single, monkeypatch):
+def test_out_of_memory_on_ranks_restarts_at_the_smaller_micro_batch(tmp_path, corpus_dir, single):
     """Ranks cannot retry a step alone (the others wait in collectives): the rung is saved in
     memory.json, the agent restarts the group, and the run resumes from its checkpoint there."""
-    monkeypatch.setenv("KILN_TEST_OOM_ABOVE", "1")
-    monkeypatch.setenv("KILN_TEST_OOM_FROM_STEP", "4")  # after the checkpoint at step 3
     run_dir = tmp_path / "oom"
-    proc = _launch(2, _sets(run_dir, corpus_dir, micro=2), "--max-restarts", "1", "--monitor-interval", "0.2")
+    # Out of memory above one sequence, after the checkpoint at step 3.
+    faults = dict(debug__oom_above=1, debug__oom_from_step=4)
+    proc = _launch(2, _sets(run_dir, corpus_dir, micro=2, **faults), "--max-restarts", "1", "--monitor-interval", "0.2")
     assert "out of memory at step 5 with micro-batch 2" in proc.stderr
     assert json.loads((run_dir / "memory.json").read_text())["micro_batch_size"] == 1
     assert "resumed from" in proc.stdout
@@ -142,7 +131,7 @@ def test_out_of_memory_on_ranks_restarts_at_the_smaller_micro_batch(tmp_path, co
 def test_fsdp_bf16_computes_in_bf16_and_keeps_fp32_weights(tmp_path, corpus_dir, single):
     run_dir = tmp_path / "bf16"
     _launch(2, _sets(run_dir, corpus_dir, micro=2, parallel__strategy="fsdp", train__precision="bf16"))
-    got, want = _losses(run_dir), _losses(single)
+    got, want = losses(run_dir), losses(single)
     for step in range(1, STEPS + 1):
         assert got[step] == pytest.approx(want[step], rel=2e-2), f"loss at step {step}"
     assert got != want  # bf16 compute really happened: not bit-equal to the fp32 run
@@ -174,7 +163,7 @@ def test_resume_with_another_world_size_and_strategy(tmp_path, corpus_dir, singl
     run_dir = tmp_path / "run"
     runs = {
         "fsdp2": lambda: _launch(2, _sets(run_dir, corpus_dir, micro=2, parallel__strategy="fsdp")),
-        "single": lambda: _kiln("train", *_sets(run_dir, corpus_dir, micro=4)),
+        "single": lambda: kiln("train", *_sets(run_dir, corpus_dir, micro=4)),
     }
     runs[first]()
     _cut_after(run_dir, 3)
@@ -237,7 +226,7 @@ def _started(cmd: list[str], run_dir: Path, steps: int) -> tuple[subprocess.Pope
     deadline = time.time() + 120
     done: dict[int, float] = {}
     while time.time() < deadline:
-        done = _losses(run_dir) if (run_dir / "metrics.jsonl").exists() else {}
+        done = losses(run_dir) if (run_dir / "metrics.jsonl").exists() else {}
         if max(done, default=0) >= 25:
             break
         time.sleep(0.05)
@@ -302,7 +291,7 @@ def test_nccl_on_every_visible_gpu(tmp_path, corpus_dir, strategy):
         train__max_steps=STEPS,
     )
     ref = tmp_path / "one"
-    _kiln(
+    kiln(
         "train",
         *[a for i in tiny_overrides(ref, corpus_dir, train__micro_batch_size=8 * n, **common) for a in ("--set", i)],
     )
@@ -317,7 +306,7 @@ def test_nccl_on_every_visible_gpu(tmp_path, corpus_dir, strategy):
             for a in ("--set", i)
         ],
     )
-    got, want = _losses(run_dir), _losses(ref)
+    got, want = losses(run_dir), losses(ref)
     for step in range(1, STEPS + 1):
         assert got[step] == pytest.approx(want[step], rel=1e-3)
 
@@ -337,4 +326,4 @@ def test_time_planned_run_agrees_over_ranks(tmp_path, corpus_dir):
     config = (run / "config.toml").read_text()
     assert f"max_steps = {final}" in config and plan["max_steps"] > STEPS
     # Both ranks then trained in step (the run ends at its plan, or on the budget's hard stop).
-    assert STEPS < max(_losses(run)) <= final
+    assert STEPS < max(losses(run)) <= final

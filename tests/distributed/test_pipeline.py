@@ -14,13 +14,14 @@ from pathlib import Path
 
 import pytest
 import torch
-from test_parallel import STEPS, _assert_same_training, _cut_after, _kiln, _launch, _sets, _started, _weights
+from test_parallel import STEPS, _assert_same_training, _cut_after, _launch, _sets, _started, _weights
 
 from kiln.config import ParallelConfig
 from kiln.distributed.pipeline import _view, stage_layers
 from kiln.models.gpt import FAMILY, GPTConfig
 
 from conftest import tiny_overrides
+from kilnrun import kiln
 
 # Four layers (two stages of two, or four of one), untied: the embedding and the output layer
 # live on different stages.
@@ -39,7 +40,7 @@ def single_by(tmp_path_factory, corpus_dir):
     def get(micro: int) -> Path:
         if micro not in runs:
             runs[micro] = tmp_path_factory.mktemp(f"single{micro}") / "run"
-            _kiln("train", *_pipe_sets(runs[micro], corpus_dir, micro))
+            kiln("train", *_pipe_sets(runs[micro], corpus_dir, micro))
         return runs[micro]
 
     return get
@@ -66,7 +67,7 @@ def test_tied_embeddings_are_pipelined(tmp_path, corpus_dir):
     summed, so the copies stay equal and train as the one matrix of a single process."""
     ref, run_dir = tmp_path / "single", tmp_path / "pp"
     tied = {**PIPE_MODEL, "model__tie_embeddings": "true"}
-    _kiln("train", *_sets(ref, corpus_dir, micro=2, **tied))
+    kiln("train", *_sets(ref, corpus_dir, micro=2, **tied))
     _launch(2, _sets(run_dir, corpus_dir, micro=4, parallel__pp=2, **tied))
     _assert_same_training(run_dir, ref)
     weights = _weights(run_dir)
@@ -104,13 +105,13 @@ def test_a_pipeline_checkpoint_resumes_in_another_layout(tmp_path, corpus_dir, s
     _launch(2, _pipe_sets(run_dir, corpus_dir, micro=4, parallel__pp=2))
     _cut_after(run_dir, 3)
     if then == "single":
-        proc = _kiln("train", *_pipe_sets(run_dir, corpus_dir, micro=2))
+        proc = kiln("train", *_pipe_sets(run_dir, corpus_dir, micro=2))
     else:
         proc = _launch(2, _pipe_sets(run_dir, corpus_dir, micro=2))
     assert "resumed from" in proc.stdout and "at step 3" in proc.stdout
     _assert_same_training(run_dir, single_by(2), steps=range(4, STEPS + 1))
     # The one-process tools read the pipeline's checkpoint too.
-    assert "val_loss" in _kiln("eval", str(run_dir)).stdout
+    assert "val_loss" in kiln("eval", str(run_dir)).stdout
 
 
 @pytest.mark.parametrize("tie", ["false", "true"])
@@ -119,8 +120,8 @@ def test_a_whole_model_checkpoint_resumes_as_a_pipeline(tmp_path, corpus_dir, ti
     state, kept there under the embedding's name, for the output layer's copy)."""
     ref, run_dir = tmp_path / "single", tmp_path / "run"
     model = {**PIPE_MODEL, "model__tie_embeddings": tie}
-    _kiln("train", *_sets(ref, corpus_dir, micro=2, **model))
-    _kiln("train", *_sets(run_dir, corpus_dir, micro=2, **model))
+    kiln("train", *_sets(ref, corpus_dir, micro=2, **model))
+    kiln("train", *_sets(run_dir, corpus_dir, micro=2, **model))
     _cut_after(run_dir, 3)
     proc = _launch(2, _sets(run_dir, corpus_dir, micro=4, parallel__pp=2, **model))
     assert "resumed from" in proc.stdout and "at step 3" in proc.stdout

@@ -10,15 +10,16 @@ import os
 import signal
 import socket
 import subprocess
-import sys
 import time
 from pathlib import Path
 
 import pytest
 import torch
-from test_parallel import _launch, _losses, _sets, _weights, _workers
+from test_parallel import _launch, _sets, _weights, _workers
 
 from kiln.distributed.watchdog import HANG_EXIT, collective_env, describe
+
+from kilnrun import losses, start
 
 TIMEOUT_S = 10  # parallel.train_timeout of these runs
 
@@ -28,9 +29,7 @@ def _watched(run_dir: Path, corpus: Path, **extra) -> list[str]:
 
 
 def _start(sets: list[str], *launch_args: str) -> subprocess.Popen:
-    cmd = [sys.executable, "-m", "kiln", "launch", "--nproc-per-node", "2", "--monitor-interval", "0.2"]
-    cmd += [*launch_args, "--", "train", *sets]
-    return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    return start("launch", "--nproc-per-node", "2", "--monitor-interval", "0.2", *launch_args, "--", "train", *sets)
 
 
 def _wait_for(condition, timeout: float, what: str) -> float:
@@ -44,17 +43,16 @@ def _wait_for(condition, timeout: float, what: str) -> float:
 
 
 def _logged_step(run_dir: Path) -> int:
-    return max(_losses(run_dir), default=0) if (run_dir / "metrics.jsonl").exists() else 0
+    return max(losses(run_dir), default=0) if (run_dir / "metrics.jsonl").exists() else 0
 
 
-def test_a_hung_rank_is_named_dumped_and_the_job_restarts_from_its_checkpoint(tmp_path, corpus_dir, monkeypatch):
+def test_a_hung_rank_is_named_dumped_and_the_job_restarts_from_its_checkpoint(tmp_path, corpus_dir):
     ref = tmp_path / "uninterrupted"
     _launch(2, _watched(ref, corpus_dir))  # the watchdog raises no false alarm either
     assert not list((ref / "hang").glob("2*"))
-    monkeypatch.setenv("KILN_TEST_HANG_RANK", "1")
-    monkeypatch.setenv("KILN_TEST_HANG_STEP", "5")  # after the checkpoint at step 3; gone after the restart
     run_dir = tmp_path / "hung"
-    launcher = _start(_watched(run_dir, corpus_dir), "--max-restarts", "1")
+    # Rank 1 hangs before step 5, after the checkpoint at step 3; a restarted group runs on.
+    launcher = _start(_watched(run_dir, corpus_dir, debug__hang_rank=1, debug__hang_step=5), "--max-restarts", "1")
     # Rank 1 stops once step 4 is done; rank 0 then waits for it in the gradient all-reduce.
     stopped = _wait_for(lambda: _logged_step(run_dir) >= 4, 120, "step 4")
     reported = _wait_for(lambda: list(run_dir.glob("hang/*/summary.json")), TIMEOUT_S + 60, "the hang report")
@@ -83,11 +81,10 @@ def test_a_hung_rank_is_named_dumped_and_the_job_restarts_from_its_checkpoint(tm
         torch.testing.assert_close(a, b, rtol=0, atol=0, msg=name)
 
 
-def test_a_slowed_rank_is_named_a_straggler_and_usr1_dumps_a_ranks_stacks(tmp_path, corpus_dir, monkeypatch):
-    monkeypatch.setenv("KILN_TEST_SLOW_RANK", "1")
-    monkeypatch.setenv("KILN_TEST_SLOW_SECONDS", "0.25")  # per forward pass; a step has two
+def test_a_slowed_rank_is_named_a_straggler_and_usr1_dumps_a_ranks_stacks(tmp_path, corpus_dir):
     run_dir = tmp_path / "slow"
-    launcher = _start(_watched(run_dir, corpus_dir))
+    # Each forward pass of rank 1 takes 0.25 s longer; a step has two.
+    launcher = _start(_watched(run_dir, corpus_dir, debug__slow_rank=1, debug__slow_seconds=0.25))
     _wait_for(lambda: _logged_step(run_dir) >= 2, 120, "step 2")
     workers = _workers(launcher.pid)
     assert len(workers) == 2
@@ -176,15 +173,13 @@ def test_a_users_nccl_settings_win_under_either_name(monkeypatch, tmp_path):
 
 
 @pytest.mark.gpu
-def test_nccl_ranks_run_with_the_hang_settings_and_dump_their_flight_recorder(tmp_path, corpus_dir, monkeypatch):
+def test_nccl_ranks_run_with_the_hang_settings_and_dump_their_flight_recorder(tmp_path, corpus_dir):
     """Two NCCL ranks (one GPU each): the settings are in force in each rank, NCCL's flight recorder
     is dumped, and the summary names the stopped rank."""
     if torch.cuda.device_count() < 2:
         pytest.skip("needs 2 GPUs: NCCL runs one rank per GPU")
-    monkeypatch.setenv("KILN_TEST_HANG_RANK", "1")
-    monkeypatch.setenv("KILN_TEST_HANG_STEP", "5")
     run_dir = tmp_path / "hung"
-    launcher = _start(_watched(run_dir, corpus_dir, run__device="cuda"))
+    launcher = _start(_watched(run_dir, corpus_dir, run__device="cuda", debug__hang_rank=1, debug__hang_step=5))
     stopped = _wait_for(lambda: _logged_step(run_dir) >= 4, 180, "step 4")
     out, err = launcher.communicate(timeout=TIMEOUT_S + 120)
     assert launcher.returncode == HANG_EXIT, err[-4000:]

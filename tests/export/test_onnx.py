@@ -56,7 +56,7 @@ def trained(tmp_path_factory, corpus_dir):
     assert run.model.config.tie_embeddings and run.model.config.n_kv_head < run.model.config.n_head
     rows = _val_rows(run)
     path = tmp_path_factory.mktemp("tied-onnx") / "model.onnx"
-    export_onnx(run.model, torch.from_numpy(rows[:2, :-1]), path)
+    export_onnx(run.model, torch.from_numpy(rows[:2, :-1]), path, limit=run.family.context_length(run.args))
     return run, path, rows
 
 
@@ -113,7 +113,8 @@ def test_tied_gpt_runs_in_onnx_runtime_at_any_batch_and_length(trained):
 def test_untied_gpt_runs_in_onnx_runtime(untied, tmp_path):
     rows, seq_len = _val_rows(untied), untied.cfg.data.seq_len
     assert not untied.model.config.tie_embeddings
-    export_onnx(untied.model, torch.from_numpy(rows[:1, :5]), tmp_path / "model.onnx")
+    limit = untied.family.context_length(untied.args)
+    export_onnx(untied.model, torch.from_numpy(rows[:1, :5]), tmp_path / "model.onnx", limit=limit)
     _logits_match(untied.model, tmp_path / "model.onnx", rows, [(2, seq_len), (3, seq_len // 2)])
 
 

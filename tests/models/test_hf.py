@@ -110,6 +110,8 @@ def test_plan_counts_state_exactly_and_its_peak_within_20_percent(hf_llama, hf_b
     """kiln plan on the meta device from config.json, against two measured training steps."""
     from kiln.config import load_config
     from kiln.data.batch import TokenBatch
+    from kiln.distributed.parallelize import parallelize
+    from kiln.distributed.world import World
     from kiln.plan import make_plan, model_state
     from kiln.train.optim import build_optimizer
     from kiln.train.precision import Precision
@@ -134,7 +136,7 @@ def test_plan_counts_state_exactly_and_its_peak_within_20_percent(hf_llama, hf_b
     vocab, rows = args.config["vocab_size"], 8
 
     def two_steps():
-        model = FAMILY.create(args, "cpu", seed=0)
+        model = parallelize(FAMILY.create(args, "cpu", seed=0), FAMILY.parallel_plan(args), World(), cfg.parallel)
         step = TrainStep(
             model, FAMILY.loss, build_optimizer(model, cfg.train, cpu), Precision(precision, cpu), grad_clip=1.0
         )

@@ -13,6 +13,8 @@ import torch
 
 from kiln.cli import main
 from kiln.config import load_config
+from kiln.distributed.parallelize import parallelize
+from kiln.distributed.world import World
 from kiln.models import build_model, get_family
 from kiln.plan import make_plan, model_state
 from kiln.train.optim import build_optimizer
@@ -104,14 +106,14 @@ def _measured_peak(cfg) -> int:
 
     def two_steps():
         args = family.resolve(cfg.model, vocab_size=cfg.data.vocab_size, seq_len=cfg.data.seq_len)
-        model = build_model(family, args, "cpu", 0)
+        # Built eagerly: materialising from the meta device swaps tensors, which fake ones cannot be.
+        model = parallelize(family.build(args), family.parallel_plan(args), World(), cfg.parallel)
         step = TrainStep(
             model,
             family.loss,
             build_optimizer(model, cfg.train, torch.device("cpu")),
             Precision("fp32", torch.device("cpu")),
             grad_clip=1.0,
-            plan=family.parallel_plan(args),
         )
         if cfg.train.activation_checkpointing:
             step.recompute_activations()

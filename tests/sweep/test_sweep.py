@@ -24,6 +24,10 @@ pytestmark = pytest.mark.slow  # every test runs sweeps of real training process
 
 
 RANK_PROBE = Path(__file__).with_name("rank_probe")
+# A pruner that judges from the second completed trial and the first evaluation on, so that a
+# study of a few short trials prunes (the default waits for 5 and a third of each trial's steps:
+# test_sweep_study.py checks that rule).
+EAGER = ("--prune-after", "2", "--prune-warmup", "0")
 LR_SPACE = '[train.lr]\ntype = "float"\nlow = 1e-5\nhigh = 3e-2\nlog = true\n'
 
 
@@ -86,8 +90,8 @@ def lr_study(tmp_path_factory, corpus_dir):
     root = tmp_path_factory.mktemp("lr")
     space, study = _space(root / "space.toml"), root / "study"
     sets = _sets(corpus_dir, train__max_steps=16, eval__every=4, checkpoint__every=8)
-    first = _sweep(study, space, sets, "--trials", "3")
-    second = _sweep(study, space, sets, "--trials", "4", "--enqueue", "train.lr=1e-5")
+    first = _sweep(study, space, sets, "--trials", "3", *EAGER)
+    second = _sweep(study, space, sets, "--trials", "4", "--enqueue", "train.lr=1e-5", *EAGER)
     return study, space, sets, first, second
 
 
@@ -139,7 +143,7 @@ def test_best_toml_trains_again_to_the_same_val_loss(lr_study, tmp_path):
 def test_continuing_with_another_setup_is_refused(lr_study):
     study, space, sets, _, _ = lr_study
     other = _space(space.with_name("other.toml"), LR_SPACE.replace("3e-2", "1e-1"))
-    proc = _sweep(study, other, sets, "--trials", "5", check=False)
+    proc = _sweep(study, other, sets, "--trials", "5", *EAGER, check=False)
     assert proc.returncode == 2
     assert f"{study / 'sweep.json'}: this study was started with another space.train.lr.high" in proc.stderr
     assert len(_rows(study)) == 4
@@ -244,7 +248,16 @@ def test_trials_on_two_ranks_share_their_values_and_stop_together_when_pruned(tm
     rates = ("1e-2", "3e-3", "1e-5")
     enqueue = [a for lr in rates for a in ("--enqueue", f"train.lr={lr}")]
     proc = _sweep(
-        study, space, sets, "--trials", "3", "--nproc-per-node", "2", *enqueue, env={"PYTHONPATH": str(RANK_PROBE)}
+        study,
+        space,
+        sets,
+        "--trials",
+        "3",
+        "--nproc-per-node",
+        "2",
+        *enqueue,
+        *EAGER,
+        env={"PYTHONPATH": str(RANK_PROBE)},
     )
     rows = _rows(study)
     assert [(float(r["train.lr"]), r["state"]) for r in rows] == [

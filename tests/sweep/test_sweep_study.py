@@ -7,7 +7,15 @@ import pytest
 
 from kiln.sweep.driver import Driver, Options
 from kiln.sweep.space import Param
-from kiln.sweep.study import FileLock, import_optuna, make_sampler, open_study
+from kiln.sweep.study import (
+    PRUNE_AFTER_TRIALS,
+    PRUNE_WARMUP_SHARE,
+    FileLock,
+    import_optuna,
+    make_pruner,
+    make_sampler,
+    open_study,
+)
 
 pytest.importorskip("optuna")  # kiln[sweep]
 
@@ -61,3 +69,38 @@ def test_a_trial_lock_is_held_by_the_training_process_until_it_dies(tmp_path):
     child.wait()
     assert other.acquire(blocking=False)  # the kernel let go of it with the process
     other.release()
+
+
+def test_the_median_pruner_waits_and_never_prunes_a_trial_ahead_of_the_best():
+    """The rule of --pruner median (60-step trials evaluated every 15 steps): nothing is pruned
+    before PRUNE_AFTER_TRIALS trials have completed, nor within the first PRUNE_WARMUP_SHARE of a
+    trial's steps; after that, a trial is pruned where its best value so far is worse than the
+    completed trials' median at the same step, and a trial ahead of the best completed one never is."""
+    optuna = import_optuna()
+    study = optuna.create_study(direction="minimize", pruner=make_pruner(optuna, "median", 15, 60))
+
+    def complete(value: float) -> None:
+        trial = study.ask()
+        for step in (15, 30, 45, 60):
+            trial.report(value, step)
+        study.tell(trial, value)
+
+    def pruned_at(values: dict[int, float]) -> list[int]:
+        trial, out = study.ask(), []
+        for step, value in values.items():
+            trial.report(value, step)
+            if trial.should_prune():
+                out.append(step)
+        study.tell(trial, state=optuna.trial.TrialState.FAIL)  # out of the way of the next
+        return out
+
+    behind = {15: 9.0, 30: 9.0, 45: 9.0}
+    for value in (1.0, 1.1, 1.2, 1.3)[: PRUNE_AFTER_TRIALS - 1]:
+        complete(value)
+    assert pruned_at(behind) == []  # too few completed trials to judge by
+    complete(1.4)
+    assert 15 < PRUNE_WARMUP_SHARE * 60 < 30  # the first evaluation is inside the warm-up
+    assert pruned_at(behind) == [30, 45]  # past the warm-up, and behind the median (1.2)
+    assert pruned_at({15: 1.25, 30: 1.25, 45: 1.25}) == [30, 45]
+    assert pruned_at({15: 1.15, 30: 1.15, 45: 1.15}) == []  # better than the median
+    assert pruned_at({15: 9.0, 30: 0.9, 45: 0.8}) == []  # ahead of the best completed trial

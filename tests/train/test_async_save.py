@@ -2,61 +2,42 @@
 background thread writes it. What it writes must be the synchronous checkpoint exactly, a
 checkpoint counts only once fully written, and a kill meanwhile leaves the previous one."""
 
-import os
 import signal
-import subprocess
-import sys
 import time
 
-import numpy as np
 import pytest
 import torch
 from safetensors.torch import load_file
 
 from kiln.checkpoint import CheckpointError, latest_checkpoint, list_checkpoints, load_checkpoint
-from test_cli import _losses, kiln, sets
+from kiln.config import DebugConfig
+from kiln.train.faults import Faults
 
 from conftest import tiny_overrides, token_sequences, train_tiny_gpt
+from kilnrun import assert_equal, kiln, losses, sets, start
 
 ASYNC = {"checkpoint.async_save": "true"}
 
 
-def _assert_equal(a, b, where="") -> None:
-    """Two checkpoint payloads hold equal values, tensors bitwise."""
-    if isinstance(a, dict):
-        assert a.keys() == b.keys(), where
-        for key in a:
-            _assert_equal(a[key], b[key], f"{where}/{key}")
-    elif isinstance(a, (list, tuple)):
-        assert len(a) == len(b), where
-        for i, (x, y) in enumerate(zip(a, b, strict=True)):
-            _assert_equal(x, y, f"{where}/{i}")
-    elif isinstance(a, torch.Tensor):
-        assert a.dtype == b.dtype and torch.equal(a, b), where
-    elif isinstance(a, np.ndarray):
-        assert np.array_equal(a, b), where
-    else:
-        assert a == b, where
-
-
-def test_a_background_checkpoint_is_the_synchronous_one(tmp_path, monkeypatch):
+def test_a_background_checkpoint_is_the_synchronous_one(tmp_path):
     """Each write is slowed down, so the next steps train while it is written: what is written is
     still the state at the save, equal to what a synchronous run saves."""
     data = token_sequences(tmp_path)
     common = {"checkpoint.every": 2, "checkpoint.keep": 10}
     _, sync, _ = train_tiny_gpt(tmp_path / "sync", data, 4, 8, steps=6, **common)
-    monkeypatch.setenv("KILN_TEST_SLOW_SAVE_SECONDS", "0.3")
-    _, background, _ = train_tiny_gpt(tmp_path / "async", data, 4, 8, steps=6, **common, **ASYNC)
+    slow = {"debug.slow_save_seconds": 0.3}
+    _, background, _ = train_tiny_gpt(tmp_path / "async", data, 4, 8, steps=6, **common, **ASYNC, **slow)
     saved = [list_checkpoints(t.checkpointer.dir) for t in (sync, background)]
     assert [p.name for p in saved[0]] == [p.name for p in saved[1]] == [f"step-0000000{s}" for s in (2, 4, 6)]
     for a, b in zip(*saved, strict=True):
         (weights_a, state_a), (weights_b, state_b) = (load_checkpoint(p, weights_only=False) for p in (a, b))
-        _assert_equal(weights_a, weights_b, a.name)
+        assert_equal(weights_a, weights_b, a.name)
         for state in (state_a, state_b):  # what differs between the runs besides the saving
             state["meter"]["interval"].pop("seconds")
             state["config"]["run"].pop("dir")
             state["config"]["checkpoint"].pop("async_save")
-        _assert_equal(state_a, state_b, a.name)
+            state["config"].pop("debug")
+        assert_equal(state_a, state_b, a.name)
     # Tied embeddings are stored once, as in the synchronous checkpoint.
     assert (saved[1][-1] / "model.safetensors").stat().st_size == (saved[0][-1] / "model.safetensors").stat().st_size
 
@@ -66,7 +47,7 @@ def test_one_write_in_flight_and_rotation_keeps_the_newest_complete(tmp_path):
     _, trainer, _ = train_tiny_gpt(tmp_path / "run", data, 4, 8, steps=2, **{"checkpoint.keep": 1}, **ASYNC)
     ckpt = trainer.checkpointer
     assert [p.name for p in list_checkpoints(ckpt.dir)] == ["step-00000002"]  # the end of fit waited
-    trainer.faults.slow_save_s = 0.5
+    ckpt.faults = Faults(DebugConfig(slow_save_seconds=0.5))
     path = ckpt.save(3)
     # save returned while step 3 is written; with keep=1 the newest complete one stays meanwhile.
     assert path.name == "step-00000003" and not path.exists() and (ckpt.dir / ".tmp-step-00000003").is_dir()
@@ -109,16 +90,11 @@ def test_sigkill_during_a_background_write_resumes_from_the_previous_checkpoint(
 
     killed = tmp_path / "killed"
     args = sets(tiny_overrides(killed, corpus_dir, **common, checkpoint__async_save="true"))
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "kiln", "train", *args],
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-        env={**os.environ, "KILN_TEST_SLOW_SAVE_SECONDS": "2"},
-    )
+    proc = start("train", *args, *sets(["debug.slow_save_seconds=2"]))
     checkpoints, in_flight, steps = killed / "checkpoints", killed / "checkpoints" / ".tmp-step-00000008", []
     deadline = time.time() + 120
     while time.time() < deadline and proc.poll() is None:
-        steps = [s for s, _ in _losses(killed)] if (killed / "metrics.jsonl").exists() else []
+        steps = list(losses(killed)) if (killed / "metrics.jsonl").exists() else []
         newest = latest_checkpoint(checkpoints)
         if newest is not None and newest.name == "step-00000004" and in_flight.is_dir() and max(steps, default=0) > 8:
             break
@@ -130,7 +106,7 @@ def test_sigkill_during_a_background_write_resumes_from_the_previous_checkpoint(
 
     out = kiln("train", *args).stdout
     assert "resumed from" in out and "step-00000004 at step 4" in out
-    assert _losses(killed) == _losses(full)
+    assert losses(killed) == losses(full)
     final = "checkpoints/step-00000012/model.safetensors"
     a, b = load_file(full / final), load_file(killed / final)
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)

@@ -22,8 +22,9 @@ from kiln.data.batch import IGNORE_INDEX
 from kiln.data.finetune import pack, prepare_finetune
 from kiln.models.hf import FAMILY
 from kiln.train.evaluate import classification_metrics
-from kiln.train.finetune import build_trainer
+from kiln.train.jobs import job_for
 from kiln.train.run import load_run
+from kiln.train.trainer import Trainer, train
 
 from conftest import sft_records, write_jsonl
 from grad_probe import step_gradients
@@ -207,7 +208,7 @@ def test_a_tiny_classifier_learns_a_learnable_set(tmp_path, hf_bert, capsys):
         data__val_fraction=0.2,
         checkpoint__every=0,
     )
-    result = build_trainer(load_config(None, sets), console=False).fit()
+    result = Trainer(job_for(load_config(None, sets)), console=False).fit()
     assert result.eval_metrics["val_accuracy"] >= 0.9, result.eval_metrics
     record = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()][-1]
     assert len(record["val_confusion"]) == 3 and {"val_macro_f1", "val_recall/food"} <= set(record)
@@ -244,11 +245,11 @@ def test_lora_trains_only_adapters_and_its_adapter_loads_in_peft(tmp_path, sft, 
     peft = pytest.importorskip("peft")
     run = tmp_path / "lora"
     sets = ft_sets(run, sft, hf_llama, lora__rank=4, lora__alpha=8, lora__dropout=0.0, train__lr=1e-2)
-    trainer = build_trainer(load_config(None, sets), console=False)
-    trainable = {n for n, p in trainer.unwrapped.named_parameters() if p.requires_grad}
+    trainer = Trainer(job_for(load_config(None, sets)), console=False)
+    trainable = {n for n, p in trainer.model.module.named_parameters() if p.requires_grad}
     assert trainable and all("lora_" in n for n in trainable)
     trainer.fit()
-    got = {n for n, p in trainer.unwrapped.named_parameters() if p.requires_grad}
+    got = {n for n, p in trainer.model.module.named_parameters() if p.requires_grad}
     assert got == trainable  # nothing else was unfrozen
     out = tmp_path / "export"
     assert main(["export", str(run), "--format", "hf", "--out", str(out)]) == 0
@@ -406,9 +407,7 @@ def test_activation_checkpointing_per_layer_gives_the_same_gradients(tmp_path, s
 
 
 def test_bf16_fine_tuning_runs(tmp_path, sft, hf_llama):
-    result = build_trainer(
-        load_config(None, ft_sets(tmp_path, sft, hf_llama, train__precision="bf16")), console=False
-    ).fit()
+    result = train(load_config(None, ft_sets(tmp_path, sft, hf_llama, train__precision="bf16")), console=False)
     assert result.step == 8 and 0 < result.metrics["loss"] < 10
 
 

@@ -2,9 +2,6 @@
 
 import json
 import math
-import os
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -14,6 +11,7 @@ from kiln.train.guard import Guard, TrainingDiverged
 from kiln.train.precision import Precision
 
 from conftest import tiny_overrides, token_sequences, train_tiny_gpt
+from kilnrun import kiln, sets
 
 
 def _records(run_dir):
@@ -34,12 +32,11 @@ def test_device_side_skip_leaves_weights_and_optimizer_state_alone():
     assert not hasattr(opt, "found_inf")
 
 
-def test_nan_step_is_skipped_located_and_the_run_goes_on(tmp_path, monkeypatch):
+def test_nan_step_is_skipped_located_and_the_run_goes_on(tmp_path):
     data = token_sequences(tmp_path)
-    monkeypatch.setenv("KILN_TEST_NAN_STEPS", "4")
-    monkeypatch.setenv("KILN_TEST_NAN_MODULE", "blocks.1.attn")
+    faults = {"debug.nan_steps": "4", "debug.nan_module": "blocks.1.attn"}
     model, trainer, result = train_tiny_gpt(
-        tmp_path / "nan", data, micro=4, global_=8, steps=8, **{"train.log_every": 3}
+        tmp_path / "nan", data, micro=4, global_=8, steps=8, **{"train.log_every": 3}, **faults
     )
     assert result.step == 8
     assert all(torch.isfinite(p).all() for p in model.parameters())
@@ -54,16 +51,15 @@ def test_nan_step_is_skipped_located_and_the_run_goes_on(tmp_path, monkeypatch):
     assert trainer.optimizer.state[trainer.params[0]]["step"].item() == 7
 
 
-def test_repeated_nan_rolls_back_with_a_lower_learning_rate(tmp_path, monkeypatch):
+def test_repeated_nan_rolls_back_with_a_lower_learning_rate(tmp_path):
     data = token_sequences(tmp_path)
-    monkeypatch.setenv("KILN_TEST_NAN_STEPS", "7,8,9")
     model, trainer, result = train_tiny_gpt(
         tmp_path / "rb",
         data,
         micro=4,
         global_=8,
         steps=14,
-        **{"checkpoint.every": 5, "guard.max_bad_steps": 3, "guard.lr_factor": 0.25},
+        **{"checkpoint.every": 5, "guard.max_bad_steps": 3, "guard.lr_factor": 0.25, "debug.nan_steps": "7,8,9"},
     )
     assert result.step == 14 and all(torch.isfinite(p).all() for p in model.parameters())
     records = _records(tmp_path / "rb")
@@ -78,22 +74,17 @@ def test_repeated_nan_rolls_back_with_a_lower_learning_rate(tmp_path, monkeypatc
 
 def test_nan_that_persists_stops_with_a_report(tmp_path, corpus_dir):
     run_dir = tmp_path / "run"
-    sets = [
-        a
-        for i in tiny_overrides(
-            run_dir,
-            corpus_dir,
-            train__max_steps=20,
-            checkpoint__every=3,
-            guard__max_bad_steps=2,
-            guard__max_rollbacks=1,
-        )
-        for a in ("--set", i)
-    ]
-    env = {**os.environ, "KILN_TEST_NAN_STEPS": "5,6,7,8,9,10", "KILN_TEST_NAN_PERSIST": "1"}
-    proc = subprocess.run(
-        [sys.executable, "-m", "kiln", "train", *sets], env=env, capture_output=True, text=True, timeout=300
+    overrides = tiny_overrides(
+        run_dir,
+        corpus_dir,
+        train__max_steps=20,
+        checkpoint__every=3,
+        guard__max_bad_steps=2,
+        guard__max_rollbacks=1,
+        debug__nan_steps="5,6,7,8,9,10",
+        debug__nan_persist="true",
     )
+    proc = kiln("train", *sets(overrides), check=False)
     assert proc.returncode == 4, proc.stderr[-3000:]
     assert "non-finite steps in a row again after 1 rollback" in proc.stderr and "Lower train.lr" in proc.stderr
     assert "rolled back to step-00000003" in proc.stdout

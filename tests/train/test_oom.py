@@ -2,9 +2,6 @@
 (the exception type the CUDA allocator raises) above a micro-batch size."""
 
 import json
-import os
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -13,17 +10,16 @@ from kiln.checkpoint import latest_checkpoint, load_checkpoint
 from kiln.train.memory_ladder import OutOfMemoryExhausted, Rung, largest_fitting, micro_batch_options, next_rung
 
 from conftest import tiny_overrides, token_sequences, train_tiny_gpt
+from kilnrun import kiln, sets
 
 
 def _records(run_dir):
     return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
 
 
-def _oom_above(monkeypatch, above, from_step=0, **extra):
-    monkeypatch.setenv("KILN_TEST_OOM_ABOVE", str(above))
-    monkeypatch.setenv("KILN_TEST_OOM_FROM_STEP", str(from_step))
-    for key, value in extra.items():
-        monkeypatch.setenv(key, value)
+def _oom_above(above, from_step=0, **extra):
+    """The [debug] settings of a device that runs out of memory above ``above`` sequences."""
+    return {"debug.oom_above": above, "debug.oom_from_step": from_step, **extra}
 
 
 def test_ladder_rungs_in_order():
@@ -46,13 +42,12 @@ def test_ladder_rungs_in_order():
     assert largest_fitting(options, lambda m: False) is None
 
 
-def test_oom_mid_run_retries_the_same_step_at_smaller_micro_batches(tmp_path, monkeypatch):
+def test_oom_mid_run_retries_the_same_step_at_smaller_micro_batches(tmp_path):
     data = token_sequences(tmp_path)
     ref, _, _ = train_tiny_gpt(tmp_path / "ref", data, micro=2, global_=16, steps=6)
     # From step 3 (0-based) on, any micro-batch above 2 sequences "runs out of memory": the step
     # fails at 8, then at 4, and succeeds at 2, all from the same data.
-    _oom_above(monkeypatch, 2, from_step=3)
-    model, trainer, result = train_tiny_gpt(tmp_path / "oom", data, micro=8, global_=16, steps=6)
+    model, trainer, result = train_tiny_gpt(tmp_path / "oom", data, micro=8, global_=16, steps=6, **_oom_above(2, 3))
     assert result.step == 6 and trainer.micro_batch_size == 2
     for (name, a), b in zip(ref.state_dict().items(), model.state_dict().values(), strict=True):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5, msg=name)
@@ -69,7 +64,6 @@ def test_oom_mid_run_retries_the_same_step_at_smaller_micro_batches(tmp_path, mo
     assert state["memory"] == {"micro_batch_size": 2, "activation_checkpointing": False, "cpu_offload": False}
     assert json.loads((tmp_path / "oom" / "memory.json").read_text())["micro_batch_size"] == 2
     # A resume starts there, even with the memory problem gone.
-    monkeypatch.delenv("KILN_TEST_OOM_ABOVE")
     _, again, _ = train_tiny_gpt(tmp_path / "oom", data, micro=8, global_=16, steps=8, **{"checkpoint.resume": "auto"})
     assert again.micro_batch_size == 2
     (tmp_path / "oom" / "memory.json").unlink()  # the checkpoint alone carries it too
@@ -77,21 +71,20 @@ def test_oom_mid_run_retries_the_same_step_at_smaller_micro_batches(tmp_path, mo
     assert again.micro_batch_size == 2
 
 
-def test_activation_checkpointing_is_the_rung_after_micro_batch_one(tmp_path, monkeypatch):
+def test_activation_checkpointing_is_the_rung_after_micro_batch_one(tmp_path):
     data = token_sequences(tmp_path)
     ref, _, _ = train_tiny_gpt(tmp_path / "ref", data, micro=1, global_=4, steps=4)
-    _oom_above(monkeypatch, 0, from_step=2, KILN_TEST_OOM_UNLESS_CHECKPOINTING="1")
-    model, trainer, _ = train_tiny_gpt(tmp_path / "ac", data, micro=4, global_=4, steps=4)
-    assert trainer.rung == Rung(1, activation_checkpointing=True)
+    faults = _oom_above(0, 2, **{"debug.oom_unless_checkpointing": "true"})
+    model, trainer, _ = train_tiny_gpt(tmp_path / "ac", data, micro=4, global_=4, steps=4, **faults)
+    assert trainer.ladder.rung == Rung(1, activation_checkpointing=True)
     for (name, a), b in zip(ref.state_dict().items(), model.state_dict().values(), strict=True):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5, msg=name)
 
 
-def test_oom_at_micro_batch_one_saves_and_reports(tmp_path, monkeypatch):
+def test_oom_at_micro_batch_one_saves_and_reports(tmp_path):
     data = token_sequences(tmp_path)
-    _oom_above(monkeypatch, 0, from_step=3)
     with pytest.raises(OutOfMemoryExhausted) as info:
-        train_tiny_gpt(tmp_path / "x", data, micro=4, global_=8, steps=6)
+        train_tiny_gpt(tmp_path / "x", data, micro=4, global_=8, steps=6, **_oom_above(0, 3))
     report = str(info.value)
     assert "out of memory at step 4 with micro-batch 1 + activation checkpointing" in report
     for tried in ("micro-batch 4:", "micro-batch 2:", "micro-batch 1:", "micro-batch 1 + activation checkpointing:"):
@@ -103,17 +96,15 @@ def test_oom_at_micro_batch_one_saves_and_reports(tmp_path, monkeypatch):
     assert state["memory"] == {"micro_batch_size": 1, "activation_checkpointing": True, "cpu_offload": False}
 
 
-def test_auto_micro_batch_finds_the_threshold(tmp_path, monkeypatch):
+def test_auto_micro_batch_finds_the_threshold(tmp_path):
     data = token_sequences(tmp_path)
     _, trainer, _ = train_tiny_gpt(tmp_path / "free", data, micro="auto", global_=24, steps=1)
     assert trainer.micro_batch_size == 24  # nothing limits it on the CPU: no accumulation
-    _oom_above(monkeypatch, 5)
-    model, trainer, _ = train_tiny_gpt(tmp_path / "probe", data, micro="auto", global_=24, steps=3)
+    model, trainer, _ = train_tiny_gpt(tmp_path / "probe", data, micro="auto", global_=24, steps=3, **_oom_above(5))
     assert trainer.micro_batch_size == 4  # the largest divisor of 24 that is at most 5
     event = next(r for r in _records(tmp_path / "probe") if r.get("event") == "micro_batch_size")
     assert event["micro_batch_size"] == 4 and "accumulation 6" in event["message"]
     # Probing changed nothing the run computes: same weights as a run told micro-batch 4.
-    monkeypatch.delenv("KILN_TEST_OOM_ABOVE")
     ref, _, _ = train_tiny_gpt(tmp_path / "ref", data, micro=4, global_=24, steps=3)
     for (name, a), b in zip(ref.state_dict().items(), model.state_dict().values(), strict=True):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5, msg=name)
@@ -121,17 +112,12 @@ def test_auto_micro_batch_finds_the_threshold(tmp_path, monkeypatch):
 
 def test_cli_exits_non_zero_with_the_report(tmp_path, corpus_dir):
     run_dir = tmp_path / "run"
-    sets = [
-        a for i in tiny_overrides(run_dir, corpus_dir, train__max_steps=6, checkpoint__every=0) for a in ("--set", i)
-    ]
-    env = {**os.environ, "KILN_TEST_OOM_ABOVE": "0", "KILN_TEST_OOM_FROM_STEP": "2"}
-    proc = subprocess.run(
-        [sys.executable, "-m", "kiln", "train", *sets], env=env, capture_output=True, text=True, timeout=300
-    )
+    overrides = tiny_overrides(run_dir, corpus_dir, train__max_steps=6, checkpoint__every=0)
+    proc = kiln("train", *sets(overrides), *sets(["debug.oom_above=0", "debug.oom_from_step=2"]), check=False)
     assert proc.returncode == 3, proc.stderr[-3000:]
     assert "kiln: out of memory at step 3 with micro-batch 1 + activation checkpointing" in proc.stderr
     assert "Tried:" in proc.stderr and "kiln plan" in proc.stderr
     assert latest_checkpoint(run_dir / "checkpoints").name.endswith("00000002")
     (run_dir / "memory.json").write_text("{not json")
-    proc = subprocess.run([sys.executable, "-m", "kiln", "train", *sets], capture_output=True, text=True, timeout=300)
+    proc = kiln("train", *sets(overrides), check=False)
     assert proc.returncode == 2 and "memory.json: not a kiln memory rung file" in proc.stderr

@@ -15,12 +15,15 @@ from kiln.checkpoint import load_checkpoint
 from kiln.cli import main
 from kiln.config import ConfigError, load_config
 from kiln.models import GPT, GPTConfig
-from kiln.models.family import family_of
+from kiln.models.family import family_of, get_family
 from kiln.train.apply import apply_lora, merge_lora
-from kiln.train.finetune import build_trainer
+from kiln.train.jobs import job_for
 from kiln.train.run import load_run
+from kiln.train.trainer import Trainer
 
 from conftest import sft_records, write_jsonl
+
+GPT_FAMILY, HF_FAMILY = get_family("gpt"), get_family("hf")
 
 peft = pytest.importorskip("peft")
 transformers = pytest.importorskip("transformers")
@@ -52,7 +55,7 @@ def models(hf_llama):
     family = family_of(cfg.model)
     args = family.resolve(cfg.model, vocab_size=0, seq_len=64)
     plain = family.create(args, "cpu", 0).eval()
-    quantized = apply_lora(family.create(args, "cpu", 0), cfg, family.lora_targets(args)).eval()
+    quantized = apply_lora(family.create(args, "cpu", 0), cfg, family, args).eval()
     return plain, quantized
 
 
@@ -64,7 +67,8 @@ def gpt():
     torch.manual_seed(0)
     plain = GPT(GPTConfig(**dims, tie_embeddings=True)).eval()
     cfg = load_config(None, ["run.device=cpu", "lora.rank=8", "lora.quantize_base=nf4"])
-    quantized = apply_lora(copy.deepcopy(plain), cfg, ["wq", "wk", "wv", "wo", "w1", "w2", "w3"]).eval()
+    args = GPTConfig(**dims, tie_embeddings=True)  # the family's default targets: every projection
+    quantized = apply_lora(copy.deepcopy(plain), cfg, GPT_FAMILY, args).eval()
     return plain, quantized
 
 
@@ -91,7 +95,7 @@ def test_merging_folds_trained_adapters_into_the_dequantized_base(gpt):
             if "lora_B" in name:  # as if trained: B starts at zero
                 param.copy_(torch.randn_like(param) * 0.05)
         ids = torch.randint(0, 256, (2, 32), generator=torch.Generator().manual_seed(3))
-        merged = merge_lora(quantized)
+        merged = merge_lora(quantized, GPT_FAMILY)
         torch.testing.assert_close(merged(ids), quantized(ids), rtol=0, atol=1e-5)
     assert not any(isinstance(p, NF4Tensor) or "lora_" in n for n, p in merged.named_parameters())
     assert sum(isinstance(p, NF4Tensor) for p in quantized.parameters()) == 14  # the original is untouched
@@ -115,7 +119,7 @@ def test_the_quantized_forward_is_the_float_forward_up_to_nf4_rounding(models):
     with torch.no_grad():
         floats, logits = plain(ids), quantized(ids)
         # Exactly the model whose weights are the dequantized NF4 ones (the adapters start at zero).
-        torch.testing.assert_close(logits, merge_lora(quantized)(ids), rtol=0, atol=1e-5)
+        torch.testing.assert_close(logits, merge_lora(quantized, HF_FAMILY)(ids), rtol=0, atol=1e-5)
     # NF4 rounds Gaussian weights with a relative RMS error of about 9%; the logits are off by
     # no more than one layer's output is (the embedding and the output layer stay exact).
     relative = ((logits - floats).norm() / floats.norm()).item()
@@ -144,7 +148,7 @@ def _resume_and_export(run: Path, tmp_path: Path, sft: Path, hf_llama: Path, *, 
     loaded = load_run(run, device="cpu")
     assert not any(isinstance(p, NF4Tensor) for p in loaded.model.parameters())
     cfg, family, args = loaded.cfg, loaded.family, loaded.args
-    trained = apply_lora(family.create(args, "cpu", cfg.train.seed), cfg, family.lora_targets(args)).eval()
+    trained = apply_lora(family.create(args, "cpu", cfg.train.seed), cfg, family, args).eval()
     trained.load_state_dict(load_checkpoint(loaded.checkpoint)[0])
     assert sum(isinstance(p, NF4Tensor) for p in trained.parameters()) == 14
     ids = torch.randint(0, 300, (2, 20), generator=torch.Generator().manual_seed(2))
@@ -187,8 +191,8 @@ def test_two_ddp_ranks_give_the_losses_of_one_process(qlora_run, tmp_path, sft, 
 def test_qlora_on_cuda_in_bf16(tmp_path, sft, hf_llama):
     extra = dict(run__device="cuda", train__precision="bf16")
     run = tmp_path / "run"
-    trainer = build_trainer(load_config(None, sets(run, sft, hf_llama, **extra)), console=False)
-    nf4 = [p for p in trainer.unwrapped.parameters() if isinstance(p, NF4Tensor)]
+    trainer = Trainer(job_for(load_config(None, sets(run, sft, hf_llama, **extra))), console=False)
+    nf4 = [p for p in trainer.model.module.parameters() if isinstance(p, NF4Tensor)]
     assert len(nf4) == 14 and all(p.is_cuda and p.quantized_data.is_cuda for p in nf4)
     trainer.fit()
     # Some CUDA kernels (attention's backward) add in no fixed order: equal up to rounding.

@@ -9,8 +9,8 @@ import pytest
 from tokenizers import Tokenizer
 
 from kiln.config import load_config
-from kiln.train.jobs import train
-from kiln.train.lm import evaluate_run
+from kiln.train.run import load_run
+from kiln.train.trainer import train
 
 from conftest import book_text, tiny_overrides
 
@@ -43,10 +43,11 @@ def test_eval_data_scores_every_token_of_one_file(tmp_path):
     tok = Tokenizer.from_file(str(run / "tokenizer.json"))
     tok.encode_special_tokens = True
     expected = len(tok.encode(val.read_text(), add_special_tokens=False).ids) + 1  # and the end-of-text token
-    metrics = evaluate_run(run, source=str(val), micro_batch_size=3)
+    saved = load_run(run, device="cpu")
+    metrics = saved.job.evaluate_saved(saved, source=str(val), max_batches=None, batch_size=3)
     assert metrics["tokens"] == expected - 1  # every token but the first is a target
     assert metrics["val_bpb"] > 0
-    assert evaluate_run(run, source=str(val), micro_batch_size=3, max_batches=1)["tokens"] == 3 * 32
+    assert saved.job.evaluate_saved(saved, source=str(val), max_batches=1, batch_size=3)["tokens"] == 3 * 32
 
 
 def test_val_source_is_what_is_evaluated_and_nothing_of_it_trains(tmp_path, corpus_dir):

@@ -27,7 +27,7 @@ def _failed(*checks: tuple[bool, str]) -> list[str]:
     return [message for ok, message in checks if not ok]
 
 
-@dataclass
+@dataclass(frozen=True)
 class RunConfig:
     dir: str = "runs/default"
     """Run directory: config, metrics, TensorBoard events and checkpoints are written here."""
@@ -35,6 +35,13 @@ class RunConfig:
     """Device to train on: auto (cuda if available, else cpu), cpu, cuda or cuda:N."""
     threads: int = 0
     """CPU threads for intra-op parallelism; 0 keeps PyTorch's default."""
+    job: Literal["auto", "lm", "finetune", "module"] = "auto"
+    """The kind of run: lm (a language model trained on text: kiln's GPT, a plug-in family, or a
+    Hugging Face causal LM continuing pretraining), finetune (a Hugging Face model trained on
+    records: prompt/completion, chat or classification), or auto: finetune when data.format
+    resolves to records, else lm. module is recorded for your own nn.Module trained through
+    kiln.Trainer, which only Python can rebuild. A run's config.toml records what auto became, and
+    every kiln command on the run directory takes its job from there."""
 
     def errors(self) -> list[str]:
         dev = self.device
@@ -48,7 +55,7 @@ class RunConfig:
         )
 
 
-@dataclass
+@dataclass(frozen=True)
 class ModelConfig:
     family: str = "gpt"
     """Model family: gpt (kiln's own Llama-style Transformer), or a plug-in given as
@@ -93,7 +100,7 @@ class ModelConfig:
         )
 
 
-@dataclass
+@dataclass(frozen=True)
 class DataConfig:
     source: str = "stdlib"
     """Training text: 'stdlib' (the Python standard library on this machine, no download) or a
@@ -178,7 +185,7 @@ class DataConfig:
         )
 
 
-@dataclass
+@dataclass(frozen=True)
 class TrainConfig:
     max_steps: int | Literal["auto"] = 1050
     """Optimizer steps to train for (the default run takes about five minutes on 2 CPU cores), or
@@ -319,7 +326,7 @@ class TrainConfig:
         return errors
 
 
-@dataclass
+@dataclass(frozen=True)
 class EvalConfig:
     every: int = 350
     """Evaluate every N steps (and at the end); 0 only at the end."""
@@ -338,7 +345,7 @@ class EvalConfig:
         )
 
 
-@dataclass
+@dataclass(frozen=True)
 class CheckpointConfig:
     every: int = 350
     """Save a checkpoint every N steps (and at the end); 0 only at the end."""
@@ -359,7 +366,7 @@ class CheckpointConfig:
         )
 
 
-@dataclass
+@dataclass(frozen=True)
 class ParallelConfig:
     strategy: Literal["ddp", "fsdp", "fsdp_grad_op"] = "ddp"
     """How data-parallel ranks share the model when the world size is above 1: ddp (replicas,
@@ -447,7 +454,7 @@ class ParallelConfig:
         return self.pp_microbatches or self.pp_stages
 
 
-@dataclass
+@dataclass(frozen=True)
 class GuardConfig:
     max_bad_steps: int = 3
     """Non-finite steps (loss or gradient norm NaN/Inf) in a row, each skipped, before the run rolls
@@ -472,7 +479,7 @@ class GuardConfig:
         )
 
 
-@dataclass
+@dataclass(frozen=True)
 class ObserveConfig:
     histograms_every: int = 0
     """Write weight and gradient histograms to TensorBoard every N steps; 0 is off."""
@@ -500,7 +507,7 @@ class ObserveConfig:
         )
 
 
-@dataclass
+@dataclass(frozen=True)
 class ProfileConfig:
     steps: str = ""
     """Optimizer steps to profile with torch.profiler, as START:END (1-based, inclusive), e.g. 5:8;
@@ -517,7 +524,7 @@ class ProfileConfig:
         return []
 
 
-@dataclass
+@dataclass(frozen=True)
 class LoraConfig:
     rank: int = 0
     """LoRA rank r (needs the peft package: pip install 'kiln[hf]'): only low-rank adapters of the
@@ -547,7 +554,61 @@ class LoraConfig:
         )
 
 
-@dataclass
+@dataclass(frozen=True)
+class DebugConfig:
+    """Test-only fault injection (``kiln.train.faults``): every fault is off by default, and a
+    real run never sets one."""
+
+    oom_above: int = -1
+    """Fake a CUDA out-of-memory error in any micro-batch of more than N sequences (0: every one);
+    -1 is off."""
+    oom_from_step: int = 0
+    """Fake out-of-memory errors only once this many optimizer steps are done."""
+    oom_unless_checkpointing: bool = False
+    """Activation checkpointing makes any micro-batch fit (no fake out-of-memory error with it)."""
+    nan_steps: str = ""
+    """Steps (1-based, as logged, comma-separated: "7,8,9") whose forward pass goes NaN, until a
+    rollback passes over them (as if the lower learning rate had cured them); empty is off."""
+    nan_persist: bool = False
+    """The steps of debug.nan_steps go NaN every time, rollbacks or not."""
+    nan_module: str = ""
+    """The module whose output debug.nan_steps poisons; empty: blocks.1.mlp, or the whole model if
+    it has no such module."""
+    slow_save_seconds: float = 0.0
+    """Every checkpoint write pauses this long before the main rank writes its files (in the
+    background with checkpoint.async_save, while training goes on)."""
+    hang_rank: int = 0
+    """The rank that hangs at debug.hang_step."""
+    hang_step: int = 0
+    """Rank debug.hang_rank stops for good before this step's forward pass, as a rank stuck outside a
+    collective would, in the first attempt only (a group kiln launch --max-restarts restarted runs
+    on); 0 is off."""
+    slow_rank: int = 0
+    """The rank that debug.slow_seconds slows down."""
+    slow_seconds: float = 0.0
+    """Each forward pass of rank debug.slow_rank takes this much longer (a straggler); 0 is off."""
+
+    def errors(self) -> list[str]:
+        return _failed(
+            (self.oom_above >= -1, f"debug.oom_above: must be >= 0, or -1 (off), got {self.oom_above}"),
+            (self.oom_from_step >= 0, f"debug.oom_from_step: must be >= 0, got {self.oom_from_step}"),
+            (
+                all(s.strip().isdigit() and int(s) >= 1 for s in self.nan_steps.split(",")) or not self.nan_steps,
+                f"debug.nan_steps: {self.nan_steps!r} is not a comma-separated list of steps >= 1, e.g. 7,8,9",
+            ),
+            (self.slow_save_seconds >= 0, f"debug.slow_save_seconds: must be >= 0, got {self.slow_save_seconds}"),
+            (self.hang_rank >= 0, f"debug.hang_rank: must be >= 0, got {self.hang_rank}"),
+            (self.hang_step >= 0, f"debug.hang_step: must be >= 0 (0 is off), got {self.hang_step}"),
+            (self.slow_rank >= 0, f"debug.slow_rank: must be >= 0, got {self.slow_rank}"),
+            (self.slow_seconds >= 0, f"debug.slow_seconds: must be >= 0, got {self.slow_seconds}"),
+        )
+
+    @property
+    def nan_step_set(self) -> frozenset[int]:
+        return frozenset(int(s) for s in self.nan_steps.split(",") if s.strip())
+
+
+@dataclass(frozen=True)
 class Config:
     run: RunConfig = field(default_factory=RunConfig)
     model: ModelConfig = field(default_factory=ModelConfig)
@@ -560,6 +621,7 @@ class Config:
     observe: ObserveConfig = field(default_factory=ObserveConfig)
     profile: ProfileConfig = field(default_factory=ProfileConfig)
     lora: LoraConfig = field(default_factory=LoraConfig)
+    debug: DebugConfig = field(default_factory=DebugConfig)
 
     def grad_accum_steps(self, data_parallel: int = 1) -> int:
         """Micro-batches per rank per optimizer step (at the full global batch, with a fixed micro-batch)."""
@@ -582,6 +644,7 @@ class Config:
             self.profile,
             self.run,
             self.lora,
+            self.debug,
         )
         pp, micro = self.parallel.pp, self.train.micro_batch_size
         combinations = [

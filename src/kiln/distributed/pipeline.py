@@ -17,14 +17,15 @@ the step's loss tokens, so the gradients are those of the whole batch, accumulat
 from __future__ import annotations
 
 import copy
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
+from typing import Any
 
 import torch
 from torch import nn
 
 from kiln.config import ConfigError, ParallelConfig
 from kiln.data.batch import IGNORE_INDEX
-from kiln.distributed.parallelize import apply_fsdp, apply_tp, parallelize
+from kiln.distributed.parallel import ParallelModel, StepCompute, clip_grad_norm_, shard
 from kiln.distributed.world import World
 from kiln.models.family import ParallelPlan
 
@@ -51,7 +52,13 @@ def stage_layers(n_layers: int, stages: int) -> list[range]:
 def _view(model: nn.Module, plan: ParallelPlan, layers: Iterable[int], first: bool, last: bool) -> nn.Module:
     """``model`` holding only ``layers`` (numbered as in the whole model), with the first stage's
     modules if ``first`` and the last's if ``last``. It shares its modules with ``model``; its own
-    registries (modules, hooks) are copies, so what is applied to it does not reach the original."""
+    registries (modules, hooks) are copies, so what is applied to it does not reach the original.
+
+    PyTorch has no public way to make such a view: a shallow copy of the module with its
+    registries (``_modules`` and the hook dicts, instance attributes of every ``nn.Module``)
+    copied, and a layer list that keeps the whole model's numbering, so that parameter names and
+    checkpoints are those of the whole model. ``tests/distributed/test_pipeline.py`` checks the
+    names and that the original is untouched, and fails if ``nn.Module`` keeps them elsewhere."""
     view = copy.copy(model)
     for key, value in vars(model).items():
         if isinstance(value, dict):
@@ -69,10 +76,7 @@ def _view(model: nn.Module, plan: ParallelPlan, layers: Iterable[int], first: bo
 
 def _tied(model: nn.Module, plan: ParallelPlan) -> dict[str, str]:
     """The weights the first and the last stage share (tied input and output embeddings): each
-    one's name among the first stage's parameters and among the last's. Raises ConfigError if the
-    model's plan cannot pipeline it."""
-    if not plan.pipelined:
-        raise ConfigError([plan.pipeline_error(type(model).__name__)])
+    one's name among the first stage's parameters and among the last's."""
 
     def named(names):
         return {id(p): f"{name}.{key}" for name in names for key, p in model.get_submodule(name).named_parameters()}
@@ -81,14 +85,13 @@ def _tied(model: nn.Module, plan: ParallelPlan) -> dict[str, str]:
     return {first[key]: last[key] for key in first.keys() & last.keys()}
 
 
-class Pipeline:
-    """This rank's share of a pipelined model: ``part`` (its layers, as one module, with tensor
-    parallelism and FSDP applied), the stages cut from it and the schedule.
+class PipelineModel(ParallelModel):
+    """This rank's share of a pipelined model: its layers as one module (``module``, with tensor
+    parallelism and FSDP applied), the stages cut from it and the schedule that runs them.
 
-    ``compile``: each of its layers is compiled (``torch.compile``).
-    ``forward_backward`` runs one micro-batch through the pipeline with gradients; calling the
-    pipeline itself, ``pipeline(inputs, targets)``, runs it forward only and returns the mean
-    loss on every rank (evaluation)."""
+    ``forward_backward`` runs one micro-batch through the pipeline with gradients;
+    ``eval_forward(inputs, targets)`` runs it forward only and returns the mean loss on every
+    rank (evaluation)."""
 
     def __init__(
         self,
@@ -97,8 +100,8 @@ class Pipeline:
         world: World,
         pcfg: ParallelConfig,
         *,
-        bf16: bool = False,
-        compile: bool = False,
+        bf16: bool,
+        embeddings: frozenset[str],
     ):
         from torch.distributed import pipelining
 
@@ -106,10 +109,12 @@ class Pipeline:
         n_stages, pp, rank = pcfg.pp_stages, world.pp, world.pp_rank
         layers = stage_layers(len(plan.repeated_blocks(model)), n_stages)
         mine = list(range(rank, n_stages, pp))
-        self.pp, self.world, self.n_stages = pp, world, n_stages
-        self.group = world.mesh["pp"].get_group()
         part = _view(model, plan, [i for s in mine for i in layers[s]], 0 in mine, n_stages - 1 in mine)
-        self.part = part  # the module the optimizer, clipping, checkpoints and activation checkpointing see
+        # Each rank writes the layers it holds: checkpoints are always sharded.
+        super().__init__(part, plan, world, embeddings=embeddings, sharded=True)
+        self.whole, self.generates = None, False
+        self.pp, self.n_stages = pp, n_stages
+        self.group = world.mesh["pp"].get_group()
         # This rank's stages: the part itself, or views of it when it holds several.
         stages = (
             {mine[0]: part}
@@ -117,36 +122,16 @@ class Pipeline:
             else {s: _view(part, plan, layers[s], s == 0, s == n_stages - 1) for s in mine}
         )
         # Data-parallel replicas of a stage average their gradients once the step's micro-batches
-        # are all through the pipeline (``reduce_gradients``): DDP's per-bucket hooks do not
+        # are all through the pipeline (``_reduce_gradients``): DDP's per-bucket hooks do not
         # survive a schedule that runs backward piece by piece across several calls.
-        self._replicas = None
-        if pcfg.strategy == "ddp" and world.dp > 1:
-            if world.tp > 1:
-                raise ConfigError(
-                    ["parallel.strategy: ddp cannot be combined with parallel.tp > 1; use fsdp or fsdp_grad_op"]
-                )
-            self._replicas = world.mesh["dp"].get_group()
-        elif len(mine) > 1 and world.dp > 1:
+        self._replicas = world.mesh["dp"].get_group() if pcfg.strategy == "ddp" and world.dp > 1 else None
+        if self._replicas is None and len(mine) > 1 and world.dp > 1:
             # Several stages per rank: each is FSDP's root for its own layers, as the schedule
             # runs each one's forward and backward apart.
-            if world.tp > 1:
-                plan.check_tensor_parallel(world.tp, type(part).__name__)
-                apply_tp(part, plan, world.mesh["tp"])
-            for stage in stages.values():
-                apply_fsdp(
-                    stage,
-                    plan,
-                    world.mesh["dp"],
-                    reshard_after_forward=pcfg.strategy == "fsdp",
-                    bf16=bf16,
-                    cpu_offload=pcfg.cpu_offload,
-                )
-        else:  # tensor parallelism, and FSDP with the part as its root; never a DDP wrapper here
-            parallelize(part, plan, world, pcfg, bf16=bf16)
+            shard(part, plan, world, pcfg, bf16=bf16, fsdp_roots=list(stages.values()))
+        elif self._replicas is None:
+            shard(part, plan, world, pcfg, bf16=bf16)
         self._tie(tied, 0 in mine, n_stages - 1 in mine)
-        if compile:  # the loss function is not what runs here: each layer is compiled instead
-            for block in plan.repeated_blocks(part):
-                block.compile()
         self._stage_modules = stages  # evaluation runs them one after the other, forward only
         self.stages = [
             pipelining.PipelineStage(module, s, n_stages, world.device, group=self.group)
@@ -160,23 +145,42 @@ class Pipeline:
         self.schedule = schedule(self.stages if len(self.stages) > 1 else self.stages[0], **kwargs)
         self._scale: torch.Tensor | None = None
 
+    def compile(self, loss_fn: Callable[[nn.Module, Any], torch.Tensor]) -> Callable[[nn.Module, Any], torch.Tensor]:
+        """The schedule, not the loss function, runs the stages here: each layer is compiled instead."""
+        for block in self.plan.repeated_blocks(self.module):
+            block.compile()
+        return loss_fn
+
     def _weighed(self, loss: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         """A piece's mean loss (the last stage returns it, fused with its output layer) as its
         part of the micro-batch's loss times the step's weight."""
         return loss * (targets != IGNORE_INDEX).sum() * self._scale
 
-    def forward_backward(self, batch: tuple[torch.Tensor, torch.Tensor], weight: float) -> torch.Tensor:
-        """Gradients of ``weight`` times the mean loss of ``batch`` (inputs, targets), added to
-        those already held; that mean loss on the last stage, times the pipeline's ranks, and zero
-        on the others (the meter averages the loss over every rank)."""
+    def forward_backward(self, batch: Any, divisor: float, *, last: bool, compute: StepCompute) -> torch.Tensor:
+        """The schedule cuts ``batch`` (inputs, targets) into ``parallel.pp_microbatches`` pieces
+        and runs them through the stages; the last stage weighs each piece's loss by its share of
+        the batch's loss tokens. The loss is returned on the last stage, times the pipeline's
+        ranks, and zero on the others (the meter averages the loss over every rank)."""
         inputs, targets = batch
+        weight = 1 / divisor
         self._scale = weight / (targets != IGNORE_INDEX).sum()
         losses: list[torch.Tensor] = []
-        # Every stage gets the targets as a keyword: the last computes the loss with them.
-        self.schedule.step(inputs, target=targets, losses=losses, return_outputs=False, targets=targets)
+        with compute.autocast():
+            # Every stage gets the targets as a keyword: the last computes the loss with them.
+            self.schedule.step(inputs, target=targets, losses=losses, return_outputs=False, targets=targets)
+        if last:
+            self._reduce_gradients()
         if not self.is_last:
             return torch.zeros((), device=self.world.device)
         return torch.stack(losses).sum().detach() * (self.pp / weight)
+
+    def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
+        """The norm sums over the stages; a tied weight's second copy is clipped but not counted."""
+        return clip_grad_norm_(self.parameters(), max_norm, group=self.group, uncounted=self.uncounted)
+
+    def local_state(self, model_state: dict[str, Any], optim_state: dict[str, Any]) -> tuple[dict, dict]:
+        """The layers of this rank's stages, from a whole model's checkpoint."""
+        return _restrict(model_state, optim_state, set(self.module.state_dict()))
 
     def _tie(self, tied: dict[str, str], first: bool, last: bool) -> None:
         """A weight the first and last stage share (tied embeddings) is a copy on each of their
@@ -187,13 +191,10 @@ class Pipeline:
         self._tied_group, self._tied, self.uncounted = None, [], []
         if not tied:
             return
-        params = dict(self.part.named_parameters())
+        params = dict(self.module.named_parameters())
         self._tied = [params[name] for name in (tied if first else tied.values() if last else ())]
-        # The last stage's copy is clipped with the first's norm, not counted twice, and is
-        # optimized as the embedding it is (no weight decay), like the first's.
+        # The last stage's copy is clipped with the first's norm, not counted twice.
         self.uncounted = self._tied if last and not first else []
-        for param in self._tied:
-            param.is_embedding = True
         world, ranks = self.world, dist.get_process_group_ranks(self.group)
         if self.pp == 2:
             self._tied_group = self.group
@@ -206,7 +207,7 @@ class Pipeline:
                     self._tied_group = made
 
     @torch.no_grad()
-    def reduce_gradients(self) -> None:
+    def _reduce_gradients(self) -> None:
         """Average the gradients over the data-parallel replicas (with ``parallel.strategy=ddp``;
         FSDP reduces its own), in one all-reduce of all of them; sum the gradients of the copies
         of a tied weight."""
@@ -217,17 +218,19 @@ class Pipeline:
             dist.all_reduce(grad, group=self._tied_group)
         if self._replicas is None:
             return
-        from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
-
-        grads = [p.grad for p in self.part.parameters() if p.grad is not None]
-        flat = _flatten_dense_tensors(grads)
+        grads = [p.grad for p in self.module.parameters() if p.grad is not None]
+        flat = torch.cat([g.flatten() for g in grads])
         dist.all_reduce(flat, group=self._replicas)
         flat /= self.world.dp
-        for grad, reduced in zip(grads, _unflatten_dense_tensors(flat, grads), strict=True):
-            grad.copy_(reduced)
+        for grad, reduced in zip(grads, flat.split([g.numel() for g in grads]), strict=True):
+            grad.copy_(reduced.view_as(grad))
+
+    @property
+    def eval_forward(self) -> Callable[..., torch.Tensor]:
+        return self._evaluate
 
     @torch.no_grad()
-    def __call__(self, inputs: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
+    def _evaluate(self, inputs: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
         """The mean loss of ``targets`` given ``inputs``, on every rank: the stages run in turn,
         each passing its hidden states to the next, and the last stage's loss is broadcast."""
         import torch.distributed as dist
@@ -250,6 +253,26 @@ class Pipeline:
         loss = x.float() if self.is_last else torch.zeros((), device=self.world.device)
         dist.broadcast(loss, ranks[(self.n_stages - 1) % self.pp], group=self.group)
         return loss
+
+
+def _restrict(
+    model_state: dict[str, torch.Tensor], optim_state: dict[str, Any], names: set[str]
+) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+    """A whole model's weights and optimizer state (keyed by parameter name) cut down to the
+    parameters ``names``. A parameter the whole model shares under two names (a tied embedding)
+    has its optimizer state under one of them: a stage that knows it by the other takes it there."""
+    states = optim_state["state"]
+    source = {}
+    for name in names:
+        tensor = model_state.get(name)
+        shared = (other for other in states if tensor is not None and model_state.get(other) is tensor)
+        source[name] = name if name in states else next(shared, name)
+    groups = [
+        {**group, "params": [name for name in names if source[name] in group["params"]]}
+        for group in optim_state["param_groups"]
+    ]
+    kept = {name: states[source[name]] for name in names if source[name] in states}
+    return {name: model_state[name] for name in names if name in model_state}, {"state": kept, "param_groups": groups}
 
 
 def _send_header(x: torch.Tensor, dst: int, group) -> None:

@@ -16,12 +16,13 @@ from torch import nn
 from torch.utils.data import Dataset, default_collate
 
 from kiln.config import Config, ConfigError
-from kiln.data import DataError, PreparedData, TokenSequences, prepare
+from kiln.data import DataError, PreparedData, TokenSequences
 from kiln.data.finetune import FineTuneData
 from kiln.data.tokenizer import eot_id
 from kiln.device import resolve_device, resolve_precision
-from kiln.models.family import build_model, family_of
-from kiln.train.finetune import prepare_job, uses_records
+from kiln.distributed.world import World
+from kiln.models.family import build_model
+from kiln.train.jobs import FineTuneJob, LMJob, job_for
 from kiln.train.step import LossFn
 
 T = TypeVar("T")
@@ -82,18 +83,16 @@ def _device(cfg: Config) -> tuple[torch.device, str | None]:
         return torch.device("cpu"), str(e)
 
 
-def _finetune_job(cfg: Config, device: torch.device, device_problem: str | None) -> DoctorJob:
-    """The fine-tuning job of ``cfg``: its records, tokenized by the model's own tokenizer."""
+def _finetune_job(job: FineTuneJob, device: torch.device, device_problem: str | None) -> DoctorJob:
+    """A fine-tuning job: its records, tokenized by the model's own tokenizer."""
+    cfg, family = job.cfg, job.family
     try:
-        job, problem = prepare_job(cfg), None
-    except DataError as e:
-        job, problem = None, str(e)
-    if job is None:  # the model is fine (it was resolved), the records are not
-        family = family_of(cfg.model)
-        args = family.resolve(cfg.model, vocab_size=0, seq_len=cfg.data.seq_len)
-        data, tokenizer = None, family.tokenizer(args)
-    else:
-        family, args, data, tokenizer = job.family, job.args, job.data, job.tokenizer
+        job.prepare(World(device=device), console=False)
+        problem = None
+    except DataError as e:  # the model is fine (it was resolved), the records are not
+        problem = str(e)
+    args, tokenizer = job.args, job.tokenizer
+    data = None if problem else job.data
     vocab = args.config["vocab_size"]
     if cfg.model.task == "sequence_classification":
         uniform = math.log(len(args.labels)) if args.labels else None
@@ -141,13 +140,15 @@ def build_job(
 ) -> DoctorJob:
     """The job of ``cfg``, with any of its pieces replaced by the user's (see ``run_doctor``)."""
     device, device_problem = _device(cfg)
-    cfg = resolve_precision(cfg, device)
-    if model is None and train_data is None and uses_records(cfg):
-        return _finetune_job(cfg, device, device_problem)
+    # Its precision is what "auto" is on the device the doctor can use.
+    job = job_for(resolve_precision(cfg, device))
+    cfg = job.cfg
+    if model is None and train_data is None and isinstance(job, FineTuneJob):
+        return _finetune_job(job, device, device_problem)
     prepared, data_problem = None, None
     if train_data is None:
-        try:
-            prepared = prepare(cfg.data, progress=progress)
+        try:  # the corpus of the config's language-model job
+            prepared = LMJob(cfg).prepare_data(World(device=device), console=progress)
         except DataError as e:
             data_problem = str(e)
         if prepared is not None:
@@ -156,7 +157,7 @@ def build_job(
             val_data = val_data if val_data is not None else TokenSequences(prepared.tokens("val"), seq_len)
             tokenizer = prepared.tokenizer if tokenizer is None else tokenizer
     eot = _eot_of(tokenizer, prepared)
-    family = family_of(cfg.model)
+    family = job.family
     if model is None:
         if prepared is not None:
             vocab = prepared.vocab_size

@@ -22,8 +22,11 @@ from torch import nn
 
 from kiln.data.batch import collate, to_device
 from kiln.data.loader import make_train_loader
+from kiln.distributed.parallelize import parallelize
+from kiln.distributed.world import World
 from kiln.doctor.data import data_scan
 from kiln.doctor.job import DoctorJob
+from kiln.models.family import ParallelPlan
 from kiln.train.optim import build_optimizer, lr_at
 from kiln.train.precision import Precision
 from kiln.train.step import TrainStep
@@ -50,10 +53,12 @@ class _Run:
         t = job.cfg.train
         self.model = job.new_model()
         self.model.train()
+        # One process, as the Trainer lays it out.
+        model = parallelize(self.model, ParallelPlan.infer(self.model), World(device=job.device), job.cfg.parallel)
         self.train_step = TrainStep(
-            self.model,
+            model,
             job.loss_fn,
-            build_optimizer(self.model, t, job.device),
+            build_optimizer(model, t, job.device),
             Precision(t.precision, job.device),
             grad_clip=t.grad_clip,
         )

@@ -35,7 +35,6 @@ from kiln.export.check import (
 from kiln.export.hf import write_hf
 from kiln.export.weights import write_safetensors
 from kiln.io import write_atomic
-from kiln.models.family import context_length
 from kiln.train.apply import merge_lora
 from kiln.train.run import LoadedRun, load_run
 
@@ -105,8 +104,10 @@ def _write(run: LoadedRun, fmt: str, quantize: str | None, inputs: Inputs, out: 
         return _checks(model, write_hf(run, out), batches, inputs)
     if fmt == "safetensors":
         return _checks(model, write_safetensors(run, out), batches, inputs)
-    max_len = context_length(model) or 4096
-    plain = merge_lora(model)  # adapters folded in: the exporters see the family's own layers
+    limit = run.family.context_length(run.args)
+    name = type(run.family.transformers_model(model) or model).__name__  # what export errors call it
+    max_len = limit or 4096
+    plain = merge_lora(model, run.family)  # adapters folded in: the exporters see the family's own layers
     if fmt == "pt2":
         from kiln.export.pt2 import PROGRAM, quantize_int8, write_pt2
 
@@ -121,11 +122,11 @@ def _write(run: LoadedRun, fmt: str, quantize: str | None, inputs: Inputs, out: 
     from kiln.export.onnx import OnnxModel, export_onnx, quantize_onnx_dynamic, quantize_onnx_static
 
     if not quantize:
-        export_onnx(plain, batches[0], out / "model.onnx")
+        export_onnx(plain, batches[0], out / "model.onnx", limit=limit, name=name)
         return _checks(model, {"onnx": OnnxModel(out / "model.onnx").logits}, batches, inputs)
     with tempfile.TemporaryDirectory(dir=out.parent) as tmp:
         fp32 = Path(tmp) / "model.onnx"
-        export_onnx(plain, batches[0], fp32)
+        export_onnx(plain, batches[0], fp32, limit=limit, name=name)
         if quantize == "int8":
             quantize_onnx_dynamic(fp32, out / "model.onnx")
         else:  # calibrated on validation rows other than those the metric is measured on

@@ -20,7 +20,7 @@ from kiln.train.run import LoadedRun
 
 def write_hf(run: LoadedRun, out: Path) -> dict[str, Logits]:
     """Write the directory; the model loaded back from it through ``transformers``' public API."""
-    hf = getattr(run.model, "hf", None)
+    hf = run.family.transformers_model(run.model)
     if hf is None:
         _write_converted(run, out)
     else:
@@ -46,7 +46,7 @@ def _write_converted(run: LoadedRun, out: Path) -> None:
     adapter = run.family.state_dict_adapter(run.args)
     if adapter is None:
         raise CheckpointError(f"model family {run.cfg.model.family!r} has no Hugging Face equivalent to export to")
-    state = adapter.to_hf(merge_lora(run.model).state_dict())
+    state = adapter.to_hf(merge_lora(run.model, run.family).state_dict())
     save_file(
         {k: v.detach().contiguous() for k, v in state.items()},
         str(out / "model.safetensors"),

@@ -23,7 +23,6 @@ import torch
 from torch import nn
 
 from kiln.export.check import AsLogits, ExportError
-from kiln.models.family import context_length
 
 INPUT, OUTPUT = "input_ids", "logits"
 # Above this many bytes of weights, they go to one ``<name>.data`` file beside the graph: protobuf
@@ -54,22 +53,25 @@ def _root_cause(error: BaseException) -> str:
     return f"{type(error).__name__}: {lines[0] if lines else ''}"
 
 
-def architecture(model: nn.Module) -> str:
-    """The name errors use: the ``transformers`` class of a wrapped Hugging Face model, else the class."""
-    hf = getattr(model, "hf", None)
-    return type(hf if hf is not None else model).__name__
-
-
-def export_onnx(model: nn.Module, example_ids: torch.Tensor, path: str | os.PathLike) -> None:
+def export_onnx(
+    model: nn.Module,
+    example_ids: torch.Tensor,
+    path: str | os.PathLike,
+    *,
+    limit: int | None = None,
+    name: str | None = None,
+) -> None:
     """Write ``model``'s logits for token ids as ONNX at ``path`` (input ``input_ids`` [batch,
     sequence] int64, output ``logits``), batch and sequence sizes free up to the model's maximum
-    length; weights over EXTERNAL_DATA_BYTES go to ``<path>.data``. ``example_ids`` is only traced."""
+    length ``limit`` (None: any); weights over EXTERNAL_DATA_BYTES go to ``<path>.data``.
+    ``example_ids`` is only traced; ``name``: the architecture, as errors call it (by default the
+    model's class)."""
+    name = name or type(model).__name__
     onnx, _ = _onnx_modules()
     from torch.export import Dim
 
     path = Path(path)
     wrapper = AsLogits(model)
-    limit = context_length(model)
     # Example sizes of 1 would be specialized by torch.export (a size-1 dimension broadcasts),
     # so the traced example has at least two rows and two positions.
     example = example_ids.to(torch.long).repeat(2, 2)[: max(2, example_ids.size(0)), : max(2, example_ids.size(1))]
@@ -93,8 +95,7 @@ def export_onnx(model: nn.Module, example_ids: torch.Tensor, path: str | os.Path
         )
     except Exception as e:
         raise OnnxExportError(
-            f"{architecture(model)}: torch.onnx.export (dynamo=True, torch {torch.__version__}) cannot export it: "
-            f"{_root_cause(e)}"
+            f"{name}: torch.onnx.export (dynamo=True, torch {torch.__version__}) cannot export it: {_root_cause(e)}"
         ) from e
     finally:
         model.train(was_training)

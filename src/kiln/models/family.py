@@ -250,18 +250,25 @@ class ModelFamily:
     def args_from_dict(self, values: Mapping[str, Any]) -> Any:
         raise NotImplementedError
 
-    def describe(self, args: Any, model: nn.Module) -> str:
-        """One line about the model for the console."""
+    def describe(self, model_cfg: ModelConfig, args: Any, model: nn.Module) -> str:
+        """One line about the model (of the ``[model]`` section ``model_cfg``) for the console."""
         return f"{sum(p.numel() for p in model.parameters()):,} parameters"
 
     # -- how it splits and what it costs ------------------------------------------------------
 
     def parallel_plan(self, args: Any) -> ParallelPlan:
-        return ParallelPlan()
+        """How the model splits. By default: its ``blocks`` (an ``nn.ModuleList``) if it has them,
+        as FSDP and activation-checkpointing units, and no tensor or pipeline parallelism."""
+        with torch.device("meta"):
+            return ParallelPlan.infer(self.build(args))
 
     def flops_per_token(self, args: Any, seq_len: int) -> float:
-        """Training (forward + backward) FLOPs per token, for MFU and ``kiln plan``."""
-        raise NotImplementedError
+        """Training (forward + backward) FLOPs per token, for MFU and ``kiln plan``. By default
+        the usual estimate of 6 per parameter (a weight's multiply-add forward, twice that
+        backward), without attention's share, which a family with attention should add."""
+        with torch.device("meta"):
+            model = self.build(args)
+        return 6.0 * sum(p.numel() for p in {id(p): p for p in model.parameters()}.values())
 
     def memory_model(self, args: Any) -> MemoryModel:
         raise NotImplementedError
@@ -276,6 +283,15 @@ class ModelFamily:
     def lora_targets(self, args: Any) -> list[str]:
         """The module names LoRA adapts by default (``lora.target_modules`` empty)."""
         return []
+
+    def transformers_model(self, model: nn.Module) -> nn.Module | None:
+        """The ``transformers`` model that ``model`` wraps (a family of Hugging Face models: LoRA
+        goes through PEFT's own wrapper, exports through ``save_pretrained``), or None."""
+        return None
+
+    def context_length(self, args: Any) -> int | None:
+        """The most positions the model attends to, or None if it does not say."""
+        return None
 
     # -- its job ---------------------------------------------------------------------------------
 
@@ -321,13 +337,6 @@ def materialize(model: nn.Module, device: torch.device | str, seed: int) -> nn.M
         if hasattr(model, "init_weights"):
             model.init_weights()
     return model
-
-
-def context_length(model: nn.Module) -> int | None:
-    """The most positions a model attends to: kiln's GPT's max_seq_len, a Hugging Face model's
-    max_position_embeddings (inside kiln's wrapper); None if the model does not say."""
-    config = getattr(getattr(model, "hf", model), "config", None)
-    return getattr(config, "max_seq_len", None) or getattr(config, "max_position_embeddings", None)
 
 
 def build_model(family: ModelFamily, args: Any, device: torch.device | str, seed: int) -> nn.Module:

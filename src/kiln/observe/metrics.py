@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from kiln.config import ConfigError
+from kiln.config import Config, ConfigError
 from kiln.io import write_atomic
 from kiln.observe.progress import ProgressBar
 
@@ -292,3 +292,20 @@ class NullLogger:
 
     def __exit__(self, *exc) -> None:
         pass
+
+
+def open_logger(
+    run_dir: str | Path, cfg: Config, *, main: bool, total_steps: int, start_step: int, console: bool
+) -> MetricsLogger | NullLogger:
+    """The logger of a run of ``cfg`` on its main rank (``main``), a ``NullLogger`` on the others."""
+    if not main:
+        return NullLogger()
+    observe = cfg.observe
+    return MetricsLogger(
+        run_dir,
+        total_steps=total_steps,
+        start_step=start_step,
+        console=console,
+        wandb_project=observe.wandb_project if observe.wandb else None,
+        config=cfg.to_dict(),
+    )

@@ -17,16 +17,22 @@ from pathlib import Path
 
 import torch
 
-from kiln.config import parse_step_range
+from kiln.config import ProfileConfig, parse_step_range
 
 PHASES = {"kiln/data": "data wait", "kiln/forward_backward": "compute", "kiln/optimizer": "optimizer"}
 COLLECTIVES = ("all_reduce", "allreduce", "all_gather", "allgather", "reduce_scatter", "broadcast", "nccl:", "gloo:")
 
 
 class StepProfiler:
-    def __init__(self, steps: str, out_dir: Path, device: torch.device, *, console: bool = True):
-        self.start, self.end = parse_step_range(steps) if steps else (0, -1)
-        self.out_dir = out_dir
+    """Profiles the steps of ``profile.steps`` into ``profile.dir`` (default ``RUN_DIR/profile``),
+    each rank of several into its own ``rank-N`` under it (``rank``, None in a single process)."""
+
+    def __init__(
+        self, profile: ProfileConfig, run_dir: Path, device: torch.device, *, rank: int | None, console: bool = True
+    ):
+        self.start, self.end = parse_step_range(profile.steps) if profile.steps else (0, -1)
+        out_dir = Path(profile.dir) if profile.dir else run_dir / "profile"
+        self.out_dir = out_dir if rank is None else out_dir / f"rank-{rank}"
         self.device = device
         self.console = console
         self._prof = None

@@ -13,7 +13,6 @@ import torch
 from kiln.config import Config, ConfigError
 from kiln.device import PEAK_FLOPS, gpu_key
 from kiln.distributed.pipeline import stage_layers
-from kiln.models.family import family_of
 from kiln.plan.estimate import (
     COMPUTE_EFFICIENCY,
     COMPUTE_EFFICIENCY_BY_GPU,
@@ -33,6 +32,7 @@ from kiln.plan.estimate import (
     Target,
 )
 from kiln.plan.recommend import Recommendation, largest_fitting_micro_batch, needs_fixed_micro_batch, recommend
+from kiln.train.jobs import job_for
 
 _SIZE_UNITS = {
     "": 1,
@@ -279,7 +279,7 @@ def make_plan(
         precision = "bf16" if target.kind == "cuda" else "fp32"
         cfg = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, precision=precision))
     base = _base_setup(cfg, world, world_flag)
-    family = family_of(cfg.model)
+    family = job_for(cfg).family
     args = family.resolve(cfg.model, vocab_size=cfg.data.vocab_size, seq_len=cfg.data.seq_len)
     family.parallel_plan(args).check_tensor_parallel(base.tp, f"model.family={cfg.model.family}")
     shape = ModelShape.of(family, args)

@@ -18,7 +18,6 @@ from dataclasses import dataclass, field
 import torch
 
 from kiln.data.tokenizer import Codec
-from kiln.models.family import context_length
 from kiln.train.run import LoadedRun
 
 log = logging.getLogger("kiln.serve")
@@ -118,7 +117,7 @@ class Engine:
             raise ServeError(f"parallel must be at least 1, not {parallel}")
         self.run = run
         self.codec = Codec(run.tokenizer)
-        self.context = context_length(run.model)
+        self.context = run.family.context_length(run.args)
         self.device = next(run.model.parameters()).device
         self.parallel = parallel
         probe = run.family.stream(run.model, torch.zeros(1, 1, dtype=torch.long, device=self.device), 1)

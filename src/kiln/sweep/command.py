@@ -12,7 +12,15 @@ from kiln.config import ConfigError, load_config, tomllib
 from kiln.io import directory_problem
 from kiln.models.family import check_model_config
 from kiln.sweep.space import Param, grid_size, load_space
-from kiln.sweep.study import claim_lock, import_optuna, make_pruner, make_sampler, open_study
+from kiln.sweep.study import (
+    PRUNE_AFTER_TRIALS,
+    PRUNE_WARMUP_SHARE,
+    claim_lock,
+    import_optuna,
+    make_pruner,
+    make_sampler,
+    open_study,
+)
 
 # --trials without a grid to bound it.
 DEFAULT_TRIALS = 20
@@ -55,6 +63,20 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         default="median",
         help="stop trials whose evaluations fall behind (default median)",
     )
+    p.add_argument(
+        "--prune-after",
+        type=int,
+        default=PRUNE_AFTER_TRIALS,
+        metavar="N",
+        help=f"the median pruner prunes only once N trials have completed (default {PRUNE_AFTER_TRIALS})",
+    )
+    p.add_argument(
+        "--prune-warmup",
+        type=float,
+        default=PRUNE_WARMUP_SHARE,
+        metavar="F",
+        help="the median pruner leaves a trial alone for this share of its steps (default 1/3)",
+    )
     p.add_argument("--seed", type=int, help="the sampler's seed (default: the config's train.seed)")
     p.add_argument(
         "--enqueue",
@@ -85,6 +107,8 @@ def sweep_command(args: argparse.Namespace) -> int:
         direction=args.direction,
         sampler=args.sampler,
         pruner=args.pruner,
+        prune_after=args.prune_after,
+        prune_warmup=args.prune_warmup,
         seed=args.seed,
         enqueue=args.enqueue,
     )
@@ -104,6 +128,8 @@ def sweep(
     direction: str = "minimize",
     sampler: str = "tpe",
     pruner: str = "median",
+    prune_after: int = PRUNE_AFTER_TRIALS,
+    prune_warmup: float = PRUNE_WARMUP_SHARE,
     seed: int | None = None,
     enqueue: list[str] | tuple[str, ...] = (),
 ) -> SweepResult:
@@ -122,6 +148,10 @@ def sweep(
         for name, value in (("parallel", parallel), ("nproc-per-node", nproc_per_node), ("trials", trials))
         if value is not None and value < 1
     ]
+    if prune_after < 0:
+        errors.append(f"--prune-after: must be >= 0, got {prune_after}")
+    if not 0 <= prune_warmup < 1:
+        errors.append(f"--prune-warmup: must be in [0, 1), got {prune_warmup}")
     if grid and enqueue:
         errors.append("--enqueue: a grid evaluates each of its points itself; --enqueue is for --sampler tpe")
     points = []
@@ -145,6 +175,8 @@ def sweep(
         "direction": direction,
         "sampler": sampler,
         "pruner": pruner,
+        "prune_after": prune_after,
+        "prune_warmup": prune_warmup,
         "seed": seed,
         # What the trials train: the same config, whatever run.dir the command names.
         "config": {**base.to_dict(), "run": {k: v for k, v in base.to_dict()["run"].items() if k != "dir"}},
@@ -152,7 +184,7 @@ def sweep(
     study_dir.mkdir(parents=True, exist_ok=True)
     steps = base.train.max_steps if isinstance(base.train.max_steps, int) else "auto"
     # The pruner decides in the trials' processes (kiln.sweep.trial); samplers look at it too.
-    study_pruner = make_pruner(optuna, pruner, eval_every(base), steps)
+    study_pruner = make_pruner(optuna, pruner, eval_every(base), steps, after=prune_after, warmup=prune_warmup)
     study = open_study(study_dir, setup, make_sampler(optuna, params, grid, seed), study_pruner)
     with claim_lock(study_dir):
         for point in points:

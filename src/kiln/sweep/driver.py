@@ -1,10 +1,11 @@
-"""Running a study's trials: each is an ordinary ``kiln train`` (or ``kiln launch ... -- train``)
-subprocess in its own run directory.
+"""Running a study's trials: each is a ``kiln sweep-trial`` (or ``kiln launch ... -- sweep-trial``)
+subprocess, an ordinary training run in its own run directory.
 
 The sweep process asks Optuna for a trial, writes the trial's config (``trial.toml``: the base
-config with the trial's values) and starts the run with kiln.sweep.trial's hook, through which
-rank 0 of the trial reports each evaluation and asks the pruner (a pruned trial stops at that
-step on every rank, with a checkpoint). When the run exits, the sweep records the result.
+config with the trial's values) and starts it as ``kiln sweep-trial STUDY_DIR NUMBER``
+(``kiln.sweep.trial``), whose rank 0 reports each evaluation and asks the pruner (a pruned trial
+stops at that step on every rank, with a checkpoint). When the run exits, the sweep records the
+result.
 
 A trial whose process is killed, or whose sweep process died (its training process then gets
 SIGTERM too, and checkpoints), stays RUNNING in the study. Its lock is free once nothing runs
@@ -36,12 +37,9 @@ from kiln.models.family import check_model_config
 from kiln.observe.report import read_metrics
 from kiln.sweep.results import CSV, trial_rows, write_csv
 from kiln.sweep.space import Param, set_item
-from kiln.sweep.study import FINISHED, claim_lock, trial_dir, trial_lock
-from kiln.sweep.trial import HOOK
-from kiln.train.jobs import EVALUATION_HOOK
+from kiln.sweep.study import FINISHED, TRIAL_CONFIG, claim_lock, live_trial, trial_dir, trial_lock
 from kiln.train.run import StopRequest
 
-TRIAL_CONFIG = "trial.toml"
 TRIAL_LOG = "train.log"
 POLL_S = 0.2
 # A trial asked to stop saves a checkpoint first; one that has not stopped after this is killed.
@@ -134,8 +132,7 @@ class Driver:
                     continue
                 lock = trial_lock(self.o.study_dir, t.number)
                 if lock.acquire(blocking=False):
-                    # Optuna has no public way to go from a FrozenTrial to a live Trial.
-                    trial = optuna.trial.Trial(self.study, t._trial_id)
+                    trial = live_trial(optuna, self.o.study_dir, self.study, t.number)
                     return self._running(trial, lock, taken_over=True)
             if sum(t.state.name in FINISHED or t.state.name == "RUNNING" for t in trials) >= self.o.trials:
                 return None
@@ -188,7 +185,7 @@ class Driver:
 
     def _start(self, r: Running) -> None:
         launch = ["launch", "--nproc-per-node", str(self.o.nproc_per_node), "--"] if self.o.nproc_per_node > 1 else []
-        command = [sys.executable, "-m", "kiln", *launch, "train", str(r.run_dir / TRIAL_CONFIG)]
+        command = [sys.executable, "-m", "kiln", *launch, "sweep-trial", str(self.o.study_dir), str(r.number)]
         with open(r.run_dir / TRIAL_LOG, "ab") as log:
             # A session of its own: a Ctrl-C at the terminal reaches the sweep alone, which then
             # stops each trial once (a second signal would stop kiln without a checkpoint).
@@ -206,7 +203,7 @@ class Driver:
         r.attempts += 1
 
     def _env(self, slot: int) -> dict[str, str]:
-        env = {**os.environ, EVALUATION_HOOK: HOOK}
+        env = dict(os.environ)
         if self.o.parallel > 1:
             env["OMP_NUM_THREADS"] = str(self.threads)
             if self.gpus:

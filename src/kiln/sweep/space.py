@@ -125,10 +125,6 @@ def _tables(table: dict[str, Any], prefix: str = "") -> list[tuple[str, Any]]:
     return out
 
 
-def _is_number(value: Any) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool)
-
-
 def _spec_problems(key: str, spec: Any, grid: bool) -> list[str]:
     if not isinstance(spec, dict):
         return [f'is not a table; write [{key}] with type = "float", "int" or "categorical" and its range or choices']

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import fcntl
 import json
+import math
 import os
 from pathlib import Path
 from typing import Any
@@ -35,8 +36,13 @@ TRIALS = "trials"
 LOCKS = ".locks"
 # States of trials that are done: each counts towards --trials.
 FINISHED = ("COMPLETE", "PRUNED", "FAIL")
-# The median pruner compares a trial with finished ones: from the third trial on.
-PRUNE_AFTER_TRIALS = 2
+# The median pruner compares a trial with the completed ones once this many have completed
+# (Optuna's own default), and once the trial is past this share of its steps: a trial's early
+# evaluations say little of where it ends (a higher learning rate often starts behind and
+# finishes ahead), and a median of one or two trials is noise.
+PRUNE_AFTER_TRIALS = 5
+PRUNE_WARMUP_SHARE = 1 / 3
+TRIAL_CONFIG = "trial.toml"
 
 
 def import_optuna():
@@ -91,6 +97,14 @@ def trial_dir(study_dir: Path, number: int) -> Path:
     return study_dir / TRIALS / f"{number:04d}"
 
 
+def live_trial(optuna, study_dir: Path, study, number: int):
+    """Trial ``number`` of the study, to report to and ask the pruner: Optuna's public way from
+    a trial's number to a live ``Trial`` is its storage's lookup of the trial's id."""
+    storage = _storage(optuna, study_dir)
+    trial_id = storage.get_trial_id_from_study_id_trial_number(storage.get_study_id_from_name(STUDY_NAME), number)
+    return optuna.trial.Trial(study, trial_id)
+
+
 def trial_lock(study_dir: Path, number: int) -> FileLock:
     return FileLock(study_dir / LOCKS / f"trial-{number:04d}.lock")
 
@@ -138,11 +152,24 @@ def make_sampler(optuna, params: list[Param], grid: bool, seed: int):
     return sampler
 
 
-def make_pruner(optuna, kind: str, eval_every: int, max_steps: int | str):
+def make_pruner(
+    optuna,
+    kind: str,
+    eval_every: int,
+    max_steps: int | str,
+    *,
+    after: int = PRUNE_AFTER_TRIALS,
+    warmup: float = PRUNE_WARMUP_SHARE,
+):
     """The pruner of the study's setup. Steps are training steps: a trial reports at each
-    evaluation, from the first (``eval_every``) to its last (``max_steps``, or "auto")."""
+    evaluation, from the first (``eval_every``) to its last (``max_steps``, or "auto" where the
+    sweep process does not know them yet: only a trial's own process prunes). The median
+    pruner prunes a trial only once ``after`` trials have completed and the trial is past the
+    ``warmup`` share of its steps, and only where its best value so far is worse than the median
+    of the completed trials' at the same step: never a trial ahead of the best completed one."""
     if kind == "median":
-        return optuna.pruners.MedianPruner(n_startup_trials=PRUNE_AFTER_TRIALS)
+        steps = math.ceil(warmup * max_steps) if isinstance(max_steps, int) else 0
+        return optuna.pruners.MedianPruner(n_startup_trials=after, n_warmup_steps=steps)
     if kind == "hyperband":
         return optuna.pruners.HyperbandPruner(min_resource=eval_every or 1, max_resource=max_steps)
     return optuna.pruners.NopPruner()

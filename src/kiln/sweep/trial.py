@@ -1,10 +1,11 @@
-"""The sweep inside a trial's training process. The sweep starts ``kiln train`` (or ``kiln
-launch``) with ``KILN_EVALUATION_HOOK=kiln.sweep.trial:PruningHook``; the Trainer calls the hook
-on rank 0 after each evaluation. It reports the objective to the trial in the study's storage and
-asks the pruner; a pruned trial is recorded as PRUNED, and the Trainer stops it at that step on
-every rank (they agree on rank 0's answer) with a checkpoint. Other ranks never touch Optuna.
+"""One trial of a sweep, in its own training process: ``kiln sweep-trial STUDY_DIR NUMBER``
+(under ``kiln launch`` for several ranks), which the sweep starts for each trial.
 
-A trial's run directory is ``STUDY/trials/NNNN``: that is how the hook finds its study and trial.
+It trains the trial's config (``STUDY_DIR/trials/NNNN/trial.toml``, written by the sweep) with a
+``PruningHook`` as the Trainer's ``on_evaluate``: on rank 0, after each evaluation, the hook
+reports the objective to the trial in the study's storage and asks the pruner; a pruned trial
+is recorded as PRUNED, and the Trainer stops it at that step on every rank (they agree on rank
+0's answer) with a checkpoint. Other ranks never touch Optuna.
 """
 
 from __future__ import annotations
@@ -12,26 +13,32 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from kiln.sweep.study import import_optuna, load_study, make_pruner, read_setup
+from kiln.config import Config, ConfigError, load_config
+from kiln.sweep.study import TRIAL_CONFIG, import_optuna, live_trial, load_study, make_pruner, read_setup, trial_dir
 
-HOOK = "kiln.sweep.trial:PruningHook"
+
+def trial_config(study_dir: Path, number: int) -> Config:
+    """The config the sweep wrote for trial ``number`` of the study in ``study_dir``."""
+    path = trial_dir(study_dir, number) / TRIAL_CONFIG
+    if not path.is_file():
+        raise ConfigError([f"{path}: no such trial config; kiln sweep writes it when it starts trial {number}"])
+    return load_config(path)
 
 
 class PruningHook:
-    """The Trainer's ``on_evaluate`` in a trial (called on rank 0): True stops the trial there."""
+    """The Trainer's ``on_evaluate`` in trial ``number`` of the study in ``study_dir`` (called on
+    rank 0): True stops the trial there. ``eval_every``: the trial's evaluation interval."""
 
-    def __init__(self, trainer):
-        self.trainer = trainer
-        run_dir = Path(trainer.cfg.run.dir)
-        self.study_dir, self.number = run_dir.parent.parent, int(run_dir.name)
-        self.setup = read_setup(self.study_dir)
+    def __init__(self, study_dir: Path, number: int, eval_every: int):
+        self.study_dir, self.number, self.eval_every = study_dir, number, eval_every
+        self.setup = read_setup(study_dir)
         self.objective = self.setup["objective"]
         self.optuna = self.trial = None  # opened at the first evaluation, by rank 0 only
         self.reported: set[int] = set()
 
-    def __call__(self, step: int, metrics: dict[str, Any]) -> bool:
+    def __call__(self, step: int, metrics: dict[str, Any], max_steps: int) -> bool:
         if self.trial is None:
-            self._open()
+            self._open(max_steps)
         states = self.optuna.trial.TrialState
         value = metrics.get(self.objective)
         if not isinstance(value, (int, float)):
@@ -42,7 +49,7 @@ class PruningHook:
         if step not in self.reported:  # steps redone after a resume were reported before
             self.trial.report(value, step)
             self.reported.add(step)
-        if step >= self.trainer.cfg.train.max_steps or not self.trial.should_prune():
+        if step >= max_steps or not self.trial.should_prune():
             return False  # the last evaluation is the trial's result
         self.trial.study.tell(self.trial, state=states.PRUNED)
         print(
@@ -52,12 +59,17 @@ class PruningHook:
         )
         return True
 
-    def _open(self) -> None:
+    def _open(self, max_steps: int) -> None:
         self.optuna = import_optuna()
-        cfg = self.trainer.cfg  # max_steps = auto is resolved by now
-        pruner = make_pruner(self.optuna, self.setup["pruner"], cfg.eval.every, cfg.train.max_steps)
+        setup = self.setup
+        pruner = make_pruner(
+            self.optuna,
+            setup["pruner"],
+            self.eval_every,
+            max_steps,
+            after=setup["prune_after"],
+            warmup=setup["prune_warmup"],
+        )
         study = load_study(self.study_dir, pruner)
-        frozen = study.get_trials(deepcopy=False)[self.number]
-        self.reported = set(frozen.intermediate_values)
-        # Optuna has no public way to go from a FrozenTrial to a live Trial.
-        self.trial = self.optuna.trial.Trial(study, frozen._trial_id)
+        self.trial = live_trial(self.optuna, self.study_dir, study, self.number)
+        self.reported = set(study.get_trials(deepcopy=False)[self.number].intermediate_values)

@@ -6,6 +6,7 @@ import copy
 import functools
 import math
 from collections.abc import Callable
+from typing import Any
 
 import torch
 from torch import nn
@@ -13,7 +14,7 @@ from torch.utils.checkpoint import checkpoint
 
 from kiln.config import Config, ConfigError
 from kiln.device import resolve_device
-from kiln.models.family import ParallelPlan
+from kiln.models.family import ModelFamily, ParallelPlan
 
 # Weights per absmax scale of an NF4 weight, and scales per group of the scales' own 8-bit
 # quantization: QLoRA's (Dettmers et al., 2023) and torchtune's.
@@ -44,12 +45,13 @@ def apply_compile(fn: Callable) -> Callable:
     return torch.compile(fn)
 
 
-def apply_lora(model: nn.Module, cfg: Config, targets: list[str], *, quantize: bool = True) -> nn.Module:
+def apply_lora(model: nn.Module, cfg: Config, family: ModelFamily, args: Any, *, quantize: bool = True) -> nn.Module:
     """Low-rank adapters (PEFT's LoRA) when ``lora.rank`` is set: the base weights freeze and only
-    the adapters (and a classifier's new head) train. A Hugging Face model inside kiln's wrapper
-    (``model.hf``) becomes a PEFT model, whose adapter saves in PEFT's own format; any other
-    model (kiln's GPT) keeps its class, with the adapted layers replaced in place, so its family's
-    parallel plan and calling convention still apply. ``targets``: the family's default modules.
+    the adapters (and a classifier's new head) train. The ``transformers`` model a family wraps
+    (``family.transformers_model``) becomes a PEFT model, whose adapter saves in PEFT's own format;
+    any other model (kiln's GPT) keeps its class, with the adapted layers replaced in place, so its
+    family's parallel plan and calling convention still apply. The family (of arguments ``args``)
+    names the modules to adapt by default.
     With ``lora.quantize_base`` the adapted layers' frozen weights are then quantized (QLoRA),
     unless ``quantize`` is False: a model to load a QLoRA checkpoint into for use (its base is
     saved dequantized, and computes in full precision exactly what the 4-bit one computed; a
@@ -61,12 +63,12 @@ def apply_lora(model: nn.Module, cfg: Config, targets: list[str], *, quantize: b
         import peft
     except ImportError:
         raise ConfigError(["lora.rank: LoRA needs the peft package: pip install 'kiln[hf]'"]) from None
-    targets = [name.strip() for name in lora.target_modules.split(",") if name.strip()] or targets
+    targets = [name.strip() for name in lora.target_modules.split(",") if name.strip()] or family.lora_targets(args)
     if not targets:
         raise ConfigError(
             ["lora.target_modules: this model has no default; name the modules to adapt, e.g. q_proj,v_proj"]
         )
-    hf = getattr(model, "hf", None)
+    hf = family.transformers_model(model)
     task = {"sequence_classification": "SEQ_CLS", "causal_lm": "CAUSAL_LM"}.get(cfg.model.task) if hf else None
     config = peft.LoraConfig(
         r=lora.rank, lora_alpha=lora.alpha, lora_dropout=lora.dropout, target_modules=targets, task_type=task
@@ -165,11 +167,11 @@ def _dequantized_copy(model: nn.Module) -> nn.Module:
     return copy.deepcopy(model, memo)
 
 
-def merge_lora(model: nn.Module) -> nn.Module:
-    """A copy of ``model`` with every LoRA adapter folded into its layer's weight (a QLoRA base
-    dequantized first) and the plain layer put back: the model its family's exporters know
-    (``model`` itself if it has none)."""
-    hf = getattr(model, "hf", None)
+def merge_lora(model: nn.Module, family: ModelFamily) -> nn.Module:
+    """A copy of ``model`` (of ``family``) with every LoRA adapter folded into its layer's weight
+    (a QLoRA base dequantized first) and the plain layer put back: the model its family's
+    exporters know (``model`` itself if it has none)."""
+    hf = family.transformers_model(model)
     if hf is not None and hasattr(hf, "merge_and_unload"):
         merged = _dequantized_copy(model)
         merged.hf = merged.hf.merge_and_unload()

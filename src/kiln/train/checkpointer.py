@@ -39,9 +39,9 @@ from kiln.checkpoint import (
 )
 from kiln.config import Config
 from kiln.data.loader import StepBatches
-from kiln.distributed.parallelize import is_sharded
+from kiln.distributed.parallel import ParallelModel
 from kiln.distributed.world import World
-from kiln.train.faults import Faults
+from kiln.train.faults import NO_FAULTS, NoFaults
 
 
 class Stateful(Protocol):
@@ -55,20 +55,21 @@ class Checkpointer:
         self,
         cfg: Config,
         world: World,
-        model: nn.Module,
+        model: ParallelModel,
         optimizer: torch.optim.Optimizer,
         parts: Mapping[str, Stateful],
         batches: StepBatches,
         say: Callable[[str], None],
-        faults: Faults | None = None,
+        faults: NoFaults = NO_FAULTS,
     ):
-        self.cfg, self.world, self.model, self.optimizer = cfg, world, model, optimizer
+        self.cfg, self.world, self.optimizer = cfg, world, optimizer
+        self.model: nn.Module = model.module
+        self.local_state = model.local_state
         self.parts, self.batches, self._say = parts, batches, say
-        self.faults = faults or Faults()
+        self.faults = faults
         self.dir = Path(cfg.run.dir) / "checkpoints"
-        # Sharded (every rank writes its own part with DCP) when parameters are split, and under
-        # pipeline parallelism, where each rank holds other layers.
-        self.sharded = world.mesh is not None and (world.pp > 1 or is_sharded(model))
+        # Sharded (every rank writes its own part with DCP) where ranks hold different parts.
+        self.sharded = model.sharded
         self._writing: tuple[Path, Future[None]] | None = None  # the checkpoint written in the background
         self._stager = None  # the host copy of the state it is written from, reused by the next
         # DCP's collectives in the background (planning the write, gathering its results) get a
@@ -233,9 +234,9 @@ class Checkpointer:
             load_sharded(path, state)
             model_state, optim_state, full = state["model"], state["optimizer"], False
         else:
-            optim_state, full = train_state["optimizer"], True
-            if self.world.pp > 1:  # a whole model's checkpoint, of which this stage takes its layers
-                model_state, optim_state = _restrict(model_state, optim_state, set(self.model.state_dict()))
+            # A whole model's checkpoint, of which this rank takes what it holds.
+            model_state, optim_state = self.local_state(model_state, train_state["optimizer"])
+            full = True
         try:
             set_state_dict(
                 self.model,
@@ -256,30 +257,10 @@ class Checkpointer:
         return train_state["step"]
 
 
-def _restrict(
-    model_state: dict[str, torch.Tensor], optim_state: dict[str, Any], names: set[str]
-) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
-    """A whole model's weights and optimizer state (keyed by parameter name) cut down to the
-    parameters ``names``. A parameter the whole model shares under two names (a tied embedding)
-    has its optimizer state under one of them: a stage that knows it by the other takes it there."""
-    states = optim_state["state"]
-    source = {}
-    for name in names:
-        tensor = model_state.get(name)
-        shared = (other for other in states if tensor is not None and model_state.get(other) is tensor)
-        source[name] = name if name in states else next(shared, name)
-    groups = [
-        {**group, "params": [name for name in names if source[name] in group["params"]]}
-        for group in optim_state["param_groups"]
-    ]
-    kept = {name: states[source[name]] for name in names if source[name] in states}
-    return {name: model_state[name] for name in names if name in model_state}, {"state": kept, "param_groups": groups}
-
-
 def _options(sharded: bool):
     """How model and optimizer state are laid out in a checkpoint. Sharded optimizer state is
-    flat, one entry per parameter and setting ("param_groups.blocks.3.attn.wq.weight.lr"), so the
-    ranks of a pipeline, which hold different parameters, never write the same key."""
+    flat, one entry per parameter and setting ("param_groups.blocks.3.attn.wq.weight.lr"), so
+    ranks that hold different layers never write the same key."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions
 
     return StateDictOptions(flatten_optimizer_state_dict=sharded)

@@ -7,7 +7,7 @@ per-step losses and norms are read at each log point (the loop's one host sync),
 counts bad steps, names the first module whose output is non-finite (by re-running the bad
 step's batch with forward hooks), decides on a rollback, and looks for loss spikes.
 
-The loop carries out a rollback (it owns the checkpoints); ``Guard`` decides on it, keeps the
+``Guard`` decides on a rollback and carries it out through the run's checkpointer, keeps the
 lowered learning rate and the counts across resumes, and logs what it found.
 """
 
@@ -147,6 +147,26 @@ class Guard:
         self.rollbacks += 1
         self.lr_scale *= self.cfg.lr_factor
         self.bad_streak = 0
+
+    def roll_back(self, step: int, checkpointer: Any, faults: Any, logger) -> int:
+        """Back from ``step`` to the newest checkpoint with a lower learning rate, or stop the
+        run with a report; the step the run goes on from."""
+        path = checkpointer.latest()
+        self.roll_back_from(step, has_checkpoint=path is not None)
+        mine = self.state_dict()
+        restored = checkpointer.load(path)
+        self.load_state_dict(mine)  # the lowered rate and the rollback count are newer than the checkpoint
+        faults.rolled_back(step)
+        logger.rewind(restored)
+        logger.event(
+            restored,
+            "rollback",
+            f"{self.cfg.max_bad_steps} non-finite steps in a row by step {step}: "
+            f"rolled back to {path.name}, learning rate x{self.lr_scale:g} from now on",
+            checkpoint=str(path),
+            lr_scale=self.lr_scale,
+        )
+        return restored
 
     def roll_back_from(self, bad_step: int, has_checkpoint: bool) -> None:
         """Lower the learning rate for a rollback from ``bad_step``, or stop the run with a report."""

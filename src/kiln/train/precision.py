@@ -45,11 +45,7 @@ class Precision:
                 if finite.item():
                     optimizer.step()
                 return
-            optimizer.grad_scale, optimizer.found_inf = None, (~finite).float()
-            try:
-                optimizer.step()
-            finally:
-                del optimizer.grad_scale, optimizer.found_inf
+            step_unless(optimizer, found_inf=(~finite).float())
             return
         # GradScaler.step already waits for the device to read its inf check, so reading the
         # scale here adds no further stall.
@@ -72,3 +68,17 @@ class Precision:
         if state.get("scaler"):
             self.scaler.load_state_dict(state["scaler"])
         self.skipped_steps = state.get("skipped_steps", 0)
+
+
+def step_unless(optimizer: torch.optim.Optimizer, found_inf: torch.Tensor) -> None:
+    """``optimizer.step()``, skipped on the device where ``found_inf`` (a 0-d float tensor) is 1.
+
+    PyTorch's fused optimizers read the flag from the ``grad_scale`` and ``found_inf`` attributes
+    that GradScaler sets on them (the private protocol of ``_step_supports_amp_scaling``); there
+    is no public argument for it. ``tests/train/test_guard.py`` (the device-side skip) fails if the fused
+    kernel stops reading them."""
+    optimizer.grad_scale, optimizer.found_inf = None, found_inf
+    try:
+        optimizer.step()
+    finally:
+        del optimizer.grad_scale, optimizer.found_inf

@@ -6,11 +6,13 @@ from __future__ import annotations
 import dataclasses
 import json
 import platform
+import random
 import signal
 import time
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 from torch import nn
 
@@ -18,16 +20,27 @@ from kiln.checkpoint import CheckpointError, latest_checkpoint, load_checkpoint,
 from kiln.config import Config, from_dict, tomllib
 from kiln.device import resolve_device
 from kiln.distributed.world import World
-from kiln.models.family import ModelFamily, build_model, family_of
-from kiln.train.apply import apply_lora
+from kiln.train.jobs import Job, LoadedRun, job_for
 
 
-def write_run_files(run_dir: Path, cfg: Config, world: World, model: nn.Module) -> None:
-    """``config.toml`` (the resolved config) and ``env.json`` (software, device, parallel layout)."""
+def seed_everything(seed: int) -> None:
+    """Python's ``random``, NumPy's global generator and torch's (the CPU's and every GPU's) seeded
+    from ``train.seed`` at the start of a run, so that a job's own use of them is reproducible
+    and two runs of one seed write the same RNG states into their checkpoints."""
+    random.seed(seed)
+    np.random.seed(seed % 2**32)
+    torch.manual_seed(seed)
+
+
+def write_run_files(run_dir: Path, cfg: Config, world: World, model: nn.Module, max_steps: int) -> None:
+    """``config.toml`` (the resolved config, with the steps the run trains for: those its time
+    plan found for "auto") and ``env.json`` (software, device, parallel layout)."""
     if not world.is_main:
         return
     device = world.device
     run_dir.mkdir(parents=True, exist_ok=True)
+    if max_steps != cfg.train.max_steps:
+        cfg = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, max_steps=max_steps))
     (run_dir / "config.toml").write_text(cfg.to_toml())
     env = {
         "python": platform.python_version(),
@@ -41,6 +54,19 @@ def write_run_files(run_dir: Path, cfg: Config, world: World, model: nn.Module) 
         "parallel": {"strategy": cfg.parallel.strategy, "pp": world.pp, "dp": world.dp, "tp": world.tp},
     }
     (run_dir / "env.json").write_text(json.dumps(env, indent=2))
+
+
+@dataclasses.dataclass
+class FitResult:
+    """What ``Trainer.fit`` did: the step it reached, the last logged and evaluated metrics, where
+    it resumed from, and whether a signal or the time budget stopped it."""
+
+    step: int
+    metrics: dict[str, float] = dataclasses.field(default_factory=dict)
+    eval_metrics: dict[str, float] = dataclasses.field(default_factory=dict)
+    resumed_from: int | None = None
+    interrupted: bool = False
+    out_of_time: bool = False
 
 
 class StopRequest:
@@ -94,23 +120,11 @@ class Budget:
         return (now - self._t0) + (now - self._step_t0) > self.seconds
 
 
-@dataclasses.dataclass
-class LoadedRun:
-    cfg: Config
-    family: ModelFamily
-    args: Any
-    model: nn.Module
-    tokenizer: Any  # a tokenizers.Tokenizer (kiln's own), or the model's transformers tokenizer
-    checkpoint: Path
-    step: int
-    directory: Path  # the run directory, or the export directory it was loaded from
-
-
 def load_run(path: str | Path, checkpoint: str | Path | None = None, device: str = "auto") -> LoadedRun:
     """A model with its tokenizer, in eval mode, from ``path``: a run directory (at its newest
     complete checkpoint, or ``checkpoint``), one of its checkpoint directories, or a directory
-    ``kiln export`` wrote in the ``safetensors`` or ``hf`` format. Nothing is read from the data or
-    its cache."""
+    ``kiln export`` wrote in the ``safetensors`` or ``hf`` format. The run's job (its config's
+    ``run.job``) says how its model and tokenizer are read. Nothing is read from the data or its cache."""
     path = Path(path)
     if (path / "export.json").is_file():
         info = json.loads((path / "export.json").read_text())
@@ -118,44 +132,27 @@ def load_run(path: str | Path, checkpoint: str | Path | None = None, device: str
     if checkpoint is None and path.parent.name == "checkpoints" and (path.parent.parent / "config.toml").is_file():
         path, checkpoint = path.parent.parent, path
     run_dir = path
-    hf_tokenizer = (run_dir / "tokenizer").is_dir()
-    for name in ("config.toml", "model.json", "tokenizer" if hf_tokenizer else "tokenizer.json"):
+    for name in ("config.toml", "model.json"):
         if not (run_dir / name).exists():
             raise CheckpointError(f"{run_dir}: not a kiln run directory (missing {name})")
     path = Path(checkpoint) if checkpoint else latest_checkpoint(run_dir / "checkpoints")
     if path is None:
         raise CheckpointError(f"{run_dir}: no complete checkpoint in {run_dir / 'checkpoints'}")
     model_state, _ = load_checkpoint(path)
-    cfg, family, args, model = _build_saved(run_dir)
+    job = _saved_job(run_dir)
+    args, model = job.saved_model(run_dir)
     if model_state is None:  # saved sharded: gather it into this one process
         model_state = model.state_dict()
         load_sharded(path, {"model": model_state})
     model.load_state_dict(model_state)
     model.to(resolve_device(device)).eval()
     step = int(path.name.split("-")[-1])
-    return LoadedRun(cfg, family, args, model, _tokenizer(run_dir), path, step, run_dir)
+    return LoadedRun(job.cfg, job, job.family, args, model, job.saved_tokenizer(run_dir), path, step, run_dir)
 
 
-def _build_saved(directory: Path) -> tuple[Config, ModelFamily, Any, nn.Module]:
-    """The config, family, arguments and (freshly initialised) model described by the
-    ``config.toml`` and ``model.json`` of a run or a safetensors export."""
-    cfg = from_dict(tomllib.loads((directory / "config.toml").read_text()))
-    family = family_of(cfg.model)
-    args = family.args_from_dict(json.loads((directory / "model.json").read_text()))
-    model = build_model(family, args, "cpu", cfg.train.seed)
-    # A QLoRA base is loaded as the checkpoint holds it, dequantized: what the run computed, exactly.
-    model = apply_lora(model, cfg, family.lora_targets(args), quantize=False)
-    return cfg, family, args, model
-
-
-def _tokenizer(directory: Path):
-    if (directory / "tokenizer").is_dir():
-        from transformers import AutoTokenizer
-
-        return AutoTokenizer.from_pretrained(str(directory / "tokenizer"), local_files_only=True)
-    from tokenizers import Tokenizer
-
-    return Tokenizer.from_file(str(directory / "tokenizer.json"))
+def _saved_job(directory: Path) -> Job:
+    """The job of the ``config.toml`` of a run or a safetensors export."""
+    return job_for(from_dict(tomllib.loads((directory / "config.toml").read_text())))
 
 
 def load_export(path: Path, fmt: str, device: str = "auto", step: int = 0, task: str = "causal_lm") -> LoadedRun:
@@ -164,19 +161,20 @@ def load_export(path: Path, fmt: str, device: str = "auto", step: int = 0, task:
     if fmt == "safetensors":
         from safetensors.torch import load_model
 
-        cfg, family, args, model = _build_saved(path)
+        job = _saved_job(path)
+        args, model = job.saved_model(path)
         load_model(model, str(path / "model.safetensors"))
-        tokenizer = _tokenizer(path)
+        tokenizer = job.saved_tokenizer(path)
     elif fmt == "hf":
-        cfg = from_dict({"model": {"source": f"hf:{path}", "task": task}})
-        family = family_of(cfg.model)
-        args = family.resolve(cfg.model, vocab_size=0, seq_len=0)
-        model = family.create(args, "cpu", cfg.train.seed)
-        tokenizer = family.tokenizer(args)
+        kind = "finetune" if task == "sequence_classification" else "lm"
+        job = job_for(from_dict({"run": {"job": kind}, "model": {"source": f"hf:{path}", "task": task}}))
+        args = job.family.resolve(job.cfg.model, vocab_size=0, seq_len=0)
+        model = job.family.create(args, "cpu", job.cfg.train.seed)
+        tokenizer = job.family.tokenizer(args)
     else:
         raise CheckpointError(
             f"{path}: a {fmt} export runs without kiln (see its export.json); kiln loads run directories "
             "and the safetensors and hf exports"
         )
     model.to(resolve_device(device)).eval()
-    return LoadedRun(cfg, family, args, model, tokenizer, path, step, path)
+    return LoadedRun(job.cfg, job, job.family, args, model, tokenizer, path, step, path)

@@ -8,10 +8,14 @@ divided by how many there are, over all micro-batches and data-parallel ranks, s
 accumulation nor the world size changes the gradient when micro-batches hold different numbers
 of loss tokens (padded or packed fine-tuning data). The counts are known on the host
 (``TokenBatch``), so weighing the micro-batches costs one small host-side all-reduce, no sync.
+
+The step runs the same way on every layout: how a micro-batch's forward and backward run, how
+gradients are reduced and how their norm is taken is the ``ParallelModel``'s business.
 """
 
 from __future__ import annotations
 
+import contextlib
 import math
 from collections.abc import Callable
 from typing import Any
@@ -20,11 +24,9 @@ import torch
 from torch import nn
 
 from kiln.data.batch import batch_rows, loss_count
-from kiln.distributed.parallelize import clip_grad_norm_, gradient_sync
-from kiln.distributed.pipeline import Pipeline
-from kiln.models.family import ParallelPlan
+from kiln.distributed.parallel import ParallelModel
 from kiln.train.apply import apply_activation_checkpointing
-from kiln.train.faults import Faults
+from kiln.train.faults import NO_FAULTS, NoFaults
 from kiln.train.precision import Precision
 from kiln.train.straggler import BusyClock
 
@@ -32,103 +34,100 @@ LossFn = Callable[[nn.Module, Any], torch.Tensor]
 
 
 class TrainStep:
-    """``model`` is what the loss function calls (a DDP wrapper, say); ``plain`` the model
-    itself, to which activation checkpointing is applied along ``plan``'s repeated layers. With a
-    ``pipeline`` (pipeline parallelism), its schedule runs each micro-batch's forward and
-    backward instead, and the loss function is not called."""
+    """Steps ``model`` (a ``ParallelModel``) by ``loss_fn(module, batch)``, the mean loss of a
+    micro-batch; ``compile`` compiles the loss function with the model's forward. ``faults`` is
+    told of each forward pass; ``busy`` times this rank's forward passes (for stragglers)."""
 
     def __init__(
         self,
-        model: nn.Module,
+        model: ParallelModel,
         loss_fn: LossFn,
         optimizer: torch.optim.Optimizer,
         precision: Precision,
         *,
         grad_clip: float,
-        plain: nn.Module | None = None,
-        plan: ParallelPlan | None = None,
-        faults: Faults | None = None,
-        dp_total: Callable[[int], int] = int,
-        dp: int = 1,
-        pipeline: Pipeline | None = None,
+        compile: bool = False,
+        faults: NoFaults = NO_FAULTS,
         busy: BusyClock | None = None,
     ):
         self.model = model
-        self.plain = plain if plain is not None else model
-        self.plan = plan
-        self.loss_fn = loss_fn
+        self.loss_fn = model.compile(loss_fn) if compile else loss_fn
         self.optimizer = optimizer
         self.precision = precision
         self.clip = grad_clip if grad_clip > 0 else math.inf
-        self.faults = faults or Faults()
+        self.faults = faults
         # Times this rank's forward passes, its own work (no collectives wait there under DDP).
         self.busy = busy or BusyClock()
-        # The sum of a host-side count over the data-parallel ranks, and their number.
-        self.dp_total, self.dp = dp_total, dp
-        self.params = [p for p in model.parameters() if p.requires_grad]
+        self.params = model.parameters()
         self.checkpointing = False
-        self.pipeline = pipeline
-        # Each pipeline rank holds some of the layers: the gradient norm sums over all of them.
-        self.norm_group = pipeline.group if pipeline is not None else None
+
+    # -- what the ParallelModel computes with (its StepCompute) --------------------------------
+
+    def loss(self, model: nn.Module, batch: Any) -> torch.Tensor:
+        with self.busy.device(), self.precision.autocast():
+            return self.loss_fn(model, batch)
+
+    def autocast(self) -> contextlib.AbstractContextManager:
+        return self.precision.autocast()
+
+    def backward(self, loss: torch.Tensor) -> None:
+        self.precision.backward(loss)
+
+    # -- the step --------------------------------------------------------------------------------
 
     def recompute_activations(self) -> None:
         """Turn activation checkpointing on (once): recompute each layer in the backward pass."""
         if not self.checkpointing:
-            apply_activation_checkpointing(self.plain, self.plan)
+            apply_activation_checkpointing(self.model.module, self.model.plan)
             self.checkpointing = True
 
-    def loss(self, micro_batch: Any, step: int) -> torch.Tensor:
-        """The loss of one micro-batch of (1-based) ``step``, under the run's precision."""
-        with self.busy.device():
-            self.faults.before_forward(step, batch_rows(micro_batch), self.checkpointing)
-            with self.precision.autocast():
-                return self.loss_fn(self.model, micro_batch)
-
     def forward_backward(self, micro_batches: list[Any], step: int, *, sync: bool = True) -> torch.Tensor:
-        """Gradients of the micro-batches, accumulated; the step's loss (on the device).
+        """Gradients of the micro-batches of (1-based) ``step``, accumulated; the step's loss (on
+        the device).
 
         Each micro-batch loss is a mean over its own counted tokens; dividing it by the global
         count over its own count (times the data-parallel ranks, which average their gradients)
         makes the summed gradients those of one big batch. Micro-batches that do not know their
         count weigh the same: the divisor is their number. Data-parallel ranks reduce gradients
-        on the last micro-batch only, unless ``sync`` is off."""
+        after the last micro-batch only, unless ``sync`` is off."""
         n = len(micro_batches)
         counts = [loss_count(m) for m in micro_batches]
         counted = None not in counts
+        world = self.model.world
         if counted:
-            total_count = self.dp_total(sum(counts))
+            total_count = world.dp_total(sum(counts))
             # A micro-batch without counted tokens contributes nothing (its loss is a 0 / 0).
-            divisors = [total_count / (c * self.dp) if c else math.inf for c in counts]
+            divisors = [total_count / (c * world.dp) if c else math.inf for c in counts]
         else:
             divisors = [n] * n
         total = None
         for i, micro in enumerate(micro_batches):
-            if self.pipeline is not None:  # its schedule runs forward and backward; reduced below
+            with self.busy.device():  # a slow rank's injected delay is its own work, as a forward pass is
                 self.faults.before_forward(step, batch_rows(micro), self.checkpointing)
-                with self.precision.autocast():
-                    loss = self.pipeline.forward_backward(micro, 1 / divisors[i])
-            else:
-                with gradient_sync(self.model, sync and i == n - 1):
-                    loss = self.loss(micro, step)
-                    self.precision.backward(loss / divisors[i])
+            loss = self.model.forward_backward(micro, divisors[i], last=sync and i == n - 1, compute=self)
             if total is None:
                 total = torch.zeros((), device=loss.device)
             # This rank's share of the step's loss, times the ranks (the meter averages over them).
-            total += loss.detach() / divisors[i] if counted else loss.detach()
-        if self.pipeline is not None and sync:
-            self.pipeline.reduce_gradients()
+            total += loss / divisors[i] if counted else loss
         return total if counted else total / n
+
+    def replay(self, micro_batches: list[Any], step: int) -> None:
+        """The forward passes of ``step``'s micro-batches again, without gradients, on the whole
+        model (the guard looks for the first module whose output is not finite)."""
+        with torch.no_grad():
+            for micro in micro_batches:
+                self.faults.before_forward(step, batch_rows(micro), self.checkpointing)
+                self.loss(self.model.whole, micro)
 
     def update(self, lr: float, inspect: Callable[[nn.Module], None] | None = None) -> torch.Tensor:
         """Unscale, clip, step at ``lr`` and clear the gradients; the gradient norm before clipping.
-        ``inspect(model)`` sees the unscaled gradients before they are clipped."""
+        ``inspect(module)`` sees the unscaled gradients before they are clipped."""
         for group in self.optimizer.param_groups:
             group["lr"] = lr
         self.precision.unscale_(self.optimizer)
         if inspect is not None:
-            inspect(self.plain)
-        uncounted = self.pipeline.uncounted if self.pipeline is not None else ()
-        grad_norm = clip_grad_norm_(self.params, self.clip, group=self.norm_group, uncounted=uncounted)
+            inspect(self.model.module)
+        grad_norm = self.model.clip_grad_norm_(self.clip)
         # A NaN/Inf gradient norm (the same on every rank) skips the update, on the device.
         self.precision.step(self.optimizer, finite=torch.isfinite(grad_norm))
         self.optimizer.zero_grad(set_to_none=True)

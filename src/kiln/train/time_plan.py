@@ -19,9 +19,17 @@ exactly as a run given the corrected steps as a number.
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import math
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import torch
 
 from kiln.config import Config, parse_duration
+from kiln.distributed.world import World
 
 # Steps whose time is not counted, at least (see TimePlan.warmup_seconds): the first runs
 # compile, the first few grow the allocator.
@@ -124,6 +132,93 @@ class TimePlan:
             mid = (low + high) // 2
             low, high = (mid, high) if self.cost_s(mid, costs) <= seconds else (low, mid)
         return low
+
+    # -- measuring and correcting, on the run itself ------------------------------------------------
+
+    def measure(
+        self,
+        world: World,
+        checkpointer: Any,
+        *,
+        batches: Callable[[], Iterator[Any]],
+        train: Callable[[Any, int], None],
+        evaluate: Callable[[], Any],
+        save: Callable[[], Path],
+        device: torch.device,
+        elapsed: Callable[[], float],
+        logger,
+        step: int,
+    ) -> None:
+        """Plan ``max_steps`` for "auto": time a checkpoint (``save``), training steps (``train(batch,
+        i)``, the i-th probe step, on the loader's batches) and an evaluation of this very run, put
+        the run back exactly as it was (``checkpointer.hold`` and ``put_back``), and fix the steps
+        that fill the budget, ``elapsed()`` of it spent; the plan is logged at ``step``. Every rank
+        plans with the slowest rank's costs and clock, so that all agree on the steps."""
+        held = checkpointer.hold()
+        resumed_at = checkpointer.latest()
+        save_s = self._warm_seconds(world, save)
+        path = checkpointer.latest()
+        started = time.perf_counter()
+        loader = batches()
+        start_s, timed_from, steps = 0.0, None, 0
+        for i in itertools.count():
+            batch = next(loader)
+            start_s = start_s or time.perf_counter() - started
+            train(batch, i)  # whatever it changes is put back below
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+            now = time.perf_counter()
+            if timed_from is not None:
+                steps += 1
+            elif i + 1 >= WARMUP_STEPS and now - started >= self.warmup_seconds():
+                timed_from = now  # warm: the compile, the allocator's growth and the caches are behind
+            # Every rank runs the same number of probe steps, or one would wait in a collective.
+            (done,) = world.agree(steps >= 3 and now - timed_from >= self.probe_seconds())
+            if done:
+                break
+        del loader  # its workers stop
+        step_s = (now - timed_from) / steps
+        eval_s = self._warm_seconds(world, evaluate)
+        checkpointer.put_back(held)
+        if path != resumed_at:
+            checkpointer.discard(path)
+        *costs, elapsed_s = world.largest(step_s, eval_s, save_s, start_s, elapsed())
+        self.fix(Costs(*costs), elapsed_s)
+        logger.event(step, "time_plan", self.describe(), max_steps=self.max_steps, **vars(self.costs))
+
+    def correct_pace(self, world: World, step: int, loop_started: tuple[int, float], elapsed_s: float, logger) -> None:
+        """Plan again with the pace this run has kept since the loop started (``loop_started``:
+        its first step and the clock then), ``step`` steps and ``elapsed_s`` seconds in: the
+        slowest rank's pace and clock, so that every rank plans the same steps."""
+        first_step, first_s = loop_started
+        done = step - first_step
+        evals = done // self.eval_every if self.eval_every else 0
+        saves = done // self.save_every if self.save_every else 0
+        spent = elapsed_s - first_s - evals * self.costs.eval_s - saves * self.costs.save_s
+        step_s, elapsed = world.largest(max(spent, 0.0) / done, elapsed_s)
+        before = self.max_steps
+        steps = self.correct(step, step_s, elapsed)
+        logger.event(
+            step,
+            "time_replan",
+            f"corrected the plan at step {step}: {before} -> {steps} steps "
+            f"(a step took {step_s:.3g}s, {self.costs.step_s:.3g}s in the probe)",
+            max_steps=steps,
+            step_s=step_s,
+        )
+
+    def _warm_seconds(self, world: World, work: Callable[[], Any]) -> float:
+        """How long ``work`` takes once warm: the first call also pays for imports and first
+        allocations, so one that is cheap next to the budget is timed a second time. The slowest
+        rank's time decides, so that every rank runs ``work`` (and its collectives) as often."""
+        started = time.perf_counter()
+        work()
+        (seconds,) = world.largest(time.perf_counter() - started)
+        if seconds > 0.005 * self.budget_s:
+            return seconds
+        started = time.perf_counter()
+        work()
+        return time.perf_counter() - started
 
     def describe(self) -> str:
         c = self.costs

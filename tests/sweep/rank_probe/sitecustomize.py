@@ -5,12 +5,12 @@ import os
 from pathlib import Path
 
 if "RANK" in os.environ:
-    import kiln.train.jobs as jobs
+    import kiln.train.trainer as trainer
 
-    _build = jobs.build_trainer
+    _train = trainer.train
 
-    def _build_and_record(cfg, **kw):
+    def _train_and_record(cfg, **kw):
         Path(cfg.run.dir, f"rank-{os.environ['RANK']}.toml").write_text(cfg.to_toml())
-        return _build(cfg, **kw)
+        return _train(cfg, **kw)
 
-    jobs.build_trainer = _build_and_record
+    trainer.train = _train_and_record

@@ -93,6 +93,9 @@ class GPTFamily(ModelFamily):
     def state_dict_adapter(self, args: GPTConfig) -> LlamaAdapter:
         return LlamaAdapter(args)
 
+    def context_length(self, args: GPTConfig) -> int:
+        return args.max_seq_len
+
     def lora_targets(self, args: GPTConfig) -> list[str]:
         return ["wq", "wk", "wv", "wo", "w1", "w2", "w3"]
 

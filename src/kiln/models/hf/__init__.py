@@ -292,6 +292,12 @@ class HFFamily(ModelFamily):
     def state_dict_adapter(self, args: HFArgs) -> HFNames:
         return HFNames(args)
 
+    def transformers_model(self, model: nn.Module) -> nn.Module:
+        return model.hf
+
+    def context_length(self, args: HFArgs) -> int | None:
+        return getattr(args.hf_config(), "max_position_embeddings", None)
+
     def lora_targets(self, args: HFArgs) -> list[str]:
         if args.config["model_type"] in LLAMA_CLASS:
             return [name.split(".")[-1] for name in LLAMA_TP]

@@ -1,0 +1,271 @@
+"""The ParallelModel: a model laid out over the world, as the training loop, the optimizer and
+the checkpointer see it, whatever the layout.
+
+``kiln.distributed.parallelize`` makes one from a plain model and its family's ``ParallelPlan``.
+This module holds the case where each rank runs the model's forward as one module: a single
+process, DDP replicas, FSDP2 shards, tensor-parallel splits and their products (the
+parallelism is applied to the module in place, from outside). Pipeline parallelism, where each
+rank holds some layers, is the other case (``kiln.distributed.pipeline``). The model knows
+nothing of either: what to split comes from its plan.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections import defaultdict
+from collections.abc import Callable, Iterable, Iterator
+from typing import Any, Protocol
+
+import torch
+from torch import nn
+
+from kiln.config import ParallelConfig
+from kiln.distributed.world import World
+from kiln.models.family import ParallelPlan
+
+
+class StepCompute(Protocol):
+    """What a training step computes with (the loop's ``TrainStep``): the run's loss function and
+    precision."""
+
+    def loss(self, model: nn.Module, batch: Any) -> torch.Tensor:
+        """The mean loss of ``batch``, computed by ``model`` under the run's precision."""
+        ...
+
+    def autocast(self) -> contextlib.AbstractContextManager:
+        """The run's precision, for forward passes the loss function does not make."""
+        ...
+
+    def backward(self, loss: torch.Tensor) -> None:
+        """Gradients of ``loss`` (scaled for fp16), added to those held."""
+        ...
+
+
+class ParallelModel:
+    """This rank's share of a model and how one step's work runs on it.
+
+    ``module``: the plain module holding this rank's parameters (sharded or split in place where
+    the layout does that): the optimizer, checkpoints and activation checkpointing see it.
+    ``whole``: the model as one module whose forward this rank runs (with the other ranks of its
+    collectives), or None where it holds only some layers. ``generates``: this rank can sample
+    text alone, holding every layer and attention head. ``sharded``: checkpoints are written by
+    every rank (DCP), each its own part. ``embeddings``: the names of the embedding tables among
+    the whole model's parameters (a tied output layer under both names), which take no weight decay.
+    """
+
+    def __init__(
+        self,
+        module: nn.Module,
+        plan: ParallelPlan,
+        world: World,
+        *,
+        embeddings: frozenset[str],
+        wrapped: nn.Module | None = None,
+        sharded: bool = False,
+    ):
+        self.module, self.plan, self.world, self.embeddings = module, plan, world, embeddings
+        # What the loss function calls: a DDP wrapper, whose forward prepares the gradient
+        # reduction, or the module itself (under FSDP the module is its own wrapper).
+        self.wrapped = wrapped if wrapped is not None else module
+        self.sharded = sharded
+        self.whole: nn.Module | None = module
+        self.generates = world.tp == 1
+
+    @property
+    def eval_forward(self) -> Callable[..., Any]:
+        """What evaluation calls: ``eval_forward(inputs, targets=targets)`` is the mean loss."""
+        return self.module
+
+    def parameters(self) -> list[torch.Tensor]:
+        """This rank's trainable parameters."""
+        return [p for p in self.module.parameters() if p.requires_grad]
+
+    def compile(self, loss_fn: Callable[[nn.Module, Any], torch.Tensor]) -> Callable[[nn.Module, Any], torch.Tensor]:
+        """``loss_fn`` compiled with the forward it calls, so the compiler can fuse the output
+        projection with the cross-entropy; the module stays plain and keeps its state-dict names."""
+        return torch.compile(loss_fn)
+
+    def forward_backward(self, batch: Any, divisor: float, *, last: bool, compute: StepCompute) -> torch.Tensor:
+        """Add the gradients of ``loss(batch) / divisor`` to those held; the loss (detached),
+        scaled so that its mean over every rank is the batch's. ``last``: the step's last
+        micro-batch, after which gradients are reduced over the data-parallel ranks (DDP waits
+        for it; FSDP reduces every micro-batch, which keeps its gradients sharded)."""
+        with _gradient_sync(self.wrapped, last):
+            loss = compute.loss(self.wrapped, batch)
+            compute.backward(loss / divisor)
+        return loss.detach()
+
+    def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
+        """Clip this rank's gradients to the global L2 norm ``max_norm``; the norm before clipping."""
+        return clip_grad_norm_(self.parameters(), max_norm)
+
+    def local_state(self, model_state: dict[str, Any], optim_state: dict[str, Any]) -> tuple[dict, dict]:
+        """A whole model's weights and optimizer state (a checkpoint saved unsharded), cut down to
+        what this rank holds: all of it here."""
+        return model_state, optim_state
+
+
+@contextlib.contextmanager
+def _gradient_sync(model: nn.Module, enabled: bool) -> Iterator[None]:
+    """DDP all-reduces gradients only on the last micro-batch of a step (``no_sync`` before it)."""
+    if enabled or not hasattr(model, "no_sync"):
+        yield
+    else:
+        with model.no_sync():
+            yield
+
+
+def embedding_names(model: nn.Module) -> frozenset[str]:
+    """The names of ``model``'s embedding tables, under every name they have (a tied output layer's too)."""
+    tables = {id(m.weight) for m in model.modules() if isinstance(m, nn.Embedding)}
+    return frozenset(name for name, p in model.named_parameters(remove_duplicate=False) if id(p) in tables)
+
+
+def shard(
+    module: nn.Module,
+    plan: ParallelPlan,
+    world: World,
+    pcfg: ParallelConfig,
+    *,
+    bf16: bool,
+    fsdp_roots: list[nn.Module] | None = None,
+) -> None:
+    """Tensor parallelism over the world's "tp" ranks, then FSDP2 over its data-parallel ranks
+    (over a group of one, to keep the state in CPU memory: ``parallel.cpu_offload``), in place.
+    ``fsdp_roots``: the modules FSDP shards as roots, each with its repeated layers (default:
+    ``module``)."""
+    if world.tp > 1:
+        apply_tp(module, plan, world.mesh["tp"])
+    if pcfg.strategy == "ddp" or (world.dp == 1 and not pcfg.cpu_offload):
+        return
+    mesh = world.mesh if world.distributed else world.mesh_of_one()
+    for root in fsdp_roots or [module]:
+        apply_fsdp(
+            root,
+            plan,
+            mesh["dp"],
+            reshard_after_forward=pcfg.strategy == "fsdp",
+            bf16=bf16,
+            cpu_offload=pcfg.cpu_offload,
+        )
+
+
+def apply_tp(model: nn.Module, plan: ParallelPlan, tp_mesh) -> None:
+    """Split every repeated layer's projections as the plan says: column-wise ones produce a
+    slice of the features on each rank, row-wise ones take that slice and all-reduce the sum."""
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    styles = {"colwise": ColwiseParallel, "rowwise": RowwiseParallel}
+    layout = {name: styles[style]() for name, style in plan.tensor_parallel.items()}
+    for block in plan.repeated_blocks(model):
+        parallelize_module(block, tp_mesh, layout)
+
+
+def apply_fsdp(
+    model: nn.Module, plan: ParallelPlan, dp_mesh, *, reshard_after_forward: bool, bf16: bool, cpu_offload: bool
+) -> None:
+    """FSDP2 per repeated layer, then the root (embedding, final norm, output layer) as one more
+    unit. A model whose plan names no repeated layers is sharded as one unit."""
+    from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
+
+    kwargs = {
+        "mesh": dp_mesh,
+        # bf16 compute with fp32 master weights and fp32 gradient reduction.
+        "mp_policy": MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+        if bf16
+        else MixedPrecisionPolicy(),
+        "offload_policy": CPUOffloadPolicy() if cpu_offload else OffloadPolicy(),
+    }
+    blocks = plan.repeated_blocks(model)
+    for i, block in enumerate(blocks):
+        # The last block's parameters are needed again at once by backward: keep them gathered.
+        fully_shard(block, reshard_after_forward=reshard_after_forward and i < len(blocks) - 1, **kwargs)
+    fully_shard(model, reshard_after_forward=reshard_after_forward, **kwargs)
+
+
+def apply_ddp(model: nn.Module, plan: ParallelPlan, dp_mesh, device: torch.device, bucket_mb: int) -> nn.Module:
+    import inspect
+
+    from torch.nn.parallel import DistributedDataParallel
+
+    group = dp_mesh.get_group()
+    # DDP's own start broadcasts every parameter and buffer from the first rank, frozen ones
+    # too, whose copy would quantize a QLoRA base anew. Every rank builds frozen weights alike;
+    # the trainable ones and the buffers are broadcast here instead, so that replicas of a model
+    # a user built differently on each rank still start equal.
+    broadcast_trainable(model, group)
+    # Buffers derived from the config (kiln's RoPE tables) are equal on every rank: no need to
+    # broadcast them before every forward (the keyword was renamed in PyTorch 2.13).
+    renamed = "forward_sync_buffers" in inspect.signature(DistributedDataParallel).parameters
+    buffer_sync = {"forward_sync_buffers" if renamed else "broadcast_buffers": not plan.derived_buffers}
+    return DistributedDataParallel(
+        model,
+        # Its replicas are the data-parallel ranks.
+        process_group=group,
+        device_ids=[device.index] if device.type == "cuda" else None,
+        bucket_cap_mb=bucket_mb,
+        init_sync=False,
+        **buffer_sync,
+    )
+
+
+@torch.no_grad()
+def broadcast_trainable(model: nn.Module, group) -> None:
+    """Every trainable parameter and every buffer of ``model`` as the group's first rank has it."""
+    import torch.distributed as dist
+
+    source = dist.get_global_rank(group, 0)
+    for tensor in [p for p in model.parameters() if p.requires_grad] + list(model.buffers()):
+        dist.broadcast(tensor, source, group=group)
+
+
+def is_sharded(model: nn.Module) -> bool:
+    """True when parameters are DTensors (FSDP2 or tensor parallel): checkpoints go through DCP."""
+    from torch.distributed.tensor import DTensor
+
+    return any(isinstance(p, DTensor) for p in model.parameters())
+
+
+def clip_grad_norm_(
+    params: Iterable[torch.Tensor], max_norm: float, group=None, uncounted: Iterable[torch.Tensor] = ()
+) -> torch.Tensor:
+    """Clip to a global L2 norm and return the norm, for plain tensors and DTensors alike.
+
+    Gradients are grouped by how they are laid out (plain, or DTensor of one mesh and placement),
+    each group's norm is computed with the foreach kernels (one collective per DTensor group),
+    and the groups are combined; plain gradients are replicated, so they count once. ``group``:
+    the ranks that each hold other parameters (the stages of a pipeline), whose squares add up;
+    ``uncounted``: parameters another rank of ``group`` counts (a copy of a tied weight), clipped
+    but left out of the norm."""
+    skip = {id(p) for p in uncounted}
+    params = [p for p in params if p.grad is not None]
+    if not params:
+        return torch.zeros(())
+    try:
+        from torch.distributed.tensor import DTensor
+    except ImportError:  # a build without distributed support
+        DTensor = ()  # noqa: N806
+    layouts: dict[object, list[torch.Tensor]] = defaultdict(list)
+    counted: dict[object, list[torch.Tensor]] = defaultdict(list)
+    for p in params:
+        key = (p.grad.device_mesh, p.grad.placements) if isinstance(p.grad, DTensor) else None
+        layouts[key].append(p.grad)
+        if id(p) not in skip:
+            counted[key].append(p.grad)
+    squares = [torch.zeros((), device=params[0].grad.device)]
+    for members in counted.values():
+        norm = torch.nn.utils.get_total_norm(members, 2.0, foreach=True)
+        if isinstance(norm, DTensor):
+            norm = norm.full_tensor()
+        squares.append(norm.float().square())
+    total = torch.stack(squares).sum()
+    if group is not None:
+        import torch.distributed as dist
+
+        dist.all_reduce(total, group=group)
+    total = total.sqrt()
+    coef = (max_norm / (total + 1e-6)).clamp(max=1.0)
+    for members in layouts.values():
+        locals_ = [g.to_local() if isinstance(g, DTensor) else g for g in members]
+        torch._foreach_mul_(locals_, coef.to(locals_[0].device))
+    return total

@@ -1,0 +1,124 @@
+"""What a job is: everything about one kind of run that the generic loop does not know.
+
+A job owns the way from the config to the data and the model (through the model family), the
+loss, what evaluation measures, what sampling shows and what the run directory holds besides
+what the loop writes. The ``Trainer`` asks it for these and knows nothing else of the run's
+kind; ``kiln eval``, ``generate``, ``export``, ``serve``, ``doctor``, ``plan`` and ``sweep`` get
+the same job from the same config (``kiln.train.jobs.job_for``).
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, ClassVar
+
+import torch
+from torch import nn
+from torch.utils.data import Dataset, default_collate
+
+from kiln.config import Config
+from kiln.distributed.world import World
+from kiln.models.family import ModelFamily, ParallelPlan, build_model, family_of
+from kiln.train.apply import apply_lora
+from kiln.train.precision import Precision
+
+
+@dataclass(frozen=True)
+class EvalContext:
+    """What an evaluation is handed: the step it follows, the device, the micro-batch size in use
+    (the out-of-memory ladder may have lowered the config's), the run's precision (evaluation
+    already runs under its autocast, in eval mode, without gradients) and whether the model
+    given can generate (it holds every layer and attention head on this rank)."""
+
+    step: int
+    device: torch.device
+    micro_batch_size: int
+    precision: Precision
+    generates: bool = True
+
+
+class Job:
+    """One kind of run. ``prepare`` readies the data and the model's arguments; after it, the job
+    has ``train_data`` (a Dataset), ``collate_fn`` (items to a batch), ``loss_fn`` (``loss_fn(model,
+    batch)``: the mean loss of a micro-batch), ``tokens_per_sample``, ``flops_per_token`` (None
+    where unknown: no MFU) and ``plan`` (the model's ParallelPlan)."""
+
+    kind: ClassVar[str] = ""
+    train_data: Dataset
+    collate_fn: Callable[[list], Any] = staticmethod(default_collate)
+    loss_fn: Callable[[nn.Module, Any], torch.Tensor]
+    tokens_per_sample: int = 1
+    flops_per_token: float | None = None
+    plan: ParallelPlan
+
+    def __init__(self, cfg: Config):
+        self.cfg = cfg
+
+    @functools.cached_property
+    def family(self) -> ModelFamily:
+        return family_of(self.cfg.model)
+
+    def prepare(self, world: World, console: bool) -> None:
+        """Ready the data and the model's arguments on this rank (raises ConfigError or DataError
+        on bad input, before anything is written)."""
+        raise NotImplementedError
+
+    def model(self) -> nn.Module:
+        """The model to train, on the CPU, initialised from ``train.seed`` (or pretrained)."""
+        raise NotImplementedError
+
+    def evaluate(self, model: nn.Module, ctx: EvalContext) -> dict[str, Any] | None:
+        """Validation metrics (None: the job has none)."""
+        return None
+
+    def sample(self, model: nn.Module, ctx: EvalContext) -> str | None:
+        """Text to show at an evaluation (a generated sample), or None."""
+        return None
+
+    def describe(self, model: nn.Module) -> list[str]:
+        """Lines for the console about the model and the data."""
+        return []
+
+    def write_files(self, run_dir: Path) -> None:
+        """What the run directory holds of this job beside the loop's files (rank 0, once prepared)."""
+
+    # -- a saved run (kiln eval, generate, export, serve) ----------------------------------------
+
+    def saved_model(self, directory: Path) -> tuple[Any, nn.Module]:
+        """The model arguments a run (or a safetensors export) recorded in ``model.json``, and the
+        model they describe, freshly initialised on the CPU, to load weights into."""
+        family = self.family
+        args = family.args_from_dict(json.loads((directory / "model.json").read_text()))
+        model = build_model(family, args, "cpu", self.cfg.train.seed)
+        # A QLoRA base is loaded as the checkpoint holds it, dequantized: what the run computed, exactly.
+        return args, apply_lora(model, self.cfg, family, args, quantize=False)
+
+    def saved_tokenizer(self, directory: Path) -> Any:
+        """The tokenizer a run (or a safetensors export) wrote into ``directory``."""
+        raise NotImplementedError
+
+    def evaluate_saved(
+        self, run: LoadedRun, *, source: str | None, max_batches: int | None, batch_size: int | None
+    ) -> dict[str, Any]:
+        """``kiln eval``: the job's metrics of a saved model, on its run's validation split or on
+        every item of ``source``."""
+        raise NotImplementedError
+
+
+@dataclass
+class LoadedRun:
+    """A saved model with what it needs to be used (``kiln.train.run.load_run``), in eval mode."""
+
+    cfg: Config
+    job: Job
+    family: ModelFamily  # the job's
+    args: Any
+    model: nn.Module
+    tokenizer: Any  # a tokenizers.Tokenizer (kiln's own), or the model's transformers tokenizer
+    checkpoint: Path
+    step: int
+    directory: Path  # the run directory, or the export directory it was loaded from

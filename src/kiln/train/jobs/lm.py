@@ -1,0 +1,176 @@
+"""The language-model job: a causal language model trained on a text corpus. The model comes from
+its family (``model.family``, kiln's GPT by default, or a Hugging Face causal LM that continues
+pretraining on text); the job adds what only a language model has: bits per byte and text samples.
+
+A run directory holds everything needed to use the run later without the data cache:
+``config.toml``, ``model.json`` (the resolved architecture), ``tokenizer.json`` and checkpoints.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import shutil
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from kiln.config import ConfigError, DataConfig
+from kiln.data import PreparedData, TokenSequences, prepare, val_batches
+from kiln.data.batch import split_batch
+from kiln.data.loader import covering_batches
+from kiln.data.tokenizer import Codec
+from kiln.distributed.world import World
+from kiln.models.family import ModelFamily
+from kiln.models.hf.loading import model_dir
+from kiln.train.apply import apply_lora
+from kiln.train.jobs.base import EvalContext, Job, LoadedRun
+
+
+class LMJob(Job):
+    kind = "lm"
+
+    def prepare(self, world: World, console: bool) -> None:
+        cfg, family = self.cfg, self.family
+        prepared = self.prepare_data(world, console)
+        seq_len = cfg.data.seq_len
+        self.prepared = prepared
+        self.args = family.resolve(cfg.model, vocab_size=prepared.vocab_size, seq_len=seq_len)
+        self.train_data = TokenSequences(prepared.tokens("train"), seq_len)
+        val_data = TokenSequences(prepared.tokens("val"), seq_len)
+        if len(self.train_data) < 1 or len(val_data) < 1:
+            raise ConfigError(
+                [
+                    f"data.seq_len: {seq_len} is longer than the corpus allows "
+                    f"(train {len(self.train_data)} / val {len(val_data)} sequences); lower data.seq_len"
+                ]
+            )
+        # A fixed validation sample, scored in chunks of the micro-batch in use at the time (the
+        # out-of-memory ladder may lower it); with "auto", sized as if the micro-batch were 8.
+        micro = cfg.train.micro_batch_size
+        self.fixed_val = val_batches(val_data, 8 if micro == "auto" else micro, cfg.eval.batches)
+        self.token_bytes = torch.from_numpy(prepared.token_bytes())
+        self.tokens_per_sample = seq_len
+        self.flops_per_token = family.flops_per_token(self.args, seq_len)
+        self.plan = family.parallel_plan(self.args)
+        self.loss_fn = family.loss
+
+    def prepare_data(self, world: World, console: bool) -> PreparedData:
+        """The corpus, tokenized into the cache: rank 0 fills it (tokenizer, shards), then the
+        others find it there."""
+        with world.main_first():
+            return prepare(self._data_config(), progress=console)
+
+    def model(self) -> nn.Module:
+        family, args = self.family, self.args
+        # Initialised on the CPU on every rank and device alike: the same seed, the same weights.
+        return apply_lora(family.create(args, "cpu", self.cfg.train.seed), self.cfg, family, args)
+
+    def evaluate(self, model: nn.Module, ctx: EvalContext) -> dict[str, Any]:
+        return self.family.evaluate(model, rebatch(self.fixed_val, ctx.micro_batch_size), self.token_bytes, ctx.device)
+
+    def sample(self, model: nn.Module, ctx: EvalContext) -> str | None:
+        e = self.cfg.eval
+        if not e.sample_tokens or not ctx.generates:
+            return None
+        tokenizer = self.prepared.tokenizer
+        return sample_text(
+            self.family, model, tokenizer, e.prompt, e.sample_tokens, seed=self.cfg.train.seed + ctx.step
+        )
+
+    def describe(self, model: nn.Module) -> list[str]:
+        return [f"model {self.family.describe(self.cfg.model, self.args, model)}"]
+
+    def write_files(self, run_dir: Path) -> None:
+        shutil.copyfile(self.prepared.dir / "tokenizer.json", run_dir / "tokenizer.json")
+        (run_dir / "model.json").write_text(json.dumps(self.family.args_to_dict(self.args), indent=2))
+        # The corpus fingerprint, token counts and checksums of the data this run trained on.
+        (run_dir / "data.json").write_text(json.dumps(self.prepared.manifest, indent=2))
+
+    def _data_config(self) -> DataConfig:
+        """The data config, tokenizing with the model's own tokenizer when the model comes from a
+        Hugging Face directory (continued pretraining on text)."""
+        cfg = self.cfg
+        if not cfg.model.source:
+            return cfg.data
+        path = model_dir(cfg.model.source) / "tokenizer.json"
+        if cfg.data.tokenizer != "bpe":
+            raise ConfigError(
+                [f"data.tokenizer: a model from model.source={cfg.model.source} reads text with its own tokenizer"]
+            )
+        if not path.is_file():
+            raise ConfigError(
+                [
+                    f"model.source: {path.parent} has no tokenizer.json (a fast tokenizer), which kiln needs to "
+                    "tokenize text; fine-tune on records instead (data.format=records)"
+                ]
+            )
+        return dataclasses.replace(cfg.data, tokenizer=str(path))
+
+    # -- a saved run -----------------------------------------------------------------------------
+
+    def saved_tokenizer(self, directory: Path) -> Any:
+        from tokenizers import Tokenizer
+
+        return Tokenizer.from_file(str(directory / "tokenizer.json"))
+
+    def evaluate_saved(
+        self, run: LoadedRun, *, source: str | None, max_batches: int | None, batch_size: int | None
+    ) -> dict[str, Any]:
+        """On the run's own val split (at most ``max_batches`` batches, 100 by default, spread
+        over it), or on every token of every document of ``source``, tokenized with the run's
+        tokenizer (the first ``max_batches`` if given)."""
+        cfg = self.cfg
+        data_cfg = dataclasses.replace(cfg.data, tokenizer=str(run.directory / "tokenizer.json"))
+        if source:  # no training source: every document of ``source`` is val
+            data_cfg = dataclasses.replace(data_cfg, source="", val_source=source)
+        prepared = prepare(data_cfg)
+        batch = batch_size or cfg.train.micro_batch_size
+        val = TokenSequences(prepared.tokens("val"), cfg.data.seq_len)
+        if source:
+            batches = covering_batches(val, batch)[:max_batches]
+            if not batches:
+                raise ConfigError([f"--data: {source} holds fewer than 2 tokens"])
+        else:
+            batches = val_batches(val, batch, max_batches or 100)
+        device = next(run.model.parameters()).device
+        metrics = self.family.evaluate(run.model, batches, torch.from_numpy(prepared.token_bytes()), device)
+        return {**metrics, "step": run.step, "tokens": sum(y.numel() for _, y in batches)}
+
+
+def rebatch(batches: list, size: int) -> list:
+    """The same batches, each cut into pieces of at most ``size`` rows."""
+    return [piece for batch in batches for piece in split_batch(batch, size)]
+
+
+def sample_text(
+    family: ModelFamily,
+    model: nn.Module,
+    tokenizer,
+    prompt: str,
+    max_new_tokens: int,
+    *,
+    temperature: float = 0.8,
+    top_k: int | None = 50,
+    top_p: float | None = None,
+    seed: int = 0,
+    device: torch.device | None = None,
+) -> str | None:
+    """``prompt`` continued by the model, as text; None if its family cannot sample. The tokenizer
+    is kiln's own (a ``tokenizers.Tokenizer``) or a model's ``transformers`` tokenizer."""
+    device = device or next(model.parameters()).device
+    codec = Codec(tokenizer)
+    generator = torch.Generator(device=device).manual_seed(seed)
+    out = family.generate(
+        model,
+        torch.tensor([codec.encode(prompt)], device=device),
+        max_new_tokens,
+        temperature=temperature,
+        top_k=top_k,
+        top_p=top_p,
+        eos_id=codec.eos_id,
+        generator=generator,
+    )
+    return None if out is None else codec.decode(out[0].tolist())

@@ -1,0 +1,93 @@
+"""Running kiln as a user does, for every test that needs it: the ``kiln`` command in a
+subprocess, ``kiln launch`` over gloo ranks on the CPU, and reading what a run wrote."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+TESTS = Path(__file__).parent
+
+
+def command(*args: Any) -> list[str]:
+    """The command line of ``kiln ARGS...`` with this interpreter."""
+    return [sys.executable, "-m", "kiln", *map(str, args)]
+
+
+def environment(env: dict[str, str] | None = None) -> dict[str, str]:
+    """This process's environment, ``env`` on top, with tests/ on the path (plug-in families
+    and helpers the runs import live there)."""
+    path = os.pathsep.join(filter(None, [str(TESTS), os.environ.get("PYTHONPATH")]))
+    return {**os.environ, "PYTHONPATH": path, **(env or {})}
+
+
+def kiln(*args: Any, env: dict[str, str] | None = None, check: bool = True, timeout: float = 300, **kw: Any):
+    """Run ``kiln ARGS...`` to the end; with ``check``, fail the test (with the output's tail)
+    unless it exits 0."""
+    proc = subprocess.run(command(*args), capture_output=True, text=True, env=environment(env), timeout=timeout, **kw)
+    if check and proc.returncode != 0:
+        output = f"{proc.stdout[-3000:]}\n{proc.stderr[-4000:]}"
+        raise AssertionError(f"kiln {' '.join(map(str, args))} exited {proc.returncode}\n{output}")
+    return proc
+
+
+def launch(nproc: int, *args: Any, launch_args: tuple[str, ...] = (), **kw: Any):
+    """``kiln launch --nproc-per-node NPROC [LAUNCH_ARGS] -- ARGS...`` (torchrun, gloo ranks)."""
+    return kiln("launch", "--nproc-per-node", nproc, *launch_args, "--", *args, **kw)
+
+
+def start(*args: Any, env: dict[str, str] | None = None, **kw: Any) -> subprocess.Popen:
+    """``kiln ARGS...`` started in the background, its output piped."""
+    return subprocess.Popen(
+        command(*args), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=environment(env), **kw
+    )
+
+
+def sets(items: list[str]) -> list[str]:
+    """``--set ITEM`` for each item."""
+    return [arg for item in items for arg in ("--set", str(item))]
+
+
+def records(run_dir: Path) -> list[dict[str, Any]]:
+    """Every line of a run's metrics.jsonl."""
+    return [json.loads(line) for line in (Path(run_dir) / "metrics.jsonl").read_text().splitlines()]
+
+
+def losses(run_dir: Path) -> dict[int, float]:
+    """The logged training loss of each step."""
+    return {r["step"]: r["loss"] for r in records(run_dir) if "loss" in r}
+
+
+def checkpoint(path: Path) -> tuple[dict[str, Any], dict[str, Any]]:
+    """A checkpoint's weights and the rest of its state, without its wall-clock figures (the
+    meter's seconds into the interval): what two runs that computed the same must agree on."""
+    from kiln.checkpoint import load_checkpoint
+
+    weights, state = load_checkpoint(path, weights_only=False)
+    state["meter"]["interval"].pop("seconds")
+    return weights, state
+
+
+def assert_equal(a: Any, b: Any, where: str = "") -> None:
+    """Two checkpoint payloads hold equal values, tensors bitwise; ``where`` names the entry."""
+    if isinstance(a, dict):
+        assert a.keys() == b.keys(), where
+        for key in a:
+            assert_equal(a[key], b[key], f"{where}/{key}")
+    elif isinstance(a, (list, tuple)):
+        assert len(a) == len(b), where
+        for i, (x, y) in enumerate(zip(a, b, strict=True)):
+            assert_equal(x, y, f"{where}/{i}")
+    elif isinstance(a, torch.Tensor):
+        assert a.dtype == b.dtype and torch.equal(a, b), where
+    elif isinstance(a, np.ndarray):
+        assert np.array_equal(a, b), where
+    else:
+        assert a == b, where
