@@ -132,11 +132,13 @@ def _private_cache(tmp_path_factory):
 
 
 def pytest_collection_modifyitems(config, items):
-    if torch.cuda.is_available():
-        return
-    skip = pytest.mark.skip(reason="needs a CUDA device")
+    """Tests of several ranks are marked ``dist`` by where they live (or the shared FSDP run they
+    use); ``gpu`` tests are skipped without a CUDA device."""
+    skip = None if torch.cuda.is_available() else pytest.mark.skip(reason="needs a CUDA device")
     for item in items:
-        if "gpu" in item.keywords:
+        if "distributed" in item.path.parts or "fsdp_run" in getattr(item, "fixturenames", ()):
+            item.add_marker(pytest.mark.dist)
+        if skip is not None and "gpu" in item.keywords:
             item.add_marker(skip)
 
 
@@ -179,3 +181,28 @@ def sft_records(n: int = 64, seed: int = 0) -> list[dict]:
             }
         )
     return out
+
+
+# -- runs shared by the tests of parallel layouts (tests/layouts.py) --------------------------------
+
+
+@pytest.fixture(scope="session")
+def single(tmp_path_factory, corpus_dir) -> Path:
+    """One process, micro-batch 4, accumulation 2: the reference every strategy must match."""
+    from kilnrun import in_process
+    from layouts import layout_sets
+
+    run_dir = tmp_path_factory.mktemp("single") / "run"
+    in_process("train", *layout_sets(run_dir, corpus_dir, micro=4))
+    return run_dir
+
+
+@pytest.fixture(scope="session")
+def fsdp_run(tmp_path_factory, corpus_dir) -> Path:
+    """Two FSDP ranks, micro-batch 2: trained once, compared, exported, resumed and used as the
+    reference of a killed run by the tests that need such a run."""
+    from layouts import layout_sets, train_on
+
+    run_dir = tmp_path_factory.mktemp("fsdp") / "run"
+    train_on(2, layout_sets(run_dir, corpus_dir, micro=2, parallel__strategy="fsdp"))
+    return run_dir

@@ -38,6 +38,24 @@ def kiln(*args: Any, env: dict[str, str] | None = None, check: bool = True, time
     return proc
 
 
+def in_process(*args: Any, check: bool = True) -> subprocess.CompletedProcess:
+    """``kiln ARGS...`` run by ``kiln.cli.main`` in this process, its output captured: the same
+    code path as the command, without an interpreter's start (importing torch takes seconds).
+    For single-process work whose subject is not the process itself (exit on a signal, say)."""
+    import contextlib
+    import io
+
+    from kiln.cli import main
+
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        code = main(list(map(str, args)))
+    proc = subprocess.CompletedProcess(command(*args), code, out.getvalue(), err.getvalue())
+    if check and code != 0:
+        raise AssertionError(f"kiln {' '.join(map(str, args))} returned {code}\n{proc.stdout[-3000:]}\n{proc.stderr}")
+    return proc
+
+
 def launch(nproc: int, *args: Any, launch_args: tuple[str, ...] = (), **kw: Any):
     """``kiln launch --nproc-per-node NPROC [LAUNCH_ARGS] -- ARGS...`` (torchrun, gloo ranks)."""
     return kiln("launch", "--nproc-per-node", nproc, *launch_args, "--", *args, **kw)

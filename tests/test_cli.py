@@ -1,4 +1,6 @@
-"""The command line as a user runs it: subprocesses, exit codes, files in the run directory."""
+"""The command line as a user runs it: exit codes, output, files in the run directory; in subprocesses
+where the process itself is the subject (signals, a fresh interpreter), by kiln's main() in this process
+elsewhere."""
 
 import json
 import signal
@@ -7,7 +9,9 @@ import time
 import pytest
 
 from conftest import tiny_overrides
-from kilnrun import assert_equal, checkpoint, kiln, losses, sets, start
+from kilnrun import assert_equal, checkpoint, in_process, kiln, losses, sets, start
+
+pytestmark = pytest.mark.e2e
 
 
 @pytest.mark.parametrize(
@@ -19,9 +23,10 @@ from kilnrun import assert_equal, checkpoint, kiln, losses, sets, start
         ("train.precision=fp64", "train.precision: 'fp64' is not allowed; choose one of auto, fp32, bf16, fp16"),
     ],
 )
-def test_bad_config_exits_2_and_writes_nothing(tmp_path, override, message):
+def test_bad_config_exits_2_and_writes_nothing(tmp_path, monkeypatch, override, message):
     run_dir = tmp_path / "run"
-    proc = kiln("train", "--set", f"run.dir={run_dir}", "--set", override, check=False, cwd=tmp_path)
+    monkeypatch.chdir(tmp_path)  # nothing is written here either
+    proc = in_process("train", "--set", f"run.dir={run_dir}", "--set", override, check=False)
     assert proc.returncode == 2
     assert message in proc.stderr
     assert len(proc.stderr.strip().splitlines()) == 1
@@ -107,17 +112,18 @@ def test_train_generate_eval(tmp_path, corpus_dir):
     for name in ("config.toml", "env.json", "model.json", "tokenizer.json", "samples.txt"):
         assert (run / name).exists(), name
 
-    out = kiln("generate", run, "--prompt", "def ", "--max-new-tokens", "20", "--seed", "3").stdout
+    # The other commands on the run directory, by kiln's main() in this process.
+    out = in_process("generate", run, "--prompt", "def ", "--max-new-tokens", "20", "--seed", "3").stdout
     assert out.startswith("def ") and len(out) > 5
-    again = kiln("generate", run, "--prompt", "def ", "--max-new-tokens", "20", "--seed", "3").stdout
+    again = in_process("generate", run, "--prompt", "def ", "--max-new-tokens", "20", "--seed", "3").stdout
     assert out == again
 
-    ev = json.loads(kiln("eval", run).stdout)
+    ev = json.loads(in_process("eval", run).stdout)
     assert ev["step"] == 40 and ev["val_loss"] == pytest.approx(evals[-1]["val_loss"], rel=0.2)
-    other = json.loads(kiln("eval", run, "--data", corpus_dir / "a*.txt").stdout)
+    other = json.loads(in_process("eval", run, "--data", corpus_dir / "a*.txt").stdout)
     assert other["val_loss"] > 0
 
-    bad = kiln("generate", tmp_path / "nothing", check=False)
+    bad = in_process("generate", tmp_path / "nothing", check=False)
     assert bad.returncode == 2 and "nothing" in bad.stderr
 
 
@@ -125,7 +131,7 @@ def test_tensorboard_events_readable(tmp_path, corpus_dir):
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
     run = tmp_path / "run"
-    kiln("train", *sets(tiny_overrides(run, corpus_dir, train__max_steps=6)))
+    in_process("train", *sets(tiny_overrides(run, corpus_dir, train__max_steps=6)))
     acc = EventAccumulator(str(run / "tensorboard"))
     acc.Reload()
     tags = set(acc.Tags()["scalars"])
@@ -137,16 +143,20 @@ def test_tensorboard_events_readable(tmp_path, corpus_dir):
 
 def test_prepare_twice_tokenizes_nothing(tmp_path, corpus_dir):
     args = ["prepare", "--set", f"data.source={corpus_dir}", "--set", "data.vocab_size=300"]
-    first = kiln(*args).stdout
-    second = kiln(*args).stdout
+    first = in_process(*args).stdout
+    second = in_process(*args).stdout
     assert "kiln: tokenized" in first
     assert "already prepared" in second
 
 
 def test_resume_never_refuses_existing_checkpoints(tmp_path, corpus_dir):
     run = tmp_path / "run"
-    kiln("train", *sets(tiny_overrides(run, corpus_dir, train__max_steps=2)))
-    proc = kiln("train", *sets(tiny_overrides(run, corpus_dir, train__max_steps=4)), "--resume", "never", check=False)
+    in_process("train", *sets(tiny_overrides(run, corpus_dir, train__max_steps=2)))
+    proc = in_process(
+        "train", *sets(tiny_overrides(run, corpus_dir, train__max_steps=4)), "--resume", "never", check=False
+    )
     assert proc.returncode == 2 and "already holds checkpoints" in proc.stderr
-    changed = kiln("train", *sets(tiny_overrides(run, corpus_dir, train__max_steps=4, model__d_model=96)), check=False)
+    changed = in_process(
+        "train", *sets(tiny_overrides(run, corpus_dir, train__max_steps=4, model__d_model=96)), check=False
+    )
     assert changed.returncode == 2 and "does not fit this model" in changed.stderr

@@ -60,7 +60,9 @@ def _parser() -> argparse.ArgumentParser:
     e.add_argument(
         "--max-batches", type=int, help="at most this many batches (default: 100 of the val split; all of --data)"
     )
-    e.add_argument("--batch-size", type=int, help="sequences per batch (default: the run's micro-batch)")
+    e.add_argument(
+        "--batch-size", type=int, help="sequences per batch (default: the run's micro-batch; 8 for one of auto)"
+    )
     e.add_argument("--device", default="auto")
 
     g = sub.add_parser("generate", help="sample text from a run's checkpoint")
@@ -508,7 +510,9 @@ def main(argv: list[str] | None = None) -> int:
         # An unexpected exception is written where the elastic agent reports it with the rank.
         from torch.distributed.elastic.multiprocessing.errors import record
 
-        return record(_run)(args)
+        code = record(_run)(args)
+        # None: the command raised SystemExit(0), which record swallows; the exit status is 0 either way.
+        return 0 if code is None else code
     return _run(args)
 
 

@@ -4,6 +4,7 @@ the peak throughput of known accelerators (the denominator of model FLOPs utilis
 from __future__ import annotations
 
 import dataclasses
+from typing import Literal
 
 import torch
 
@@ -33,7 +34,7 @@ def resolve_device(name: str) -> torch.device:
     return device
 
 
-def auto_precision(device: torch.device) -> str:
+def auto_precision(device: torch.device) -> Literal["bf16", "fp32"]:
     """What ``train.precision = "auto"`` is on ``device``: bf16 on a CUDA device that computes it
     natively (compute capability 8.0 and newer: A100, H100, ...), fp32 elsewhere (CPUs, where
     bf16 autocast is slower than fp32 without AMX, and older GPUs)."""

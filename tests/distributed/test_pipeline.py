@@ -9,19 +9,19 @@ from __future__ import annotations
 
 import os
 import signal
-import sys
 from pathlib import Path
 
 import pytest
 import torch
-from test_parallel import STEPS, _assert_same_training, _cut_after, _launch, _sets, _started, _weights
 
-from kiln.config import ParallelConfig
+from kiln.config import ConfigError, ParallelConfig
 from kiln.distributed.pipeline import _view, stage_layers
+from kiln.distributed.world import mesh_shape
 from kiln.models.gpt import FAMILY, GPTConfig
 
 from conftest import tiny_overrides
-from kilnrun import kiln
+from kilnrun import in_process
+from layouts import STEPS, assert_same_training, layout_sets, resumable_copy, started, train_on, weights
 
 # Four layers (two stages of two, or four of one), untied: the embedding and the output layer
 # live on different stages.
@@ -29,28 +29,36 @@ PIPE_MODEL = dict(model__n_layer=4, model__tie_embeddings="false")
 
 
 def _pipe_sets(run_dir: Path, corpus: Path, micro: int, **extra) -> list[str]:
-    return _sets(run_dir, corpus, micro, **PIPE_MODEL, **extra)
+    return layout_sets(run_dir, corpus, micro, **{**PIPE_MODEL, **extra})
 
 
 @pytest.fixture(scope="module")
 def single_by(tmp_path_factory, corpus_dir):
-    """One process accumulating micro-batches of ``micro`` sequences, made once per size."""
-    runs: dict[int, Path] = {}
+    """One process accumulating micro-batches of ``micro`` sequences, the embeddings tied or
+    not, made once per kind (in this process)."""
+    runs: dict[tuple[int, str], Path] = {}
 
-    def get(micro: int) -> Path:
-        if micro not in runs:
-            runs[micro] = tmp_path_factory.mktemp(f"single{micro}") / "run"
-            kiln("train", *_pipe_sets(runs[micro], corpus_dir, micro))
-        return runs[micro]
+    def get(micro: int, tie: str = "false") -> Path:
+        if (micro, tie) not in runs:
+            runs[micro, tie] = tmp_path_factory.mktemp(f"single{micro}{tie}") / "run"
+            in_process("train", *_pipe_sets(runs[micro, tie], corpus_dir, micro, model__tie_embeddings=tie))
+        return runs[micro, tie]
 
     return get
+
+
+@pytest.fixture(scope="module")
+def pipelined(tmp_path_factory, corpus_dir) -> Path:
+    """Two stages (1f1b), micro-batches of 4 with accumulation 2, each cut into 2 pieces."""
+    run_dir = tmp_path_factory.mktemp("pipelined") / "run"
+    train_on(2, _pipe_sets(run_dir, corpus_dir, micro=4, parallel__pp=2))
+    return run_dir
 
 
 @pytest.mark.parametrize(
     "schedule, extra, piece",
     [
         ("gpipe", {}, 2),
-        ("1f1b", {}, 2),
         # Two virtual stages per rank: four stages, so at least four pieces.
         ("interleaved_1f1b", {"parallel__pp_virtual_stages": 2}, 1),
     ],
@@ -58,20 +66,22 @@ def single_by(tmp_path_factory, corpus_dir):
 def test_two_stages_train_as_one_process(tmp_path, corpus_dir, single_by, schedule, extra, piece):
     run_dir = tmp_path / "pp"
     # Micro-batches of 4 with accumulation 2; each cut into 4 / piece pipeline micro-batches.
-    _launch(2, _pipe_sets(run_dir, corpus_dir, micro=4, parallel__pp=2, parallel__pp_schedule=schedule, **extra))
-    _assert_same_training(run_dir, single_by(piece))
+    train_on(2, _pipe_sets(run_dir, corpus_dir, micro=4, parallel__pp=2, parallel__pp_schedule=schedule, **extra))
+    assert_same_training(run_dir, single_by(piece))
 
 
-def test_tied_embeddings_are_pipelined(tmp_path, corpus_dir):
+def test_two_stages_on_1f1b_train_as_one_process(pipelined, single_by):
+    assert_same_training(pipelined, single_by(2))
+
+
+def test_tied_embeddings_are_pipelined(tmp_path, corpus_dir, single_by):
     """The first and the last stage each hold a copy of the tied matrix; their gradients are
     summed, so the copies stay equal and train as the one matrix of a single process."""
-    ref, run_dir = tmp_path / "single", tmp_path / "pp"
-    tied = {**PIPE_MODEL, "model__tie_embeddings": "true"}
-    kiln("train", *_sets(ref, corpus_dir, micro=2, **tied))
-    _launch(2, _sets(run_dir, corpus_dir, micro=4, parallel__pp=2, **tied))
-    _assert_same_training(run_dir, ref)
-    weights = _weights(run_dir)
-    assert torch.equal(weights["tok_emb.weight"], weights["lm_head.weight"])
+    run_dir = tmp_path / "pp"
+    train_on(2, _pipe_sets(run_dir, corpus_dir, micro=4, parallel__pp=2, model__tie_embeddings="true"))
+    assert_same_training(run_dir, single_by(2, "true"))
+    trained = weights(run_dir)
+    assert torch.equal(trained["tok_emb.weight"], trained["lm_head.weight"])
 
 
 @pytest.mark.slow
@@ -86,50 +96,45 @@ def test_tied_embeddings_are_pipelined(tmp_path, corpus_dir):
 )
 def test_pipeline_times_data_parallel_on_four_ranks(tmp_path, corpus_dir, single_by, strategy, micro, extra):
     run_dir = tmp_path / "ppdp"
-    _launch(4, _pipe_sets(run_dir, corpus_dir, micro=micro, parallel__pp=2, parallel__strategy=strategy, **extra))
-    _assert_same_training(run_dir, single_by(1))
+    train_on(4, _pipe_sets(run_dir, corpus_dir, micro=micro, parallel__pp=2, parallel__strategy=strategy, **extra))
+    assert_same_training(run_dir, single_by(1))
 
 
 @pytest.mark.slow
 def test_pipeline_times_tensor_parallel_on_four_ranks(tmp_path, corpus_dir, single_by):
     run_dir = tmp_path / "pptp"
-    _launch(4, _pipe_sets(run_dir, corpus_dir, micro=4, parallel__pp=2, parallel__tp=2))
+    train_on(4, _pipe_sets(run_dir, corpus_dir, micro=4, parallel__pp=2, parallel__tp=2))
     # Tensor parallelism adds its all-reduce's rounding to the pipeline's; Adam magnifies it in
     # the embedding rows of rare tokens (whose gradients are near zero) to about 1e-4.
-    _assert_same_training(run_dir, single_by(2), atol=3e-4)
+    assert_same_training(run_dir, single_by(2), atol=3e-4)
 
 
 @pytest.mark.parametrize("then", ["single", "dp2"])
-def test_a_pipeline_checkpoint_resumes_in_another_layout(tmp_path, corpus_dir, single_by, then):
-    run_dir = tmp_path / "run"
-    _launch(2, _pipe_sets(run_dir, corpus_dir, micro=4, parallel__pp=2))
-    _cut_after(run_dir, 3)
+def test_a_pipeline_checkpoint_resumes_in_another_layout(tmp_path, corpus_dir, pipelined, single_by, then):
+    run_dir = resumable_copy(pipelined, tmp_path / "run", 3)
     if then == "single":
-        proc = kiln("train", *_pipe_sets(run_dir, corpus_dir, micro=2))
+        proc = in_process("train", *_pipe_sets(run_dir, corpus_dir, micro=2))
     else:
-        proc = _launch(2, _pipe_sets(run_dir, corpus_dir, micro=2))
+        proc = train_on(2, _pipe_sets(run_dir, corpus_dir, micro=2))
     assert "resumed from" in proc.stdout and "at step 3" in proc.stdout
-    _assert_same_training(run_dir, single_by(2), steps=range(4, STEPS + 1))
+    assert_same_training(run_dir, single_by(2), steps=range(4, STEPS + 1))
     # The one-process tools read the pipeline's checkpoint too.
-    assert "val_loss" in kiln("eval", str(run_dir)).stdout
+    assert "val_loss" in in_process("eval", pipelined).stdout
 
 
 @pytest.mark.parametrize("tie", ["false", "true"])
-def test_a_whole_model_checkpoint_resumes_as_a_pipeline(tmp_path, corpus_dir, tie):
+def test_a_whole_model_checkpoint_resumes_as_a_pipeline(tmp_path, corpus_dir, single_by, tie):
     """Each stage takes its layers of a one-process checkpoint (and a tied matrix's optimizer
     state, kept there under the embedding's name, for the output layer's copy)."""
-    ref, run_dir = tmp_path / "single", tmp_path / "run"
-    model = {**PIPE_MODEL, "model__tie_embeddings": tie}
-    kiln("train", *_sets(ref, corpus_dir, micro=2, **model))
-    kiln("train", *_sets(run_dir, corpus_dir, micro=2, **model))
-    _cut_after(run_dir, 3)
-    proc = _launch(2, _sets(run_dir, corpus_dir, micro=4, parallel__pp=2, **model))
+    ref = single_by(2, tie)
+    run_dir = resumable_copy(ref, tmp_path / "run", 3)
+    proc = train_on(2, _pipe_sets(run_dir, corpus_dir, micro=4, parallel__pp=2, model__tie_embeddings=tie))
     assert "resumed from" in proc.stdout and "at step 3" in proc.stdout
-    _assert_same_training(run_dir, ref, steps=range(4, STEPS + 1))
+    assert_same_training(run_dir, ref, steps=range(4, STEPS + 1))
 
 
 def test_a_killed_pipeline_resumes_bitwise(tmp_path, corpus_dir):
-    steps = 100
+    steps = 60
 
     def sets(run_dir):
         items = tiny_overrides(
@@ -138,39 +143,32 @@ def test_a_killed_pipeline_resumes_bitwise(tmp_path, corpus_dir):
         return [a for item in items for a in ("--set", item)]
 
     ref = tmp_path / "uninterrupted"
-    _launch(2, sets(ref))
+    train_on(2, sets(ref))
     run_dir = tmp_path / "killed"
-    cmd = [sys.executable, "-m", "kiln", "launch", "--nproc-per-node", "2", "--", "train", *sets(run_dir)]
-    launcher, workers = _started(cmd, run_dir, steps)
-    for pid in workers:
+    launcher, ranks = started(["launch", "--nproc-per-node", "2", "--", "train", *sets(run_dir)], run_dir, steps)
+    for pid in ranks:
         os.kill(pid, signal.SIGKILL)
     launcher.communicate(timeout=120)
     assert launcher.returncode != 0
-    proc = _launch(2, sets(run_dir))
+    proc = train_on(2, sets(run_dir))
     assert "resumed from" in proc.stdout
-    for (name, a), b in zip(_weights(run_dir).items(), _weights(ref).values(), strict=True):
+    for (name, a), b in zip(weights(run_dir).items(), weights(ref).values(), strict=True):
         torch.testing.assert_close(a, b, rtol=0, atol=0, msg=name)
 
 
-@pytest.mark.parametrize(
-    "nproc, extra, message",
-    [
-        (
-            2,
-            dict(parallel__pp=2, parallel__pp_microbatches=1),
-            "parallel.pp_microbatches: 1 is fewer than the pipeline's 2 stages",
-        ),
-        (2, dict(parallel__pp=2, model__n_layer=3), "layers do not split into 2 equal pipeline stages"),
-        (3, dict(parallel__pp=2), "the world size 3 is not a multiple of parallel.pp x parallel.tp = 2 x 1"),
-    ],
-)
-def test_invalid_pipeline_layouts_are_refused_before_the_first_step(tmp_path, corpus_dir, nproc, extra, message):
-    run_dir = tmp_path / "run"
-    sets = _sets(run_dir, corpus_dir, micro=4, **{**PIPE_MODEL, **extra})
-    proc = _launch(nproc, sets, check=False)
-    assert proc.returncode != 0
-    assert message in proc.stderr
-    assert not (run_dir / "checkpoints").exists() and not (run_dir / "metrics.jsonl").exists()
+def test_invalid_pipeline_layouts_are_refused_before_the_first_step():
+    """Each rank refuses them while it sets up, before the run directory is touched (a refused
+    launch is tested end to end in test_parallel.py: test_rank_errors_name_the_rank)."""
+    from kiln.config import Config, TrainConfig
+
+    train = TrainConfig(micro_batch_size=4, global_batch_size=8)
+    errors = Config(parallel=ParallelConfig(pp=2, pp_microbatches=1), train=train).errors()
+    assert "parallel.pp_microbatches: 1 is fewer than the pipeline's 2 stages" in "\n".join(errors)
+    with pytest.raises(ConfigError, match="layers do not split into 2 equal pipeline stages"):
+        stage_layers(3, 2)
+    with pytest.raises(ConfigError, match="the world size 3 is not a multiple of parallel.pp x parallel.tp = 2 x 1"):
+        mesh_shape(3, pp=2, tp=1)
+    assert mesh_shape(8, pp=2, tp=2) == (2, 2, 2)
 
 
 def test_config_refuses_pipelines_that_cannot_work():

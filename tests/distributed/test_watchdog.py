@@ -15,17 +15,17 @@ from pathlib import Path
 
 import pytest
 import torch
-from test_parallel import _launch, _sets, _weights, _workers
 
 from kiln.distributed.watchdog import HANG_EXIT, collective_env, describe
 
 from kilnrun import losses, start
+from layouts import layout_sets, train_on, weights, workers
 
 TIMEOUT_S = 10  # parallel.train_timeout of these runs
 
 
 def _watched(run_dir: Path, corpus: Path, **extra) -> list[str]:
-    return _sets(run_dir, corpus, micro=2, parallel__train_timeout=f"{TIMEOUT_S}s", **extra)
+    return layout_sets(run_dir, corpus, micro=2, parallel__train_timeout=f"{TIMEOUT_S}s", **extra)
 
 
 def _start(sets: list[str], *launch_args: str) -> subprocess.Popen:
@@ -48,7 +48,7 @@ def _logged_step(run_dir: Path) -> int:
 
 def test_a_hung_rank_is_named_dumped_and_the_job_restarts_from_its_checkpoint(tmp_path, corpus_dir):
     ref = tmp_path / "uninterrupted"
-    _launch(2, _watched(ref, corpus_dir))  # the watchdog raises no false alarm either
+    train_on(2, _watched(ref, corpus_dir))  # the watchdog raises no false alarm either
     assert not list((ref / "hang").glob("2*"))
     run_dir = tmp_path / "hung"
     # Rank 1 hangs before step 5, after the checkpoint at step 3; a restarted group runs on.
@@ -77,7 +77,7 @@ def test_a_hung_rank_is_named_dumped_and_the_job_restarts_from_its_checkpoint(tm
     # Every rank exited with the watchdog's status, and the agent restarted them.
     assert f"exitcode: {HANG_EXIT}" in err or f"exitcode={HANG_EXIT}" in err, err[-4000:]
     assert "resumed from" in out
-    for (name, a), b in zip(_weights(run_dir).items(), _weights(ref).values(), strict=True):
+    for (name, a), b in zip(weights(run_dir).items(), weights(ref).values(), strict=True):
         torch.testing.assert_close(a, b, rtol=0, atol=0, msg=name)
 
 
@@ -86,9 +86,9 @@ def test_a_slowed_rank_is_named_a_straggler_and_usr1_dumps_a_ranks_stacks(tmp_pa
     # Each forward pass of rank 1 takes 0.25 s longer; a step has two.
     launcher = _start(_watched(run_dir, corpus_dir, debug__slow_rank=1, debug__slow_seconds=0.25))
     _wait_for(lambda: _logged_step(run_dir) >= 2, 120, "step 2")
-    workers = _workers(launcher.pid)
-    assert len(workers) == 2
-    for pid in workers:
+    ranks = workers(launcher.pid)
+    assert len(ranks) == 2
+    for pid in ranks:
         os.kill(pid, signal.SIGUSR1)
     out, err = launcher.communicate(timeout=300)
     assert launcher.returncode == 0, err[-4000:]  # the signal dumped the stacks, and training went on
@@ -192,3 +192,15 @@ def test_nccl_ranks_run_with_the_hang_settings_and_dump_their_flight_recorder(tm
         assert env["TORCH_FR_DUMP_TEMP_FILE"] == str(run_dir / "hang" / "nccl-trace-rank-")
         records = json.loads((hang / f"flight-recorder-rank-{rank}.json").read_text())
         assert any(e["profiling_name"].startswith("nccl:") for e in records["nccl"]["entries"])
+
+
+def test_the_private_torch_functions_the_watchdog_relies_on_are_there():
+    """torch has no public way to reach the default group's store (where the ranks' reports
+    meet), to change a live group's timeout, or to read the flight recorder in-process; the
+    watchdog uses these private functions, each in one place. A new torch that drops or renames
+    one fails here, by name, before a hang goes unreported."""
+    from torch.distributed import distributed_c10d
+
+    assert callable(getattr(distributed_c10d, "_get_default_store", None)), "_get_default_store"
+    assert callable(getattr(distributed_c10d, "_set_pg_timeout", None)), "_set_pg_timeout"
+    assert callable(getattr(torch._C._distributed_c10d, "_dump_fr_trace_json", None)), "_dump_fr_trace_json"

@@ -21,6 +21,8 @@ from kiln.doctor.report import STATUSES
 
 from conftest import tiny_gpt, tiny_overrides, token_sequences
 
+pytestmark = pytest.mark.e2e
+
 CHECK_FIELDS = {"name", "group", "status", "evidence", "fix", "seconds"}
 
 

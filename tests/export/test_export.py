@@ -15,6 +15,8 @@ from kiln.train.run import load_run
 from conftest import tiny_overrides, write_jsonl
 from hf_models import learnable_classes
 
+pytestmark = pytest.mark.e2e
+
 
 def train(run, corpus, *more, **extra):
     sets = tiny_overrides(run, corpus, **{"train.max_steps": 8, "eval.sample_tokens": 0, **extra})

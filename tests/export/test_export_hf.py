@@ -13,6 +13,8 @@ from kiln.train.run import load_run
 
 from conftest import tiny_overrides
 
+pytestmark = pytest.mark.e2e
+
 transformers = pytest.importorskip("transformers")
 
 

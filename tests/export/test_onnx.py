@@ -23,6 +23,8 @@ from kiln.train.run import load_run
 
 from conftest import tiny_gpt, tiny_overrides
 
+pytestmark = pytest.mark.e2e
+
 onnx = pytest.importorskip("onnx")
 pytest.importorskip("onnxruntime")
 transformers = pytest.importorskip("transformers")

@@ -4,6 +4,7 @@ of the family interface (description, parallel plan, FLOPs, loss, evaluation) wo
 
 import re
 
+import pytest
 import torch
 
 from kiln.config import load_config
@@ -14,6 +15,8 @@ from kiln.train.trainer import train
 
 from conftest import tiny_overrides
 from kilnrun import losses
+
+pytestmark = pytest.mark.e2e
 
 MINIMAL = {"model.family": "toy_family:MINIMAL", "eval.sample_tokens": 0, "train.max_steps": 8}
 

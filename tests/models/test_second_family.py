@@ -3,17 +3,13 @@ the same code as kiln's GPT, with nothing in kiln.distributed, kiln.plan or the 
 for it: it trains, is planned, checkpoints and resumes exactly, and runs tensor-parallel."""
 
 import json
-import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
 
 from kiln.cli import main
-from kiln.config import load_config
-from kiln.distributed.parallelize import parallelize
+from kiln.config import ConfigError, ParallelConfig, load_config
+from kiln.distributed.parallelize import check_layout, parallelize
 from kiln.distributed.world import World
 from kiln.models import build_model, get_family
 from kiln.plan import make_plan, model_state
@@ -23,20 +19,12 @@ from kiln.train.run import load_run
 from kiln.train.step import TrainStep
 
 from conftest import tiny_overrides
+from kilnrun import in_process, launch, losses
 from memtrack import peak_memory
 
-TESTS = Path(__file__).parents[1]
+pytestmark = pytest.mark.e2e
+
 TOY = "model.family=toy_family:FAMILY"
-ENV = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(TESTS), os.environ.get("PYTHONPATH")]))}
-
-
-def _kiln(*args, check=True, timeout=300):
-    proc = subprocess.run(
-        [sys.executable, "-m", "kiln", *map(str, args)], capture_output=True, text=True, env=ENV, timeout=timeout
-    )
-    if check:
-        assert proc.returncode == 0, proc.stderr[-4000:]
-    return proc
 
 
 def _sets(run_dir, corpus, **extra):
@@ -44,39 +32,37 @@ def _sets(run_dir, corpus, **extra):
     return [a for item in items for a in ("--set", item)]
 
 
-def _losses(run_dir):
-    lines = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    return {line["step"]: line["loss"] for line in lines if "loss" in line}
-
-
 @pytest.fixture(scope="module")
-def single(tmp_path_factory, corpus_dir):
+def toy_run(tmp_path_factory, corpus_dir):
     run_dir = tmp_path_factory.mktemp("toy") / "single"
-    _kiln("train", *_sets(run_dir, corpus_dir))
+    in_process("train", *_sets(run_dir, corpus_dir))
     return run_dir
 
 
-def test_it_trains_and_resumes_exactly(tmp_path, corpus_dir, single):
-    losses = _losses(single)
-    assert list(losses) == list(range(1, 13)) and losses[12] < losses[1] - 0.5
+def test_it_trains_and_resumes_exactly(tmp_path, corpus_dir, toy_run):
+    single = toy_run
+    trained = losses(single)
+    assert list(trained) == list(range(1, 13)) and trained[12] < trained[1] - 0.5
     assert "toy_family:FAMILY" in (single / "config.toml").read_text()
     assert json.loads((single / "model.json").read_text())["d_ff"] == 128
     assert not (single / "samples.txt").exists()  # the family cannot sample: no samples, no error
     # Resume from the uninterrupted run's step-8 checkpoint in a new run directory.
     resumed = tmp_path / "resumed"
-    _kiln("train", *_sets(resumed, corpus_dir), "--resume", single / "checkpoints" / "step-00000008")
-    got = _losses(resumed)
-    assert list(got) == [9, 10, 11, 12] and all(got[s] == losses[s] for s in got)
+    in_process("train", *_sets(resumed, corpus_dir), "--resume", single / "checkpoints" / "step-00000008")
+    got = losses(resumed)
+    assert list(got) == [9, 10, 11, 12] and all(got[s] == trained[s] for s in got)
     a, b = load_run(single, device="cpu").model.state_dict(), load_run(resumed, device="cpu").model.state_dict()
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
-    ev = json.loads(_kiln("eval", single).stdout)  # the family's evaluation, from the run directory alone
+    ev = json.loads(in_process("eval", single).stdout)  # the family's evaluation, from the run directory alone
     assert ev["step"] == 12 and ev["val_loss"] > 0
 
 
-def test_tensor_parallel_on_two_ranks_equals_one_process(tmp_path, corpus_dir, single):
+@pytest.mark.dist
+def test_tensor_parallel_on_two_ranks_equals_one_process(tmp_path, corpus_dir, toy_run):
+    single = toy_run
     run_dir = tmp_path / "tp"
-    _kiln("launch", "--nproc-per-node", "2", "--", "train", *_sets(run_dir, corpus_dir, parallel__tp=2))
-    got, want = _losses(run_dir), _losses(single)
+    launch(2, "train", *_sets(run_dir, corpus_dir, parallel__tp=2))
+    got, want = losses(run_dir), losses(single)
     assert got.keys() == want.keys()
     for step in want:
         assert got[step] == pytest.approx(want[step], rel=1e-5), step
@@ -87,17 +73,12 @@ def test_tensor_parallel_on_two_ranks_equals_one_process(tmp_path, corpus_dir, s
         torch.testing.assert_close(a[name], b[name], rtol=0, atol=1e-4, msg=name)
 
 
-def test_tensor_parallel_degree_is_checked_against_the_family_plan(tmp_path, corpus_dir):
-    proc = _kiln(
-        "launch",
-        "--nproc-per-node",
-        "2",
-        "--",
-        "train",
-        *_sets(tmp_path / "run", corpus_dir, parallel__tp=2, model__d_ff=127),
-        check=False,
-    )
-    assert proc.returncode != 0 and "parallel.tp: 2 must divide model.d_ff=127" in proc.stderr
+def test_tensor_parallel_degree_is_checked_against_the_family_plan():
+    family = get_family("toy_family:FAMILY")
+    args = family.resolve(load_config(None, ["model.d_ff=127"]).model, vocab_size=512, seq_len=32)
+    layout = ParallelConfig(tp=2, strategy="fsdp")
+    with pytest.raises(ConfigError, match=r"parallel.tp: 2 must divide model.d_ff=127"):
+        check_layout(family.parallel_plan(args), World(size=2, tp=2), layout, "MixerLM")
 
 
 def _measured_peak(cfg) -> int:

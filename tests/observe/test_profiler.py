@@ -8,6 +8,8 @@ from kiln.config import ConfigError, load_config
 
 from conftest import token_sequences, train_tiny_gpt
 
+pytestmark = pytest.mark.e2e
+
 
 def test_profile_window_writes_trace_and_breakdown(tmp_path, capsys):
     data = token_sequences(tmp_path)
@@ -33,20 +35,13 @@ def test_bad_step_range_is_named():
 
 
 def test_kiln_profile_keeps_only_the_profile(tmp_path, corpus_dir):
-    import subprocess
-    import sys
-
     from conftest import tiny_overrides
+    from kilnrun import in_process
 
     sets = [a for i in tiny_overrides(tmp_path / "run", corpus_dir) for a in ("--set", i)]
-    proc = subprocess.run(
-        [sys.executable, "-m", "kiln", "profile", *sets, "--steps", "2:3"], capture_output=True, text=True, timeout=300
-    )
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    proc = in_process("profile", *sets, "--steps", "2:3")
     assert "kiln profile: steps 2-3" in proc.stdout and "top operators" in proc.stdout
     out = tmp_path / "run" / "profile"
     assert sorted(p.name for p in out.iterdir()) == ["breakdown.json", "trace-steps-2-3.pt.trace.json"]
-    bad = subprocess.run(
-        [sys.executable, "-m", "kiln", "profile", *sets, "--steps", "4:2"], capture_output=True, text=True, timeout=300
-    )
+    bad = in_process("profile", *sets, "--steps", "4:2", check=False)
     assert bad.returncode == 2 and "--steps: '4:2' is not a step range" in bad.stderr

@@ -17,6 +17,8 @@ from kiln.observe.report import report_command, write_report
 
 from conftest import tiny_overrides
 
+pytestmark = pytest.mark.e2e
+
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 
 

@@ -30,6 +30,8 @@ openai = pytest.importorskip("openai")
 httpx = pytest.importorskip("httpx")
 from kiln.serve import create_app, listen  # noqa: E402  (needs fastapi, skipped above without the extra)
 
+pytestmark = pytest.mark.e2e
+
 PROMPTS = ["def ", "import os\n", "class A", "return x", "# the", "for i in", "if not", "print("]
 
 

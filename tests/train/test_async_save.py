@@ -14,7 +14,7 @@ from kiln.config import DebugConfig
 from kiln.train.faults import Faults
 
 from conftest import tiny_overrides, token_sequences, train_tiny_gpt
-from kilnrun import assert_equal, kiln, losses, sets, start
+from kilnrun import assert_equal, in_process, losses, sets, start
 
 ASYNC = {"checkpoint.async_save": "true"}
 
@@ -86,7 +86,7 @@ def test_sigkill_during_a_background_write_resumes_from_the_previous_checkpoint(
     complete checkpoint is step 4, and resuming from it ends bitwise where a synchronous run does."""
     common = dict(train__max_steps=12, checkpoint__every=4)
     full = tmp_path / "full"
-    kiln("train", *sets(tiny_overrides(full, corpus_dir, **common)))
+    in_process("train", *sets(tiny_overrides(full, corpus_dir, **common)))
 
     killed = tmp_path / "killed"
     args = sets(tiny_overrides(killed, corpus_dir, **common, checkpoint__async_save="true"))
@@ -104,7 +104,7 @@ def test_sigkill_during_a_background_write_resumes_from_the_previous_checkpoint(
     assert max(steps, default=0) > 8, "the run did not train on while step 8 was written"
     assert in_flight.is_dir() and latest_checkpoint(checkpoints).name == "step-00000004"
 
-    out = kiln("train", *args).stdout
+    out = in_process("train", *args).stdout
     assert "resumed from" in out and "step-00000004 at step 4" in out
     assert losses(killed) == losses(full)
     final = "checkpoints/step-00000012/model.safetensors"

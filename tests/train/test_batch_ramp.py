@@ -3,8 +3,6 @@ middle of it resumes bitwise-identically."""
 
 import json
 import signal
-import subprocess
-import sys
 import time
 
 import pytest
@@ -15,6 +13,7 @@ from kiln.data.batch_schedule import BatchSchedule
 from kiln.train.run import load_run
 
 from conftest import tiny_overrides, token_sequences, train_tiny_gpt
+from kilnrun import in_process, start
 
 
 def test_schedule_by_steps_and_by_tokens():
@@ -82,7 +81,7 @@ def test_sigkill_mid_ramp_resumes_bitwise(tmp_path, corpus_dir):
             checkpoint__every=7,
             eval__sample_tokens=0,
         )
-        return [sys.executable, "-m", "kiln", "train", *[a for i in items for a in ("--set", i)]]
+        return ["train", *[a for i in items for a in ("--set", i)]]
 
     def logged(run_dir):
         path = run_dir / "metrics.jsonl"
@@ -90,9 +89,9 @@ def test_sigkill_mid_ramp_resumes_bitwise(tmp_path, corpus_dir):
         return {r["step"]: r for r in map(json.loads, lines[:-1]) if "loss" in r}  # the last line may be partial
 
     ref = tmp_path / "uninterrupted"
-    subprocess.run(cmd(ref), check=True, capture_output=True, timeout=300)
+    in_process(*cmd(ref))
     run_dir = tmp_path / "killed"
-    proc = subprocess.Popen(cmd(run_dir), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    proc = start(*cmd(run_dir))
     deadline = time.time() + 120
     while time.time() < deadline and max(logged(run_dir), default=0) < 60:
         time.sleep(0.01)
@@ -100,7 +99,7 @@ def test_sigkill_mid_ramp_resumes_bitwise(tmp_path, corpus_dir):
     proc.wait()
     killed_at = max(logged(run_dir))
     assert 60 <= killed_at < ramp, "the kill should land in the middle of the ramp"
-    out = subprocess.run(cmd(run_dir), check=True, capture_output=True, text=True, timeout=300).stdout
+    out = in_process(*cmd(run_dir)).stdout
     assert "resumed from" in out
     got, want = logged(run_dir), logged(ref)
     assert [got[s]["global_batch"] for s in range(1, steps)] == [want[s]["global_batch"] for s in range(1, steps)]

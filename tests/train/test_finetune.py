@@ -4,7 +4,6 @@ exported directory in transformers and peft, exact resume after SIGKILL, DDP and
 bad input refused before anything is written."""
 
 import json
-import os
 import random
 import signal
 import subprocess
@@ -29,6 +28,9 @@ from kiln.train.trainer import Trainer, train
 from conftest import sft_records, write_jsonl
 from grad_probe import step_gradients
 from hf_models import learnable_classes
+from kilnrun import in_process, kiln, losses, start
+
+pytestmark = pytest.mark.e2e
 
 transformers = pytest.importorskip("transformers")
 TESTS = Path(__file__).parents[1]
@@ -60,24 +62,6 @@ def as_args(sets: list[str]) -> list[str]:
     return [a for item in sets for a in ("--set", item)]
 
 
-def kiln(*args, env=None, check=True, timeout=300):
-    proc = subprocess.run(
-        [sys.executable, "-m", "kiln", *map(str, args)],
-        capture_output=True,
-        text=True,
-        env={**os.environ, **(env or {})},
-        timeout=timeout,
-    )
-    if check:
-        assert proc.returncode == 0, proc.stderr[-4000:]
-    return proc
-
-
-def losses(run_dir: Path) -> dict[int, float]:
-    lines = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    return {r["step"]: r["loss"] for r in lines if "loss" in r}
-
-
 @pytest.fixture(scope="module")
 def sft(tmp_path_factory) -> Path:
     return write_jsonl(tmp_path_factory.mktemp("sft") / "sft.jsonl", sft_records(96))
@@ -86,6 +70,7 @@ def sft(tmp_path_factory) -> Path:
 # -- token-exact normalisation -----------------------------------------------------------------
 
 
+@pytest.mark.dist
 def test_gradients_are_equal_whatever_the_accumulation_and_world_size(tmp_path, sft, hf_llama):
     def sets(micro, **kw):
         return ft_sets(tmp_path / f"r{micro}", sft, hf_llama, train__micro_batch_size=micro, **kw)
@@ -274,10 +259,9 @@ def test_lora_trains_only_adapters_and_its_adapter_loads_in_peft(tmp_path, sft, 
 
 def _kill_and_resume(tmp_path, sets: list[str], kill_after: int):
     full = tmp_path / "full"
-    kiln("train", *as_args(sets), "--set", f"run.dir={full}")
+    in_process("train", *as_args(sets), "--set", f"run.dir={full}")
     killed = tmp_path / "killed"
-    cmd = [sys.executable, "-m", "kiln", "train", *as_args(sets), "--set", f"run.dir={killed}"]
-    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    proc = start("train", *as_args(sets), "--set", f"run.dir={killed}")
     deadline, seen = time.time() + 120, []
     while time.time() < deadline:
         seen = list(losses(killed)) if (killed / "metrics.jsonl").exists() else []
@@ -288,7 +272,7 @@ def _kill_and_resume(tmp_path, sets: list[str], kill_after: int):
     proc.wait()
     steps = int(next(s.split("=")[1] for s in sets if s.startswith("train.max_steps=")))
     assert seen and seen[-1] < steps, "the run finished before it could be killed"
-    kiln("train", *as_args(sets), "--set", f"run.dir={killed}")
+    in_process("train", *as_args(sets), "--set", f"run.dir={killed}")
     assert losses(killed) == losses(full)
     a, b = load_run(full, device="cpu").model.state_dict(), load_run(killed, device="cpu").model.state_dict()
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
@@ -323,10 +307,11 @@ def test_sigkill_and_resume_is_bitwise_for_classification(tmp_path, hf_bert):
 @pytest.fixture(scope="module")
 def single(tmp_path_factory, sft, hf_llama) -> Path:
     run = tmp_path_factory.mktemp("single") / "run"
-    kiln("train", *as_args(ft_sets(run, sft, hf_llama, train__micro_batch_size=2)))
+    in_process("train", *as_args(ft_sets(run, sft, hf_llama, train__micro_batch_size=2)))
     return run
 
 
+@pytest.mark.dist
 @pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
 def test_two_ranks_equal_one_process(tmp_path, sft, hf_llama, single, strategy):
     run = tmp_path / strategy
@@ -411,6 +396,7 @@ def test_bf16_fine_tuning_runs(tmp_path, sft, hf_llama):
     assert result.step == 8 and 0 < result.metrics["loss"] < 10
 
 
+@pytest.mark.dist
 def test_llama_class_models_split_over_two_tensor_parallel_ranks(tmp_path, sft, hf_llama, single):
     run = tmp_path / "tp"
     kiln(

@@ -11,7 +11,7 @@ from kiln.train.guard import Guard, TrainingDiverged
 from kiln.train.precision import Precision
 
 from conftest import tiny_overrides, token_sequences, train_tiny_gpt
-from kilnrun import kiln, sets
+from kilnrun import in_process, sets
 
 
 def _records(run_dir):
@@ -84,7 +84,7 @@ def test_nan_that_persists_stops_with_a_report(tmp_path, corpus_dir):
         debug__nan_steps="5,6,7,8,9,10",
         debug__nan_persist="true",
     )
-    proc = kiln("train", *sets(overrides), check=False)
+    proc = in_process("train", *sets(overrides), check=False)
     assert proc.returncode == 4, proc.stderr[-3000:]
     assert "non-finite steps in a row again after 1 rollback" in proc.stderr and "Lower train.lr" in proc.stderr
     assert "rolled back to step-00000003" in proc.stdout

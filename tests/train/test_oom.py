@@ -10,7 +10,7 @@ from kiln.checkpoint import latest_checkpoint, load_checkpoint
 from kiln.train.memory_ladder import OutOfMemoryExhausted, Rung, largest_fitting, micro_batch_options, next_rung
 
 from conftest import tiny_overrides, token_sequences, train_tiny_gpt
-from kilnrun import kiln, sets
+from kilnrun import in_process, sets
 
 
 def _records(run_dir):
@@ -113,11 +113,11 @@ def test_auto_micro_batch_finds_the_threshold(tmp_path):
 def test_cli_exits_non_zero_with_the_report(tmp_path, corpus_dir):
     run_dir = tmp_path / "run"
     overrides = tiny_overrides(run_dir, corpus_dir, train__max_steps=6, checkpoint__every=0)
-    proc = kiln("train", *sets(overrides), *sets(["debug.oom_above=0", "debug.oom_from_step=2"]), check=False)
+    proc = in_process("train", *sets(overrides), *sets(["debug.oom_above=0", "debug.oom_from_step=2"]), check=False)
     assert proc.returncode == 3, proc.stderr[-3000:]
     assert "kiln: out of memory at step 3 with micro-batch 1 + activation checkpointing" in proc.stderr
     assert "Tried:" in proc.stderr and "kiln plan" in proc.stderr
     assert latest_checkpoint(run_dir / "checkpoints").name.endswith("00000002")
     (run_dir / "memory.json").write_text("{not json")
-    proc = kiln("train", *sets(overrides), check=False)
+    proc = in_process("train", *sets(overrides), check=False)
     assert proc.returncode == 2 and "memory.json: not a kiln memory rung file" in proc.stderr

@@ -14,6 +14,8 @@ from kiln.train.trainer import train
 
 from conftest import book_text, tiny_overrides
 
+pytestmark = pytest.mark.e2e
+
 
 def _train(run, source, **extra):
     return train(load_config(None, tiny_overrides(run, source, **extra)), console=False)

@@ -32,7 +32,7 @@ import shutil
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 import torch
@@ -161,14 +161,19 @@ def save_checkpoint_async(
     if sharded_state is not None:
         import torch.distributed.checkpoint as dcp
 
-        shards = dcp.async_save(
-            sharded_state, checkpoint_id=str(tmp / SHARDED_DIR), process_group=group, async_stager=stager
+        # A stager without async staging (``host_stager``) stages in place: async_save returns a plain Future.
+        shards = cast(
+            "Future[Any]",
+            dcp.async_save(
+                sharded_state, checkpoint_id=str(tmp / SHARDED_DIR), process_group=group, async_stager=stager
+            ),
         )
 
     def write() -> None:
         if shards is not None:
             shards.result()
         if is_main:
+            assert staged is not None  # staged on the main rank
             _commit(tmp, final, staged["model"], staged["train"], keep, before_write)
 
     writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kiln-checkpoint")

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import ast
 import inspect
+from typing import cast
 
 from kiln.config.loading import sections
 from kiln.config.schema import Config, _toml_value
@@ -15,14 +16,14 @@ def field_docs(section_cls: type) -> dict[str, str]:
         tree = ast.parse(inspect.getsource(section_cls))
     except (OSError, TypeError):  # pragma: no cover - source not available (frozen app)
         return {}
-    body = tree.body[0].body
+    body = cast(ast.ClassDef, tree.body[0]).body  # the source of a class is its definition
     docs = {}
     for node, nxt in zip(body, body[1:], strict=False):
         if (
             isinstance(node, ast.AnnAssign)
             and isinstance(node.target, ast.Name)
             and isinstance(nxt, ast.Expr)
-            and isinstance(getattr(nxt, "value", None), ast.Constant)
+            and isinstance(nxt.value, ast.Constant)
         ):
             docs[node.target.id] = " ".join(str(nxt.value.value).split())
     return docs

@@ -293,6 +293,12 @@ class TrainConfig:
                 errors.append(f"train.time_budget: {self.time_budget!r} is not a duration; use e.g. 300s, 5m, 1h30m")
         return errors
 
+    @property
+    def nominal_micro_batch(self) -> int:
+        """The micro-batch size, or 8 for "auto" where the size the run found is not at hand
+        (its fixed validation sample, evaluating a saved run, the doctor's checks)."""
+        return 8 if self.micro_batch_size == "auto" else self.micro_batch_size
+
     def _ramp_errors(self) -> list[str]:
         if self.batch_ramp_start == 0:
             unused = [k for k in ("batch_ramp_increment", "batch_ramp_steps", "batch_ramp_tokens") if getattr(self, k)]

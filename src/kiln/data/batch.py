@@ -48,8 +48,10 @@ class TokenBatch:
         return sum(self.lengths)
 
     def _map(self, fn: Callable[[torch.Tensor], torch.Tensor], rows: slice = slice(None)) -> TokenBatch:
-        tensors = {name: None if (t := getattr(self, name)) is None else fn(t) for name in self._TENSORS}
-        hosts = {name: getattr(self, name)[rows] for name in ("lengths", "loss_tokens", "target_bytes")}
+        tensors: dict[str, Any] = {
+            name: None if (t := getattr(self, name)) is None else fn(t) for name in self._TENSORS
+        }
+        hosts: dict[str, Any] = {name: getattr(self, name)[rows] for name in ("lengths", "loss_tokens", "target_bytes")}
         return TokenBatch(**tensors, **hosts)
 
     def to(self, device: torch.device, non_blocking: bool = True) -> TokenBatch:
@@ -64,7 +66,11 @@ class TokenBatch:
         for start in range(0, len(self), size):
             rows = slice(start, start + size)
             width = max(self.lengths[rows]) if self.lengths and self.attention_mask is not None else None
-            out.append(self._map(lambda t, r=rows, w=width: t[r, :w] if t.dim() > 1 else t[r], rows))
+
+            def cut(t: torch.Tensor, r: slice = rows, w: int | None = width) -> torch.Tensor:
+                return t[r, :w] if t.dim() > 1 else t[r]
+
+            out.append(self._map(cut, rows))
         return out
 
 

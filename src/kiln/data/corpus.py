@@ -185,8 +185,15 @@ class Corpus:
         self.val_fraction, self.position_split_chars = val_fraction, position_split_chars
 
     @property
+    def _named(self) -> Files:
+        """The training source, else the validation source (the constructor wants one of them)."""
+        named = self.train or self.val
+        assert named is not None
+        return named
+
+    @property
     def source(self) -> str:
-        return (self.train or self.val).source
+        return self._named.source
 
     @property
     def files(self) -> list[Path]:
@@ -194,10 +201,10 @@ class Corpus:
 
     @property
     def text_field(self) -> str:
-        return (self.train or self.val).text_field
+        return self._named.text_field
 
     def name_of(self, path: Path) -> str:
-        return (self.train or self.val).name_of(path)
+        return self._named.name_of(path)
 
     @cached_property
     def fingerprint(self) -> str:
@@ -241,6 +248,7 @@ class Corpus:
         return self._plan["stats"]
 
     def _val_documents(self) -> Iterator[tuple[str, str]]:
+        assert self.val is not None  # only called with a validation source
         seen: set[int] = set()
         for name, text in self.val.documents():
             if self.train is not None:  # a validation set of a training run: each text once
@@ -253,6 +261,7 @@ class Corpus:
     @cached_property
     def _plan(self) -> dict:
         if self.train is None:
+            assert self.val is not None  # the constructor wants a training or a validation source
             n = sum(1 for _ in self.val.documents())
             if not n:
                 raise DataError(f"{self.val.source}: no non-empty documents")
@@ -266,6 +275,7 @@ class Corpus:
         """One pass over the training source: per document its name's hash unit, its content
         hash, its length and its position cut (-1 where it has none). Arrays, not lists, so
         millions of documents stay small in memory."""
+        assert self.train is not None  # only called with a training source
         units, hashes, lengths, cuts = array("d"), array("Q"), array("q"), array("q")
         for name, text in self.train.documents():
             units.append(_hash_unit(name))
@@ -311,6 +321,7 @@ class Corpus:
         return {"fate": fate, "cuts": cuts, "counts": counts, "stats": stats}
 
     def _plan_with_val_source(self) -> dict:
+        assert self.val is not None  # only called with a validation source
         val_hashes = {_content_hash(text) for _, text in self.val.documents()}
         if not val_hashes:
             raise DataError(f"data.val_source: {self.val.source}: no non-empty documents")

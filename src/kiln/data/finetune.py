@@ -61,7 +61,7 @@ def prepare_finetune(data_cfg, task: str, tokenizer, max_len: int) -> FineTuneDa
     if task not in TASKS:
         raise DataError(f"model.task: {task!r} has no fine-tuning records; choose one of {', '.join(TASKS)}")
     records, is_val, split = _split(data_cfg)
-    labels = ()
+    labels: tuple[str, ...] = ()
     if task == "sequence_classification":
         labels = _label_set([r for r, v in zip(records, is_val, strict=True) if not v], data_cfg.label_field)
     # Rows are made in file order, so an error names the first bad record whatever its split.

@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import hashlib
 import sys
-from collections.abc import Callable, Iterable, Iterator
-from typing import Any
+from collections.abc import Callable, Iterable, Iterator, Sized
+from typing import Any, cast
 
 import numpy as np
 import torch
@@ -35,6 +35,7 @@ class TokenSequences(Dataset):
         self.seq_len = seq_len
         self.num_tokens = len(tokens)
         self.dtype = tokens.dtype
+        self.path: str | None
         if isinstance(tokens, np.memmap) and tokens.filename is not None:
             self.path, self.offset = tokens.filename, tokens.offset
         else:
@@ -98,6 +99,7 @@ class StepSampler(Sampler):
         self.seed = seed
         self.start_step = start_step
         self.rank, self.world_size = rank, world_size
+        self._perm: torch.Tensor | None
         self._epoch, self._perm = -1, None
 
     def permutation(self, epoch: int) -> torch.Tensor:
@@ -106,6 +108,7 @@ class StepSampler(Sampler):
             digest = hashlib.blake2b(f"{self.seed}:{epoch}".encode(), digest_size=8).digest()
             gen = torch.Generator().manual_seed(int.from_bytes(digest, "big") >> 1)
             self._epoch, self._perm = epoch, torch.randperm(self.num_items, generator=gen)
+        assert self._perm is not None  # set for every epoch >= 0 (self._epoch starts at -1)
         return self._perm
 
     def __iter__(self) -> Iterator[list[int]]:
@@ -115,6 +118,11 @@ class StepSampler(Sampler):
             base = self.schedule.samples_before(step) + self.rank * per_rank
             yield [int(self.permutation(g // self.num_items)[g % self.num_items]) for g in range(base, base + per_rank)]
             step += 1
+
+
+def dataset_len(dataset: Dataset) -> int:
+    """``len(dataset)`` of a map-style dataset: torch's ``Dataset`` declares no ``__len__``."""
+    return len(cast(Sized, dataset))
 
 
 def make_train_loader(
@@ -133,13 +141,13 @@ def make_train_loader(
 
     The loop splits it into micro-batches itself, so the micro-batch size can change between
     steps (or within a retried one) without touching the data order."""
-    if len(dataset) == 0:
+    if dataset_len(dataset) == 0:
         num_tokens, seq_len = getattr(dataset, "num_tokens", 0), getattr(dataset, "seq_len", 0)
         raise DataError(
             f"the training split has {num_tokens} tokens, fewer than seq_len + 1 = {seq_len + 1}; "
             "lower data.seq_len or use more data"
         )
-    sampler = StepSampler(len(dataset), schedule, seed, start_step, rank, world_size)
+    sampler = StepSampler(dataset_len(dataset), schedule, seed, start_step, rank, world_size)
     workers = num_workers > 0
     return DataLoader(
         dataset,
@@ -197,7 +205,7 @@ class StepBatches:
 
     def items(self, step: int) -> list[int]:
         """This rank's dataset items of ``step``."""
-        sampler = StepSampler(len(self.dataset), self.schedule, self.seed, step - 1, self.rank, self.world_size)
+        sampler = StepSampler(dataset_len(self.dataset), self.schedule, self.seed, step - 1, self.rank, self.world_size)
         return next(iter(sampler))
 
     def batch(self, step: int, device: torch.device):

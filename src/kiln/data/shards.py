@@ -20,7 +20,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Iterable, Iterator
-from concurrent.futures import ProcessPoolExecutor
+from concurrent.futures import Future, ProcessPoolExecutor
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -278,7 +278,7 @@ def _encode_all(chunks: Iterator[list[str]], tok_json: str, eot: int, dtype: np.
         # A bounded window of in-flight chunks, consumed in submission order: output order does
         # not depend on the worker count, and memory stays bounded (Executor.map would read the
         # whole corpus up front).
-        pending = collections.deque()
+        pending: collections.deque[Future[tuple[np.ndarray, int, int]]] = collections.deque()
         for chunk in chunks:
             pending.append(pool.submit(_encode_chunk, chunk))
             if len(pending) >= 2 * workers:

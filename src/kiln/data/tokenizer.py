@@ -107,8 +107,8 @@ def token_byte_lengths(tok: Tokenizer) -> np.ndarray:
         ids = [i for i in range(len(lengths)) if i not in added]
         texts = tok.decode_batch([[i] for i in ids], skip_special_tokens=False)
         lengths[ids] = [len(t.encode("utf-8")) for t in texts]
-    for i, token in added.items():
-        lengths[i] = 0 if token.special else len(token.content.encode("utf-8"))
+    for i, added_token in added.items():
+        lengths[i] = 0 if added_token.special else len(added_token.content.encode("utf-8"))
     return lengths
 
 

@@ -14,7 +14,7 @@ from __future__ import annotations
 import contextlib
 from collections import defaultdict
 from collections.abc import Callable, Iterable, Iterator
-from typing import Any, Protocol
+from typing import Any, Protocol, cast
 
 import torch
 from torch import nn
@@ -39,6 +39,12 @@ class StepCompute(Protocol):
     def backward(self, loss: torch.Tensor) -> None:
         """Gradients of ``loss`` (scaled for fp16), added to those held."""
         ...
+
+
+class _NoSync(Protocol):
+    """A model whose gradient all-reduce can be put off (DDP's ``no_sync``)."""
+
+    def no_sync(self) -> contextlib.AbstractContextManager: ...
 
 
 class ParallelModel:
@@ -111,7 +117,7 @@ def _gradient_sync(model: nn.Module, enabled: bool) -> Iterator[None]:
     if enabled or not hasattr(model, "no_sync"):
         yield
     else:
-        with model.no_sync():
+        with cast(_NoSync, model).no_sync():
             yield
 
 
@@ -197,7 +203,7 @@ def apply_ddp(model: nn.Module, plan: ParallelPlan, dp_mesh, device: torch.devic
     # Buffers derived from the config (kiln's RoPE tables) are equal on every rank: no need to
     # broadcast them before every forward (the keyword was renamed in PyTorch 2.13).
     renamed = "forward_sync_buffers" in inspect.signature(DistributedDataParallel).parameters
-    buffer_sync = {"forward_sync_buffers" if renamed else "broadcast_buffers": not plan.derived_buffers}
+    buffer_sync: dict[str, Any] = {"forward_sync_buffers" if renamed else "broadcast_buffers": not plan.derived_buffers}
     return DistributedDataParallel(
         model,
         # Its replicas are the data-parallel ranks.
@@ -243,19 +249,24 @@ def clip_grad_norm_(
         return torch.zeros(())
     try:
         from torch.distributed.tensor import DTensor
+
+        dtensors: tuple[type[DTensor], ...] = (DTensor,)
     except ImportError:  # a build without distributed support
-        DTensor = ()  # noqa: N806
+        dtensors = ()
     layouts: dict[object, list[torch.Tensor]] = defaultdict(list)
     counted: dict[object, list[torch.Tensor]] = defaultdict(list)
     for p in params:
-        key = (p.grad.device_mesh, p.grad.placements) if isinstance(p.grad, DTensor) else None
+        assert p.grad is not None  # params keeps those with a gradient
+        key = (p.grad.device_mesh, p.grad.placements) if isinstance(p.grad, dtensors) else None
         layouts[key].append(p.grad)
         if id(p) not in skip:
             counted[key].append(p.grad)
-    squares = [torch.zeros((), device=params[0].grad.device)]
+    first = params[0].grad
+    assert first is not None  # params keeps those with a gradient
+    squares = [torch.zeros((), device=first.device)]
     for members in counted.values():
         norm = torch.nn.utils.get_total_norm(members, 2.0, foreach=True)
-        if isinstance(norm, DTensor):
+        if isinstance(norm, dtensors):
             norm = norm.full_tensor()
         squares.append(norm.float().square())
     total = torch.stack(squares).sum()
@@ -266,6 +277,6 @@ def clip_grad_norm_(
     total = total.sqrt()
     coef = (max_norm / (total + 1e-6)).clamp(max=1.0)
     for members in layouts.values():
-        locals_ = [g.to_local() if isinstance(g, DTensor) else g for g in members]
+        locals_ = [g.to_local() if isinstance(g, dtensors) else g for g in members]
         torch._foreach_mul_(locals_, coef.to(locals_[0].device))
     return total

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import copy
 from collections.abc import Callable, Iterable
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch import nn
@@ -63,7 +63,8 @@ def _view(model: nn.Module, plan: ParallelPlan, layers: Iterable[int], first: bo
     for key, value in vars(model).items():
         if isinstance(value, dict):
             setattr(view, key, type(value)(value))
-    whole = model.get_submodule(plan.blocks)
+    assert plan.blocks is not None  # a pipelined plan names its blocks (check_layout)
+    whole = cast(nn.ModuleList, model.get_submodule(plan.blocks))  # the plan's blocks are a ModuleList
     kept = nn.ModuleList()
     kept._modules = {str(i): whole._modules[str(i)] for i in layers}
     view._modules[plan.blocks] = kept
@@ -154,6 +155,7 @@ class PipelineModel(ParallelModel):
     def _weighed(self, loss: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         """A piece's mean loss (the last stage returns it, fused with its output layer) as its
         part of the micro-batch's loss times the step's weight."""
+        assert self._scale is not None  # set by forward_backward before the schedule runs
         return loss * (targets != IGNORE_INDEX).sum() * self._scale
 
     def forward_backward(self, batch: Any, divisor: float, *, last: bool, compute: StepCompute) -> torch.Tensor:
@@ -214,6 +216,7 @@ class PipelineModel(ParallelModel):
         import torch.distributed as dist
 
         for param in self._tied:
+            assert param.grad is not None  # a tied weight is used by the forward of its stages
             grad = param.grad.to_local() if hasattr(param.grad, "to_local") else param.grad
             dist.all_reduce(grad, group=self._tied_group)
         if self._replicas is None:

@@ -39,7 +39,7 @@ import traceback
 from collections.abc import Iterator
 from datetime import timedelta
 from pathlib import Path
-from typing import Any
+from typing import Any, TextIO
 
 # The exit status of every rank of a hung job (the CLI's own errors use 2 to 4).
 HANG_EXIT = 5
@@ -106,7 +106,7 @@ class Watchdog:
         self._resting = False
         self._stopped = False
         self._thread: threading.Thread | None = None
-        self._stacks_file = None  # kept open: faulthandler writes to its descriptor on SIGUSR1
+        self._stacks_file: TextIO | None = None  # kept open: faulthandler writes to its descriptor on SIGUSR1
         self._store: Any = None
 
     # -- what the loop calls ------------------------------------------------------------------
@@ -223,6 +223,7 @@ class Watchdog:
             store_ok = True
         except Exception:  # no store: this rank reports what it knows, alone
             store_ok, reporter = False, True
+        assert self.run_dir is not None  # the thread that calls this starts once it is set (start)
         out = self.run_dir / HANG_DIR / stamp
         account = self._write_dumps(out)
         if not reporter:
@@ -289,7 +290,7 @@ class Watchdog:
             while time.monotonic() < deadline and not self._store.check([self._key("reported")]):
                 time.sleep(0.1)
 
-    def _report(self, out: Path, accounts: dict[int, dict[str, Any]], declared: str) -> None:
+    def _report(self, out: Path, accounts: dict[int, dict[str, Any]], declared: str | None) -> None:
         summary = describe(accounts, self.size, declared)
         summary["dir"] = str(out)
         text = summary["text"] + f"\nkiln: stacks, flight recorder and accounts of each rank in {out}/"
@@ -312,7 +313,9 @@ def _short(path: str) -> str:
 
 def _main_thread_frames(depth: int = 4) -> list[str]:
     """The innermost Python frames of the main thread (where it waits or is stuck)."""
-    frame = sys._current_frames().get(threading.main_thread().ident)
+    main = threading.main_thread().ident
+    assert main is not None  # the main thread has started
+    frame = sys._current_frames().get(main)
     if frame is None:
         return []
     return [f"{_short(f.filename)}:{f.lineno} in {f.name}" for f in traceback.extract_stack(frame)[-depth:]]
@@ -363,7 +366,7 @@ def _ranks(ranks: list[int]) -> str:
     return ("rank " if len(ranks) == 1 else "ranks ") + ", ".join(map(str, ranks))
 
 
-def describe(accounts: dict[int, dict[str, Any]], size: int, declared: str = "") -> dict[str, Any]:
+def describe(accounts: dict[int, dict[str, Any]], size: int, declared: str | None = "") -> dict[str, Any]:
     """Which ranks held the others up, from their accounts (``Watchdog._write_dumps``): a rank
     behind the others in some group's collectives and ahead in none did not arrive (the others
     wait in the collective it never enqueued); without flight-recorder traces, a rank whose loop

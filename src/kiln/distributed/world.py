@@ -63,7 +63,7 @@ class World:
             import torch.distributed as dist
 
             # Naming the device keeps NCCL from guessing one (and warning about it).
-            kwargs = {"device_ids": [self.device.index]} if self.device.type == "cuda" else {}
+            kwargs: dict[str, Any] = {"device_ids": [self.device.index]} if self.device.type == "cuda" else {}
             dist.barrier(**kwargs)
 
     def mean(self, value: torch.Tensor) -> torch.Tensor:
@@ -149,6 +149,18 @@ def in_torchrun() -> bool:
     return "RANK" in os.environ and "WORLD_SIZE" in os.environ
 
 
+def mesh_shape(size: int, *, pp: int, tp: int) -> tuple[int, int, int]:
+    """The (pp, dp, tp) shape of a world of ``size`` ranks; ConfigError unless pp x tp divides it."""
+    if size % (tp * pp):
+        raise ConfigError(
+            [
+                f"parallel: the world size {size} is not a multiple of parallel.pp x parallel.tp = {pp} x {tp}; "
+                "it must be pp x dp x tp ranks"
+            ]
+        )
+    return pp, size // (pp * tp), tp
+
+
 def init_world(
     device: str = "auto", parallel: ParallelConfig | None = None, run_dir: str | Path | None = None
 ) -> World:
@@ -169,13 +181,7 @@ def init_world(
     size = int(os.environ.get("WORLD_SIZE", "1")) if in_torchrun() else 1
     rank = int(os.environ.get("RANK", "0")) if in_torchrun() else 0
     local_rank = int(os.environ.get("LOCAL_RANK", "0")) if in_torchrun() else 0
-    if size % (tp * pp):
-        raise ConfigError(
-            [
-                f"parallel: the world size {size} is not a multiple of parallel.pp x parallel.tp = {pp} x {tp}; "
-                "it must be pp x dp x tp ranks"
-            ]
-        )
+    shape = mesh_shape(size, pp=pp, tp=tp)
     dev = resolve_device(device)
     if size == 1:
         _WORLD = World(device=dev)
@@ -195,7 +201,7 @@ def init_world(
         dist.init_process_group(backend, rank=rank, world_size=size, timeout=watchdog.collective_timeout())
         _OWN_GROUP = True
         atexit.register(close_world)
-    mesh = init_device_mesh(dev.type, (pp, size // (pp * tp), tp), mesh_dim_names=MESH_DIMS)
+    mesh = init_device_mesh(dev.type, shape, mesh_dim_names=MESH_DIMS)
     control = dist.new_group(backend="gloo") if dev.type == "cuda" else None
     watchdog.watch_groups([None, *mesh.get_all_groups(), control])  # None: the default group
     _WORLD = World(

@@ -21,6 +21,7 @@ import torch
 from torch.utils.data import Dataset
 
 from kiln.data import DataError, TokenSequences, verify
+from kiln.data.loader import dataset_len
 from kiln.doctor.job import DoctorJob
 from kiln.doctor.report import fmt_bytes
 
@@ -76,14 +77,18 @@ class DataScan:
 
     def windows(self, split: str) -> list[tuple[int, int]]:
         """Where to read a split's stream: all of it, or SCAN_WINDOWS evenly spaced windows."""
-        n = len(self.streams[split])
+        stream = self.streams[split]
+        assert stream is not None  # asked of token streams only
+        n = len(stream)
         if n <= SCAN_TOKENS:
             return [(0, n)]
         size = SCAN_TOKENS // SCAN_WINDOWS
         return [(i * n // SCAN_WINDOWS, i * n // SCAN_WINDOWS + size) for i in range(SCAN_WINDOWS)]
 
     def window_note(self, split: str) -> str:
-        n = len(self.streams[split])
+        stream = self.streams[split]
+        assert stream is not None  # asked of token streams only
+        n = len(stream)
         if n <= SCAN_TOKENS:
             return f"all {n:,} tokens"
         return f"{SCAN_TOKENS:,} of {n:,} tokens in {SCAN_WINDOWS} evenly spaced windows"
@@ -112,8 +117,8 @@ class DataScan:
         if not ids:
             return None
         flat = torch.cat(ids).long()
-        over = int((flat >= vocab).sum()) if vocab is not None else 0
-        return TokenRange(int(flat.max()), over, -1, scanned)
+        n_over = int((flat >= vocab).sum()) if vocab is not None else 0
+        return TokenRange(int(flat.max()), n_over, -1, scanned)
 
     def out_of_vocab(self) -> str | None:
         """'train: max id 120 >= vocabulary 97' for each split with ids out of range, or None."""
@@ -137,6 +142,7 @@ class DataScan:
     def _records(self, split: str) -> Records:
         stream = self.streams[split]
         if self.has_documents:
+            assert stream is not None and self.job.eot is not None  # has_documents
             spans = _document_spans(stream, self.job.eot, self.windows(split))
             hashes = [_digest(stream[a:b].tobytes()) for a, b in spans]
             return Records("documents", hashes, [b - a for a, b in spans], spans, self.window_note(split))
@@ -153,7 +159,9 @@ class DataScan:
         """The start of a document, decoded, for naming it in the evidence."""
         if self.job.tokenizer is None:
             return f"tokens {span[0]:,}..{span[1]:,}"
-        ids = self.streams[split][span[0] : min(span[1], span[0] + chars)].tolist()
+        stream = self.streams[split]
+        assert stream is not None  # documents are spans of a token stream
+        ids = stream[span[0] : min(span[1], span[0] + chars)].tolist()
         text = self.job.tokenizer.decode(ids, skip_special_tokens=False)
         return repr(text[:chars])
 
@@ -169,7 +177,7 @@ def data_scan(job: DoctorJob) -> DataScan:
 def check_source(job: DoctorJob):
     if job.data_problem:
         return "fail", job.data_problem, "fix data.source (or the files it names) as the message says"
-    empty = [s for s, d in (("train", job.train_data), ("val", job.val_data)) if d is not None and len(d) == 0]
+    empty = [s for s, d in (("train", job.train_data), ("val", job.val_data)) if d is not None and dataset_len(d) == 0]
     if empty:
         return (
             "fail",
@@ -324,7 +332,7 @@ def check_overlap(job: DoctorJob):
 
 def check_sample(job: DoctorJob):
     data, tok = job.train_data, job.tokenizer
-    if data is None or len(data) == 0:
+    if data is None or dataset_len(data) == 0:
         return "skip", _NO_DATA, ""
     if tok is None:
         return "skip", "no tokenizer to decode with (run_doctor takes tokenizer=)", ""
@@ -336,7 +344,7 @@ def check_sample(job: DoctorJob):
         return tok.decode(ids.flatten()[:SAMPLE_TOKENS].tolist(), skip_special_tokens=False)
 
     sample = decode(first[0])
-    items = [data[i] for i in range(min(SAMPLE_ITEMS, len(data)))]
+    items = [data[i] for i in range(min(SAMPLE_ITEMS, dataset_len(data)))]
     text = "".join(decode(_token_ids(item)[0]) for item in items)
     bad = text.count("\ufffd") / max(1, len(text))
     evidence = (
@@ -428,7 +436,7 @@ def _document_spans(stream: np.ndarray, eot: int, windows: list[tuple[int, int]]
 
 def _sample_items(ds: Dataset) -> tuple[list[tuple[int, Any]], str]:
     """Up to ITEM_SAMPLE evenly spaced items, read for at most ITEM_SECONDS."""
-    n = len(ds)
+    n = dataset_len(ds)
     k = min(n, ITEM_SAMPLE)
     deadline = time.perf_counter() + ITEM_SECONDS
     items = []

@@ -62,8 +62,7 @@ class DoctorJob:
 
     @property
     def micro_batch_size(self) -> int:
-        micro = self.cfg.train.micro_batch_size
-        return 8 if micro == "auto" else micro
+        return self.cfg.train.nominal_micro_batch
 
     def shared(self, make: Callable[[DoctorJob], T]) -> T:
         """``make(job)``, computed once and shared by every check that asks for it."""
@@ -168,7 +167,7 @@ def build_job(
         with torch.device("meta"):
             num_params = sum(p.numel() for p in family.build(args).parameters())
         vocab_size, head_dim = vocab, family.head_dim(args)
-        uniform = math.log(vocab)
+        uniform: float | None = math.log(vocab)
     else:
         pristine = copy.deepcopy(model)
 

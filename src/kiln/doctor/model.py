@@ -19,9 +19,10 @@ from typing import Any
 import numpy as np
 import torch
 from torch import nn
+from torch.utils.data import Dataset
 
 from kiln.data.batch import collate, to_device
-from kiln.data.loader import make_train_loader
+from kiln.data.loader import dataset_len, make_train_loader
 from kiln.distributed.parallelize import parallelize
 from kiln.distributed.world import World
 from kiln.doctor.data import data_scan
@@ -51,6 +52,7 @@ class _Run:
 
     def __init__(self, job: DoctorJob):
         t = job.cfg.train
+        assert job.new_model is not None  # model_blocker lets no check without a model get here
         self.model = job.new_model()
         self.model.train()
         # One process, as the Trainer lays it out.
@@ -74,7 +76,14 @@ class _Run:
 
 
 def small_batch(job: DoctorJob, size: int = SMALL_BATCH) -> Any:
-    return collate(job.train_data, range(min(size, len(job.train_data))), job.device, job.collate_fn)
+    data = _train_data(job)
+    return collate(data, range(min(size, dataset_len(data))), job.device, job.collate_fn)
+
+
+def _train_data(job: DoctorJob) -> Dataset:
+    """The training data of a check that runs the model: model_blocker lets none without it get here."""
+    assert job.train_data is not None
+    return job.train_data
 
 
 class GradientProbe:
@@ -118,7 +127,7 @@ def model_blocker(job: DoctorJob) -> str | None:
     if job.train_data is None:
         return "no training data: " + (job.data_problem or "the data could not be prepared")
     splits = (("train", job.train_data), ("val", job.val_data))
-    empty = [split for split, data in splits if data is not None and not len(data)]
+    empty = [split for split, data in splits if data is not None and not dataset_len(data)]
     if empty:
         # Training would refuse this data too (and a data.seq_len this long makes each step slow).
         return f"the {' and '.join(empty)} split holds no whole sequence; see data / data source"
@@ -197,7 +206,7 @@ def check_gradient_norms(job: DoctorJob):
     layers = {k: math.sqrt(v) for k, v in layers.items()}
     if not layers:
         return "skip", "no parameter got a gradient (see gradient flow)", ""
-    low, high = min(layers, key=layers.get), max(layers, key=layers.get)
+    low, high = min(layers, key=layers.__getitem__), max(layers, key=layers.__getitem__)
     total = math.sqrt(sum(v * v for v in layers.values()))
     return (
         "pass",
@@ -224,7 +233,7 @@ def check_overfit(job: DoctorJob):
         return "skip", f"the loss starts at {first[0]:.4g}: falling to a fraction of it needs a positive loss", ""
     outcome = _outcome(first)
     warmup = min(job.cfg.train.warmup_steps, OVERFIT_WARMUP)
-    setup = f"AdamW on one batch of {min(SMALL_BATCH, len(job.train_data))} samples" + (
+    setup = f"AdamW on one batch of {min(SMALL_BATCH, dataset_len(_train_data(job)))} samples" + (
         f", {warmup} warmup steps" if warmup else ""
     )
     evidence = f"{_trajectory(lr, first)} ({setup})"
@@ -298,7 +307,7 @@ def check_input_pipeline(job: DoctorJob):
     if blocker := model_blocker(job):
         return "skip", blocker, ""
     cfg = job.cfg
-    workers, size = cfg.data.num_workers, min(job.micro_batch_size, len(job.train_data))
+    workers, size = cfg.data.num_workers, min(job.micro_batch_size, dataset_len(_train_data(job)))
     run = _Run(job)
     batches = iter(_loader(job, size, workers))
     waits, computes = [], []
@@ -341,7 +350,7 @@ def check_input_pipeline(job: DoctorJob):
 
 def _loader(job: DoctorJob, size: int, workers: int):
     return make_train_loader(
-        job.train_data,
+        _train_data(job),
         schedule=size,
         seed=job.cfg.train.seed,
         start_step=0,
@@ -399,7 +408,8 @@ def _short_run(job: DoctorJob) -> tuple[list[float], str]:
     np.random.seed(t.seed)
     torch.manual_seed(t.seed)
     run = _Run(job)
-    batches = iter(_loader(job, min(SMALL_BATCH, job.micro_batch_size, len(job.train_data)), job.cfg.data.num_workers))
+    size = min(SMALL_BATCH, job.micro_batch_size, dataset_len(_train_data(job)))
+    batches = iter(_loader(job, size, job.cfg.data.num_workers))
     losses = [run.step(to_device(next(batches), job.device), lr_at(s, t)) for s in range(DETERMINISM_STEPS)]
     del batches
     digest = hashlib.blake2b(digest_size=16)

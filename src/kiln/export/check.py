@@ -15,6 +15,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -22,7 +23,7 @@ from torch import nn
 from kiln.data import DataError, TokenSequences, prepare
 from kiln.train.run import LoadedRun
 
-Logits = Callable[[torch.Tensor], torch.Tensor]
+Logits = Callable[[torch.Tensor], torch.Tensor | np.ndarray]  # ONNX Runtime gives NumPy arrays
 
 
 class ExportError(RuntimeError):
@@ -84,18 +85,20 @@ def validation_inputs(run: LoadedRun, run_dir: Path, rows: int = 32) -> Inputs:
         labels = [int(r["labels"]) for r in val] if cfg.model.task == "sequence_classification" else None
         return Inputs(ids, labels, f"{len(val)} validation records of {cfg.data.source}", cfg.data.seq_len)
     data_cfg = dataclasses.replace(cfg.data, tokenizer=str(run_dir / "tokenizer.json"))
-    val = TokenSequences(prepare(data_cfg, progress=False).tokens("val"), cfg.data.seq_len)
-    n = min(rows, len(val))
+    sequences = TokenSequences(prepare(data_cfg, progress=False).tokens("val"), cfg.data.seq_len)
+    n = min(rows, len(sequences))
     if n == 0:
         raise DataError(f"{cfg.data.source}: the validation split is shorter than data.seq_len={cfg.data.seq_len}")
     # Spread over the split, not its first documents only.
-    picks = [int(i * len(val) / n) for i in range(n)]
-    ids = [torch.as_tensor(val[i][0], dtype=torch.long)[None] for i in picks]
+    picks = [int(i * len(sequences) / n) for i in range(n)]
+    ids = [torch.as_tensor(sequences[i][0], dtype=torch.long)[None] for i in picks]
     return Inputs(ids, None, f"{n} sequences of {cfg.data.seq_len} tokens from the val split", cfg.data.seq_len)
 
 
 @torch.no_grad()
-def logit_difference(reference: Logits, artifact: Logits, batches: list[torch.Tensor]) -> dict[str, float]:
+def logit_difference(
+    reference: Callable[[torch.Tensor], torch.Tensor], artifact: Logits, batches: list[torch.Tensor]
+) -> dict[str, float]:
     """The largest absolute difference of the logits over ``batches``, and the same relative to the
     largest logit magnitude (an element-wise ratio explodes where a logit is near zero)."""
     worst, scale = 0.0, 0.0

@@ -10,12 +10,27 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Protocol, cast
+
+from torch import nn
 
 from kiln.checkpoint import CheckpointError
 from kiln.export.check import Logits
 from kiln.models.hf.loading import transformers_module
 from kiln.train.apply import merge_lora
 from kiln.train.run import LoadedRun
+
+
+class _Saves(Protocol):
+    """A ``transformers`` model, or PEFT's wrapper of one."""
+
+    def save_pretrained(self, save_directory: Path) -> None: ...
+
+
+class _Merges(_Saves, Protocol):
+    """PEFT's wrapper of a ``transformers`` model, which folds its adapters into the model."""
+
+    def merge_and_unload(self) -> nn.Module: ...
 
 
 def write_hf(run: LoadedRun, out: Path) -> dict[str, Logits]:
@@ -25,9 +40,10 @@ def write_hf(run: LoadedRun, out: Path) -> dict[str, Logits]:
         _write_converted(run, out)
     else:
         if hasattr(hf, "merge_and_unload"):  # LoRA: the adapter as PEFT saves it, and the merged model
-            hf.save_pretrained(out / "adapter")
-            hf = hf.merge_and_unload()
-        hf.save_pretrained(out)
+            adapted = cast(_Merges, hf)
+            adapted.save_pretrained(out / "adapter")
+            hf = adapted.merge_and_unload()
+        cast(_Saves, hf).save_pretrained(out)
     _write_tokenizer(run, out)
     return {"hf": _reload(out, run.cfg.model.task)}
 

@@ -99,6 +99,7 @@ def export_onnx(
         ) from e
     finally:
         model.train(was_training)
+    assert program is not None  # dynamo=True returns the program
     weights = sum(v.const_value.nbytes for v in program.model.graph.initializers.values() if v.const_value is not None)
     with _staged(path) as staged:
         program.save(staged, external_data=weights > EXTERNAL_DATA_BYTES)

@@ -18,9 +18,9 @@ family; families are for the built-in jobs.
 from __future__ import annotations
 
 import importlib
-from collections.abc import Iterator, Mapping
+from collections.abc import Generator, Mapping
 from dataclasses import dataclass, field
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, Protocol, cast
 
 import torch
 from torch import nn
@@ -71,7 +71,7 @@ class ParallelPlan:
     def pipelined(self) -> bool:
         """Whether the model can be cut into pipeline stages: the plan names the first and last
         stages' modules, and the repeated layers are an attribute of the model itself."""
-        return bool(self.pipeline_first or self.pipeline_last) and bool(self.blocks) and "." not in self.blocks
+        return bool(self.pipeline_first or self.pipeline_last) and bool(self.blocks and "." not in self.blocks)
 
     def pipeline_error(self, what: str) -> str:
         """Why ``what`` (the model's name) cannot be pipelined."""
@@ -307,7 +307,7 @@ class ModelFamily:
 
     def stream(
         self, model: nn.Module, prompt: torch.Tensor, max_new_tokens: int, **sampling: Any
-    ) -> Iterator[torch.Tensor] | None:
+    ) -> Generator[torch.Tensor, None, None] | None:
         """The tokens [B] continuing ``prompt`` [B, T], one step at a time (``kiln serve`` streams
         them); None if the family cannot sample. ``sampling``: the keywords of
         ``kiln.models.generate.stream``."""
@@ -319,6 +319,14 @@ class ModelFamily:
         """Continue ``prompt`` [B, T]: [B, T + new] token ids; None if the family cannot sample."""
         steps = self.stream(model, prompt, max_new_tokens, **sampling)
         return None if steps is None else collect(prompt, steps)
+
+
+class _Resettable(Protocol):
+    def reset_parameters(self) -> None: ...
+
+
+class _Initialisable(Protocol):
+    def init_weights(self) -> None: ...
 
 
 def materialize(model: nn.Module, device: torch.device | str, seed: int) -> nn.Module:
@@ -333,9 +341,9 @@ def materialize(model: nn.Module, device: torch.device | str, seed: int) -> nn.M
     with torch.no_grad():
         for module in model.modules():
             if module is not model and hasattr(module, "reset_parameters"):
-                module.reset_parameters()
+                cast(_Resettable, module).reset_parameters()
         if hasattr(model, "init_weights"):
-            model.init_weights()
+            cast(_Initialisable, model).init_weights()
     return model
 
 

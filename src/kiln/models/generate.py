@@ -6,11 +6,25 @@ kiln's GPT does) can be sampled this way: ``stream`` yields each step's tokens a
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Iterator
-from typing import Any
+from collections.abc import Callable, Generator, Iterable
+from typing import Any, Protocol, cast
 
 import torch
 from torch import nn
+
+
+class _Config(Protocol):
+    @property
+    def max_seq_len(self) -> int: ...
+
+
+class _Cached(Protocol):
+    """A model ``stream`` can sample: its config's ``max_seq_len``, and ``new_kv_cache``."""
+
+    @property
+    def config(self) -> _Config: ...
+
+    def new_kv_cache(self, batch_size: int, max_len: int, device: torch.device, dtype: torch.dtype) -> Any: ...
 
 
 def sample_next(
@@ -40,15 +54,18 @@ def sample_next(
     return torch.multinomial(probs, num_samples=1, generator=generator).squeeze(-1)
 
 
-def stream(model: nn.Module, prompt: torch.Tensor, max_new_tokens: int, **sampling: Any) -> Iterator[torch.Tensor]:
+def stream(
+    model: nn.Module, prompt: torch.Tensor, max_new_tokens: int, **sampling: Any
+) -> Generator[torch.Tensor, None, None]:
     """The tokens [B] that continue prompt [B, T], one step at a time (see ``decode``).
 
     The prompt is cut to the model's last max_seq_len tokens; decoding then goes on as long as
     asked, each token seeing the max_seq_len before it (the cache is a ring, never rebuilt).
     """
-    max_len = model.config.max_seq_len
+    cached = cast(_Cached, model)
+    max_len = cached.config.max_seq_len
     param = next(model.parameters())
-    cache = model.new_kv_cache(prompt.size(0), max_len, param.device, param.dtype)
+    cache = cached.new_kv_cache(prompt.size(0), max_len, param.device, param.dtype)
     window = prompt[:, -max_len:]
     pos = window.size(1)
 
@@ -71,7 +88,7 @@ def decode(
     top_p: float | None = None,
     eos_id: int | None = None,
     generator: torch.Generator | None = None,
-) -> Iterator[torch.Tensor]:
+) -> Generator[torch.Tensor, None, None]:
     """Sampled tokens [B], one step at a time, up to max_new_tokens: ``prefill()`` gives the
     next-token logits [B, V] after the prompt, ``step(tokens)`` those after feeding the tokens.
 

@@ -245,7 +245,9 @@ class MetricsLogger:
         if self._wandb is not None:
             import wandb
 
-            self._wandb.log({tag: wandb.Histogram(values.numpy()) for tag, values in tensors.items()}, step=step)
+            # wandb annotates a Sequence, but hands it to np.histogram, which takes an array as it is.
+            histograms = {tag: wandb.Histogram(values.numpy()) for tag, values in tensors.items()}  # type: ignore[arg-type]
+            self._wandb.log(histograms, step=step)
 
     def close(self) -> None:
         if self._bar is not None:
@@ -268,6 +270,8 @@ class MetricsLogger:
 
 class NullLogger:
     """The logger of ranks other than 0: takes every record and writes nothing."""
+
+    total_steps: int  # set by the loop as on a MetricsLogger, read by nothing
 
     def log(self, step: int, values: dict[str, Any]) -> None:
         pass

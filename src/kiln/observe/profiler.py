@@ -35,7 +35,7 @@ class StepProfiler:
         self.out_dir = out_dir if rank is None else out_dir / f"rank-{rank}"
         self.device = device
         self.console = console
-        self._prof = None
+        self._prof: torch.profiler.profile | None = None
         self._step_t0 = 0.0
         self.step_times: list[float] = []
 
@@ -63,6 +63,7 @@ class StepProfiler:
         self.step_times.append(time.perf_counter() - self._step_t0)
         if step < self.end:
             return None
+        assert self._prof is not None  # active
         self._prof.stop()
         breakdown = self._write()
         self._prof = None
@@ -82,6 +83,7 @@ class StepProfiler:
             torch.cuda.synchronize(self.device)
 
     def _write(self) -> dict:
+        assert self._prof is not None  # written at the end of the profiled window
         events = self._prof.events()
         steps = len(self.step_times)
         collectives = _collective_spans(events)

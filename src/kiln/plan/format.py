@@ -134,6 +134,7 @@ def _time_lines(plan: Plan) -> list[str]:
         lines.append("  no time estimate: the device's peak FLOP/s is unknown (name a GPU with --gpu)")
         return lines
     c, peak, width = job.cluster, job.target.peak_flops, 70
+    assert peak is not None  # a bound needs the peak
     recompute = f", x{RECOMPUTE_TIME:.3g} blocks recomputed" if s.activation_checkpointing else ""
     parts = [(f"compute at {c.efficiency:.0%} of the {peak / 1e12:.0f} TFLOP/s peak{recompute}", t.compute)]
     if s.tp > 1:

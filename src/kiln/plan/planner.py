@@ -7,6 +7,7 @@ import dataclasses
 import os
 import re
 from dataclasses import dataclass
+from typing import Literal
 
 import torch
 
@@ -163,7 +164,7 @@ def resolve_cluster(
     """The links and compute efficiency to plan with: the options given, else defaults for the
     target's GPU (80% of the nominal link rates, what NCCL's collectives reach)."""
     key = gpu_key(target.name) if target.kind == "cuda" else None
-    nominal = NVLINK_BYTES_PER_S.get(key or "H100")
+    nominal = NVLINK_BYTES_PER_S[key or "H100"]  # every PEAK_FLOPS key (what gpu_key returns) has an entry
     link = "NVLink" if nominal > 100e9 else "PCIe 5.0 x16 link"
     who = key or "H100 (no figures for this device)"
     defaults = {
@@ -182,7 +183,7 @@ def resolve_cluster(
     if efficiency is not None and not 0 < efficiency <= 1:
         raise ConfigError([f"--compute-efficiency: must be above 0 and at most 1, got {efficiency}"])
     if efficiency is None:
-        efficiency = COMPUTE_EFFICIENCY_BY_GPU.get(key, COMPUTE_EFFICIENCY)
+        efficiency = COMPUTE_EFFICIENCY_BY_GPU.get(key, COMPUTE_EFFICIENCY) if key is not None else COMPUTE_EFFICIENCY
         sources.append(("efficiency", f"default for {key or 'this device'}"))
     else:
         sources.append(("efficiency", "--compute-efficiency"))
@@ -276,7 +277,7 @@ def make_plan(
     target = resolve_target(cfg.run.device, gpu, device_memory)
     cluster = resolve_cluster(target, per_node, links, compute_efficiency)
     if cfg.train.precision == "auto":  # as on the GPUs of PEAK_FLOPS, which all compute bf16 natively
-        precision = "bf16" if target.kind == "cuda" else "fp32"
+        precision: Literal["bf16", "fp32"] = "bf16" if target.kind == "cuda" else "fp32"
         cfg = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, precision=precision))
     base = _base_setup(cfg, world, world_flag)
     family = job_for(cfg).family

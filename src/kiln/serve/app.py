@@ -97,6 +97,7 @@ async def _answer(engine: Engine, job: Job, body: dict, reply: Reply):
     pieces, last = [], None
     async for last in engine.generate(job):
         pieces.append(last.text)
+    assert last is not None  # generate yields up to an update with a finish_reason, or raises
     return reply.whole("".join(pieces), last.finish_reason, usage(len(job.prompt), last.completion_tokens))
 
 

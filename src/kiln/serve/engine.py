@@ -12,7 +12,7 @@ import asyncio
 import logging
 import queue
 import threading
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Generator
 from dataclasses import dataclass, field
 
 import torch
@@ -192,7 +192,7 @@ class _Decoding:
         self.engine = engine
         self.job = job
         self.emit = emit
-        self.tokens = None
+        self.tokens: Generator[torch.Tensor, None, None] | None = None
         self.text: TextStream  # made with the stream, where a failure is this request's alone
         self.count = 0
 
@@ -202,6 +202,7 @@ class _Decoding:
         if job.cancelled:
             self.close()
             return False
+        finish: str | None  # None: the job goes on
         try:
             if self.tokens is None:
                 self.tokens = self._open()

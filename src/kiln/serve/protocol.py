@@ -210,7 +210,7 @@ class Reply:
         """A stream chunk; a chat stream's first one names the assistant's role."""
         if self.chat:
             delta = {"role": "assistant", "content": text} if first else {"content": text} if text else {}
-            said = {"delta": delta}
+            said: dict[str, Any] = {"delta": delta}
         else:
             said = {"text": text}
         choice = {"index": 0, **said, "logprobs": None, "finish_reason": finish_reason}

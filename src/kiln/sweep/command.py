@@ -233,4 +233,5 @@ def _admits(param: Param, value: Any) -> bool:
         )
     if isinstance(value, bool) or not isinstance(value, int if param.type == "int" else (int, float)):
         return False
+    assert param.low is not None and param.high is not None  # a range: no choices (_param)
     return param.low <= value <= param.high

@@ -56,7 +56,7 @@ PR_SET_PDEATHSIG = 1
 
 @dataclass
 class Options:
-    config: str | None
+    config: str | Path | None
     overrides: list[str]
     params: list[Param]
     study_dir: Path
@@ -99,8 +99,8 @@ class Driver:
         with StopRequest() as stop:
             try:
                 while not stop.requested:
-                    for r in list(self.running):
-                        self._poll(r)
+                    for polled in list(self.running):
+                        self._poll(polled)
                     while len(self.running) < self.o.parallel and not stop.requested:
                         r = self.claim()
                         if r is None:
@@ -213,6 +213,7 @@ class Driver:
         return env
 
     def _poll(self, r: Running) -> None:
+        assert r.proc is not None  # launched when claimed, or failed and dropped (_launch)
         code = r.proc.poll()
         if code is None:
             if r.stop_sent is not None and time.monotonic() - r.stop_sent > STOP_GRACE_S:
@@ -327,7 +328,7 @@ def _last_error(log: Path) -> str | None:
     except OSError:
         return None
     errors = [line for line in lines if "error" in line.lower()]
-    last = (errors or lines or [None])[-1]
+    last = (errors or lines)[-1] if lines else None  # errors are some of the lines
     return last and re.sub(r"^kiln( \[rank \d+\])?: ", "", last)
 
 

@@ -55,6 +55,7 @@ class Param:
         if self.choices is not None:
             return list(self.choices)
         step = self.step or 1  # only ints get here without a step (checked in load_space)
+        assert self.low is not None and self.high is not None  # a range: no choices (_param)
         count = math.floor((self.high - self.low) / step + 1e-9) + 1
         values = [self.low + i * step for i in range(count)]
         return [int(v) for v in values] if self.type == "int" else [round(v, 12) for v in values]
@@ -163,7 +164,8 @@ def _choice_problems(kind: str, spec: dict[str, Any], choices: Any) -> list[str]
     problems = [f"choices and {', '.join(extra)} cannot be combined"] if extra else []
     if not isinstance(choices, list) or not choices:
         return [*problems, f"{kind} needs a non-empty list of choices, e.g. choices = [...]"]
-    scalar = {"int": int, "float": (int, float)}.get(kind, (str, int, float, bool))
+    scalars: dict[str, type | tuple[type, ...]] = {"int": int, "float": (int, float)}
+    scalar = scalars.get(kind, (str, int, float, bool))
     problems += [
         f"choice {c!r} is not {'an integer' if kind == 'int' else 'a number' if kind == 'float' else 'a scalar'}"
         for c in choices

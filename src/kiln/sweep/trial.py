@@ -11,10 +11,14 @@ is recorded as PRUNED, and the Trainer stops it at that step on every rank (they
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
+from types import ModuleType
+from typing import TYPE_CHECKING, Any
 
 from kiln.config import Config, ConfigError, load_config
 from kiln.sweep.study import TRIAL_CONFIG, import_optuna, live_trial, load_study, make_pruner, read_setup, trial_dir
+
+if TYPE_CHECKING:
+    import optuna
 
 
 def trial_config(study_dir: Path, number: int) -> Config:
@@ -33,12 +37,15 @@ class PruningHook:
         self.study_dir, self.number, self.eval_every = study_dir, number, eval_every
         self.setup = read_setup(study_dir)
         self.objective = self.setup["objective"]
-        self.optuna = self.trial = None  # opened at the first evaluation, by rank 0 only
+        # Opened at the first evaluation, by rank 0 only.
+        self.optuna: ModuleType | None = None
+        self.trial: optuna.trial.Trial | None = None
         self.reported: set[int] = set()
 
     def __call__(self, step: int, metrics: dict[str, Any], max_steps: int) -> bool:
         if self.trial is None:
             self._open(max_steps)
+        assert self.optuna is not None and self.trial is not None  # opened just now or before
         states = self.optuna.trial.TrialState
         value = metrics.get(self.objective)
         if not isinstance(value, (int, float)):

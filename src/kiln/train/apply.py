@@ -6,7 +6,7 @@ import copy
 import functools
 import math
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 from torch import nn
@@ -15,6 +15,10 @@ from torch.utils.checkpoint import checkpoint
 from kiln.config import Config, ConfigError
 from kiln.device import resolve_device
 from kiln.models.family import ModelFamily, ParallelPlan
+
+if TYPE_CHECKING:
+    from peft import PeftModel
+    from peft.tuners.tuners_utils import BaseTunerLayer
 
 # Weights per absmax scale of an NF4 weight, and scales per group of the scales' own 8-bit
 # quantization: QLoRA's (Dettmers et al., 2023) and torchtune's.
@@ -71,7 +75,11 @@ def apply_lora(model: nn.Module, cfg: Config, family: ModelFamily, args: Any, *,
     hf = family.transformers_model(model)
     task = {"sequence_classification": "SEQ_CLS", "causal_lm": "CAUSAL_LM"}.get(cfg.model.task) if hf else None
     config = peft.LoraConfig(
-        r=lora.rank, lora_alpha=lora.alpha, lora_dropout=lora.dropout, target_modules=targets, task_type=task
+        r=lora.rank,
+        lora_alpha=lora.alpha,  # type: ignore[arg-type]  # peft annotates it int; a float works (scaling = alpha / r)
+        lora_dropout=lora.dropout,
+        target_modules=targets,
+        task_type=task,
     )
     try:
         if hf is not None:
@@ -112,7 +120,7 @@ def quantize_base(model: nn.Module, device: torch.device) -> None:
     ones it dequantizes to (a resume, which quantizes the same source weights again, continues
     bit for bit: NF4 of dequantized NF4 is not the same NF4), and quantizes them otherwise."""
     to_nf4 = _nf4()[1]
-    owners = {}
+    owners: dict[int, list[str]] = {}
     for name, param in model.named_parameters(remove_duplicate=False):
         owners.setdefault(id(param), []).append(name)
     for name, module in model.named_modules():
@@ -174,14 +182,14 @@ def merge_lora(model: nn.Module, family: ModelFamily) -> nn.Module:
     hf = family.transformers_model(model)
     if hf is not None and hasattr(hf, "merge_and_unload"):
         merged = _dequantized_copy(model)
-        merged.hf = merged.hf.merge_and_unload()
+        merged.hf = cast("PeftModel", merged.hf).merge_and_unload()  # hf is PEFT's wrapper: it merges
         return merged
     adapted = [name for name, module in model.named_modules() if hasattr(module, "lora_A")]
     if not adapted:
         return model
     merged = _dequantized_copy(model)
     for name in adapted:
-        layer = merged.get_submodule(name)
+        layer = cast("BaseTunerLayer", merged.get_submodule(name))  # a PEFT layer: it has lora_A
         layer.merge()
         parent, _, child = name.rpartition(".")
         setattr(merged.get_submodule(parent), child, layer.get_base_layer())

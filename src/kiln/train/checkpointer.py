@@ -20,7 +20,7 @@ import sys
 from collections.abc import Callable, Iterator, Mapping
 from concurrent.futures import Future
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any, Protocol, cast
 
 import torch
 from torch import nn
@@ -111,13 +111,18 @@ class Checkpointer:
                 "strategy": self.cfg.parallel.strategy,
             },
         }
+        weights: dict[str, torch.Tensor] | None
+        sharded: dict[str, Any] | None
         if self.sharded:
             weights, sharded = None, {"model": model_state, "optimizer": optim_state}
         else:
-            weights, sharded = model_state, None
+            # Unsharded: the model's state is plain tensors.
+            weights, sharded = cast("dict[str, torch.Tensor]", model_state), None
             train_state["optimizer"] = optim_state
         args = (self.dir, step, weights, train_state, self.cfg.checkpoint.keep)
-        kwargs = dict(sharded_state=sharded, world=self.world, before_write=self.faults.writing_checkpoint)
+        kwargs: dict[str, Any] = dict(
+            sharded_state=sharded, world=self.world, before_write=self.faults.writing_checkpoint
+        )
         if self.cfg.checkpoint.async_save:
             self._stager = self._stager or host_stager(self.world.device)
             path, future = save_checkpoint_async(*args, stager=self._stager, group=self._write_group, **kwargs)
@@ -227,10 +232,13 @@ class Checkpointer:
         from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 
         self.wait()
+        model_state: dict[str, Any] | None
+        optim_state: dict[str, Any]
         model_state, train_state = load_checkpoint(path, weights_only=False)
+        assert train_state is not None  # weights_only=False reads it
         if model_state is None:  # sharded: DCP fills this process's own layout, resharding as needed
             model_state, optim_state = get_state_dict(self.model, self.optimizer, options=_options(True))
-            state = {"model": model_state, "optimizer": optim_state}
+            state: dict[str, Any] = {"model": model_state, "optimizer": optim_state}
             load_sharded(path, state)
             model_state, optim_state, full = state["model"], state["optimizer"], False
         else:

@@ -49,7 +49,9 @@ class Guard:
         self.bad_total = 0
         self.rollbacks = 0
         self.lr_scale = 1.0
-        self._mean = self._var = None  # running loss statistics (exponential moving averages)
+        # Running loss statistics (exponential moving averages); the variance is read once the mean is set.
+        self._mean: float | None = None
+        self._var = 0.0
         self._seen = 0
 
     # -- state that must survive a resume --------------------------------------------------
@@ -86,6 +88,7 @@ class Guard:
         spike = (
             self.cfg.spike_threshold > 0
             and self._seen >= warmup
+            and self._mean is not None  # set from the first step on
             and loss > self._mean + self.cfg.spike_threshold * math.sqrt(self._var) + 1e-6
         )
         if not spike:  # a spike would drag the statistics towards itself

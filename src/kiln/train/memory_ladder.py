@@ -27,7 +27,7 @@ from kiln.checkpoint import CheckpointError, capture_rng, restore_rng
 from kiln.config import Config, ConfigError
 from kiln.data.batch import split_batch
 from kiln.data.batch_schedule import BatchSchedule
-from kiln.data.loader import StepBatches
+from kiln.data.loader import StepBatches, dataset_len
 from kiln.distributed.world import World
 from kiln.io import write_atomic
 from kiln.train.step import TrainStep
@@ -154,6 +154,12 @@ class MemoryLadder:
         self.step = step
         self._apply(self.rung)
 
+    @property
+    def _bound(self) -> TrainStep:
+        """The run's TrainStep: the trainer binds it before anything else is asked of the ladder."""
+        assert self.step is not None
+        return self.step
+
     def state_dict(self) -> dict:
         return self.rung.state_dict()
 
@@ -169,7 +175,7 @@ class MemoryLadder:
         out-of-memory error, always on the same sequences."""
         while True:
             try:
-                return self.step.forward_backward(split_batch(batch, self.rung.micro_batch_size), step)
+                return self._bound.forward_backward(split_batch(batch, self.rung.micro_batch_size), step)
             except torch.OutOfMemoryError as e:
                 error = str(e).splitlines()[0]
             # Outside the except block: the failed attempt's frames, and the activations they
@@ -223,14 +229,14 @@ class MemoryLadder:
 
     def _apply(self, rung: Rung) -> None:
         if rung.activation_checkpointing:
-            self.step.recompute_activations()
+            self._bound.recompute_activations()
         self.rung = rung
 
     # -- out of memory ----------------------------------------------------------------------------
 
     def _step_down(self, error: str, step: int, logger, save: Callable[[], Path]) -> None:
         """After an out-of-memory error in forward/backward: free, move one rung down, go on."""
-        self.step.discard_gradients()
+        self._bound.discard_gradients()
         self.history.append((self.rung, error))
         where = f"out of memory at step {step} with {self.rung.describe()}"
         can_offload = self.cfg.parallel.strategy != "ddp" and self.world.device.type == "cuda"
@@ -278,7 +284,7 @@ class MemoryLadder:
         bisection over real passes on training data; ``done`` steps are already trained."""
         device = self.world.device
         rng = capture_rng()  # probing must not change what the run draws afterwards
-        items = len(batches.dataset)
+        items = dataset_len(batches.dataset)
 
         def fits(m: int) -> bool:
             batch = batches.collate([i % items for i in range(m)], device)
@@ -286,12 +292,12 @@ class MemoryLadder:
             if device.type == "cuda":
                 torch.cuda.reset_peak_memory_stats(device)
             try:
-                self.step.forward_backward([batch], done + 1, sync=False)
+                self._bound.forward_backward([batch], done + 1, sync=False)
                 failed = not self._leaves_headroom()
             except torch.OutOfMemoryError as e:
                 self.history.append((replace(self.rung, micro_batch_size=m), str(e).splitlines()[0]))
                 failed = True
-            self.step.discard_gradients()
+            self._bound.discard_gradients()
             (failed,) = self.world.agree(failed)  # every rank takes the same size
             return not failed
 
@@ -325,5 +331,5 @@ class MemoryLadder:
         if device.type != "cuda":
             return True
         total = torch.cuda.get_device_properties(device).total_memory
-        states = 0 if self.step.optimizer.state else 2 * sum(p.numel() * 4 for p in self.step.params)
+        states = 0 if self._bound.optimizer.state else 2 * sum(p.numel() * 4 for p in self._bound.params)
         return torch.cuda.max_memory_reserved(device) + states <= (1 - PROBE_MARGIN) * total

@@ -24,6 +24,8 @@ class StepMeter:
     its real, unpadded tokens itself); ``flops_per_token`` gives MFU where the device's peak is
     known. The tokens trained on so far are its state, saved with checkpoints."""
 
+    _settled: dict[str, Any]  # set by start
+
     def __init__(
         self,
         world: World,
@@ -59,7 +61,7 @@ class StepMeter:
         self.grad_norms: list[torch.Tensor] = []
         self.tokens = 0  # this rank's, in the interval
         # Steps of the interval already read from the device (at a checkpoint, or before a resume).
-        self._settled: dict[str, Any] = {"losses": [], "grad_norms": [], "tokens": 0}
+        self._settled = {"losses": [], "grad_norms": [], "tokens": 0}
         self._earlier_s = 0.0  # of the interval, in a process before a resume
         self.start_clock()
 

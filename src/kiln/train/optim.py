@@ -21,7 +21,9 @@ def param_groups(model: nn.Module, weight_decay: float, embeddings: Collection[s
     ``model``'s ``nn.Embedding`` layers); a tied output layer is one of them under its own name.
     """
     embeddings = embedding_names(model) if embeddings is None else embeddings
-    decay, no_decay, seen = [], [], set()
+    decay: list[nn.Parameter] = []
+    no_decay: list[nn.Parameter] = []
+    seen: set[int] = set()
     for name, p in model.named_parameters():
         if not p.requires_grad or id(p) in seen:
             continue

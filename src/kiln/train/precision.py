@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+from typing import Protocol, cast
 
 import torch
 
@@ -70,6 +71,13 @@ class Precision:
         self.skipped_steps = state.get("skipped_steps", 0)
 
 
+class _AmpScaled(Protocol):
+    """What GradScaler sets on an optimizer whose step reads it (``_step_supports_amp_scaling``)."""
+
+    grad_scale: torch.Tensor | None
+    found_inf: torch.Tensor
+
+
 def step_unless(optimizer: torch.optim.Optimizer, found_inf: torch.Tensor) -> None:
     """``optimizer.step()``, skipped on the device where ``found_inf`` (a 0-d float tensor) is 1.
 
@@ -77,8 +85,9 @@ def step_unless(optimizer: torch.optim.Optimizer, found_inf: torch.Tensor) -> No
     that GradScaler sets on them (the private protocol of ``_step_supports_amp_scaling``); there
     is no public argument for it. ``tests/train/test_guard.py`` (the device-side skip) fails if the fused
     kernel stops reading them."""
-    optimizer.grad_scale, optimizer.found_inf = None, found_inf
+    scaled = cast(_AmpScaled, optimizer)
+    scaled.grad_scale, scaled.found_inf = None, found_inf
     try:
         optimizer.step()
     finally:
-        del optimizer.grad_scale, optimizer.found_inf
+        del scaled.grad_scale, scaled.found_inf

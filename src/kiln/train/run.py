@@ -135,9 +135,10 @@ def load_run(path: str | Path, checkpoint: str | Path | None = None, device: str
     for name in ("config.toml", "model.json"):
         if not (run_dir / name).exists():
             raise CheckpointError(f"{run_dir}: not a kiln run directory (missing {name})")
-    path = Path(checkpoint) if checkpoint else latest_checkpoint(run_dir / "checkpoints")
-    if path is None:
+    found = Path(checkpoint) if checkpoint else latest_checkpoint(run_dir / "checkpoints")
+    if found is None:
         raise CheckpointError(f"{run_dir}: no complete checkpoint in {run_dir / 'checkpoints'}")
+    path = found
     model_state, _ = load_checkpoint(path)
     job = _saved_job(run_dir)
     args, model = job.saved_model(run_dir)

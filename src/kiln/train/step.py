@@ -18,7 +18,7 @@ from __future__ import annotations
 import contextlib
 import math
 from collections.abc import Callable
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch import nn
@@ -95,7 +95,7 @@ class TrainStep:
         counted = None not in counts
         world = self.model.world
         if counted:
-            total_count = world.dp_total(sum(counts))
+            total_count = world.dp_total(sum(cast("list[int]", counts)))  # counted: none is None
             # A micro-batch without counted tokens contributes nothing (its loss is a 0 / 0).
             divisors = [total_count / (c * world.dp) if c else math.inf for c in counts]
         else:
@@ -109,11 +109,13 @@ class TrainStep:
                 total = torch.zeros((), device=loss.device)
             # This rank's share of the step's loss, times the ranks (the meter averages over them).
             total += loss / divisors[i] if counted else loss
+        assert total is not None  # a step has at least one micro-batch
         return total if counted else total / n
 
     def replay(self, micro_batches: list[Any], step: int) -> None:
         """The forward passes of ``step``'s micro-batches again, without gradients, on the whole
         model (the guard looks for the first module whose output is not finite)."""
+        assert self.model.whole is not None  # only replayed where this rank holds the whole model
         with torch.no_grad():
             for micro in micro_batches:
                 self.faults.before_forward(step, batch_rows(micro), self.checkpointing)

@@ -57,7 +57,7 @@ class TimePlan:
     def __init__(self, cfg: Config):
         t = cfg.train
         self.auto = t.max_steps == "auto"
-        self.max_steps: int | None = None if self.auto else t.max_steps
+        self.max_steps: int | None = None if t.max_steps == "auto" else t.max_steps
         self.costs: Costs | None = None
         self.budget_s = parse_duration(t.time_budget) if t.time_budget else math.inf
         self.eval_every, self.save_every = cfg.eval.every, cfg.checkpoint.every
@@ -68,6 +68,12 @@ class TimePlan:
     @property
     def needs_probe(self) -> bool:
         return self.max_steps is None
+
+    @property
+    def steps(self) -> int:
+        """``max_steps``, known once the loop is set up (configured, resumed or planned)."""
+        assert self.max_steps is not None
+        return self.max_steps
 
     @property
     def stop_s(self) -> float:
@@ -112,6 +118,7 @@ class TimePlan:
         """The steps that fill the budget at the pace kept so far (``step_s`` a step), ``step``
         steps and ``elapsed_s`` seconds into the run; never so few that a decay would have had
         to start before ``step``."""
+        assert self.costs is not None  # correct_at, which calls for a correction, is set with them (fix)
         costs = dataclasses.replace(self.costs, step_s=step_s)
         seconds = self.budget_s * (1 - MARGIN) - elapsed_s + self.cost_s(step, costs)
         steps = self._most_steps(seconds, costs, least=step + 1)
@@ -173,10 +180,12 @@ class TimePlan:
             elif i + 1 >= WARMUP_STEPS and now - started >= self.warmup_seconds():
                 timed_from = now  # warm: the compile, the allocator's growth and the caches are behind
             # Every rank runs the same number of probe steps, or one would wait in a collective.
-            (done,) = world.agree(steps >= 3 and now - timed_from >= self.probe_seconds())
+            # Steps are counted once timed_from is set.
+            (done,) = world.agree(timed_from is not None and steps >= 3 and now - timed_from >= self.probe_seconds())
             if done:
                 break
         del loader  # its workers stop
+        assert timed_from is not None  # the loop ends only after timed steps
         step_s = (now - timed_from) / steps
         eval_s = self._warm_seconds(world, evaluate)
         checkpointer.put_back(held)
@@ -190,6 +199,7 @@ class TimePlan:
         """Plan again with the pace this run has kept since the loop started (``loop_started``:
         its first step and the clock then), ``step`` steps and ``elapsed_s`` seconds in: the
         slowest rank's pace and clock, so that every rank plans the same steps."""
+        assert self.costs is not None  # correct_at, which calls for a correction, is set with them (fix)
         first_step, first_s = loop_started
         done = step - first_step
         evals = done // self.eval_every if self.eval_every else 0
@@ -222,6 +232,7 @@ class TimePlan:
 
     def describe(self) -> str:
         c = self.costs
+        assert c is not None  # described once planned (fix)
         return (
             f"planned {self.max_steps} steps to fill the time budget: a step takes {c.step_s:.3g}s, "
             f"an evaluation {c.eval_s:.3g}s, a checkpoint {c.save_s:.3g}s (measured at the start)"

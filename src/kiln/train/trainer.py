@@ -15,7 +15,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch import nn
@@ -30,7 +30,7 @@ from kiln.distributed.world import init_world
 from kiln.io import directory_problem
 from kiln.observe import NullLogger, open_logger
 from kiln.observe.profiler import StepProfiler
-from kiln.train.checkpointer import Checkpointer
+from kiln.train.checkpointer import Checkpointer, Stateful
 from kiln.train.faults import faults_for
 from kiln.train.guard import Guard, first_non_finite_module
 from kiln.train.jobs import EvalContext, Job, ModuleJob, job_for, resolve_config
@@ -129,7 +129,7 @@ class Trainer:
             world, t.log_every, schedule, tokens_per_sample=job.tokens_per_sample, flops_per_token=job.flops_per_token
         )
         self.time_plan = TimePlan(cfg)
-        parts = {
+        parts: dict[str, Stateful] = {
             "precision": self.precision,
             "memory": self.ladder,
             "guard": self.guard,
@@ -173,20 +173,18 @@ class Trainer:
                     self.ladder.find_micro_batch(self.batches, self.step, logger)
                 if plan.needs_probe:  # only the process that plans corrects its plan later
                     self._plan_steps(logger, clock)
-                logger.total_steps = plan.max_steps
-                write_run_files(self.run_dir, self.cfg, self.world, self.model.module, plan.max_steps)
-            if self.step >= plan.max_steps:
-                self._say(
-                    f"kiln: already trained to step {self.step} (train.max_steps={plan.max_steps}); nothing to do"
-                )
+                logger.total_steps = plan.steps
+                write_run_files(self.run_dir, self.cfg, self.world, self.model.module, plan.steps)
+            if self.step >= plan.steps:
+                self._say(f"kiln: already trained to step {self.step} (train.max_steps={plan.steps}); nothing to do")
                 return result
             batches = self.batches.loader(self.step)
             self.meter.start_clock()
             loop_started = (self.step, clock.elapsed())
-            while self.step < plan.max_steps:
+            while self.step < plan.steps:
                 clock.step_started()
                 self.profiler.step_begins(self.step + 1)
-                lr = lr_at(self.step, self.cfg.train, plan.max_steps) * self.guard.lr_scale
+                lr = lr_at(self.step, self.cfg.train, plan.steps) * self.guard.lr_scale
                 with phase("data", self.step):
                     # This rank's share of the step's global batch, kept until the step is done
                     # so that a retry after running out of memory sees the same sequences.
@@ -201,14 +199,14 @@ class Trainer:
                 self.profiler.step_ends(self.step)
                 if self.step == plan.correct_at:  # with the pace kept so far (see TimePlan)
                     plan.correct_pace(self.world, self.step, loop_started, clock.elapsed(), logger)
-                    logger.total_steps = plan.max_steps
-                    write_run_files(self.run_dir, self.cfg, self.world, self.model.module, plan.max_steps)
+                    logger.total_steps = plan.steps
+                    write_run_files(self.run_dir, self.cfg, self.world, self.model.module, plan.steps)
                 # The run ends at max_steps, or early when the next step would overrun the time
                 # budget; either way it ends with an evaluation and a checkpoint. Ranks decide
                 # together, or one would wait forever in a collective the others skipped.
                 with phase("agree", self.step):
                     out_of_time, stop.requested = self.world.agree(clock.next_step_overruns(), stop.requested)
-                final = self.step == plan.max_steps or out_of_time
+                final = self.step == plan.steps or out_of_time
                 if self.meter.due(self.step, final or stop.requested):
                     result.metrics, rollback = self._log(logger, lr, clock.elapsed())
                     if rollback:  # the meter, its clock too, is restored with the checkpoint
@@ -224,11 +222,11 @@ class Trainer:
                             stop.requested = True  # set, never cleared: a signal may have set it meanwhile
                     if self.checkpointer.due(self.step, final or stop.requested):
                         self.save()
-                if out_of_time and self.step < plan.max_steps:
+                if out_of_time and self.step < plan.steps:
                     result.out_of_time = True
                     self._say(
                         f"kiln: time budget {self.cfg.train.time_budget} reached at step {self.step}/"
-                        f"{plan.max_steps}; run the same command again to continue"
+                        f"{plan.steps}; run the same command again to continue"
                     )
                     break
                 if stop.requested:
@@ -292,6 +290,7 @@ class Trainer:
     def _locate_non_finite(self, step: int) -> str | None:
         """The first module whose output is non-finite when ``step``'s batch runs again."""
         micro_batches = split_batch(self.batches.batch(step, self.device), self.micro_batch_size)
+        assert self.model.whole is not None  # only called where this rank holds the whole model (_log)
         return first_non_finite_module(self.model.whole, lambda: self.train_step.replay(micro_batches, step))
 
     def _evaluate(self, logger) -> dict[str, Any] | None:
@@ -301,12 +300,12 @@ class Trainer:
         ctx = EvalContext(self.step, self.device, self.micro_batch_size, self.precision, self.model.generates)
         try:
             with torch.no_grad(), self.precision.autocast():
-                metrics = self.job.evaluate(self.model.eval_forward, ctx)
+                metrics = self.job.evaluate(cast(nn.Module, self.model.eval_forward), ctx)  # or a stand-in called alike
                 if metrics is not None:
                     # Scalars as floats; a confusion matrix, say, stays a list (metrics.jsonl only).
                     metrics = {k: v if isinstance(v, (list, dict)) else float(v) for k, v in metrics.items()}
                     logger.log(self.step, metrics)
-                if (sample := self.job.sample(self.model.eval_forward, ctx)) is not None:
+                if (sample := self.job.sample(cast(nn.Module, self.model.eval_forward), ctx)) is not None:
                     logger.text(self.step, "sample", sample)
         finally:
             module.train(was_training)
@@ -316,7 +315,7 @@ class Trainer:
         """``on_evaluate``'s answer (rank 0's), the same on every rank."""
         if self.on_evaluate is None or metrics is None:
             return False
-        halt = self.world.is_main and bool(self.on_evaluate(self.step, metrics, self.time_plan.max_steps))
+        halt = self.world.is_main and bool(self.on_evaluate(self.step, metrics, self.time_plan.steps))
         return self.world.agree(halt)[0]
 
     def _say(self, msg: str) -> None:

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch import nn
@@ -57,9 +57,10 @@ class GPTFamily(ModelFamily):
         return GPTConfig(**values)
 
     def describe(self, model_cfg: ModelConfig, args: GPTConfig, model: nn.Module) -> str:
+        gpt = cast(GPT, model)  # this family's model
         return (
-            f"{model_cfg.preset}: {model.num_params():,} parameters "
-            f"({model.num_params(exclude_embedding=True):,} without embeddings), "
+            f"{model_cfg.preset}: {gpt.num_params():,} parameters "
+            f"({gpt.num_params(exclude_embedding=True):,} without embeddings), "
             f"{args.n_layer} layers, d_model {args.d_model}, vocab {args.vocab_size}"
         )
 

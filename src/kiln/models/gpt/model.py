@@ -9,7 +9,9 @@ a fused projection + cross-entropy that never holds the full [tokens, vocab] log
 from __future__ import annotations
 
 import math
+from collections.abc import Iterable
 from dataclasses import dataclass
+from typing import cast
 
 import torch
 import torch.nn.functional as F
@@ -150,6 +152,9 @@ class Block(nn.Module):
 
 
 class GPT(nn.Module):
+    rope_cos: torch.Tensor
+    rope_sin: torch.Tensor
+
     def __init__(self, config: GPTConfig):
         super().__init__()
         self.config = config
@@ -179,7 +184,7 @@ class GPT(nn.Module):
         # Scaled residual init: 2 * n_layer branches add into the residual stream, so shrinking
         # each one's output keeps the stream's variance at init independent of depth.
         residual_std = cfg.init_std / math.sqrt(2 * cfg.n_layer)
-        for block in self.blocks:
+        for block in cast("Iterable[Block]", self.blocks):
             nn.init.normal_(block.attn.wo.weight, mean=0.0, std=residual_std)
             nn.init.normal_(block.mlp.w2.weight, mean=0.0, std=residual_std)
         cos, sin = rope_tables(cfg.head_dim, cfg.max_seq_len, cfg.rope_theta, self.rope_cos.device)

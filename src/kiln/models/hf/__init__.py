@@ -16,7 +16,7 @@ import dataclasses
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol, cast
 
 import torch
 import torch.nn.functional as F
@@ -74,9 +74,26 @@ class HFArgs:
         return config
 
 
+class _Transformers(Protocol):
+    """What kiln calls on a ``transformers`` model (PEFT's wrapper of one forwards these to it)."""
+
+    @property
+    def base_model(self) -> nn.Module: ...
+
+    def get_output_embeddings(self) -> nn.Module | None: ...
+
+    def init_weights(self) -> None: ...
+
+
+class _PeftWrapper(Protocol):
+    """PEFT's wrapper of a ``transformers`` model."""
+
+    def get_base_model(self) -> nn.Module: ...
+
+
 def _base(hf: nn.Module) -> nn.Module:
     """The ``transformers`` model itself, under a PEFT (LoRA) wrapper if there is one."""
-    return hf.get_base_model() if hasattr(hf, "get_base_model") else hf
+    return cast(_PeftWrapper, hf).get_base_model() if hasattr(hf, "get_base_model") else hf
 
 
 class CausalLM(nn.Module):
@@ -87,7 +104,7 @@ class CausalLM(nn.Module):
         super().__init__()
         self.hf = hf
         config = hf.config
-        head = hf.get_output_embeddings()
+        head = cast(_Transformers, hf).get_output_embeddings()
         self.fused = (
             isinstance(head, nn.Linear)
             and head.bias is None
@@ -95,7 +112,7 @@ class CausalLM(nn.Module):
         )
 
     def init_weights(self) -> None:
-        self.hf.init_weights()
+        cast(_Transformers, self.hf).init_weights()
 
     def forward(
         self, input_ids, labels=None, attention_mask=None, position_ids=None, token_type_ids=None, targets=None
@@ -110,9 +127,10 @@ class CausalLM(nn.Module):
         if not self.fused:
             logits = self.hf(**inputs, use_cache=False).logits[:, keep]
             return F.cross_entropy(logits.flatten(0, 1).float(), targets)
-        hf = _base(self.hf)
+        hf = cast(_Transformers, _base(self.hf))
         hidden = hf.base_model(**inputs, use_cache=False).last_hidden_state[:, keep]
-        return linear_cross_entropy(hidden.flatten(0, 1), hf.get_output_embeddings().weight, targets)
+        head = cast(nn.Linear, hf.get_output_embeddings())  # fused: a Linear head (checked in __init__)
+        return linear_cross_entropy(hidden.flatten(0, 1), head.weight, targets)
 
 
 class SequenceClassifier(nn.Module):
@@ -123,7 +141,7 @@ class SequenceClassifier(nn.Module):
         self.hf = hf
 
     def init_weights(self) -> None:
-        self.hf.init_weights()
+        cast(_Transformers, self.hf).init_weights()
 
     def forward(self, input_ids, labels=None, attention_mask=None, position_ids=None, token_type_ids=None):
         logits = self.hf(input_ids=input_ids, attention_mask=attention_mask, token_type_ids=token_type_ids).logits
@@ -293,7 +311,7 @@ class HFFamily(ModelFamily):
         return HFNames(args)
 
     def transformers_model(self, model: nn.Module) -> nn.Module:
-        return model.hf
+        return cast(nn.Module, model.hf)  # the submodule of this family's CausalLM or SequenceClassifier
 
     def context_length(self, args: HFArgs) -> int | None:
         return getattr(args.hf_config(), "max_position_embeddings", None)

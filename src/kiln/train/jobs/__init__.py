@@ -9,6 +9,7 @@ command gets its job from.
 from __future__ import annotations
 
 import dataclasses
+from typing import Literal
 
 from kiln.config import Config, ConfigError, validate
 from kiln.device import resolve_device, resolve_precision
@@ -22,7 +23,7 @@ JOBS: dict[str, type[Job]] = {"lm": LMJob, "finetune": FineTuneJob}
 __all__ = ["EvalContext", "FineTuneJob", "Job", "LMJob", "LoadedRun", "ModuleJob", "job_for", "resolve_config"]
 
 
-def resolve_config(cfg: Config, job: str | None = None) -> Config:
+def resolve_config(cfg: Config, job: Literal["lm", "finetune", "module"] | None = None) -> Config:
     """``cfg``, validated, with what its "auto" values mean here made concrete: the job kind
     (``run.job``, or ``job`` if given) and the precision on the device of ``run.device``. This is
     the one place a run's config changes; from here on it is only read."""

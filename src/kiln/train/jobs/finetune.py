@@ -111,7 +111,7 @@ class FineTuneJob(Job):
         else:
             data = prepare_eval(source, cfg.data, task, run.tokenizer, seq_len, tuple(run.args.labels))
         device = next(run.model.parameters()).device
-        metrics = evaluate(self.family, run.model, data, batch_size or cfg.train.micro_batch_size, device)
+        metrics = evaluate(self.family, run.model, data, batch_size or cfg.train.nominal_micro_batch, device)
         return {**metrics, "step": run.step, "records": len(data.val.rows)}
 
 

@@ -49,8 +49,7 @@ class LMJob(Job):
             )
         # A fixed validation sample, scored in chunks of the micro-batch in use at the time (the
         # out-of-memory ladder may lower it); with "auto", sized as if the micro-batch were 8.
-        micro = cfg.train.micro_batch_size
-        self.fixed_val = val_batches(val_data, 8 if micro == "auto" else micro, cfg.eval.batches)
+        self.fixed_val = val_batches(val_data, cfg.train.nominal_micro_batch, cfg.eval.batches)
         self.token_bytes = torch.from_numpy(prepared.token_bytes())
         self.tokens_per_sample = seq_len
         self.flops_per_token = family.flops_per_token(self.args, seq_len)
@@ -127,7 +126,7 @@ class LMJob(Job):
         if source:  # no training source: every document of ``source`` is val
             data_cfg = dataclasses.replace(data_cfg, source="", val_source=source)
         prepared = prepare(data_cfg)
-        batch = batch_size or cfg.train.micro_batch_size
+        batch = batch_size or cfg.train.nominal_micro_batch
         val = TokenSequences(prepared.tokens("val"), cfg.data.seq_len)
         if source:
             batches = covering_batches(val, batch)[:max_batches]
