@@ -41,6 +41,7 @@ def test_bad_data_path_exits_2(tmp_path):
     assert not (tmp_path / "run").exists()
 
 
+@pytest.mark.slow
 def test_sigkill_then_resume_is_bitwise_identical(tmp_path, corpus_dir):
     """Kill a run with SIGKILL mid-way, resume it, and compare with an uninterrupted run:
     accumulation 2, two loader workers, CPU fp32. Checkpoints (every 3) fall inside log
@@ -77,6 +78,7 @@ def test_sigkill_then_resume_is_bitwise_identical(tmp_path, corpus_dir):
     assert {"python", "numpy", "torch"} <= set(state_a["rng"])
 
 
+@pytest.mark.slow
 def test_two_runs_of_one_seed_write_the_same_checkpoints(tmp_path, corpus_dir):
     """Separate processes, so Python's and NumPy's generators start from the seed, not from
     whatever a process inherited: every entry of the checkpoints is equal but the wall clock."""

@@ -5,6 +5,7 @@ import os
 import signal
 import time
 
+import pytest
 import torch
 
 from kiln.checkpoint import latest_checkpoint
@@ -13,6 +14,7 @@ from kilnrun import losses, start
 from layouts import STEPS, layout_sets, train_on, weights, workers
 
 
+@pytest.mark.slow
 def test_killing_every_rank_during_a_background_write_resumes_from_the_previous_checkpoint(
     tmp_path, corpus_dir, fsdp_run
 ):

@@ -71,6 +71,7 @@ def test_a_sharded_checkpoint_exports_like_a_whole_one(tmp_path, fsdp_run, singl
         ("ddp", 4, {"parallel__tp": 2}),  # tensor parallel over both ranks, data-parallel degree 1
     ],
 )
+@pytest.mark.slow
 def test_sharded_strategies_equal_one_process(tmp_path, corpus_dir, single, strategy, micro, extra):
     run_dir = tmp_path / "run"
     train_on(2, layout_sets(run_dir, corpus_dir, micro=micro, parallel__strategy=strategy, **extra))
@@ -80,6 +81,7 @@ def test_sharded_strategies_equal_one_process(tmp_path, corpus_dir, single, stra
     assert sorted(p.name for p in state.glob("*.distcp")) == ["__0_0.distcp", "__1_0.distcp"]
 
 
+@pytest.mark.slow
 def test_out_of_memory_on_ranks_restarts_at_the_smaller_micro_batch(tmp_path, corpus_dir, single):
     """Ranks cannot retry a step alone (the others wait in collectives): the rung is saved in
     memory.json, the agent restarts the group, and the run resumes from its checkpoint there."""
@@ -94,6 +96,7 @@ def test_out_of_memory_on_ranks_restarts_at_the_smaller_micro_batch(tmp_path, co
     assert_same_training(run_dir, single)
 
 
+@pytest.mark.slow
 def test_fsdp_bf16_computes_in_bf16_and_keeps_fp32_weights(tmp_path, corpus_dir, single):
     run_dir = tmp_path / "bf16"
     train_on(2, layout_sets(run_dir, corpus_dir, micro=2, parallel__strategy="fsdp", train__precision="bf16"))
@@ -109,12 +112,14 @@ def test_fsdp_bf16_computes_in_bf16_and_keeps_fp32_weights(tmp_path, corpus_dir,
     assert dtypes and set(dtypes.values()) == {torch.float32}, dtypes
 
 
+@pytest.mark.slow
 def test_fsdp_times_tensor_parallel_on_four_ranks(tmp_path, corpus_dir, single):
     run_dir = tmp_path / "2d"
     train_on(4, layout_sets(run_dir, corpus_dir, micro=2, parallel__strategy="fsdp", parallel__tp=2), timeout=400)
     assert_same_training(run_dir, single)
 
 
+@pytest.mark.slow
 def test_an_fsdp_checkpoint_resumes_in_one_process(tmp_path, corpus_dir, fsdp_run, single):
     run_dir = resumable_copy(fsdp_run, tmp_path / "run", 3)
     proc = in_process("train", *layout_sets(run_dir, corpus_dir, micro=4))
@@ -122,6 +127,7 @@ def test_an_fsdp_checkpoint_resumes_in_one_process(tmp_path, corpus_dir, fsdp_ru
     assert_same_training(run_dir, single, steps=range(4, STEPS + 1))
 
 
+@pytest.mark.slow
 def test_a_one_process_checkpoint_resumes_on_two_fsdp_ranks(tmp_path, corpus_dir, single):
     run_dir = resumable_copy(single, tmp_path / "run", 3)
     proc = train_on(2, layout_sets(run_dir, corpus_dir, micro=2, parallel__strategy="fsdp"))
@@ -129,6 +135,7 @@ def test_a_one_process_checkpoint_resumes_on_two_fsdp_ranks(tmp_path, corpus_dir
     assert_same_training(run_dir, single, steps=range(4, STEPS + 1))
 
 
+@pytest.mark.slow
 def test_rank_errors_name_the_rank(tmp_path, corpus_dir):
     sets = layout_sets(tmp_path / "run", corpus_dir, micro=8)  # global 8 is not a multiple of 8 x 2 ranks
     proc = train_on(2, sets, check=False)
@@ -144,6 +151,7 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+@pytest.mark.slow
 def test_two_nodes_meet_at_a_c10d_rendezvous(tmp_path, corpus_dir, single):
     run_dir = tmp_path / "nodes"
     port = _free_port()
@@ -155,6 +163,7 @@ def test_two_nodes_meet_at_a_c10d_rendezvous(tmp_path, corpus_dir, single):
     assert_same_training(run_dir, single)
 
 
+@pytest.mark.slow
 def test_elastic_restart_after_a_worker_is_killed(tmp_path, corpus_dir):
     steps = 60
     extra = dict(train__max_steps=steps, checkpoint__every=10, train__log_every=1)
@@ -218,6 +227,7 @@ def test_nccl_on_every_visible_gpu(tmp_path, corpus_dir, strategy):
         assert got[step] == pytest.approx(want[step], rel=1e-3)
 
 
+@pytest.mark.slow
 def test_time_planned_run_agrees_over_ranks(tmp_path, corpus_dir):
     """max_steps=auto on 2 ranks: they probe the same number of steps (a rank stopping on its own
     clock would leave the other in a collective), plan the same run from the slowest costs and

@@ -63,6 +63,7 @@ def pipelined(tmp_path_factory, corpus_dir) -> Path:
         ("interleaved_1f1b", {"parallel__pp_virtual_stages": 2}, 1),
     ],
 )
+@pytest.mark.slow
 def test_two_stages_train_as_one_process(tmp_path, corpus_dir, single_by, schedule, extra, piece):
     run_dir = tmp_path / "pp"
     # Micro-batches of 4 with accumulation 2; each cut into 4 / piece pipeline micro-batches.
@@ -74,6 +75,7 @@ def test_two_stages_on_1f1b_train_as_one_process(pipelined, single_by):
     assert_same_training(pipelined, single_by(2))
 
 
+@pytest.mark.slow
 def test_tied_embeddings_are_pipelined(tmp_path, corpus_dir, single_by):
     """The first and the last stage each hold a copy of the tied matrix; their gradients are
     summed, so the copies stay equal and train as the one matrix of a single process."""
@@ -109,6 +111,7 @@ def test_pipeline_times_tensor_parallel_on_four_ranks(tmp_path, corpus_dir, sing
     assert_same_training(run_dir, single_by(2), atol=3e-4)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("then", ["single", "dp2"])
 def test_a_pipeline_checkpoint_resumes_in_another_layout(tmp_path, corpus_dir, pipelined, single_by, then):
     run_dir = resumable_copy(pipelined, tmp_path / "run", 3)
@@ -122,6 +125,7 @@ def test_a_pipeline_checkpoint_resumes_in_another_layout(tmp_path, corpus_dir, p
     assert "val_loss" in in_process("eval", pipelined).stdout
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("tie", ["false", "true"])
 def test_a_whole_model_checkpoint_resumes_as_a_pipeline(tmp_path, corpus_dir, single_by, tie):
     """Each stage takes its layers of a one-process checkpoint (and a tied matrix's optimizer
@@ -133,6 +137,7 @@ def test_a_whole_model_checkpoint_resumes_as_a_pipeline(tmp_path, corpus_dir, si
     assert_same_training(run_dir, ref, steps=range(4, STEPS + 1))
 
 
+@pytest.mark.slow
 def test_a_killed_pipeline_resumes_bitwise(tmp_path, corpus_dir):
     steps = 60
 

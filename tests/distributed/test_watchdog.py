@@ -46,6 +46,7 @@ def _logged_step(run_dir: Path) -> int:
     return max(losses(run_dir), default=0) if (run_dir / "metrics.jsonl").exists() else 0
 
 
+@pytest.mark.slow
 def test_a_hung_rank_is_named_dumped_and_the_job_restarts_from_its_checkpoint(tmp_path, corpus_dir):
     ref = tmp_path / "uninterrupted"
     train_on(2, _watched(ref, corpus_dir))  # the watchdog raises no false alarm either
@@ -81,6 +82,7 @@ def test_a_hung_rank_is_named_dumped_and_the_job_restarts_from_its_checkpoint(tm
         torch.testing.assert_close(a, b, rtol=0, atol=0, msg=name)
 
 
+@pytest.mark.slow
 def test_a_slowed_rank_is_named_a_straggler_and_usr1_dumps_a_ranks_stacks(tmp_path, corpus_dir):
     run_dir = tmp_path / "slow"
     # Each forward pass of rank 1 takes 0.25 s longer; a step has two.

@@ -146,6 +146,7 @@ def test_bad_input_is_one_line_and_writes_nothing(gpt_run, tmp_path, capsys):
         main(["export", str(gpt_run), "--format", "tflite", "--out", str(out)])
 
 
+@pytest.mark.slow
 def test_onnx_runs_in_onnx_runtime_and_int8_keeps_perplexity(gpt_run, tmp_path):
     out = tmp_path / "onnx"
     assert main(["export", str(gpt_run), "--format", "onnx", "--out", str(out)]) == 0
@@ -160,6 +161,7 @@ def test_onnx_runs_in_onnx_runtime_and_int8_keeps_perplexity(gpt_run, tmp_path):
         assert abs(ppl["int8"]["perplexity"] / ppl["float"]["perplexity"] - 1) <= 0.05
 
 
+@pytest.mark.slow
 @pytest.mark.slow
 def test_a_fine_tuned_classifier_exports_and_int8_keeps_its_accuracy(tmp_path, hf_bert):
     source = write_jsonl(tmp_path / "cls.jsonl", learnable_classes())

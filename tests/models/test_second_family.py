@@ -57,6 +57,7 @@ def test_it_trains_and_resumes_exactly(tmp_path, corpus_dir, toy_run):
     assert ev["step"] == 12 and ev["val_loss"] > 0
 
 
+@pytest.mark.slow
 @pytest.mark.dist
 def test_tensor_parallel_on_two_ranks_equals_one_process(tmp_path, corpus_dir, toy_run):
     single = toy_run

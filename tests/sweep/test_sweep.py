@@ -20,7 +20,7 @@ from kiln.sweep.study import trial_lock
 from conftest import tiny_overrides
 
 pytest.importorskip("optuna")  # kiln[sweep]
-pytestmark = [pytest.mark.slow, pytest.mark.e2e]  # every test runs sweeps of real training processes
+pytestmark = pytest.mark.e2e
 
 
 RANK_PROBE = Path(__file__).with_name("rank_probe")
@@ -95,6 +95,7 @@ def lr_study(tmp_path_factory, corpus_dir):
     return study, space, sets, first, second
 
 
+@pytest.mark.slow
 def test_a_learning_rate_sweep_finds_a_good_rate_and_prunes_a_bad_one(lr_study):
     study, _, _, first, second = lr_study
     rows = _rows(study)
@@ -123,6 +124,7 @@ def test_a_learning_rate_sweep_finds_a_good_rate_and_prunes_a_bad_one(lr_study):
     assert "trial" in second.stdout and "PRUNED" in second.stdout  # the table
 
 
+@pytest.mark.slow
 def test_best_toml_trains_again_to_the_same_val_loss(lr_study, tmp_path):
     study = lr_study[0]
     best = min((r for r in _rows(study) if r["state"] == "COMPLETE"), key=lambda r: float(r["value"]))
@@ -140,6 +142,7 @@ def test_best_toml_trains_again_to_the_same_val_loss(lr_study, tmp_path):
     assert _val_losses(again) == _val_losses(Path(best["run_dir"]))
 
 
+@pytest.mark.slow
 def test_continuing_with_another_setup_is_refused(lr_study):
     study, space, sets, _, _ = lr_study
     other = _space(space.with_name("other.toml"), LR_SPACE.replace("3e-2", "1e-1"))
@@ -149,6 +152,7 @@ def test_continuing_with_another_setup_is_refused(lr_study):
     assert len(_rows(study)) == 4
 
 
+@pytest.mark.slow
 def test_a_killed_sweep_continues_its_trial_from_its_checkpoint(tmp_path, corpus_dir):
     """SIGKILL to the sweep's process group mid-trial: the trial's process checkpoints and exits
     (it is not left running), and the same command finishes the study: the finished trial is
@@ -211,6 +215,7 @@ def test_an_objective_the_trials_do_not_log_stops_the_sweep(tmp_path, corpus_dir
     assert _checkpoints(study / "trials" / "0000") == [2]  # stopped at its first evaluation
 
 
+@pytest.mark.slow
 def test_two_sweep_processes_share_one_grid(tmp_path, corpus_dir):
     """8 grid points, two sweep processes on one study directory (one running two trials at a
     time): each point runs exactly once, by one of them, and both finish with the whole study."""
@@ -242,6 +247,7 @@ def test_two_sweep_processes_share_one_grid(tmp_path, corpus_dir):
         assert threads == (max(1, _cores() // 2) if int(r["number"]) in started[0] else 0)
 
 
+@pytest.mark.slow
 @pytest.mark.dist
 def test_trials_on_two_ranks_share_their_values_and_stop_together_when_pruned(tmp_path, corpus_dir):
     space, study = _space(tmp_path / "space.toml"), tmp_path / "study"

@@ -81,6 +81,7 @@ def test_a_failed_background_write_raises_at_the_next_wait(tmp_path):
     assert not list(ckpt.dir.glob(".tmp-*"))  # the failed write's leftovers are gone
 
 
+@pytest.mark.slow
 def test_sigkill_during_a_background_write_resumes_from_the_previous_checkpoint(tmp_path, corpus_dir):
     """Kill the process while step 8 is written (slowly) and training goes on past it: the newest
     complete checkpoint is step 4, and resuming from it ends bitwise where a synchronous run does."""

@@ -66,6 +66,7 @@ def test_logged_global_batch_and_tokens_follow_the_ramp(tmp_path):
     assert result.step == 12
 
 
+@pytest.mark.slow
 def test_sigkill_mid_ramp_resumes_bitwise(tmp_path, corpus_dir):
     steps, ramp = 160, 150  # stages of 2, 4 and 6 sequences, 50 steps each, then 8
 

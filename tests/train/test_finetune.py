@@ -70,6 +70,7 @@ def sft(tmp_path_factory) -> Path:
 # -- token-exact normalisation -----------------------------------------------------------------
 
 
+@pytest.mark.slow
 @pytest.mark.dist
 def test_gradients_are_equal_whatever_the_accumulation_and_world_size(tmp_path, sft, hf_llama):
     def sets(micro, **kw):
@@ -278,6 +279,7 @@ def _kill_and_resume(tmp_path, sets: list[str], kill_after: int):
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
 
+@pytest.mark.slow
 def test_sigkill_and_resume_is_bitwise_for_causal_lm(tmp_path, sft, hf_llama):
     _kill_and_resume(
         tmp_path,
@@ -286,6 +288,7 @@ def test_sigkill_and_resume_is_bitwise_for_causal_lm(tmp_path, sft, hf_llama):
     )
 
 
+@pytest.mark.slow
 def test_sigkill_and_resume_is_bitwise_for_classification(tmp_path, hf_bert):
     source = write_jsonl(tmp_path / "cls.jsonl", learnable_classes(120))
     _kill_and_resume(
@@ -311,6 +314,7 @@ def single(tmp_path_factory, sft, hf_llama) -> Path:
     return run
 
 
+@pytest.mark.slow
 @pytest.mark.dist
 @pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
 def test_two_ranks_equal_one_process(tmp_path, sft, hf_llama, single, strategy):
@@ -396,6 +400,7 @@ def test_bf16_fine_tuning_runs(tmp_path, sft, hf_llama):
     assert result.step == 8 and 0 < result.metrics["loss"] < 10
 
 
+@pytest.mark.slow
 @pytest.mark.dist
 def test_llama_class_models_split_over_two_tensor_parallel_ranks(tmp_path, sft, hf_llama, single):
     run = tmp_path / "tp"

@@ -178,6 +178,7 @@ def test_qlora_learns_resumes_exactly_and_exports_merged(qlora_run, tmp_path, sf
     _resume_and_export(qlora_run, tmp_path, sft, hf_llama)
 
 
+@pytest.mark.slow
 @pytest.mark.dist
 def test_two_ddp_ranks_give_the_losses_of_one_process(qlora_run, tmp_path, sft, hf_llama):
     run = tmp_path / "ddp"

@@ -71,6 +71,7 @@ def _records(run):
     return [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
 
 
+@pytest.mark.slow
 def test_auto_fills_the_budget_ends_the_schedule_and_resumes_exactly(tmp_path, corpus_dir):
     """A planned run ends its schedule at its last step, inside the budget; the probe leaves no
     trace (the same steps given as a number train the same weights); SIGKILL + resume keeps the
