@@ -1,5 +1,5 @@
 import sys
 
-from kiln.cli import main
+from kiln.cli import command
 
-sys.exit(main())
+sys.exit(command())
