@@ -8,7 +8,6 @@ import json
 import os
 import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -18,7 +17,7 @@ from kiln.config import tomllib
 from kiln.sweep.study import trial_lock
 
 from conftest import tiny_overrides
-from kilnrun import in_process
+from kilnrun import command, in_process, kiln
 
 pytest.importorskip("optuna")  # kiln[sweep]
 pytestmark = pytest.mark.e2e
@@ -37,21 +36,16 @@ def _sets(corpus: Path, **extra) -> list[str]:
     return [a for item in items for a in ("--set", item)]
 
 
+def _args(study: Path, space: Path, sets: list[str], *args: str) -> list[str]:
+    return ["sweep", *sets, "--space", str(space), "--study-dir", str(study), *args]
+
+
 def _command(study: Path, space: Path, sets: list[str], *args: str) -> list[str]:
-    return [sys.executable, "-m", "kiln", "sweep", *sets, "--space", str(space), "--study-dir", str(study), *args]
+    return command(*_args(study, space, sets, *args))
 
 
-def _sweep(study, space, sets, *args, env=None, check=True, timeout=400) -> subprocess.CompletedProcess:
-    proc = subprocess.run(
-        _command(study, space, sets, *args),
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-        env={**os.environ, **(env or {})},
-    )
-    if check:
-        assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    return proc
+def _sweep(study, space, sets, *args, env=None, check=True) -> subprocess.CompletedProcess:
+    return kiln(*_args(study, space, sets, *args), env=env, check=check, timeout=400)
 
 
 def _space(path: Path, text: str = LR_SPACE) -> Path:
@@ -132,13 +126,7 @@ def test_best_toml_trains_again_to_the_same_val_loss(lr_study, tmp_path):
     config = tomllib.loads((study / "best.toml").read_text())
     assert config["train"]["lr"] == float(best["train.lr"])
     again = tmp_path / "again"
-    proc = subprocess.run(
-        [sys.executable, "-m", "kiln", "train", str(study / "best.toml"), "--set", f"run.dir={again}"],
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    kiln("train", study / "best.toml", "--set", f"run.dir={again}")
     assert _val_losses(again)[-1] == float(best["value"])  # to the last bit
     assert _val_losses(again) == _val_losses(Path(best["run_dir"]))
 
@@ -160,8 +148,13 @@ def test_a_killed_sweep_continues_its_trial_from_its_checkpoint(tmp_path, corpus
     kept, the interrupted one resumes and trains as if never stopped, nothing runs twice."""
     space, study = _space(tmp_path / "space.toml"), tmp_path / "study"
     sets = _sets(corpus_dir, train__max_steps=20, eval__every=10, checkpoint__every=5)
-    command = _command(study, space, sets, "--trials", "2", "--pruner", "none")
-    sweep = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    args = ("--trials", "2", "--pruner", "none")
+    sweep = subprocess.Popen(
+        _command(study, space, sets, *args),
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        start_new_session=True,
+    )
     second = study / "trials" / "0001"
     deadline = time.time() + 240
     steps = []
@@ -182,8 +175,7 @@ def test_a_killed_sweep_continues_its_trial_from_its_checkpoint(tmp_path, corpus
     stopped_at = _checkpoints(second)[-1]
     assert steps[-1] <= stopped_at < 20  # it saved where it stopped, not only at its last 5-step checkpoint
 
-    proc = subprocess.run(command, capture_output=True, text=True, timeout=400)
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    proc = _sweep(study, space, sets, *args)
     assert "trial 1 was left running by a sweep that stopped; continuing it" in proc.stdout
     assert "trial 0 started" not in proc.stdout and "trial 0 was left" not in proc.stdout  # finished, kept
     rows = _rows(study)

@@ -1,6 +1,5 @@
 """The search space file: what it accepts, and one clear line per problem before any trial runs."""
 
-import subprocess
 import sys
 from pathlib import Path
 
@@ -9,6 +8,8 @@ import pytest
 from kiln.config import ConfigError
 from kiln.sweep.space import Param, load_space
 from kiln.sweep.study import import_optuna
+
+from kilnrun import kiln
 
 
 def _space(tmp_path, text: str) -> Path:
@@ -105,12 +106,7 @@ def test_the_command_refuses_a_bad_space_with_exit_2_and_writes_nothing(tmp_path
         "[train.lrr]\ntype = 'float'\nlow = 1e-4\nhigh = 1e-2\n[train.schedule]\ntype = 'categorical'\nchoices = []\n",
     )
     study = tmp_path / "study"
-    proc = subprocess.run(
-        [sys.executable, "-m", "kiln", "sweep", "--space", str(space), "--study-dir", str(study), "--trials", "2"],
-        capture_output=True,
-        text=True,
-        cwd=tmp_path,
-    )
+    proc = kiln("sweep", "--space", space, "--study-dir", study, "--trials", "2", check=False, cwd=tmp_path)
     assert proc.returncode == 2, proc.stderr
     assert proc.stderr.splitlines() == [
         f"kiln: config error: {space}: [train.lrr] unknown config key; did you mean train.lr?",
