@@ -71,6 +71,18 @@ def test_compile_and_activation_checkpointing_on_cuda(tmp_path):
     assert result.metrics["loss"] < 3.0
 
 
+@pytest.mark.skipif(
+    not torch.cuda.is_available() or torch.cuda.get_device_capability() < (8, 9), reason="float8 needs sm_89+"
+)
+@pytest.mark.parametrize("recipe", ["tensorwise", "rowwise"])
+def test_fp8_training_with_compile_learns_as_bf16_does(tmp_path, recipe):
+    pytest.importorskip("torchao")
+    trainer, result = _fit(tmp_path, "fp8", **{"train.compile": "true", "train.fp8_recipe": recipe})
+    assert type(trainer.model.module.get_submodule("blocks.0.mlp.w1")).__name__ == "Float8Linear"
+    _, bf16 = _fit(tmp_path / "reference", "bf16")
+    assert abs(result.metrics["loss"] - bf16.metrics["loss"]) / bf16.metrics["loss"] < 0.05
+
+
 def test_flash_attention_kernel_runs():
     from torch.nn.attention import SDPBackend, sdpa_kernel
 

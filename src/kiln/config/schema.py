@@ -232,10 +232,16 @@ class TrainConfig:
     """Clip gradients to this global L2 norm; 0 turns clipping off."""
     seed: int = 1337
     """Seed for initialisation, data order and sampling."""
-    precision: Literal["auto", "fp32", "bf16", "fp16"] = "auto"
-    """Numeric precision: fp32, bf16 (autocast), fp16 (autocast with a gradient scaler), or auto:
-    bf16 on a CUDA GPU that computes it natively (compute capability 8.0+), fp32 elsewhere. A
-    run's config.toml records what auto became."""
+    precision: Literal["auto", "fp32", "bf16", "fp16", "fp8"] = "auto"
+    """Numeric precision: fp32, bf16 (autocast), fp16 (autocast with a gradient scaler), fp8
+    (float8 training: the model's linear layers multiply in float8 with dynamic scales, as
+    train.fp8_recipe says, everything else in bf16; needs torchao and, to be faster than bf16, a
+    GPU of compute capability 8.9+ such as the H100), or auto: bf16 on a CUDA GPU that computes it
+    natively (compute capability 8.0+), fp32 elsewhere. A run's config.toml records what auto
+    became."""
+    fp8_recipe: Literal["tensorwise", "rowwise"] = "tensorwise"
+    """How train.precision=fp8 scales tensors into float8: one scale per tensor (the fastest) or
+    one per row (more accurate, a little slower)."""
     compile: bool = False
     """Compile the model with torch.compile."""
     activation_checkpointing: bool = False
@@ -673,6 +679,15 @@ class Config:
                 pp == 1 or micro == "auto" or micro % self.parallel.microbatches == 0,
                 f"parallel.pp_microbatches: each micro-batch of train.micro_batch_size={micro} sequences is cut into "
                 f"{self.parallel.microbatches} pipeline micro-batches, which must divide it",
+            ),
+            (
+                self.train.precision != "fp8" or self.parallel.tp == 1,
+                "train.precision: fp8 linear layers do not split over tensor-parallel ranks yet; set parallel.tp=1 "
+                "or use bf16",
+            ),
+            (
+                self.train.precision != "fp8" or not self.lora.rank,
+                "train.precision: fp8 trains full linear layers; LoRA adapters (lora.rank) train in bf16",
             ),
             (
                 pp == 1 or self.train.precision != "fp16",

@@ -238,8 +238,8 @@ class Setup:
     @property
     def gathered_bytes(self) -> int:
         """Bytes per element of the parameters a block computes with: FSDP gathers them in bf16
-        under bf16 (MixedPrecisionPolicy); otherwise they are the fp32 master weights."""
-        return 2 if self.sharded and self.precision == "bf16" else 4
+        under bf16 and fp8 (MixedPrecisionPolicy); otherwise they are the fp32 master weights."""
+        return 2 if self.sharded and self.precision in ("bf16", "fp8") else 4
 
     def overrides(self, base: Setup) -> list[str]:
         """The ``--set`` items that turn ``base`` into this setup."""

@@ -97,7 +97,7 @@ def apply_lora(model: nn.Module, cfg: Config, family: ModelFamily, args: Any, *,
 
 
 def _nf4():
-    """torchao's NF4 tensor class and constructor (under ``torchao.dtypes`` before 0.17)."""
+    """torchao's NF4 tensor class and constructor (under ``torchao.dtypes`` up to 0.17)."""
     try:
         from torchao.quantization import NF4Tensor, to_nf4
     except ImportError:

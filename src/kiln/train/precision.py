@@ -6,23 +6,71 @@ import contextlib
 from typing import Protocol, cast
 
 import torch
+from torch import nn
 
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+from kiln.config import ConfigError
+
+# The dtype autocast computes in; fp8's float8 matrix products live inside its linear layers.
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16, "fp8": torch.bfloat16}
 
 
 class Precision:
     """fp32: plain. bf16: autocast (same exponent range as fp32, so no loss scaling).
     fp16: autocast plus a GradScaler, whose skipped steps (inf/NaN gradients) are counted.
+    fp8: bf16 autocast, with the model's linear layers made float8 ones by ``convert``.
 
     A disabled GradScaler is a no-op pass-through, so the loop calls the same methods in every
     mode instead of branching on it."""
 
-    def __init__(self, mode: str, device: torch.device):
+    def __init__(self, mode: str, device: torch.device, fp8_recipe: str = "tensorwise"):
         self.mode = mode
         self.device = device
+        self.fp8_recipe = fp8_recipe
         self.dtype = DTYPES[mode]
         self.scaler = torch.amp.GradScaler(device.type, enabled=mode == "fp16")
         self.skipped_steps = 0
+
+    def convert(self, model: nn.Module) -> list[str]:
+        """Under fp8, swap ``model``'s linear layers for torchao's float8 training layers in place,
+        before it is sharded or compiled; the names of those swapped (none in other modes).
+
+        The weights stay what they were (a float8 layer is an ``nn.Linear`` whose forward casts
+        its input and weight to float8 with dynamic scales), so checkpoints, exports and resumes
+        are those of the plain model. Left in bf16, as torchtitan leaves them: the output layer
+        (the model's last linear layer, which feeds the loss and is the most sensitive to
+        rounding), a layer sharing its weight with an embedding, and a layer with a side not a
+        multiple of 16, which float8 matrix products cannot take."""
+        if self.mode != "fp8":
+            return []
+        if self.device.type == "cuda" and torch.cuda.get_device_capability(self.device) < (8, 9):
+            name = torch.cuda.get_device_name(self.device)
+            raise ConfigError(
+                [
+                    f"train.precision: fp8 needs a GPU of compute capability 8.9 or newer (H100, L4, RTX 4090); {name} "
+                    "is not; use bf16"
+                ]
+            )
+        try:
+            from torchao.float8 import Float8LinearConfig, convert_to_float8_training
+        except ImportError:
+            raise ConfigError(["train.precision: fp8 needs torchao: pip install torchao"]) from None
+        tables = {id(m.weight) for m in model.modules() if isinstance(m, nn.Embedding)}
+        linears = [name for name, m in model.named_modules() if isinstance(m, nn.Linear)]
+        output = linears[-1] if linears else None
+
+        def eligible(module: nn.Module, name: str) -> bool:
+            return (
+                isinstance(module, nn.Linear)
+                and name != output
+                and id(module.weight) not in tables
+                and module.in_features % 16 == 0
+                and module.out_features % 16 == 0
+            )
+
+        chosen = [name for name, m in model.named_modules() if eligible(m, name)]
+        config = Float8LinearConfig.from_recipe_name(self.fp8_recipe)
+        convert_to_float8_training(model, config=config, module_filter_fn=eligible)
+        return chosen
 
     def autocast(self) -> contextlib.AbstractContextManager:
         if self.mode == "fp32":

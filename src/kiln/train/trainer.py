@@ -92,6 +92,9 @@ class Trainer:
         model = job.model()
         for line in job.describe(model):
             self._say(f"kiln: {line}")
+        self.precision = Precision(t.precision, self.device, t.fp8_recipe)
+        if float8 := self.precision.convert(model):
+            self._say(f"kiln: fp8: {len(float8)} linear layers multiply in float8 ({t.fp8_recipe} scales)")
         schedule = BatchSchedule.from_config(t, job.tokens_per_sample)
         self.batches = StepBatches(
             job.train_data,
@@ -109,9 +112,9 @@ class Trainer:
         self.faults = faults_for(cfg.debug, world.rank)
         self.faults.attach(model)
         pcfg = dataclasses.replace(cfg.parallel, cpu_offload=self.ladder.rung.cpu_offload)
-        self.model = parallelize(model.to(self.device), job.plan, world, pcfg, bf16=t.precision == "bf16")
+        bf16 = self.precision.dtype == torch.bfloat16
+        self.model = parallelize(model.to(self.device), job.plan, world, pcfg, bf16=bf16)
         self.optimizer = build_optimizer(self.model, t, self.device)
-        self.precision = Precision(t.precision, self.device)
         self.stragglers = Stragglers(world, cfg.observe)
         self.train_step = TrainStep(
             self.model,

@@ -1,0 +1,255 @@
+"""kiln on one GPU: the device's measured ceilings, kiln's tokens/s and MFU at bf16 and fp8,
+a hand-written compiled loop of the same model, peak memory against `kiln plan`, and fp8's loss
+against bf16's. One process, stages in order, each skipped when the deadline would cut it.
+
+    python bench/gpu.py --out DIR [--deadline 480] [--stages ceilings,small,hand,large,fp8,loss]
+
+(`--device cpu --small tiny --large tiny --steps 12 --loss-steps 12` runs the same code on a CPU
+in a minute, to check the script before it spends GPU time.)
+
+Every stage appends one JSON line to DIR/gpu.jsonl as soon as it ends, so a run cut short
+keeps what it measured; a table of all of them is printed last. Data: uniformly random tokens
+for throughput (the work does not depend on the values), the bytes of kiln's own source for the
+loss comparison (text a model can learn)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from kiln import Trainer
+from kiln.config import ModelConfig, load_config
+from kiln.data import TokenSequences
+from kiln.data.loader import make_train_loader
+from kiln.device import peak_flops
+from kiln.models import GPT, build_gpt_config
+from kiln.models.lm import lm_loss
+from kiln.plan import make_plan
+from kiln.train.optim import build_optimizer, lr_at
+
+from common import kiln_tokens_per_s, random_tokens
+
+VOCAB = 50304  # GPT-2's 50257, padded to a multiple of 128 as nanoGPT does
+LOG_EVERY = 4
+
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def ceilings(device: torch.device) -> dict:
+    """bf16 matrix rate (8192^3 on a GPU, random data) and copy bandwidth (4 GiB), medians."""
+    n, size = (8192, 2**30) if device.type == "cuda" else (1024, 2**24)
+    a, b = (
+        torch.randn(n, n, device=device, dtype=torch.bfloat16),
+        torch.randn(n, n, device=device, dtype=torch.bfloat16),
+    )
+    src = torch.randn(size, device=device, dtype=torch.float32)
+    dst = torch.empty_like(src)
+
+    def timed(fn, reps: int) -> float:
+        for _ in range(3):
+            fn()
+        times = []
+        for _ in range(reps):
+            sync(device)
+            start = time.perf_counter()
+            fn()
+            sync(device)
+            times.append(time.perf_counter() - start)
+        return statistics.median(times)
+
+    matmul = timed(lambda: a @ b, 20)
+    copy = timed(lambda: dst.copy_(src), 20)
+    return {"bf16_matmul_tflops": 2 * n**3 / matmul / 1e12, "copy_tb_per_s": 2 * src.nbytes / copy / 1e12}
+
+
+def config(run_dir: Path, device: torch.device, preset: str, precision: str, steps: int, micro: int, seq: int, **extra):
+    sets = [
+        f"run.dir={run_dir}",
+        f"run.device={device.type}",
+        f"model.preset={preset}",
+        f"data.seq_len={seq}",
+        f"data.vocab_size={VOCAB}",
+        f"train.max_steps={steps}",
+        f"train.micro_batch_size={micro}",
+        f"train.global_batch_size={micro}",
+        f"train.precision={precision}",
+        f"train.compile={str(device.type == 'cuda').lower()}",
+        "train.warmup_steps=10",
+        f"train.log_every={LOG_EVERY}",
+        "data.num_workers=2",
+        "eval.every=0",
+        "checkpoint.every=0",
+        "checkpoint.resume=never",
+    ]
+    return load_config(None, sets + [f"{k}={v}" for k, v in extra.items()])
+
+
+def model_for(cfg) -> GPT:
+    torch.manual_seed(0)
+    return GPT(build_gpt_config(ModelConfig(preset=cfg.model.preset), VOCAB, cfg.data.seq_len))
+
+
+def kiln_run(cfg, data: TokenSequences, after: int) -> dict:
+    """kiln's Trainer; tokens/s from its metrics after step ``after`` (compile and warm-up)."""
+    plan = make_plan(cfg)
+    flops = plan.job.flops_per_token
+    device = torch.device(cfg.run.device)
+    cuda = device.type == "cuda"
+    if cuda:
+        torch.cuda.reset_peak_memory_stats()
+    result = Trainer(
+        model_for(cfg), data, lm_loss, cfg, tokens_per_sample=data.seq_len, flops_per_token=flops, console=False
+    ).fit()
+    rate = kiln_tokens_per_s(cfg.run.dir, after)
+    peak = peak_flops(device)
+    # The loop resets the device's peak at each log: the run's peak is the largest interval's.
+    records = [json.loads(line) for line in (Path(cfg.run.dir) / "metrics.jsonl").read_text().splitlines()]
+    peaks = [r["memory/peak_allocated_gib"] for r in records if "memory/peak_allocated_gib" in r]
+    return {
+        "tokens_per_s": rate,
+        "mfu_datasheet": rate * flops / peak if peak else None,
+        "flops_per_token": flops,
+        "loss": result.metrics["loss"],
+        "peak_allocated_gib": max(peaks, default=None),
+        "plan_allocated_gib": plan.memory.allocated / 2**30,
+    }
+
+
+def hand_written(cfg, data: TokenSequences, after: int) -> float:
+    """The loop a person would write on a GPU: compiled model, fused AdamW, bf16 autocast, pinned
+    batches copied without blocking, clipping; the same batches and parameter groups as kiln."""
+    t, device = cfg.train, torch.device(cfg.run.device)
+    model = model_for(cfg).to(device)
+    opt = build_optimizer(model, t, device)
+    step_fn = torch.compile(model) if t.compile else model
+    cuda = device.type == "cuda"
+    batches = iter(
+        make_train_loader(data, schedule=t.global_batch_size, seed=t.seed, start_step=0, num_workers=2, pin_memory=cuda)
+    )
+    start = 0.0
+    for step in range(t.max_steps):
+        if step == after:
+            sync(device)
+            start = time.perf_counter()
+        for g in opt.param_groups:
+            g["lr"] = lr_at(step, t)
+        x, y = (b.to(device, non_blocking=True) for b in next(batches))
+        with torch.autocast(device.type, dtype=torch.bfloat16):
+            loss = step_fn(x, y)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), t.grad_clip)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    sync(device)
+    return (t.max_steps - after) * t.global_batch_size * data.seq_len / (time.perf_counter() - start)
+
+
+def text_tokens(path: Path, seq: int) -> TokenSequences:
+    """The bytes of kiln's own source, as token ids: about 2 MB of text a model can learn."""
+    import kiln
+
+    root = Path(kiln.__file__).parent
+    text = "\n".join(p.read_text() for p in sorted(root.rglob("*.py")))
+    np.frombuffer(text.encode(), dtype=np.uint8).astype(np.uint16).tofile(path)
+    return TokenSequences(np.memmap(path, dtype=np.uint16, mode="r"), seq)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--out", type=Path, required=True)
+    ap.add_argument("--deadline", type=float, default=480, help="seconds; a stage that would pass it is skipped")
+    ap.add_argument("--stages", default="ceilings,small,hand,large,fp8,loss")
+    ap.add_argument("--device", default="cuda")
+    ap.add_argument("--small", default="gpt2-124m", help="preset of the small model")
+    ap.add_argument("--large", default="1b", help="preset of the large model")
+    ap.add_argument("--small-micro", type=int, default=16)
+    ap.add_argument("--large-micro", type=int, default=8)
+    ap.add_argument("--seq-len", type=int, default=1024)
+    ap.add_argument("--steps", type=int, default=40, help="steps of each throughput run; the first 20 are not timed")
+    ap.add_argument("--loss-steps", type=int, default=300)
+    args = ap.parse_args()
+    began, stages = time.monotonic(), args.stages.split(",")
+    args.out.mkdir(parents=True, exist_ok=True)
+    log = args.out / "gpu.jsonl"
+    rows: list[dict] = []
+    device = torch.device(args.device)
+    peak = peak_flops(device)
+    header = {
+        "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+        "torch": torch.__version__,
+        "date": time.strftime("%Y-%m-%d"),
+        "datasheet_bf16_tflops": peak / 1e12 if peak else None,
+    }
+    after = args.steps // 2
+    print(json.dumps(header), flush=True)
+
+    def record(stage: str, **values) -> None:
+        row = {"stage": stage, "at_s": round(time.monotonic() - began, 1), **values}
+        rows.append(row)
+        with log.open("a") as f:
+            f.write(json.dumps({**header, **row}) + "\n")
+        print(json.dumps(row), flush=True)
+
+    def room(need: float) -> bool:
+        return time.monotonic() - began + need < args.deadline
+
+    with tempfile.TemporaryDirectory() as tmp:
+        tmp = Path(tmp)
+        if "ceilings" in stages:
+            record("ceilings", **ceilings(device))
+        seq = args.seq_len
+        data = random_tokens(tmp / "random.bin", VOCAB, 8_000_000, seq)
+        small = config(tmp / "small", device, args.small, "bf16", args.steps, args.small_micro, seq)
+        if "small" in stages and room(90):
+            record(f"kiln {args.small} bf16", **kiln_run(small, data, after))
+        if "hand" in stages and room(60):
+            record(f"hand-written {args.small} bf16", tokens_per_s=hand_written(small, data, after))
+        for precision, stage in (("fp8", "fp8"), ("bf16", "large")):
+            if stage in stages and room(150):
+                cfg = config(tmp / stage, device, args.large, precision, args.steps, args.large_micro, seq)
+                record(f"kiln {args.large} {precision}", **kiln_run(cfg, data, after))
+        if "loss" in stages:
+            text = text_tokens(tmp / "text.bin", seq)
+            for precision in ("bf16", "fp8"):
+                if not room(200):
+                    break
+                over = {"train.lr": 3e-4, "train.warmup_steps": 30}
+                cfg = config(
+                    tmp / f"loss-{precision}",
+                    device,
+                    args.large,
+                    precision,
+                    args.loss_steps,
+                    args.large_micro,
+                    seq,
+                    **over,
+                )
+                out = kiln_run(cfg, text, after)
+                record(
+                    f"loss {args.large} {precision}, {args.loss_steps} steps",
+                    loss=out["loss"],
+                    tokens_per_s=out["tokens_per_s"],
+                )
+    print("\n| stage | tokens/s | MFU (datasheet) | peak GiB | plan GiB | loss |")
+    print("| --- | --- | --- | --- | --- | --- |")
+    for r in rows:
+        cells = [
+            r.get(k) for k in ("tokens_per_s", "mfu_datasheet", "peak_allocated_gib", "plan_allocated_gib", "loss")
+        ]
+        print(f"| {r['stage']} | " + " | ".join("" if c is None else f"{c:,.3f}" for c in cells) + " |")
+    if rows and rows[0]["stage"] == "ceilings":
+        print(json.dumps(rows[0]))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,77 @@
+"""train.precision=fp8: torchao's float8 linear layers inside bf16 autocast (emulated on the CPU
+by PyTorch's scaled matrix product; the speed is the GPU's, see tests/test_gpu.py)."""
+
+import numpy as np
+import pytest
+import torch
+from torch import nn
+
+from kiln import Trainer
+from kiln.config import ConfigError, load_config
+from kiln.data import TokenSequences
+from kiln.models import GPT, GPTConfig
+from kiln.models.lm import lm_loss
+from kiln.train.precision import Precision
+
+pytest.importorskip("torchao")
+
+
+def _gpt(**over) -> GPT:
+    torch.manual_seed(0)
+    cfg = dict(vocab_size=256, n_layer=2, d_model=64, n_head=4, n_kv_head=2, d_ff=128, max_seq_len=32)
+    cfg["tie_embeddings"] = True
+    return GPT(GPTConfig(**{**cfg, **over}))
+
+
+def test_fp8_makes_every_linear_layer_float8_but_the_output_layer():
+    model = _gpt(tie_embeddings=False)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    names = Precision("fp8", torch.device("cpu"), "rowwise").convert(model)
+    linear = {n for n, m in model.named_modules() if isinstance(m, nn.Linear)}
+    assert set(names) == linear - {"lm_head"} and len(names) == 2 * 7
+    assert {type(model.get_submodule(n)).__name__ for n in names} == {"Float8Linear"}
+    assert type(model.lm_head) is nn.Linear
+    # The same weights under the same names: checkpoints and exports are the plain model's.
+    after = model.state_dict()
+    assert after.keys() == before.keys() and all(torch.equal(after[k], before[k]) for k in before)
+    assert Precision("bf16", torch.device("cpu")).convert(_gpt()) == []
+
+
+def _fit(tmp_path, precision):
+    path = tmp_path / "tokens.bin"
+    np.tile(np.arange(256, dtype=np.uint16), 200).tofile(path)
+    data = TokenSequences(np.memmap(path, dtype=np.uint16, mode="r"), 32)
+    sets = [
+        f"run.dir={tmp_path / precision}",
+        "run.device=cpu",
+        "train.max_steps=30",
+        "train.micro_batch_size=8",
+        "train.global_batch_size=8",
+        "train.lr=3e-3",
+        "train.warmup_steps=3",
+        "train.log_every=5",
+        f"train.precision={precision}",
+        "eval.every=0",
+        "checkpoint.every=0",
+    ]
+    trainer = Trainer(_gpt(), data, lm_loss, load_config(None, sets), tokens_per_sample=32, console=False)
+    return trainer.fit().metrics["loss"]
+
+
+def test_fp8_training_follows_bf16(tmp_path):
+    bf16, fp8 = _fit(tmp_path, "bf16"), _fit(tmp_path, "fp8")
+    assert fp8 < 3.0  # from ln(256) = 5.5 on a perfectly predictable stream
+    assert abs(fp8 - bf16) / bf16 < 0.05, (fp8, bf16)
+
+
+@pytest.mark.parametrize(
+    ("sets", "message"),
+    [
+        (["parallel.tp=2"], "fp8 linear layers do not split over tensor-parallel ranks"),
+        (["lora.rank=8"], "LoRA adapters"),
+        (["train.fp8_recipe=blockwise"], "train.fp8_recipe"),
+    ],
+)
+def test_fp8_refuses_what_it_cannot_do(sets, message):
+    with pytest.raises(ConfigError, match=message):
+        load_config(None, ["train.precision=fp8", *sets])
