@@ -23,16 +23,8 @@ GLOBAL = 8
 
 def layout_sets(run_dir: Path, corpus: Path, micro: int, **extra) -> list[str]:
     """``--set`` arguments of the tiny run: ``micro`` sequences per micro-batch, a checkpoint every 3 steps."""
-    items = tiny_overrides(
-        run_dir,
-        corpus,
-        train__max_steps=STEPS,
-        train__micro_batch_size=micro,
-        train__global_batch_size=GLOBAL,
-        checkpoint__every=3,
-        eval__sample_tokens=0,
-        **extra,
-    )
+    base = dict(train__max_steps=STEPS, train__global_batch_size=GLOBAL, checkpoint__every=3, eval__sample_tokens=0)
+    items = tiny_overrides(run_dir, corpus, **{**base, "train__micro_batch_size": micro, **extra})
     return [a for item in items for a in ("--set", item)]
 
 

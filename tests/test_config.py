@@ -58,7 +58,7 @@ def test_accumulation_is_derived():
         ("train.lrr=1", "train.lrr: unknown config key; did you mean train.lr?"),
         ("bogus.key=1", "bogus.key: unknown config key"),
         ("train.max_steps=ten", "train.max_steps: expected an integer or auto, got 'ten'"),
-        ("train.precision=fp8", "train.precision: 'fp8' is not allowed; choose one of auto, fp32, bf16, fp16"),
+        ("train.precision=fp4", "train.precision: 'fp4' is not allowed; choose one of auto, fp32, bf16, fp16, fp8"),
         ("train.compile=maybe", "train.compile: expected true/false"),
         ("train.global_batch_size=30", "train.global_batch_size: 30 is not a multiple of train.micro_batch_size 32"),
         ("train.lr=-1", "train.lr: must be > 0"),

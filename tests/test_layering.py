@@ -11,6 +11,7 @@ SRC = Path(__file__).parents[1] / "src"
 # lower layer; packages of one layer stay independent of each other.
 LAYERS = {
     "io": 0,
+    "compat": 0,
     "config": 1,
     "device": 2,
     "checkpoint": 3,

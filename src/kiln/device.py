@@ -63,3 +63,27 @@ def peak_flops(device: torch.device) -> float | None:
         return None
     key = gpu_key(torch.cuda.get_device_name(device))
     return PEAK_FLOPS[key] if key else None
+
+
+# glibc's mallopt parameter number of the size from which allocations get their own mapping.
+_M_MMAP_THRESHOLD = -3
+
+
+def return_freed_host_memory() -> bool:
+    """Make the host allocator give large freed blocks back to the system at once.
+
+    PyTorch allocates CPU tensors with the C library's malloc. glibc raises its threshold for
+    giving an allocation its own mapping each time such a block is freed (up to 32 MB), after
+    which blocks of a layer's size come from its heap and stay in the process when freed: a rank
+    that gathers one sharded layer after another then holds gigabytes it no longer uses, and its
+    resident memory, what a machine's limit counts, grows far above its live tensors. A fixed
+    threshold of 1 MB keeps every large tensor in its own mapping, returned when freed. Returns
+    whether the C library took the setting (only glibc has it; elsewhere nothing changes)."""
+    import ctypes
+    import ctypes.util
+
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+        return bool(libc.mallopt(_M_MMAP_THRESHOLD, 1 << 20))
+    except (OSError, AttributeError):
+        return False

@@ -248,3 +248,34 @@ def test_time_planned_run_agrees_over_ranks(tmp_path, corpus_dir):
     assert f"max_steps = {final}" in config and plan["max_steps"] > STEPS
     # Both ranks then trained in step (the run ends at its plan, or on the budget's hard stop).
     assert STEPS < max(losses(run)) <= final
+
+
+def _initial_weights(tmp_path, corpus_dir, name: str, nproc: int, **layout) -> dict[str, torch.Tensor]:
+    """The weights a run starts from under a layout: one step at a learning rate so small that
+    AdamW's update rounds away (|update| <= 1e-30 beside weights of 1e-6 and more)."""
+    run_dir = tmp_path / name
+    once = dict(train__max_steps=1, train__lr=1e-30, checkpoint__every=1)
+    items = layout_sets(run_dir, corpus_dir, micro=2, **once, **layout)
+    if nproc == 1:
+        in_process("train", *items)
+    else:
+        train_on(nproc, items, timeout=400)
+    return weights(run_dir)
+
+
+@pytest.mark.slow
+def test_initial_weights_are_bitwise_the_same_under_every_layout(tmp_path, corpus_dir):
+    """Each rank builds the model on ``meta`` and writes only its own shards: the values come
+    from the seed and each tensor's name, so every layout starts from the same bits."""
+    one = _initial_weights(tmp_path, corpus_dir, "one", 1)
+    layouts = {
+        "fsdp2": (2, {"parallel__strategy": "fsdp"}),
+        "fsdp4": (4, {"parallel__strategy": "fsdp"}),
+        "tp2": (2, {"parallel__strategy": "fsdp", "parallel__tp": 2}),
+        "pp2": (2, {"parallel__strategy": "fsdp", "parallel__pp": 2}),
+    }
+    for name, (nproc, layout) in layouts.items():
+        got = _initial_weights(tmp_path, corpus_dir, name, nproc, **layout)
+        assert got.keys() == one.keys()
+        for key in one:
+            assert torch.equal(got[key], one[key]), f"{name}: {key}"

@@ -15,8 +15,8 @@ DIMS = dict(vocab_size=97, n_layer=2, d_model=32, n_head=4, n_kv_head=2, d_ff=64
 @pytest.mark.parametrize("tie", [True, False])
 def test_meta_build_then_materialize_equals_eager_construction(tie):
     cfg = GPTConfig(**DIMS, tie_embeddings=tie)
-    torch.manual_seed(7)
     eager = GPT(cfg)
+    eager.init_weights(seed=7)
     built = build_model(FAMILY, cfg, "cpu", seed=7)
     assert list(eager.state_dict()) == list(built.state_dict())
     for (name, a), b in zip(eager.state_dict().items(), built.state_dict().values(), strict=True):
@@ -24,6 +24,23 @@ def test_meta_build_then_materialize_equals_eager_construction(tie):
     assert (built.lm_head.weight is built.tok_emb.weight) == tie
     for name in ("rope_cos", "rope_sin"):  # derived buffers are filled too
         assert torch.equal(getattr(eager, name), getattr(built, name))
+
+
+def test_a_tensor_starts_from_the_seed_and_its_name_alone():
+    """What lets a rank initialise its shard of one parameter without the rest of the model: a
+    deeper model's first layers start exactly as the shallower one's, and another seed differs."""
+    shallow = build_model(FAMILY, GPTConfig(**DIMS, tie_embeddings=True), "cpu", seed=7).state_dict()
+    deeper = build_model(FAMILY, GPTConfig(**{**DIMS, "n_layer": 3}, tie_embeddings=True), "cpu", seed=7)
+    other = build_model(FAMILY, GPTConfig(**DIMS, tie_embeddings=True), "cpu", seed=8).state_dict()
+    for name, value in shallow.items():
+        if not name.endswith(("wo.weight", "w2.weight")):  # their scale depends on the depth
+            assert torch.equal(deeper.state_dict()[name], value), name
+    assert not torch.equal(other["blocks.0.attn.wq.weight"], shallow["blocks.0.attn.wq.weight"])
+    # A model constructed directly draws from PyTorch's generator: reproducible under manual_seed.
+    torch.manual_seed(3)
+    a = GPT(GPTConfig(**DIMS, tie_embeddings=True))
+    torch.manual_seed(3)
+    assert torch.equal(GPT(GPTConfig(**DIMS, tie_embeddings=True)).blocks[1].mlp.w1.weight, a.blocks[1].mlp.w1.weight)
 
 
 def test_gpt_plan_names_its_layers_and_tp_splits():

@@ -10,6 +10,7 @@ from kiln import Trainer
 from kiln.config import ConfigError, load_config
 from kiln.data import TokenSequences
 from kiln.models import GPT, GPTConfig
+from kiln.models.generate import generate
 from kiln.models.lm import lm_loss
 from kiln.train.precision import Precision
 
@@ -26,7 +27,9 @@ def _gpt(**over) -> GPT:
 def test_fp8_makes_every_linear_layer_float8_but_the_output_layer():
     model = _gpt(tie_embeddings=False)
     before = {k: v.clone() for k, v in model.state_dict().items()}
-    names = Precision("fp8", torch.device("cpu"), "rowwise").convert(model)
+    precision = Precision("fp8", torch.device("cpu"), "rowwise")
+    precision.convert(model)
+    names = precision.float8
     linear = {n for n, m in model.named_modules() if isinstance(m, nn.Linear)}
     assert set(names) == linear - {"lm_head"} and len(names) == 2 * 7
     assert {type(model.get_submodule(n)).__name__ for n in names} == {"Float8Linear"}
@@ -34,7 +37,10 @@ def test_fp8_makes_every_linear_layer_float8_but_the_output_layer():
     # The same weights under the same names: checkpoints and exports are the plain model's.
     after = model.state_dict()
     assert after.keys() == before.keys() and all(torch.equal(after[k], before[k]) for k in before)
-    assert Precision("bf16", torch.device("cpu")).convert(_gpt()) == []
+    assert precision.describe() == ["fp8: 14 linear layers multiply in float8 (rowwise scales)"]
+    plain = Precision("bf16", torch.device("cpu"))
+    plain.convert(_gpt())
+    assert plain.float8 == [] and plain.describe() == []
 
 
 def _fit(tmp_path, precision):
@@ -62,6 +68,14 @@ def test_fp8_training_follows_bf16(tmp_path):
     bf16, fp8 = _fit(tmp_path, "bf16"), _fit(tmp_path, "fp8")
     assert fp8 < 3.0  # from ln(256) = 5.5 on a perfectly predictable stream
     assert abs(fp8 - bf16) / bf16 < 0.05, (fp8, bf16)
+
+
+def test_a_float8_model_samples_as_a_run_does_at_its_evaluations():
+    model = _gpt()
+    Precision("fp8", torch.device("cpu")).convert(model)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out = generate(model, torch.tensor([[1, 2, 3]]), 5, temperature=0)
+    assert out.shape == (1, 8)
 
 
 @pytest.mark.parametrize(

@@ -22,6 +22,7 @@ from torch import nn
 from kiln.config import ParallelConfig
 from kiln.distributed.world import World
 from kiln.models.family import ParallelPlan
+from kiln.models.init import Values, allocate
 
 
 class StepCompute(Protocol):
@@ -125,6 +126,26 @@ def embedding_names(model: nn.Module) -> frozenset[str]:
     """The names of ``model``'s embedding tables, under every name they have (a tied output layer's too)."""
     tables = {id(m.weight) for m in model.modules() if isinstance(m, nn.Embedding)}
     return frozenset(name for name, p in model.named_parameters(remove_duplicate=False) if id(p) in tables)
+
+
+def materialize(module: nn.Module, initial: Values, device: torch.device) -> None:
+    """Allocate ``module`` (built on ``meta`` and laid out) on ``device`` and write each tensor's
+    initial value, or the slice of it this rank holds: a sharded parameter's whole value is made
+    one parameter at a time and cut as its placements say, so a rank holds at most one whole
+    parameter beside its shards (the largest is the vocabulary embedding)."""
+    allocate(module, device)
+    initial.fill(module, _place)
+
+
+def _place(tensor: torch.Tensor, value: torch.Tensor) -> None:
+    """Copy ``value`` (a whole tensor) into ``tensor``, or the slice of it a DTensor holds here."""
+    from torch.distributed.tensor import DTensor, distribute_tensor
+
+    if isinstance(tensor, DTensor):
+        local = distribute_tensor(value, tensor.device_mesh, tensor.placements, src_data_rank=None)
+        tensor.to_local().copy_(local.to_local())
+    else:
+        tensor.copy_(value)
 
 
 def shard(

@@ -8,30 +8,45 @@ model knows nothing of this: what to split comes from its family's ``ParallelPla
 
 from __future__ import annotations
 
+import torch
 from torch import nn
 
 from kiln.config import ConfigError, ParallelConfig
-from kiln.distributed.parallel import ParallelModel, apply_ddp, embedding_names, is_sharded, shard
+from kiln.distributed.parallel import ParallelModel, apply_ddp, embedding_names, is_sharded, materialize, shard
 from kiln.distributed.pipeline import PipelineModel
 from kiln.distributed.world import World
 from kiln.models.family import ParallelPlan
+from kiln.models.init import Values
 
 
 def parallelize(
-    model: nn.Module, plan: ParallelPlan, world: World, pcfg: ParallelConfig, *, bf16: bool = False
+    model: nn.Module,
+    plan: ParallelPlan,
+    world: World,
+    pcfg: ParallelConfig,
+    *,
+    bf16: bool = False,
+    initial: Values | None = None,
 ) -> ParallelModel:
     """``model`` laid out over ``world`` as ``pcfg`` says (in place), as this rank's ParallelModel;
     in a single process, the model itself. ``bf16``: FSDP computes with bf16 copies of its shards.
-    Raises ConfigError, naming the keys, for a layout the model or the strategy cannot take."""
+    ``initial``: ``model`` is on the ``meta`` device, and each rank allocates and initialises only
+    what it holds once the layout is applied (no rank ever holds the whole model); otherwise the
+    model is on the device already. Raises ConfigError, naming the keys, for a layout the model or
+    the strategy cannot take."""
     check_layout(plan, world, pcfg, type(model).__name__)
     # Named before the model is cut: a pipeline stage may hold a tied output layer without its table.
     embeddings = embedding_names(model)
     if world.pp > 1:
-        return PipelineModel(model, plan, world, pcfg, bf16=bf16, embeddings=embeddings)
+        return PipelineModel(model, plan, world, pcfg, bf16=bf16, embeddings=embeddings, initial=initial)
     if pcfg.strategy == "ddp" and world.dp > 1:
+        if initial is not None:
+            materialize(model, initial, world.device)
         wrapped = apply_ddp(model, plan, world.mesh["dp"], world.device, pcfg.bucket_mb)
         return ParallelModel(model, plan, world, embeddings=embeddings, wrapped=wrapped)
     shard(model, plan, world, pcfg, bf16=bf16)
+    if initial is not None:
+        materialize(model, initial, torch.device("cpu") if pcfg.cpu_offload else world.device)
     sharded = world.mesh is not None and is_sharded(model)
     return ParallelModel(model, plan, world, embeddings=embeddings, sharded=sharded)
 

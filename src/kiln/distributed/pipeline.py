@@ -25,9 +25,10 @@ from torch import nn
 
 from kiln.config import ConfigError, ParallelConfig
 from kiln.data.batch import IGNORE_INDEX
-from kiln.distributed.parallel import ParallelModel, StepCompute, clip_grad_norm_, shard
+from kiln.distributed.parallel import ParallelModel, StepCompute, clip_grad_norm_, materialize, shard
 from kiln.distributed.world import World
 from kiln.models.family import ParallelPlan
+from kiln.models.init import Values
 
 SCHEDULES = {
     "gpipe": "ScheduleGPipe",
@@ -75,6 +76,17 @@ def _view(model: nn.Module, plan: ParallelPlan, layers: Iterable[int], first: bo
     return view
 
 
+def _share_own_tensors(view: nn.Module, part: nn.Module) -> None:
+    """Give ``view`` (a ``_view`` of ``part``) the tensors ``part`` now holds directly: the views
+    share ``part``'s submodules, but their own registries are copies made before ``part`` was
+    allocated."""
+    if view is part:
+        return
+    for registry in ("_parameters", "_buffers"):
+        mine, theirs = getattr(view, registry), getattr(part, registry)
+        mine.update({key: theirs[key] for key in mine})
+
+
 def _tied(model: nn.Module, plan: ParallelPlan) -> dict[str, str]:
     """The weights the first and the last stage share (tied input and output embeddings): each
     one's name among the first stage's parameters and among the last's."""
@@ -103,6 +115,7 @@ class PipelineModel(ParallelModel):
         *,
         bf16: bool,
         embeddings: frozenset[str],
+        initial: Values | None = None,
     ):
         from torch.distributed import pipelining
 
@@ -132,6 +145,10 @@ class PipelineModel(ParallelModel):
             shard(part, plan, world, pcfg, bf16=bf16, fsdp_roots=list(stages.values()))
         elif self._replicas is None:
             shard(part, plan, world, pcfg, bf16=bf16)
+        if initial is not None:
+            materialize(part, initial, torch.device("cpu") if pcfg.cpu_offload else world.device)
+            for view in stages.values():
+                _share_own_tensors(view, part)
         self._tie(tied, 0 in mine, n_stages - 1 in mine)
         self._stage_modules = stages  # evaluation runs them one after the other, forward only
         self.stages = [

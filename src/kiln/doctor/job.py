@@ -110,7 +110,7 @@ def _finetune_job(job: FineTuneJob, device: torch.device, device_problem: str | 
         cfg=cfg,
         device=device,
         device_problem=device_problem,
-        new_model=None if problem else lambda: job.model().to(device),
+        new_model=None if problem else lambda: job.whole_model(device),
         loss_fn=family.loss,
         train_data=data.train if data else None,
         val_data=data.val if data else None,

@@ -17,6 +17,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from kiln.compat import quiet_library_imports
 from kiln.export.check import AsLogits, Logits
 
 PROGRAM = "model.pt2"
@@ -49,6 +50,7 @@ def write_pt2(model: nn.Module, example: torch.Tensor, max_len: int, out: Path) 
 
 def quantize_int8(model: nn.Module) -> nn.Module:
     """A copy of ``model`` with int8 linear layers (dynamic int8 activations) and int8 embeddings."""
+    quiet_library_imports()
     try:
         from torchao.quantization import Int8DynamicActivationInt8WeightConfig, IntxWeightOnlyConfig, quantize_
         from torchao.quantization.granularity import PerAxis

@@ -27,6 +27,7 @@ from torch import nn
 
 from kiln.config import Config, ConfigError, ModelConfig
 from kiln.models.generate import collect
+from kiln.models.init import Initial, Values, allocate, keyed
 from kiln.models.lm import evaluate_lm, lm_loss
 
 TP_STYLES = ("colwise", "rowwise")
@@ -238,6 +239,13 @@ class ModelFamily:
         (``build_model``); a family of pretrained models loads their weights instead."""
         return build_model(self, args, device, seed)
 
+    def initial_values(self, args: Any, model: nn.Module, seed: int) -> Values | None:
+        """The starting value of each of ``model``'s tensors by name (``model``: built on ``meta``
+        from ``args``, LoRA adapters included), so that each rank can write only the shards it
+        holds; None where the family cannot say (the run then creates the whole model on every
+        rank). By default: a model that initialises its tensors by name, from ``seed``."""
+        return Initial(model, seed) if keyed(model) else None
+
     def tokenizer(self, args: Any) -> Any:
         """The model's own tokenizer, for a family that comes with one (None: kiln's data pipeline
         trains or loads one)."""
@@ -332,10 +340,15 @@ class _Initialisable(Protocol):
 def materialize(model: nn.Module, device: torch.device | str, seed: int) -> nn.Module:
     """Allocate a model built on the ``meta`` device on ``device`` and initialise it from ``seed``.
 
-    PyTorch's own initialisation of every module (``reset_parameters``, in construction order)
-    runs first, then the model's ``init_weights``: the same draws from the same generator as
-    constructing the model eagerly after ``torch.manual_seed(seed)``, so either way gives
-    bitwise the same weights."""
+    A model that initialises its tensors by name (``kiln.models.init``; kiln's GPT) draws each
+    from ``seed`` and the tensor's name. Any other: PyTorch's own initialisation of every module
+    (``reset_parameters``, in construction order) runs first, then the model's ``init_weights``:
+    the same draws from the same generator as constructing the model eagerly after
+    ``torch.manual_seed(seed)``, so either way gives bitwise the same weights."""
+    if keyed(model):
+        allocate(model, device)
+        Initial(model, seed).fill(model)
+        return model
     model.to_empty(device=device)
     torch.manual_seed(seed)
     with torch.no_grad():

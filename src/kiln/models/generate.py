@@ -97,12 +97,14 @@ def decode(
     """
     was_training = model.training
     model.eval()
+    # no_grad, not inference_mode: a run samples from the model it trains, whose float8 training
+    # layers (train.precision=fp8) refuse inference-mode tensors.
     try:
-        with torch.inference_mode():
+        with torch.no_grad():
             logits = prefill()
             done = torch.zeros(logits.size(0), dtype=torch.bool, device=logits.device)
         for i in range(max_new_tokens):
-            with torch.inference_mode():
+            with torch.no_grad():
                 token = sample_next(logits, temperature, top_k, top_p, generator)
                 if eos_id is not None:
                     token = token.masked_fill(done, eos_id)
@@ -110,7 +112,7 @@ def decode(
             yield token
             if i == max_new_tokens - 1 or (eos_id is not None and bool(done.all())):
                 return
-            with torch.inference_mode():
+            with torch.no_grad():
                 logits = step(token)
     finally:
         model.train(was_training)

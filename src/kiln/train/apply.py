@@ -12,6 +12,7 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+from kiln.compat import quiet_library_imports, quiet_library_warnings
 from kiln.config import Config, ConfigError
 from kiln.device import resolve_device
 from kiln.models.family import ModelFamily, ParallelPlan
@@ -63,6 +64,7 @@ def apply_lora(model: nn.Module, cfg: Config, family: ModelFamily, args: Any, *,
     lora = cfg.lora
     if not lora.rank:
         return model
+    quiet_library_imports()  # peft imports torchao
     try:
         import peft
     except ImportError:
@@ -80,10 +82,13 @@ def apply_lora(model: nn.Module, cfg: Config, family: ModelFamily, args: Any, *,
         lora_dropout=lora.dropout,
         target_modules=targets,
         task_type=task,
+        # GPT-2's Conv1D layers keep their weight [in, out]; PEFT would say so and set this itself.
+        fan_in_fan_out=hf is not None and _adapts_conv1d(hf, targets),
     )
     try:
         if hf is not None:
-            model.hf = peft.get_peft_model(hf, config)
+            with quiet_library_warnings():
+                model.hf = peft.get_peft_model(hf, config)
         else:
             peft.inject_adapter_in_model(config, model)
             for name, param in model.named_parameters():
@@ -96,8 +101,18 @@ def apply_lora(model: nn.Module, cfg: Config, family: ModelFamily, args: Any, *,
     return model
 
 
+def _adapts_conv1d(model: nn.Module, targets: list[str]) -> bool:
+    """Whether PEFT's matching of ``targets`` (a module's name, or the end of its path) picks
+    ``transformers``' Conv1D layers (GPT-2's linear layers, their weight stored transposed)."""
+    return any(
+        type(module).__name__ == "Conv1D" and any(name == t or name.endswith(f".{t}") for t in targets)
+        for name, module in model.named_modules()
+    )
+
+
 def _nf4():
     """torchao's NF4 tensor class and constructor (under ``torchao.dtypes`` up to 0.17)."""
+    quiet_library_imports()
     try:
         from torchao.quantization import NF4Tensor, to_nf4
     except ImportError:

@@ -8,6 +8,7 @@ from typing import Protocol, cast
 import torch
 from torch import nn
 
+from kiln.compat import quiet_library_imports
 from kiln.config import ConfigError
 
 # The dtype autocast computes in; fp8's float8 matrix products live inside its linear layers.
@@ -26,13 +27,14 @@ class Precision:
         self.mode = mode
         self.device = device
         self.fp8_recipe = fp8_recipe
+        self.float8: list[str] = []  # the layers ``convert`` made float8
         self.dtype = DTYPES[mode]
         self.scaler = torch.amp.GradScaler(device.type, enabled=mode == "fp16")
         self.skipped_steps = 0
 
-    def convert(self, model: nn.Module) -> list[str]:
+    def convert(self, model: nn.Module) -> None:
         """Under fp8, swap ``model``'s linear layers for torchao's float8 training layers in place,
-        before it is sharded or compiled; the names of those swapped (none in other modes).
+        before it is sharded or compiled (their names: ``float8``).
 
         The weights stay what they were (a float8 layer is an ``nn.Linear`` whose forward casts
         its input and weight to float8 with dynamic scales), so checkpoints, exports and resumes
@@ -41,7 +43,7 @@ class Precision:
         rounding), a layer sharing its weight with an embedding, and a layer with a side not a
         multiple of 16, which float8 matrix products cannot take."""
         if self.mode != "fp8":
-            return []
+            return
         if self.device.type == "cuda" and torch.cuda.get_device_capability(self.device) < (8, 9):
             name = torch.cuda.get_device_name(self.device)
             raise ConfigError(
@@ -50,6 +52,7 @@ class Precision:
                     "is not; use bf16"
                 ]
             )
+        quiet_library_imports()
         try:
             from torchao.float8 import Float8LinearConfig, convert_to_float8_training
         except ImportError:
@@ -67,10 +70,15 @@ class Precision:
                 and module.out_features % 16 == 0
             )
 
-        chosen = [name for name, m in model.named_modules() if eligible(m, name)]
+        self.float8 = [name for name, m in model.named_modules() if eligible(m, name)]
         config = Float8LinearConfig.from_recipe_name(self.fp8_recipe)
         convert_to_float8_training(model, config=config, module_filter_fn=eligible)
-        return chosen
+
+    def describe(self) -> list[str]:
+        """Lines for the console about what the precision did to the model."""
+        if not self.float8:
+            return []
+        return [f"fp8: {len(self.float8)} linear layers multiply in float8 ({self.fp8_recipe} scales)"]
 
     def autocast(self) -> contextlib.AbstractContextManager:
         if self.mode == "fp32":

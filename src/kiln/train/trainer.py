@@ -25,7 +25,7 @@ from kiln.config import Config, ConfigError
 from kiln.data.batch import split_batch, to_device
 from kiln.data.batch_schedule import BatchSchedule
 from kiln.data.loader import StepBatches
-from kiln.distributed.parallelize import parallelize
+from kiln.device import return_freed_host_memory
 from kiln.distributed.world import init_world
 from kiln.io import directory_problem
 from kiln.observe import NullLogger, open_logger
@@ -40,6 +40,7 @@ from kiln.train.optim import build_optimizer, lr_at
 from kiln.train.phases import Phases
 from kiln.train.precision import Precision
 from kiln.train.run import Budget, FitResult, StopRequest, seed_everything, write_run_files
+from kiln.train.setup import SetupTimes, start_model
 from kiln.train.step import LossFn, TrainStep
 from kiln.train.straggler import Stragglers
 from kiln.train.time_plan import TimePlan
@@ -88,13 +89,9 @@ class Trainer:
         self.world = world = init_world(cfg.run.device, cfg.parallel, cfg.run.dir)
         self.device, self.console, self.run_dir = world.device, console and world.is_main, Path(cfg.run.dir)
         seed_everything(t.seed)
+        return_freed_host_memory()  # a rank's resident memory is then its live tensors
         job.prepare(world, self.console)
-        model = job.model()
-        for line in job.describe(model):
-            self._say(f"kiln: {line}")
         self.precision = Precision(t.precision, self.device, t.fp8_recipe)
-        if float8 := self.precision.convert(model):
-            self._say(f"kiln: fp8: {len(float8)} linear layers multiply in float8 ({t.fp8_recipe} scales)")
         schedule = BatchSchedule.from_config(t, job.tokens_per_sample)
         self.batches = StepBatches(
             job.train_data,
@@ -110,10 +107,9 @@ class Trainer:
         self.ladder = MemoryLadder(cfg, world, schedule, self.run_dir, self._say)
         self.guard = Guard(cfg.guard, scaler_skips=t.precision == "fp16")
         self.faults = faults_for(cfg.debug, world.rank)
-        self.faults.attach(model)
         pcfg = dataclasses.replace(cfg.parallel, cpu_offload=self.ladder.rung.cpu_offload)
-        bf16 = self.precision.dtype == torch.bfloat16
-        self.model = parallelize(model.to(self.device), job.plan, world, pcfg, bf16=bf16)
+        self.setup = SetupTimes(self._say)
+        self.model = start_model(job, world, pcfg, self.precision, self.faults, self.setup)
         self.optimizer = build_optimizer(self.model, t, self.device)
         self.stragglers = Stragglers(world, cfg.observe)
         self.train_step = TrainStep(
@@ -159,7 +155,8 @@ class Trainer:
 
     def fit(self) -> FitResult:
         clock, plan, phase = Budget(self.time_plan.stop_s), self.time_plan, self.phases.phase
-        resumed_from = self.checkpointer.resume()
+        with self.setup.timed("load checkpoint"):
+            resumed_from = self.checkpointer.resume()
         self.step = resumed_from or 0
         result = FitResult(step=self.step, resumed_from=resumed_from)
         logger = open_logger(
@@ -184,6 +181,7 @@ class Trainer:
             batches = self.batches.loader(self.step)
             self.meter.start_clock()
             loop_started = (self.step, clock.elapsed())
+            self.setup.loop_starts()
             while self.step < plan.steps:
                 clock.step_started()
                 self.profiler.step_begins(self.step + 1)
@@ -200,6 +198,7 @@ class Trainer:
                 self.meter.end_step(loss, grad_norm, batch)
                 logger.step_done(self.step)
                 self.profiler.step_ends(self.step)
+                self.setup.step_done()
                 if self.step == plan.correct_at:  # with the pace kept so far (see TimePlan)
                     plan.correct_pace(self.world, self.step, loop_started, clock.elapsed(), logger)
                     logger.total_steps = plan.steps

@@ -9,15 +9,14 @@ a fused projection + cross-entropy that never holds the full [tokens, vocab] log
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import cast
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from kiln.models.fused_loss import linear_cross_entropy
+from kiln.models.init import Initial
 
 
 @dataclass
@@ -169,27 +168,32 @@ class GPT(nn.Module):
         self.init_weights()
 
     @torch.no_grad()
-    def init_weights(self):
-        """(Re)initialise every parameter and buffer in place, e.g. after ``to_empty`` from meta."""
-        cfg = self.config
-        if cfg.tie_embeddings:
+    def init_weights(self, seed: int | None = None):
+        """(Re)initialise every parameter and buffer in place, e.g. after ``to_empty`` from meta:
+        each tensor from a generator seeded by ``seed`` and its name (``kiln.models.init``), so a
+        rank can initialise a shard of it alone; no ``seed`` (a model constructed directly):
+        from PyTorch's global generator, tensor after tensor. A model on ``meta`` is only tied."""
+        if self.config.tie_embeddings:
             # Done here rather than in __init__ because to_empty() replaces the tensors of a
             # meta-device model one module at a time, which unties them.
             self.lm_head.weight = self.tok_emb.weight
-        for module in self.modules():
-            if isinstance(module, (nn.Linear, nn.Embedding)):
-                nn.init.normal_(module.weight, mean=0.0, std=cfg.init_std)
-            elif isinstance(module, nn.RMSNorm):
-                nn.init.ones_(module.weight)
-        # Scaled residual init: 2 * n_layer branches add into the residual stream, so shrinking
-        # each one's output keeps the stream's variance at init independent of depth.
-        residual_std = cfg.init_std / math.sqrt(2 * cfg.n_layer)
-        for block in cast("Iterable[Block]", self.blocks):
-            nn.init.normal_(block.attn.wo.weight, mean=0.0, std=residual_std)
-            nn.init.normal_(block.mlp.w2.weight, mean=0.0, std=residual_std)
-        cos, sin = rope_tables(cfg.head_dim, cfg.max_seq_len, cfg.rope_theta, self.rope_cos.device)
-        self.rope_cos.copy_(cos)
-        self.rope_sin.copy_(sin)
+        if self.tok_emb.weight.is_meta:
+            return
+        Initial(self, seed).fill(self)
+
+    def init_tensor(self, name: str, shape: torch.Size, generator: torch.Generator | None) -> torch.Tensor:
+        """The whole initial value of the parameter or buffer ``name``, drawn from ``generator``:
+        normal(0, init_std) for linear and embedding weights, with the projections back into the
+        residual stream scaled down (2 * n_layer branches add into it, so shrinking each keeps its
+        variance at init independent of depth), ones for the norms, the rotary tables computed."""
+        cfg = self.config
+        if name in ("rope_cos", "rope_sin"):
+            return rope_tables(cfg.head_dim, cfg.max_seq_len, cfg.rope_theta)[name == "rope_sin"]
+        if name.endswith("norm.weight"):
+            return torch.ones(shape)
+        residual = name.endswith(("attn.wo.weight", "mlp.w2.weight"))
+        std = cfg.init_std / math.sqrt(2 * cfg.n_layer) if residual else cfg.init_std
+        return torch.empty(shape).normal_(0.0, std, generator=generator)
 
     def num_params(self, exclude_embedding: bool = False) -> int:
         """Unique parameters (a tied matrix counts once); optionally without the input embedding."""

@@ -13,6 +13,8 @@ Qwen2/3) also split over tensor-parallel ranks.
 from __future__ import annotations
 
 import dataclasses
+import inspect
+import sys
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -29,6 +31,7 @@ from kiln.models.generate import decode
 from kiln.models.gpt.memory import GPTMemory
 from kiln.models.gpt.model import GPTConfig
 from kiln.models.hf.loading import (
+    Pretrained,
     has_weights,
     load_tokenizer,
     model_dir,
@@ -36,9 +39,13 @@ from kiln.models.hf.loading import (
     transformers_module,
     weights_error,
 )
-from kiln.models.hf.memory import EncoderMemory
+from kiln.models.hf.memory import EncoderMemory, ffn_width
 
 TASKS = {"causal_lm": "AutoModelForCausalLM", "sequence_classification": "AutoModelForSequenceClassification"}
+MAPPINGS = {
+    "causal_lm": "MODEL_FOR_CAUSAL_LM_MAPPING",
+    "sequence_classification": "MODEL_FOR_SEQUENCE_CLASSIFICATION_MAPPING",
+}
 # Architectures whose decoder layers split Megatron-style under the same projection names.
 LLAMA_CLASS = ("llama", "mistral", "qwen2", "qwen3")
 LLAMA_TP = {
@@ -109,6 +116,8 @@ class CausalLM(nn.Module):
             isinstance(head, nn.Linear)
             and head.bias is None
             and not any(getattr(config, a, None) for a in LOGIT_TRANSFORMS)
+            # The decoder under the head is found (Llama 4's base_model_prefix names none: itself).
+            and cast(_Transformers, hf).base_model is not hf
         )
 
     def init_weights(self) -> None:
@@ -178,6 +187,64 @@ def _layer_type(model: nn.Module) -> type | None:
     return best
 
 
+def _heads(config: Any) -> int:
+    """A config's attention heads, read through its attribute_map (GPT-2's ``n_head``, DistilBERT's
+    ``n_heads``); 0 for a model without attention (Mamba, FNet)."""
+    return getattr(config, "num_attention_heads", None) or 0
+
+
+def _head_dim(config: Any) -> int | None:
+    """A config's attention head width (DistilBERT's ``dim`` is read as ``hidden_size``); None without attention."""
+    heads = _heads(config)
+    return (getattr(config, "head_dim", None) or config.hidden_size // heads) if heads else None
+
+
+def _model_class(args: HFArgs) -> type | None:
+    """The ``transformers`` class ``model.task`` makes of the directory's architecture (None: it has none)."""
+    transformers = transformers_module()
+    mapping = getattr(transformers, MAPPINGS[args.task])
+    return mapping.get(transformers.CONFIG_MAPPING[args.config["model_type"]], None)
+
+
+def attention(args: HFArgs) -> str:
+    """The attention ``transformers`` is asked for: "sdpa" (PyTorch's fused kernels), or "eager"
+    (its own matmul-softmax-matmul) for an architecture it has no SDPA for (DeBERTa-v2, ...),
+    which it would refuse to build with "sdpa". ``describe`` says so."""
+    model_class = _model_class(args)
+    return "eager" if model_class is not None and not getattr(model_class, "_supports_sdpa", True) else "sdpa"
+
+
+def _pad_id(path: Path) -> int | None:
+    """The token a classifier's rows are padded with, as kiln pads them (the tokenizer's padding
+    token, else its end of sequence). A decoder classifier (Llama, Qwen, GPT-2, ...) reads it from
+    its config to find each row's last token, and cannot take a batch without it; many causal
+    LMs' config.json have none."""
+    try:
+        tokenizer = load_tokenizer(path)
+    except ConfigError:  # the job says what is wrong with the tokenizer
+        return None
+    return tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+
+
+def _context(args: HFArgs) -> int | None:
+    """The longest sequence the model takes: max_position_embeddings (GPT-2's n_positions), less
+    the positions a RoBERTa-style embedding skips (its positions start after the padding id)."""
+    config = args.hf_config()
+    limit = getattr(config, "max_position_embeddings", None)
+    model_class = _model_class(args)
+    if not limit or model_class is None:
+        return limit
+    module = vars(sys.modules[model_class.__module__])
+    if any(
+        isinstance(obj, type)
+        and obj.__module__ == model_class.__module__
+        and hasattr(obj, "create_position_ids_from_input_ids")
+        for obj in module.values()
+    ):
+        limit -= (getattr(config, "pad_token_id", None) or 0) + 1
+    return limit
+
+
 class HFFamily(ModelFamily):
     name = "hf"
 
@@ -188,21 +255,24 @@ class HFFamily(ModelFamily):
         config = read_config(path)
         if model_cfg.weights == "pretrained" and not has_weights(path):
             raise weights_error(path)
-        limit = config.get("max_position_embeddings")
+        args = HFArgs(str(path), model_cfg.task, config, model_cfg.weights)
+        if model_cfg.task == "sequence_classification" and getattr(args.hf_config(), "pad_token_id", None) is None:
+            args = dataclasses.replace(args, config={**config, "pad_token_id": _pad_id(path)})
+        limit = _context(args)
         if limit and seq_len > limit:
             raise ConfigError(
                 [
                     f"data.seq_len: {seq_len} is longer than the model's context "
-                    f"(max_position_embeddings {limit} in {path / 'config.json'})"
+                    f"({limit} positions, from max_position_embeddings in {path / 'config.json'})"
                 ]
             )
-        return HFArgs(str(path), model_cfg.task, config, model_cfg.weights)
+        return args
 
     def build(self, args: HFArgs) -> nn.Module:
         transformers = transformers_module()
         auto = getattr(transformers, TASKS[args.task])
         try:
-            hf = auto.from_config(args.hf_config(), attn_implementation="sdpa", dtype=torch.float32)
+            hf = auto.from_config(args.hf_config(), attn_implementation=attention(args), dtype=torch.float32)
         except ValueError as e:
             raise ConfigError([f"model.task: {args.task} does not fit {args.path}: {str(e).splitlines()[0]}"]) from None
         return WRAPPERS[args.task](hf)
@@ -220,11 +290,25 @@ class HFFamily(ModelFamily):
             trust_remote_code=False,
             use_safetensors=True,
             dtype=torch.float32,
-            attn_implementation="sdpa",
+            attn_implementation=attention(args),
             # A classifier's head is new whenever the labels differ from the directory's.
             ignore_mismatched_sizes=args.task == "sequence_classification",
         )
         return WRAPPERS[args.task](hf).to(device).train()
+
+    def initial_values(self, args: HFArgs, model: nn.Module, seed: int) -> Pretrained | None:
+        """Pretrained weights read tensor by tensor from the directory's safetensors, each rank
+        keeping only its slices (a classifier's new head from ``seed``, as ``transformers``
+        initialises it). None for random weights, and for a causal LM whose files name its
+        tensors otherwise than the model does (an older checkpoint layout, which only
+        ``from_pretrained``'s conversions read): those are created whole on every rank."""
+        if args.weights != "pretrained":
+            return None
+        hf = cast(Any, _base(self.transformers_model(model)))
+        values = Pretrained(
+            model, Path(args.path), seed, hf._init_weights, new_head=args.task == "sequence_classification"
+        )
+        return values if args.task == "sequence_classification" or not values.missing else None
 
     def tokenizer(self, args: HFArgs):
         return load_tokenizer(Path(args.path))
@@ -237,21 +321,24 @@ class HFFamily(ModelFamily):
 
     def describe(self, model_cfg: ModelConfig, args: HFArgs, model: nn.Module) -> str:
         n = sum(p.numel() for p in model.parameters())
-        kind = args.config.get("architectures", [args.config["model_type"]])[0]
+        kind = (args.config.get("architectures") or [args.config["model_type"]])[0]
         start = "pretrained" if args.weights == "pretrained" else "random weights"
         labels = f", {len(args.labels)} labels" if args.labels else ""
-        return f"{kind} from {args.path} ({start}), {args.task}: {n:,} parameters{labels}"
+        eager = ""
+        if attention(args) == "eager" and _heads(args.hf_config()):
+            eager = f"; eager attention (transformers has no SDPA for {cast(type, _model_class(args)).__name__})"
+        return f"{kind} from {args.path} ({start}), {args.task}: {n:,} parameters{labels}{eager}"
 
     def parallel_plan(self, args: HFArgs) -> ParallelPlan:
         with torch.device("meta"):
             layer = _layer_type(self.build(args))
-        c = args.config
-        if c["model_type"] not in LLAMA_CLASS:
+        if args.config["model_type"] not in LLAMA_CLASS:
             return ParallelPlan(blocks=None, block_type=layer)
+        c = args.hf_config()
         divisors = {
-            f"{k} (config.json)": c[k]
+            f"{k} (config.json)": getattr(c, k)
             for k in ("num_attention_heads", "num_key_value_heads", "intermediate_size")
-            if k in c
+            if getattr(c, k, None) is not None
         }
         return ParallelPlan(blocks=None, block_type=layer, tensor_parallel=LLAMA_TP, tp_divisors=divisors)
 
@@ -265,33 +352,32 @@ class HFFamily(ModelFamily):
             if isinstance(module, nn.Linear) and id(module.weight) not in seen:
                 seen.add(id(module.weight))
                 matmul += module.weight.numel()
-        c = args.config
-        width = c.get("num_attention_heads", 0) * c.get("head_dim", c["hidden_size"] // c["num_attention_heads"])
-        return 6.0 * matmul + 12.0 * c["num_hidden_layers"] * width * seq_len
+        c = args.hf_config()
+        width = _heads(c) * (_head_dim(c) or 0)
+        return 6.0 * matmul + 12.0 * c.num_hidden_layers * width * seq_len
 
     def memory_model(self, args: HFArgs) -> MemoryModel:
         """Causal LMs: kiln's GPT block count on the same dimensions (a Llama-class decoder layer
         keeps what kiln's block keeps) and kiln's fused head; encoders: see EncoderMemory."""
-        c = args.config
+        c = args.hf_config()
         if args.task == "sequence_classification":
             return EncoderMemory(c, num_labels=max(1, len(args.labels)))
-        heads = c["num_attention_heads"]
+        heads = _heads(c) or 1  # a model without attention: counted as one head
         return GPTMemory(
             GPTConfig(
-                vocab_size=c["vocab_size"],
-                n_layer=c["num_hidden_layers"],
-                d_model=c["hidden_size"],
+                vocab_size=c.vocab_size,
+                n_layer=c.num_hidden_layers,
+                d_model=c.hidden_size,
                 n_head=heads,
-                n_kv_head=c.get("num_key_value_heads") or heads,
-                d_ff=c["intermediate_size"],
-                max_seq_len=c.get("max_position_embeddings", 0),
-                tie_embeddings=bool(c.get("tie_word_embeddings", True)),
+                n_kv_head=getattr(c, "num_key_value_heads", None) or heads,
+                d_ff=ffn_width(c),
+                max_seq_len=getattr(c, "max_position_embeddings", None) or 0,
+                tie_embeddings=bool(getattr(c, "tie_word_embeddings", True)),
             )
         )
 
     def head_dim(self, args: HFArgs) -> int | None:
-        c = args.config
-        return c.get("head_dim") or c["hidden_size"] // c["num_attention_heads"]
+        return _head_dim(args.hf_config())
 
     def loss(self, model: nn.Module, batch: Any) -> torch.Tensor:
         """The mean loss of a ``kiln.data.batch.TokenBatch`` (padded or packed rows), or of text's
@@ -314,12 +400,42 @@ class HFFamily(ModelFamily):
         return cast(nn.Module, model.hf)  # the submodule of this family's CausalLM or SequenceClassifier
 
     def context_length(self, args: HFArgs) -> int | None:
-        return getattr(args.hf_config(), "max_position_embeddings", None)
+        return _context(args)
 
     def lora_targets(self, args: HFArgs) -> list[str]:
-        if args.config["model_type"] in LLAMA_CLASS:
+        """The modules LoRA adapts unless ``lora.target_modules`` names them: a Llama-class model's
+        attention and MLP projections; a BERT-style classifier's query, key and value; else PEFT's
+        own default for the architecture (GPT-2's c_attn, OPT's q_proj and v_proj, ...); else every
+        linear layer of the repeated layers, named by its path in the layer (DistilBERT's
+        attention.q_lin, ..., ffn.lin2) so that no head outside them matches."""
+        model_type = args.config["model_type"]
+        if model_type in LLAMA_CLASS:
             return [name.split(".")[-1] for name in LLAMA_TP]
-        return ["query", "key", "value"] if args.task == "sequence_classification" else []
+        linears = self._block_linears(args)
+        names = {name.rsplit(".", 1)[-1] for name in linears}
+        if args.task == "sequence_classification" and {"query", "key", "value"} <= names:
+            return ["query", "key", "value"]
+        defaults: Mapping[str, Any] = {}
+        try:
+            from peft import utils as peft_utils
+        except ImportError:  # apply_lora says that LoRA needs peft
+            pass
+        else:
+            defaults = peft_utils.TRANSFORMERS_MODELS_TO_LORA_TARGET_MODULES_MAPPING
+        if defaults.get(model_type):
+            return list(defaults[model_type])
+        return linears
+
+    def _block_linears(self, args: HFArgs) -> list[str]:
+        """The linear layers (``transformers``' Conv1D too) of one repeated layer, by their path in it."""
+        conv1d = transformers_module().pytorch_utils.Conv1D
+        with torch.device("meta"):
+            model = self.build(args)
+        layer_type = _layer_type(model)
+        layer = next((m for m in model.modules() if type(m) is layer_type), None)
+        if layer is None:
+            return []
+        return [name for name, m in layer.named_modules() if isinstance(m, (nn.Linear, conv1d))]
 
     def stream(self, model: nn.Module, prompt: torch.Tensor, max_new_tokens: int, **sampling: Any):
         """A causal LM decoded step by step through ``transformers``' own KV cache, sampled as
@@ -331,11 +447,14 @@ class HFFamily(ModelFamily):
 
 def _stream(hf: nn.Module, prompt: torch.Tensor, max_new_tokens: int, **sampling: Any):
     cache = None
+    # transformers 5.24 renamed past_key_values to cache (the old name warns on every call); older
+    # versions know only the old one.
+    name = "cache" if "cache" in inspect.signature(hf.forward).parameters else "past_key_values"
 
     def forward(tokens: torch.Tensor) -> torch.Tensor:
         nonlocal cache
-        out = hf(tokens, past_key_values=cache, use_cache=True)
-        cache = out.past_key_values
+        out = hf(tokens, use_cache=True, **{name: cache})
+        cache = getattr(out, name)
         return out.logits[:, -1]
 
     return decode(hf, lambda: forward(prompt), lambda token: forward(token[:, None]), max_new_tokens, **sampling)

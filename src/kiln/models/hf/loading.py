@@ -7,12 +7,20 @@ classes is refused). Weights are read from safetensors only, one file or a shard
 
 from __future__ import annotations
 
+import copy
 import json
 import os
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import torch
+from safetensors import safe_open
+from torch import nn
+
+from kiln.compat import quiet_library_imports
 from kiln.config import ConfigError
+from kiln.models.init import Values, lora_kind, plain_name, tensor_seed
 
 WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json")
 
@@ -25,6 +33,7 @@ def _offline() -> None:
 
 def transformers_module():
     """``transformers``, or a config error saying how to get it."""
+    quiet_library_imports()  # transformers imports torchao (where installed) when it loads a model
     try:
         import transformers
     except ImportError:
@@ -105,3 +114,101 @@ def load_tokenizer(path: Path):
         raise ConfigError(
             [f"model.source: {path}: cannot load its tokenizer: {str(e).splitlines()[0][:300]}"]
         ) from None
+
+
+def weight_shapes(path: Path) -> dict[str, tuple[Path, tuple[int, ...]]]:
+    """Each tensor of the directory's safetensors weights: the file holding it and its shape (read
+    from the files' headers; one file, or those a sharded index names, each checked)."""
+    index = path / "model.safetensors.index.json"
+    files = [path / "model.safetensors"]
+    if index.is_file():
+        try:
+            weight_map = json.loads(index.read_text())["weight_map"]
+            files = sorted({path / file for file in weight_map.values()})
+        except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
+            raise ConfigError([f"model.source: {index} is not a safetensors index ({e})"]) from None
+        for file in files:
+            if not file.is_file():
+                raise ConfigError([f"model.source: {index} names {file.name}, which is not in {path}"])
+    shapes = {}
+    for file in files:
+        try:
+            with safe_open(str(file), framework="pt") as f:
+                shapes.update({key: (file, tuple(f.get_slice(key).get_shape())) for key in f.keys()})  # noqa: SIM118
+        except Exception as e:  # safetensors raises its own error types for a damaged header
+            raise ConfigError([f"model.source: {file} is not a readable safetensors file ({e})"]) from None
+    return shapes
+
+
+def read_tensor(file: Path, key: str) -> torch.Tensor:
+    """One tensor of a safetensors file. The file is opened for this tensor alone: its pages
+    leave the process with it, so reading a large model tensor by tensor never holds it all."""
+    try:
+        with safe_open(str(file), framework="pt") as f:
+            return f.get_tensor(key)
+    except Exception as e:  # a truncated file: safetensors' own error types
+        raise ConfigError([f"model.source: {file}: cannot read tensor {key} ({str(e).splitlines()[0]})"]) from None
+
+
+class Pretrained(Values):
+    """A Hugging Face model's starting values, read tensor by tensor from its safetensors files,
+    so that a rank reads only the tensors of what it holds and keeps only its slices of them.
+
+    Names: the model's own under kiln's wrapper (``hf.``) and PEFT's (``base_model.model.``).
+    Buffers keep the values the model's constructor computed (it was built with its parameters on
+    ``meta``). ``missing``: the model's parameters the files lack. With ``new_head`` (a
+    classifier: its head is new when its labels differ), those and the ones the files hold in
+    another shape start as ``transformers`` starts them (``init_module``: the model's own
+    initialisation of one module), seeded by their name, and are listed in ``new``; otherwise a
+    shape that differs is a ConfigError naming the file and tensor."""
+
+    def __init__(
+        self,
+        model: nn.Module,
+        directory: Path,
+        seed: int,
+        init_module: Callable[[nn.Module], None],
+        *,
+        new_head: bool,
+    ):
+        super().__init__(model, seed)
+        self.init_module = init_module
+        self.stored = weight_shapes(directory)
+        self.buffers = {name: b.detach().clone() for name, b in model.named_buffers() if not b.is_meta}
+        params = {self.key(name): p for name, p in model.named_parameters() if lora_kind(name) is None}
+        self.missing = sorted(params.keys() - self.stored.keys())
+        reshaped = sorted(k for k in params.keys() & self.stored.keys() if self.stored[k][1] != tuple(params[k].shape))
+        if reshaped and not new_head:
+            key = reshaped[0]
+            file, shape = self.stored[key]
+            raise ConfigError(
+                [
+                    f"model.source: {file}: tensor {key} has shape {list(shape)}, but the model its config.json "
+                    f"describes has {list(params[key].shape)}"
+                ]
+            )
+        self.new = sorted(set(self.missing) | set(reshaped)) if new_head else []
+
+    @staticmethod
+    def key(name: str) -> str:
+        """The checkpoint's name of the model's tensor ``name``."""
+        return plain_name(name).removeprefix("hf.").removeprefix("base_model.model.")
+
+    def base_value(self, name: str, key: str, like: torch.Tensor) -> torch.Tensor:
+        if name in self.buffers:
+            return self.buffers[name]
+        key = self.key(name)
+        if key in self.new or key not in self.stored:
+            return self._initialised(name, key)
+        return read_tensor(self.stored[key][0], key)
+
+    def _initialised(self, name: str, key: str) -> torch.Tensor:
+        """``transformers``' initialisation of the module holding ``name``, on a copy of it alone."""
+        owner_name, _, leaf = name.rpartition(".")
+        owner = copy.deepcopy(self.model.get_submodule(owner_name))
+        owner.to_empty(device="cpu")
+        if self.seed is not None:
+            torch.manual_seed(tensor_seed(self.seed, key))
+        with torch.no_grad():
+            self.init_module(owner)
+        return getattr(owner, leaf).detach()

@@ -12,26 +12,34 @@ measured CPU steps of a 3-layer BERT: within 10% (tests/models/test_hf.py allows
 
 from __future__ import annotations
 
-from collections.abc import Mapping
 from typing import Any
 
 from kiln.models.family import HeadMemory, MemoryContext, MemoryModel
+
+
+def ffn_width(config: Any) -> int:
+    """The width of a layer's MLP, under the names architectures give it (4 x hidden_size, GPT-2's
+    default, where none is set)."""
+    for name in ("intermediate_size", "n_inner", "ffn_dim", "hidden_dim"):
+        if width := getattr(config, name, None):
+            return int(width)
+    return 4 * config.hidden_size
 
 
 class EncoderMemory(MemoryModel):
     buffers = "position ids"
     backward_peak_grad = None
 
-    def __init__(self, config: Mapping[str, Any], num_labels: int):
+    def __init__(self, config: Any, num_labels: int):
+        """``config``: the ``transformers`` config object, whose attribute_map reads every
+        architecture's names as BERT's (DistilBERT's ``dim`` as ``hidden_size``, ...)."""
         self.c = config
-        self.n_layer, self.d_model, self.vocab_size = (
-            config["num_hidden_layers"],
-            config["hidden_size"],
-            config["vocab_size"],
-        )
-        self.heads = config["num_attention_heads"]
-        self.d_ff = config["intermediate_size"]
-        self.attention_dropout = config.get("attention_probs_dropout_prob", 0.0) > 0
+        self.n_layer, self.d_model, self.vocab_size = config.num_hidden_layers, config.hidden_size, config.vocab_size
+        self.heads = getattr(config, "num_attention_heads", None) or 1  # FNet has none: counted as one
+        self.d_ff = ffn_width(config)
+        # BERT's name for attention's dropout, or DistilBERT's and ModernBERT's.
+        dropout = getattr(config, "attention_probs_dropout_prob", None)
+        self.attention_dropout = (dropout if dropout is not None else getattr(config, "attention_dropout", 0.0)) > 0
         self.num_labels = num_labels
 
     def block_activations(self, ctx: MemoryContext) -> int:

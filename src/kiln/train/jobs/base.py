@@ -23,6 +23,7 @@ from torch.utils.data import Dataset, default_collate
 from kiln.config import Config
 from kiln.distributed.world import World
 from kiln.models.family import ModelFamily, ParallelPlan, build_model, family_of
+from kiln.models.init import Values, allocate, params_on_meta
 from kiln.train.apply import apply_lora
 from kiln.train.precision import Precision
 
@@ -45,7 +46,8 @@ class Job:
     """One kind of run. ``prepare`` readies the data and the model's arguments; after it, the job
     has ``train_data`` (a Dataset), ``collate_fn`` (items to a batch), ``loss_fn`` (``loss_fn(model,
     batch)``: the mean loss of a micro-batch), ``tokens_per_sample``, ``flops_per_token`` (None
-    where unknown: no MFU) and ``plan`` (the model's ParallelPlan)."""
+    where unknown: no MFU) and ``plan`` (the model's ParallelPlan). ``model()`` may return a model
+    on the ``meta`` device, and then sets ``initial``."""
 
     kind: ClassVar[str] = ""
     train_data: Dataset
@@ -54,9 +56,38 @@ class Job:
     tokens_per_sample: int = 1
     flops_per_token: float | None = None
     plan: ParallelPlan
+    # Set by ``model`` when it returns a model on ``meta``: its initial values, which each rank
+    # writes into the shards it holds once the layout is applied.
+    initial: Values | None = None
 
     def __init__(self, cfg: Config):
         self.cfg = cfg
+
+    def whole_model(self, device: torch.device) -> nn.Module:
+        """The model a run starts from, whole on ``device``, in one process (the doctor's)."""
+        model = self.model()
+        if self.initial is None:
+            return model.to(device)
+        allocate(model, device)
+        self.initial.fill(model)
+        return model
+
+    def family_model(self, args: Any) -> nn.Module:
+        """The family's model of ``args`` that a run starts from, with LoRA adapters if asked for.
+
+        Built on ``meta``, with ``initial`` set, when the family gives each tensor's starting
+        value by name (kiln's GPT from the seed, a Hugging Face model from its safetensors): each
+        rank then allocates and writes only what it holds (``kiln.distributed.parallelize``), and
+        no rank ever holds the whole model. Otherwise, and for a 4-bit base (quantized whole),
+        created whole on the CPU on every rank."""
+        family, cfg = self.family, self.cfg
+        if cfg.lora.quantize_base == "none":
+            with params_on_meta():
+                model = apply_lora(family.build(args), cfg, family, args)
+            self.initial = family.initial_values(args, model, cfg.train.seed)
+            if self.initial is not None:
+                return model
+        return apply_lora(family.create(args, "cpu", cfg.train.seed), cfg, family, args)
 
     @functools.cached_property
     def family(self) -> ModelFamily:

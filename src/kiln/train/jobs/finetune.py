@@ -23,7 +23,6 @@ from kiln.data.records import RECORD_EXTENSIONS
 from kiln.distributed.world import World
 from kiln.io import write_atomic
 from kiln.models.family import ModelFamily
-from kiln.train.apply import apply_lora
 from kiln.train.evaluate import evaluate_causal_lm, evaluate_classifier
 from kiln.train.jobs.base import EvalContext, Job, LoadedRun
 
@@ -68,8 +67,7 @@ class FineTuneJob(Job):
 
     def model(self) -> nn.Module:
         """Pretrained (or random) weights, with LoRA adapters if asked for."""
-        family, args = self.family, self.args
-        return apply_lora(family.create(args, "cpu", self.cfg.train.seed), self.cfg, family, args)
+        return self.family_model(self.args)
 
     def evaluate(self, model: nn.Module, ctx: EvalContext) -> dict[str, Any]:
         return evaluate(self.family, model, self.data, ctx.micro_batch_size, ctx.device)

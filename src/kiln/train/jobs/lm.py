@@ -25,7 +25,6 @@ from kiln.data.tokenizer import Codec
 from kiln.distributed.world import World
 from kiln.models.family import ModelFamily
 from kiln.models.hf.loading import model_dir
-from kiln.train.apply import apply_lora
 from kiln.train.jobs.base import EvalContext, Job, LoadedRun
 
 
@@ -63,9 +62,7 @@ class LMJob(Job):
             return prepare(self._data_config(), progress=console)
 
     def model(self) -> nn.Module:
-        family, args = self.family, self.args
-        # Initialised on the CPU on every rank and device alike: the same seed, the same weights.
-        return apply_lora(family.create(args, "cpu", self.cfg.train.seed), self.cfg, family, args)
+        return self.family_model(self.args)
 
     def evaluate(self, model: nn.Module, ctx: EvalContext) -> dict[str, Any]:
         return self.family.evaluate(model, rebatch(self.fixed_val, ctx.micro_batch_size), self.token_bytes, ctx.device)

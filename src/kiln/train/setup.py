@@ -1,0 +1,70 @@
+"""The start of a run, before its first step: the model this rank trains, made and laid out,
+and how long each part took, said in one line once the first step is done (where a large
+model's minutes before training go)."""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from collections.abc import Callable, Iterator
+
+import torch
+
+from kiln.config import ParallelConfig
+from kiln.distributed.parallel import ParallelModel
+from kiln.distributed.parallelize import parallelize
+from kiln.distributed.world import World
+from kiln.train.faults import NoFaults
+from kiln.train.jobs import Job
+from kiln.train.precision import Precision
+
+
+class SetupTimes:
+    """Seconds spent on each part of the start (building the model, laying it out and
+    initialising or loading it, loading a checkpoint, the first step with its compilation)."""
+
+    def __init__(self, say: Callable[[str], None]):
+        self.say = say
+        self.parts: dict[str, float] = {}
+        self._loop: float | None = None
+
+    @contextlib.contextmanager
+    def timed(self, part: str) -> Iterator[None]:
+        start = time.perf_counter()
+        yield
+        self.parts[part] = time.perf_counter() - start
+
+    def loop_starts(self) -> None:
+        self._loop = time.perf_counter()
+
+    def step_done(self) -> None:
+        """After each step; after the run's first, say the setup line (parts that took no
+        measurable time left out)."""
+        if self._loop is None:
+            return
+        self.parts["first step"], self._loop = time.perf_counter() - self._loop, None
+        said = ", ".join(f"{part} {seconds:.1f}s" for part, seconds in self.parts.items() if seconds >= 0.05)
+        self.say(f"kiln: setup: {said}")
+
+
+def start_model(
+    job: Job,
+    world: World,
+    pcfg: ParallelConfig,
+    precision: Precision,
+    faults: NoFaults,
+    times: SetupTimes,
+) -> ParallelModel:
+    """This rank's share of the job's model: built (on ``meta`` where the job can say each
+    tensor's starting value by name, so that each rank writes only its own shards), given its
+    precision's layers (fp8) and the test faults, and laid out over ``world`` as ``pcfg`` says."""
+    with times.timed("build"):
+        model = job.model()
+        precision.convert(model)
+    for line in job.describe(model) + precision.describe():
+        times.say(f"kiln: {line}")
+    faults.attach(model)
+    with times.timed("shard + initialise" if job.initial else "shard"):
+        model = model if job.initial else model.to(world.device)
+        bf16 = precision.dtype == torch.bfloat16
+        return parallelize(model, job.plan, world, pcfg, bf16=bf16, initial=job.initial)
