@@ -77,8 +77,10 @@ def return_freed_host_memory() -> bool:
     which blocks of a layer's size come from its heap and stay in the process when freed: a rank
     that gathers one sharded layer after another then holds gigabytes it no longer uses, and its
     resident memory, what a machine's limit counts, grows far above its live tensors. A fixed
-    threshold of 1 MB keeps every large tensor in its own mapping, returned when freed. Returns
-    whether the C library took the setting (only glibc has it; elsewhere nothing changes)."""
+    threshold of 1 MB keeps every large tensor in its own mapping, returned when freed; the price
+    is fresh pages for each such allocation, which a CPU loop that allocates large activations
+    every step pays in speed. Returns whether the C library took the setting (only glibc has it;
+    elsewhere nothing changes)."""
     import ctypes
     import ctypes.util
 

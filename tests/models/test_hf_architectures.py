@@ -20,6 +20,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from kiln.cli import main
 from kiln.compat import quiet_library_warnings
 from kiln.config import ConfigError, ModelConfig
 from kiln.models.hf import FAMILY, HFArgs, attention
@@ -315,3 +316,14 @@ def test_importing_the_libraries_as_kiln_does_prints_nothing():
     )
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0 and proc.stdout == proc.stderr == "", proc.stderr
+
+
+def test_packing_is_refused_where_packed_records_would_see_each_other(tmp_path, records, capsys):
+    arch = next(a for a in ARCHS if a.name == "opt")
+    model = make(arch, tmp_path / "model")
+    sets = [*run_sets(tmp_path / "run", model, arch, records[CAUSAL]), "--set", "data.packing=true"]
+    capsys.readouterr()  # transformers' progress bar while the model was saved
+    assert main(["train", *sets]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "data.packing:" in err and "attend to each other" in err and len(err.splitlines()) == 1
+    assert not (tmp_path / "run").exists()

@@ -246,6 +246,11 @@ class ModelFamily:
         rank). By default: a model that initialises its tensors by name, from ``seed``."""
         return Initial(model, seed) if keyed(model) else None
 
+    def keeps_packed_records_apart(self, args: Any) -> bool:
+        """Whether records packed into one row (``data.packing``), each with positions restarting
+        at 0, attend only within themselves."""
+        return True
+
     def tokenizer(self, args: Any) -> Any:
         """The model's own tokenizer, for a family that comes with one (None: kiln's data pipeline
         trains or loads one)."""

@@ -11,6 +11,7 @@ from collections.abc import Callable, Iterator
 import torch
 
 from kiln.config import ParallelConfig
+from kiln.device import return_freed_host_memory
 from kiln.distributed.parallel import ParallelModel
 from kiln.distributed.parallelize import parallelize
 from kiln.distributed.world import World
@@ -57,7 +58,15 @@ def start_model(
 ) -> ParallelModel:
     """This rank's share of the job's model: built (on ``meta`` where the job can say each
     tensor's starting value by name, so that each rank writes only its own shards), given its
-    precision's layers (fp8) and the test faults, and laid out over ``world`` as ``pcfg`` says."""
+    precision's layers (fp8) and the test faults, and laid out over ``world`` as ``pcfg`` says.
+
+    A rank that gathers sharded layers on the host (FSDP on the CPU, or offloaded), and any rank
+    of a GPU, whose loop allocates little on the host, has the host allocator return large freed
+    blocks at once, so that its resident memory is its live tensors. Not a plain CPU run: there
+    it would turn every large activation into fresh pages (2.4 times slower, measured)."""
+    sharded = pcfg.strategy != "ddp" and (world.dp > 1 or pcfg.cpu_offload)
+    if world.device.type == "cuda" or sharded:
+        return_freed_host_memory()
     with times.timed("build"):
         model = job.model()
         precision.convert(model)

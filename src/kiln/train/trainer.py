@@ -25,7 +25,6 @@ from kiln.config import Config, ConfigError
 from kiln.data.batch import split_batch, to_device
 from kiln.data.batch_schedule import BatchSchedule
 from kiln.data.loader import StepBatches
-from kiln.device import return_freed_host_memory
 from kiln.distributed.world import init_world
 from kiln.io import directory_problem
 from kiln.observe import NullLogger, open_logger
@@ -89,7 +88,6 @@ class Trainer:
         self.world = world = init_world(cfg.run.device, cfg.parallel, cfg.run.dir)
         self.device, self.console, self.run_dir = world.device, console and world.is_main, Path(cfg.run.dir)
         seed_everything(t.seed)
-        return_freed_host_memory()  # a rank's resident memory is then its live tensors
         job.prepare(world, self.console)
         self.precision = Precision(t.precision, self.device, t.fp8_recipe)
         schedule = BatchSchedule.from_config(t, job.tokens_per_sample)

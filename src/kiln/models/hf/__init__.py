@@ -57,6 +57,9 @@ LLAMA_TP = {
     "mlp.up_proj": "colwise",
     "mlp.down_proj": "rowwise",
 }
+# Architectures under which records packed into one row attend to each other (checked on
+# transformers 5: 16 others, Llama, Qwen, Gemma, Phi, GPT-2 and GPT-NeoX among them, keep them apart).
+MIXES_PACKED_RECORDS = ("opt", "bloom", "mamba", "mamba2", "falcon_mamba")
 # Config attributes that change logits after the output projection: such models keep their own head.
 LOGIT_TRANSFORMS = ("final_logit_softcapping", "logit_scale", "logits_scaling", "output_multiplier_scale")
 
@@ -309,6 +312,12 @@ class HFFamily(ModelFamily):
             model, Path(args.path), seed, hf._init_weights, new_head=args.task == "sequence_classification"
         )
         return values if args.task == "sequence_classification" or not values.missing else None
+
+    def keeps_packed_records_apart(self, args: HFArgs) -> bool:
+        """``transformers`` turns restarting position ids into a block-diagonal mask for models
+        that take position ids; OPT (positions from the attention mask), Bloom (ALiBi) and the
+        state-space models do not."""
+        return args.config["model_type"] not in MIXES_PACKED_RECORDS
 
     def tokenizer(self, args: HFArgs):
         return load_tokenizer(Path(args.path))

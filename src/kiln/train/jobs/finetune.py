@@ -48,6 +48,13 @@ class FineTuneJob(Job):
         """Resolve the model and tokenize its records (every rank: they are held in memory)."""
         cfg, family = self.cfg, self.family
         self.args = family.resolve(cfg.model, vocab_size=0, seq_len=cfg.data.seq_len)
+        if cfg.data.packing and cfg.model.task == "causal_lm" and not family.keeps_packed_records_apart(self.args):
+            raise ConfigError(
+                [
+                    f"data.packing: the model of {cfg.model.source} lets records packed into one row attend to each "
+                    "other; set data.packing=false"
+                ]
+            )
         self.tokenizer = family.tokenizer(self.args)
         if self.tokenizer is None:
             raise ConfigError(
