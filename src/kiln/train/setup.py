@@ -63,7 +63,7 @@ def start_model(
     A rank that gathers sharded layers on the host (FSDP on the CPU, or offloaded), and any rank
     of a GPU, whose loop allocates little on the host, has the host allocator return large freed
     blocks at once, so that its resident memory is its live tensors. Not a plain CPU run: there
-    it would turn every large activation into fresh pages (2.4 times slower, measured)."""
+    it would turn every large activation into fresh pages (about half the speed, measured)."""
     sharded = pcfg.strategy != "ddp" and (world.dp > 1 or pcfg.cpu_offload)
     if world.device.type == "cuda" or sharded:
         return_freed_host_memory()
