@@ -22,7 +22,7 @@ from torch import nn
 from kiln.config import ParallelConfig
 from kiln.distributed.world import World
 from kiln.models.family import ParallelPlan
-from kiln.models.init import Values, allocate
+from kiln.models.init import Values
 
 
 class StepCompute(Protocol):
@@ -133,8 +133,7 @@ def materialize(module: nn.Module, initial: Values, device: torch.device) -> Non
     initial value, or the slice of it this rank holds: a sharded parameter's whole value is made
     one parameter at a time and cut as its placements say, so a rank holds at most one whole
     parameter beside its shards (the largest is the vocabulary embedding)."""
-    allocate(module, device)
-    initial.fill(module, _place)
+    initial.materialize(module, device, _place)
 
 
 def _place(tensor: torch.Tensor, value: torch.Tensor) -> None:

@@ -27,7 +27,7 @@ from torch import nn
 
 from kiln.config import Config, ConfigError, ModelConfig
 from kiln.models.generate import collect
-from kiln.models.init import Initial, Values, allocate, keyed
+from kiln.models.init import Initial, Values, keyed
 from kiln.models.lm import evaluate_lm, lm_loss
 
 TP_STYLES = ("colwise", "rowwise")
@@ -351,8 +351,7 @@ def materialize(model: nn.Module, device: torch.device | str, seed: int) -> nn.M
     the same draws from the same generator as constructing the model eagerly after
     ``torch.manual_seed(seed)``, so either way gives bitwise the same weights."""
     if keyed(model):
-        allocate(model, device)
-        Initial(model, seed).fill(model)
+        Initial(model, seed).materialize(model, device)
         return model
     model.to_empty(device=device)
     torch.manual_seed(seed)

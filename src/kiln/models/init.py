@@ -111,6 +111,16 @@ class Values:
         ``key`` its name without LoRA's wrappers."""
         raise NotImplementedError
 
+    def materialize(
+        self,
+        module: nn.Module,
+        device: torch.device | str,
+        place: Callable[[torch.Tensor, torch.Tensor], None] | None = None,
+    ) -> None:
+        """Allocate ``module`` (built with its parameters on ``meta``) on ``device`` and ``fill`` it."""
+        allocate(module, device)
+        self.fill(module, place)
+
     @torch.no_grad()
     def fill(self, module: nn.Module, place: Callable[[torch.Tensor, torch.Tensor], None] | None = None) -> None:
         """Write every parameter's and buffer's starting value into ``module`` (the model, or a
@@ -137,8 +147,8 @@ def params_on_meta() -> Iterator[None]:
     PyTorch has no public switch for this (``torch.device("meta")`` moves buffers too): every
     parameter passes through ``nn.Module.register_parameter``, which is wrapped for the duration,
     as Accelerate's ``init_empty_weights`` does. A parameter is created on the CPU first, without
-    values (``torch.empty``), and moved at once. ``tests/models/test_init.py`` fails if a module
-    built inside keeps a parameter off ``meta``."""
+    values (``torch.empty``), and moved at once. ``tests/models/test_hf_loading.py`` fails if a
+    module built inside keeps a parameter off ``meta``."""
     register = nn.Module.register_parameter
 
     def on_meta(module: nn.Module, name: str, param: nn.Parameter | None) -> None:

@@ -174,7 +174,8 @@ class Pretrained(Values):
         super().__init__(model, seed)
         self.init_module = init_module
         self.stored = weight_shapes(directory)
-        self.buffers = {name: b.detach().clone() for name, b in model.named_buffers() if not b.is_meta}
+        # Allocating the model gives it new buffers: these, the constructor's, stay as they were.
+        self.buffers = {name: b.detach() for name, b in model.named_buffers() if not b.is_meta}
         params = {self.key(name): p for name, p in model.named_parameters() if lora_kind(name) is None}
         self.missing = sorted(params.keys() - self.stored.keys())
         reshaped = sorted(k for k in params.keys() & self.stored.keys() if self.stored[k][1] != tuple(params[k].shape))

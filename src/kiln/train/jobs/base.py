@@ -23,7 +23,7 @@ from torch.utils.data import Dataset, default_collate
 from kiln.config import Config
 from kiln.distributed.world import World
 from kiln.models.family import ModelFamily, ParallelPlan, build_model, family_of
-from kiln.models.init import Values, allocate, params_on_meta
+from kiln.models.init import Values, params_on_meta
 from kiln.train.apply import apply_lora
 from kiln.train.precision import Precision
 
@@ -68,8 +68,7 @@ class Job:
         model = self.model()
         if self.initial is None:
             return model.to(device)
-        allocate(model, device)
-        self.initial.fill(model)
+        self.initial.materialize(model, device)
         return model
 
     def family_model(self, args: Any) -> nn.Module:
