@@ -166,7 +166,8 @@ def _parser() -> argparse.ArgumentParser:
         "adapter in PEFT's format under adapter/); safetensors: kiln's weights with the run's config and "
         "tokenizer (kiln generate/eval/serve load it); pt2: a torch.export program and an AOTInductor "
         "package; onnx: an ONNX model checked in ONNX Runtime. export.json records the logit difference "
-        "from the PyTorch model on validation inputs (docs/export.md).",
+        "from the PyTorch model on validation inputs (docs/export.md). A run saved in shards (FSDP, "
+        "tensor or pipeline parallel) is exported to hf or safetensors one layer at a time, never whole.",
     )
     x.add_argument("run_dir", metavar="RUN_DIR|CHECKPOINT", help="run directory or checkpoint directory")
     x.add_argument("--format", required=True, choices=["hf", "safetensors", "pt2", "onnx"])
@@ -179,6 +180,12 @@ def _parser() -> argparse.ArgumentParser:
     )
     x.add_argument("--checkpoint", help="checkpoint directory (default: the newest complete one)")
     x.add_argument("--force", action="store_true", help="replace --out if it exists and is not empty")
+    x.add_argument(
+        "--max-shard-size",
+        default="5GB",
+        help="hf and safetensors: split the weights into files of at most this size "
+        "(model-00001-of-0000N.safetensors with an index), e.g. 500MB or 2GiB (default: 5GB)",
+    )
 
     sv = sub.add_parser(
         "serve",
@@ -386,12 +393,21 @@ def cmd_export(args) -> int:
     from kiln.export import export
 
     info = export(
-        args.run_dir, args.format, args.out, checkpoint=args.checkpoint, quantize=args.quantize, force=args.force
+        args.run_dir,
+        args.format,
+        args.out,
+        checkpoint=args.checkpoint,
+        quantize=args.quantize,
+        force=args.force,
+        max_shard_size=args.max_shard_size,
     )
     print(f"kiln: exported step {info['step']} of {args.run_dir} to {args.out} ({len(info['files'])} files)")
     for name, value in info.items():
         if isinstance(value, dict) and "max_abs_diff" in value:
-            where = info["check"]["inputs"]
+            check = info["check"]
+            where = check["inputs"]
+            if "layers" in check:  # a streamed export: both models cut to a sample of their layers
+                where += f"; layers {', '.join(map(str, check['layers']))} of {check['of_layers']}"
             print(f"  {name}: logits within {value['max_abs_diff']:.2e} of the PyTorch model ({where})")
     if "quantized" in info:
         q = info["quantized"]

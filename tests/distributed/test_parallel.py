@@ -55,10 +55,16 @@ def test_a_sharded_checkpoint_exports_like_a_whole_one(tmp_path, fsdp_run, singl
         outputs = []
         for name, source in (("sharded", fsdp_run), ("whole", single)):
             out = tmp_path / f"{fmt}-{name}"
-            in_process("export", source, "--format", fmt, "--out", out)
+            # Files of 40 kB at most: split, with an index, whether written whole or streamed.
+            in_process("export", source, "--format", fmt, "--out", out, "--max-shard-size", "40kB")
             info = json.loads((out / "export.json").read_text())
             assert info[fmt]["max_abs_diff"] <= 1e-5  # the artifact computes the gathered model
-            outputs.append((sorted(info["files"]), load_run(out, device="cpu").model(ids).detach()))
+            assert ("streamed" in info) == (name == "sharded") and (out / "model.safetensors.index.json").is_file()
+            # The same files besides the weights, and the same tensors in them (grouped otherwise:
+            # a stream writes layer by layer, a whole model in its state dict's order).
+            others = sorted(f for f in info["files"] if not f.startswith("model-"))
+            tensors = sorted(json.loads((out / "model.safetensors.index.json").read_text())["weight_map"])
+            outputs.append(((others, tensors), load_run(out, device="cpu").model(ids).detach()))
         (sharded_files, sharded), (whole_files, whole) = outputs
         assert sharded_files == whole_files
         # The two runs trained alike (to Adam's amplified rounding, see assert_same_training).

@@ -29,6 +29,7 @@ import json
 import os
 import random
 import shutil
+import warnings
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
@@ -299,16 +300,25 @@ def load_checkpoint(
     return model_state, train_state
 
 
-def load_sharded(path: str | os.PathLike, state: dict[str, Any]) -> None:
+def load_sharded(path: str | os.PathLike, state: dict[str, Any], reader: Any = None) -> None:
     """Fill ``state`` (e.g. ``{"model": model.state_dict()}``; any subset of what was saved, in
-    this process's own sharding or none) in place from a sharded checkpoint."""
+    this process's own sharding or none) in place from a sharded checkpoint (through ``reader``,
+    a DCP storage reader of it, when given)."""
     import torch.distributed as dist
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.api import CheckpointException
 
     try:
-        # Without a process group (eval, generate, a 1-process resume) this one process reads all.
-        dcp.load(state, checkpoint_id=str(Path(path) / SHARDED_DIR), no_dist=not dist.is_initialized())
+        with warnings.catch_warnings():
+            # Without a process group (eval, generate, export, a 1-process resume) this one process
+            # reads all, as meant: DCP warns that it assumes so.
+            warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+            dcp.load(
+                state,
+                checkpoint_id=str(Path(path) / SHARDED_DIR),
+                storage_reader=reader,
+                no_dist=not dist.is_initialized(),
+            )
     except (CheckpointException, RuntimeError, ValueError) as e:
         raise CheckpointError(
             f"{path}: the sharded checkpoint does not fit this model (was [model] changed?): "

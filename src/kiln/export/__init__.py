@@ -2,7 +2,9 @@
 
 Formats: ``hf`` (hf.py), ``safetensors`` (weights.py), ``pt2`` (pt2.py: ``torch.export`` and
 AOTInductor) and ``onnx`` (onnx.py), the last two optionally ``--quantize int8`` (dynamic) or, for
-ONNX, ``int8-static`` (calibrated on validation batches).
+ONNX, ``int8-static`` (calibrated on validation batches). Weights past ``--max-shard-size``
+are split into several safetensors files with an index, as ``transformers`` splits them; a run
+saved in shards is exported to ``hf`` or ``safetensors`` one layer at a time (streamed.py).
 
 Every export is checked where it is made: each artifact is loaded back from its files and run on
 the run's validation inputs, and ``export.json`` records the largest logit difference from the
@@ -14,15 +16,20 @@ whole.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import shutil
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from kiln.config import ConfigError
+from kiln.checkpoint import load_checkpoint
+from kiln.checkpoint.store import SHARDED_DIR
+from kiln.checkpoint.weights import DEFAULT_MAX_SHARD_SIZE, parse_size
+from kiln.config import Config, ConfigError
 from kiln.export.check import (
     ExportError,
     Inputs,
@@ -33,10 +40,11 @@ from kiln.export.check import (
     validation_inputs,
 )
 from kiln.export.hf import write_hf
+from kiln.export.streamed import export_streamed
 from kiln.export.weights import write_safetensors
 from kiln.io import write_atomic
 from kiln.train.apply import merge_lora
-from kiln.train.run import LoadedRun, load_run
+from kiln.train.run import LoadedRun, checkpoint_step, find_checkpoint, load_run, saved_job
 
 FORMATS = ("hf", "safetensors", "pt2", "onnx")
 QUANTIZE = {"pt2": ("int8",), "onnx": ("int8", "int8-static")}
@@ -50,31 +58,35 @@ def export(
     checkpoint: str | Path | None = None,
     quantize: str | None = None,
     force: bool = False,
+    max_shard_size: str | int = DEFAULT_MAX_SHARD_SIZE,
 ) -> dict[str, Any]:
     """Export a run's checkpoint (the newest by default; ``source`` may also be a checkpoint
     directory) to ``out``; what was written and how it was checked, as a dict (also
-    ``out/export.json``)."""
+    ``out/export.json``). Weights past ``max_shard_size`` are split into several files."""
     if fmt not in FORMATS:
         raise ConfigError([f"--format: {fmt!r} is not one of {', '.join(FORMATS)}"])
     if quantize and quantize not in QUANTIZE.get(fmt, ()):
         allowed = "; ".join(f"{', '.join(q)} with --format {f}" for f, q in QUANTIZE.items())
         raise ConfigError([f"--quantize: {quantize!r} does not apply to --format {fmt} ({allowed})"])
+    try:
+        shard_bytes = parse_size(max_shard_size)
+    except ValueError as e:
+        raise ConfigError([f"--max-shard-size: {e}"]) from None
     out = Path(out)
     if out.exists() and (not out.is_dir() or any(out.iterdir())) and not force:
         raise FileExistsError(f"{out}: exists and is not empty; choose another --out or pass --force")
-    run = load_run(source, checkpoint, device="cpu")
-    inputs = validation_inputs(run, run.directory, rows=64 if quantize else 16)
+    write = _writer(Path(source), checkpoint, fmt, quantize, shard_bytes)
     out.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(dir=out.parent, prefix=f".{out.name}.", suffix=".tmp"))
     try:
         info = {
             "format": fmt,
             "quantize": quantize,
-            "run": str(run.directory.absolute()),
-            "checkpoint": str(run.checkpoint.absolute()),
-            "step": run.step,
-            "task": run.cfg.model.task,
-            **_write_checked(run, fmt, quantize, inputs, staging),
+            "run": str(write.run_dir.absolute()),
+            "checkpoint": str(write.checkpoint.absolute()),
+            "step": write.step,
+            "task": write.cfg.model.task,
+            **write(staging),
         }
         files = {str(p.relative_to(staging)): p.stat().st_size for p in sorted(staging.rglob("*")) if p.is_file()}
         info.update(files=files, size_bytes=sum(files.values()))
@@ -88,22 +100,67 @@ def export(
     return info
 
 
-def _write_checked(run: LoadedRun, fmt: str, quantize: str | None, inputs: Inputs, out: Path) -> dict[str, Any]:
+@dataclasses.dataclass
+class _Writer:
+    """What an export reads (run, checkpoint, step, config) and the function that writes it into a directory."""
+
+    run_dir: Path
+    checkpoint: Path
+    step: int
+    cfg: Config
+    write: Callable[[Path], dict[str, Any]]
+
+    def __call__(self, out: Path) -> dict[str, Any]:
+        return self.write(out)
+
+
+def _writer(source: Path, checkpoint: str | Path | None, fmt: str, quantize: str | None, shard_bytes: int) -> _Writer:
+    """A run saved in shards is exported to hf or safetensors without loading it whole
+    (``streamed``); every other export loads the model into this process."""
+    if fmt in ("hf", "safetensors") and not (source / "export.json").is_file():
+        run_dir, path = find_checkpoint(source, checkpoint)
+        if (path / SHARDED_DIR).is_dir():
+            load_checkpoint(path)  # its manifest's digests checked: nothing half-written is exported
+            job = saved_job(run_dir)
+            inputs = validation_inputs(job.cfg, job.saved_tokenizer(run_dir), run_dir, rows=16)
+            return _Writer(
+                run_dir,
+                path,
+                checkpoint_step(path),
+                job.cfg,
+                lambda out: export_streamed(job, run_dir, path, fmt, out, shard_bytes, inputs),
+            )
+    run = load_run(source, checkpoint, device="cpu")
+    inputs = validation_inputs(run.cfg, run.tokenizer, run.directory, rows=64 if quantize else 16)
+    return _Writer(
+        run.directory,
+        run.checkpoint,
+        run.step,
+        run.cfg,
+        lambda out: _write_checked(run, fmt, quantize, inputs, out, shard_bytes),
+    )
+
+
+def _write_checked(
+    run: LoadedRun, fmt: str, quantize: str | None, inputs: Inputs, out: Path, shard_bytes: int
+) -> dict[str, Any]:
     try:
-        return _write(run, fmt, quantize, inputs, out)
+        return _write(run, fmt, quantize, inputs, out, shard_bytes)
     except ImportError as e:  # an optional package of this format is missing
         raise ConfigError([f"--format {fmt}{f' --quantize {quantize}' if quantize else ''}: {e}"]) from None
 
 
-def _write(run: LoadedRun, fmt: str, quantize: str | None, inputs: Inputs, out: Path) -> dict[str, Any]:
+def _write(
+    run: LoadedRun, fmt: str, quantize: str | None, inputs: Inputs, out: Path, shard_bytes: int
+) -> dict[str, Any]:
     """Write the format's files into ``out``; the checks of what was written."""
     model = run.model
     # Two batch sizes and two sequence lengths, as the dynamic dimensions promise.
     batches = [inputs.batch(2), inputs.batch(3, max(2, inputs.seq_len // 2))]
     if fmt == "hf":
-        return _checks(model, write_hf(run, out), batches, inputs)
+        return _checks(model, write_hf(run, out, shard_bytes), batches, inputs)
     if fmt == "safetensors":
-        return _checks(model, write_safetensors(run, out), batches, inputs)
+        return _checks(model, write_safetensors(run, out, shard_bytes), batches, inputs)
     limit = run.family.context_length(run.args)
     name = type(run.family.transformers_model(model) or model).__name__  # what export errors call it
     max_len = limit or 4096

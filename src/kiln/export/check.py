@@ -14,14 +14,15 @@ import statistics
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from kiln.config import Config
 from kiln.data import DataError, TokenSequences, prepare
-from kiln.train.run import LoadedRun
 
 Logits = Callable[[torch.Tensor], torch.Tensor | np.ndarray]  # ONNX Runtime gives NumPy arrays
 
@@ -70,14 +71,14 @@ class Inputs:
         return torch.cat([r[:, :length] for r in rows])
 
 
-def validation_inputs(run: LoadedRun, run_dir: Path, rows: int = 32) -> Inputs:
-    """Up to ``rows`` validation rows of the run: token sequences of data.seq_len from its val
-    split (a language model trained on text), or its validation records (a fine-tuning run)."""
-    cfg = run.cfg
-    if hasattr(run.tokenizer, "save_pretrained"):
+def validation_inputs(cfg: Config, tokenizer: Any, run_dir: Path, rows: int = 32) -> Inputs:
+    """Up to ``rows`` validation rows of the run of ``cfg`` in ``run_dir``: token sequences of
+    data.seq_len from its val split (a language model trained on text), or its validation records
+    (a fine-tuning run), tokenized by its ``tokenizer``."""
+    if hasattr(tokenizer, "save_pretrained"):
         from kiln.data.finetune import prepare_finetune
 
-        data = prepare_finetune(cfg.data, cfg.model.task, run.tokenizer, cfg.data.seq_len)
+        data = prepare_finetune(cfg.data, cfg.model.task, tokenizer, cfg.data.seq_len)
         val = data.val.rows[:rows]
         if not val:
             raise DataError(f"{cfg.data.source}: no validation records to check the export on")

@@ -199,13 +199,30 @@ def merge_lora(model: nn.Module, family: ModelFamily) -> nn.Module:
         merged = _dequantized_copy(model)
         merged.hf = cast("PeftModel", merged.hf).merge_and_unload()  # hf is PEFT's wrapper: it merges
         return merged
-    adapted = [name for name, module in model.named_modules() if hasattr(module, "lora_A")]
-    if not adapted:
+    if not any(hasattr(module, "lora_A") for module in model.modules()):
         return model
     merged = _dequantized_copy(model)
-    for name in adapted:
-        layer = cast("BaseTunerLayer", merged.get_submodule(name))  # a PEFT layer: it has lora_A
-        layer.merge()
-        parent, _, child = name.rpartition(".")
-        setattr(merged.get_submodule(parent), child, layer.get_base_layer())
+    fold_lora(merged)
     return merged
+
+
+def fold_lora(module: nn.Module) -> None:
+    """Fold, in place, every LoRA adapter within ``module`` into its layer's weight and put the
+    plain layer back (a head PEFT trained as a copy becomes that copy), as PEFT's
+    ``merge_and_unload`` does for a whole model: the form in which a part of a model too large to
+    copy is merged (``kiln export`` of a sharded run)."""
+    adapted = [name for name, layer in module.named_modules() if hasattr(layer, "lora_A")]
+    inside = tuple(f"{name}." for name in adapted)
+    for name, layer in list(module.named_modules()):
+        if name.startswith(inside):  # an adapter's own parts
+            continue
+        if hasattr(layer, "unload_and_optionally_merge_module"):  # PEFT's trained copy of a head
+            plain = layer.unload_and_optionally_merge_module(merge=True, safe_merge=False, adapter_names=None)
+        elif name in adapted:
+            tuner = cast("BaseTunerLayer", layer)
+            tuner.merge()
+            plain = tuner.get_base_layer()
+        else:
+            continue
+        parent, _, child = name.rpartition(".")
+        setattr(module.get_submodule(parent), child, plain)

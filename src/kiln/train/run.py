@@ -17,6 +17,7 @@ import torch
 from torch import nn
 
 from kiln.checkpoint import CheckpointError, latest_checkpoint, load_checkpoint, load_sharded
+from kiln.checkpoint.weights import load_weights
 from kiln.config import Config, from_dict, tomllib
 from kiln.device import resolve_device
 from kiln.distributed.world import World
@@ -129,29 +130,39 @@ def load_run(path: str | Path, checkpoint: str | Path | None = None, device: str
     if (path / "export.json").is_file():
         info = json.loads((path / "export.json").read_text())
         return load_export(path, info.get("format"), device, int(info.get("step", 0)), info.get("task", "causal_lm"))
-    if checkpoint is None and path.parent.name == "checkpoints" and (path.parent.parent / "config.toml").is_file():
-        path, checkpoint = path.parent.parent, path
-    run_dir = path
-    for name in ("config.toml", "model.json"):
-        if not (run_dir / name).exists():
-            raise CheckpointError(f"{run_dir}: not a kiln run directory (missing {name})")
-    found = Path(checkpoint) if checkpoint else latest_checkpoint(run_dir / "checkpoints")
-    if found is None:
-        raise CheckpointError(f"{run_dir}: no complete checkpoint in {run_dir / 'checkpoints'}")
-    path = found
+    run_dir, path = find_checkpoint(path, checkpoint)
     model_state, _ = load_checkpoint(path)
-    job = _saved_job(run_dir)
+    job = saved_job(run_dir)
     args, model = job.saved_model(run_dir)
     if model_state is None:  # saved sharded: gather it into this one process
         model_state = model.state_dict()
         load_sharded(path, {"model": model_state})
     model.load_state_dict(model_state)
     model.to(resolve_device(device)).eval()
-    step = int(path.name.split("-")[-1])
-    return LoadedRun(job.cfg, job, job.family, args, model, job.saved_tokenizer(run_dir), path, step, run_dir)
+    return LoadedRun(
+        job.cfg, job, job.family, args, model, job.saved_tokenizer(run_dir), path, checkpoint_step(path), run_dir
+    )
 
 
-def _saved_job(directory: Path) -> Job:
+def find_checkpoint(path: Path, checkpoint: str | Path | None = None) -> tuple[Path, Path]:
+    """The run directory and the checkpoint that ``load_run`` reads for ``path`` (a run
+    directory, or one of its checkpoints) and ``checkpoint`` (by default the newest complete one)."""
+    if checkpoint is None and path.parent.name == "checkpoints" and (path.parent.parent / "config.toml").is_file():
+        path, checkpoint = path.parent.parent, path
+    for name in ("config.toml", "model.json"):
+        if not (path / name).exists():
+            raise CheckpointError(f"{path}: not a kiln run directory (missing {name})")
+    found = Path(checkpoint) if checkpoint else latest_checkpoint(path / "checkpoints")
+    if found is None:
+        raise CheckpointError(f"{path}: no complete checkpoint in {path / 'checkpoints'}")
+    return path, found
+
+
+def checkpoint_step(path: Path) -> int:
+    return int(path.name.split("-")[-1])
+
+
+def saved_job(directory: Path) -> Job:
     """The job of the ``config.toml`` of a run or a safetensors export."""
     return job_for(from_dict(tomllib.loads((directory / "config.toml").read_text())))
 
@@ -160,11 +171,9 @@ def load_export(path: Path, fmt: str, device: str = "auto", step: int = 0, task:
     """A directory ``kiln export`` wrote: safetensors (kiln's names, beside the run's config) or hf
     (loaded through ``transformers`` as the hf family loads any model directory)."""
     if fmt == "safetensors":
-        from safetensors.torch import load_model
-
-        job = _saved_job(path)
+        job = saved_job(path)
         args, model = job.saved_model(path)
-        load_model(model, str(path / "model.safetensors"))
+        load_weights(model, path)
         tokenizer = job.saved_tokenizer(path)
     elif fmt == "hf":
         kind = "finetune" if task == "sequence_classification" else "lm"

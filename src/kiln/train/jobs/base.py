@@ -127,6 +127,15 @@ class Job:
         # A QLoRA base is loaded as the checkpoint holds it, dequantized: what the run computed, exactly.
         return args, apply_lora(model, self.cfg, family, args, quantize=False)
 
+    def saved_skeleton(self, directory: Path) -> tuple[Any, nn.Module]:
+        """``saved_model`` without storage: its parameters on ``meta`` (buffers real), in eval mode,
+        for a caller that fills only the parts it reads (an export of a sharded run)."""
+        family = self.family
+        args = family.args_from_dict(json.loads((directory / "model.json").read_text()))
+        with params_on_meta():
+            model = apply_lora(family.build(args), self.cfg, family, args, quantize=False)
+        return args, model.eval()
+
     def saved_tokenizer(self, directory: Path) -> Any:
         """The tokenizer a run (or a safetensors export) wrote into ``directory``."""
         raise NotImplementedError
