@@ -1,6 +1,7 @@
 """QLoRA (``lora.quantize_base = "nf4"``): the adapted layers' frozen weights are 4-bit NF4
 tensors, only the adapters train, the forward is the float one up to NF4's rounding, a resumed
-run continues exactly, and exports merge the adapters into the dequantized base."""
+run continues exactly, and exports merge the adapters into the dequantized base; DDP, FSDP
+(each rank keeping its rows of the 4-bit weights) and pipeline stages train as one process."""
 
 import copy
 import json
@@ -11,17 +12,19 @@ import pytest
 import torch
 from test_finetune import as_args, ft_sets, losses
 
-from kiln.checkpoint import load_checkpoint
+from kiln.checkpoint import load_checkpoint, load_sharded
 from kiln.cli import main
 from kiln.config import ConfigError, load_config
 from kiln.models import GPT, GPTConfig
 from kiln.models.family import family_of, get_family
-from kiln.train.apply import _nf4, apply_lora, merge_lora
+from kiln.train.apply import _nf4, apply_lora, check_quantized_shards, merge_lora
 from kiln.train.jobs import job_for
 from kiln.train.run import load_run
 from kiln.train.trainer import Trainer
 
 from conftest import sft_records, write_jsonl
+from kilnrun import in_process
+from layouts import layout_sets, train_on, weights
 
 GPT_FAMILY, HF_FAMILY = get_family("gpt"), get_family("hf")
 
@@ -102,6 +105,19 @@ def test_merging_folds_trained_adapters_into_the_dequantized_base(gpt):
     assert sum(isinstance(p, NF4Tensor) for p in quantized.parameters()) == 14  # the original is untouched
 
 
+def test_other_values_loaded_into_a_4_bit_weight_are_quantized(gpt):
+    plain, quantized = gpt
+    cfg = load_config(None, ["run.device=cpu", "lora.rank=8", "lora.quantize_base=nf4"])
+    model = apply_lora(copy.deepcopy(plain), cfg, GPT_FAMILY, plain.config)
+    key = "blocks.0.attn.wq.base_layer.weight"
+    state = quantized.state_dict()
+    state[key] = state[key] * 2
+    model.load_state_dict(state)
+    weight = model.get_parameter(key)
+    assert isinstance(weight, NF4Tensor)
+    assert (weight.get_original_weight() - state[key]).abs().max() < 0.01 * state[key].abs().max()
+
+
 def test_only_the_adapters_get_gradients(models):
     _, quantized = models
     quantized.train()
@@ -127,21 +143,26 @@ def test_the_quantized_forward_is_the_float_forward_up_to_nf4_rounding(models):
     assert 0.01 < relative < 0.15, relative
 
 
-def _train(run: Path, sft: Path, hf_llama: Path, **extra) -> dict[int, float]:
-    assert main(["train", *as_args(sets(run, sft, hf_llama, **extra))]) == 0
+def _train(run: Path, sft: Path, model_dir: Path, nproc: int = 1, **extra) -> dict[int, float]:
+    """The run of ``sets`` in one process, or launched on ``nproc`` gloo ranks; its losses."""
+    launch = ["launch", "--nproc-per-node", str(nproc), "--"] if nproc > 1 else []
+    assert main([*launch, "train", *as_args(sets(run, sft, model_dir, **extra))]) == 0
     return losses(run)
 
 
-def _resume_and_export(run: Path, tmp_path: Path, sft: Path, hf_llama: Path, *, exact: bool = True, **extra) -> None:
-    """A copy of ``run`` resumed from its step-4 checkpoint gives the same losses; loaded for use
-    it computes what it trained; ``kiln export --format hf`` writes a merged model transformers
-    loads, and ``--format safetensors`` the same weights."""
+def _resume_and_export(
+    run: Path, tmp_path: Path, sft: Path, model_dir: Path, *, nproc: int = 1, exact: bool = True, **extra
+) -> None:
+    """A copy of ``run`` resumed from its step-4 checkpoint (on ``nproc`` ranks, as it ran) gives
+    the same losses; loaded for use it computes what it trained; ``kiln export --format hf``
+    writes a merged model transformers loads and the adapter PEFT loads, and ``--format
+    safetensors`` the same weights."""
     full = losses(run)
     assert len(full) == 8 and sum(list(full.values())[-2:]) < sum(list(full.values())[:2])  # it learns
     resumed = tmp_path / "resumed"
     shutil.copytree(run, resumed)
     shutil.rmtree(resumed / "checkpoints" / "step-00000008")
-    got = _train(resumed, sft, hf_llama, **extra)
+    got = _train(resumed, sft, model_dir, nproc, **extra)
     assert got == (full if exact else pytest.approx(full, rel=1e-3))
 
     # Loaded for use, the base is the checkpoint's, dequantized: it computes what the 4-bit one
@@ -150,7 +171,11 @@ def _resume_and_export(run: Path, tmp_path: Path, sft: Path, hf_llama: Path, *, 
     assert not any(isinstance(p, NF4Tensor) for p in loaded.model.parameters())
     cfg, family, args = loaded.cfg, loaded.family, loaded.args
     trained = apply_lora(family.create(args, "cpu", cfg.train.seed), cfg, family, args).eval()
-    trained.load_state_dict(load_checkpoint(loaded.checkpoint)[0])
+    state = load_checkpoint(loaded.checkpoint)[0]
+    if state is None:  # sharded: DCP fills the model's own state dict, its 4-bit weights dequantized
+        state = trained.state_dict()
+        load_sharded(loaded.checkpoint, {"model": state})
+    trained.load_state_dict(state)
     assert sum(isinstance(p, NF4Tensor) for p in trained.parameters()) == 14
     ids = torch.randint(0, 300, (2, 20), generator=torch.Generator().manual_seed(2))
     with torch.no_grad():
@@ -166,6 +191,13 @@ def _resume_and_export(run: Path, tmp_path: Path, sft: Path, hf_llama: Path, *, 
     assert not any(isinstance(p, NF4Tensor) for p in merged.parameters())
     with torch.no_grad():
         torch.testing.assert_close(merged(ids).logits, trained(ids), rtol=0, atol=1e-4)
+    # The adapter, trained against the 4-bit base, goes onto the source model as PEFT loads it.
+    adapted = peft.PeftModel.from_pretrained(
+        transformers.AutoModelForCausalLM.from_pretrained(model_dir), out / "adapter"
+    )
+    theirs = {n: p for n, p in adapted.named_parameters() if "lora_" in n}
+    ours = {n.removeprefix("hf."): p for n, p in loaded.model.named_parameters() if "lora_" in n}
+    assert theirs.keys() == ours.keys() and all(torch.equal(theirs[n], ours[n]) for n in ours)
 
 
 @pytest.fixture(scope="module")
@@ -182,12 +214,80 @@ def test_qlora_learns_resumes_exactly_and_exports_merged(qlora_run, tmp_path, sf
 @pytest.mark.slow
 @pytest.mark.dist
 def test_two_ddp_ranks_give_the_losses_of_one_process(qlora_run, tmp_path, sft, hf_llama):
-    run = tmp_path / "ddp"
-    cmd = ["launch", "--nproc-per-node", "2", "--", "train"]
-    assert main([*cmd, *as_args(sets(run, sft, hf_llama, train__micro_batch_size=1))]) == 0
-    got, want = losses(run), losses(qlora_run)
+    got, want = _train(tmp_path / "ddp", sft, hf_llama, nproc=2, train__micro_batch_size=1), losses(qlora_run)
     assert got.keys() == want.keys()
     assert got == pytest.approx(want, rel=1e-5)
+
+
+# Two FSDP ranks: each keeps its rows of every 4-bit weight, one sequence a micro-batch each.
+FSDP = dict(parallel__strategy="fsdp", train__micro_batch_size=1)
+
+
+@pytest.fixture(scope="module")
+def wide_llama(tmp_path_factory) -> Path:
+    """The tiny Llama with projections of 32K weights: two groups of NF4 scales each, which two
+    FSDP ranks can share (the tiny one's projections hold one group each)."""
+    from hf_models import tiny_llama
+
+    dims = dict(hidden_size=128, intermediate_size=256, head_dim=64, n_kv_head=4)
+    return tiny_llama(tmp_path_factory.mktemp("wide"), shards=True, **dims)
+
+
+@pytest.fixture(scope="module")
+def fsdp_qlora(tmp_path_factory, sft, wide_llama) -> Path:
+    run = tmp_path_factory.mktemp("fsdp-qlora") / "run"
+    _train(run, sft, wide_llama, nproc=2, **FSDP)
+    return run
+
+
+@pytest.mark.slow
+@pytest.mark.dist
+def test_two_fsdp_ranks_share_the_4_bit_base_and_give_the_losses_of_one_process(fsdp_qlora, tmp_path, sft, wide_llama):
+    one = tmp_path / "one"
+    assert losses(fsdp_qlora) == pytest.approx(_train(one, sft, wide_llama), rel=1e-5)
+    # The sharded checkpoint holds the base dequantized, in plain tensors (DCP wrote each rank's
+    # rows), bitwise the one process's: the ranks' rows of a weight are the rows of its NF4.
+    from torch.distributed.checkpoint import FileSystemReader
+
+    meta = FileSystemReader(str(fsdp_qlora / "checkpoints" / "step-00000008" / "state")).read_metadata()
+    model = {k: v for k, v in meta.state_dict_metadata.items() if k.startswith("model.")}
+    assert {v.properties.dtype for v in model.values()} == {torch.float32}
+    sharded, whole = load_run(fsdp_qlora, device="cpu").model, load_run(one, device="cpu").model
+    for (name, a), b in zip(sharded.state_dict().items(), whole.state_dict().values(), strict=True):
+        if "lora_" not in name:
+            assert torch.equal(a, b), name
+
+
+@pytest.mark.slow
+@pytest.mark.dist
+def test_an_fsdp_qlora_run_resumes_exactly_and_exports_merged(fsdp_qlora, tmp_path, sft, wide_llama):
+    _resume_and_export(fsdp_qlora, tmp_path, sft, wide_llama, nproc=2, **FSDP)
+
+
+def test_fsdp_ranks_that_cannot_share_a_4_bit_weight_evenly_are_refused_naming_it(models):
+    _, quantized = models
+    check_quantized_shards(quantized, 1)
+    with pytest.raises(ConfigError) as e:
+        check_quantized_shards(quantized, 2)
+    (line,) = e.value.errors
+    layer = "hf.base_model.model.model.layers.0.self_attn.q_proj.base_layer.weight [64, 64]"
+    assert line.startswith(f"lora.quantize_base: FSDP cannot split {layer} over 2 ranks: "), line
+    assert "use parallel.strategy=ddp" in line
+
+
+@pytest.mark.slow
+@pytest.mark.dist
+def test_pipeline_stages_of_a_4_bit_base_give_the_losses_of_one_process(tmp_path, corpus_dir):
+    """kiln's GPT, whose tied embedding (frozen) is on both end stages."""
+    qlora = dict(lora__rank=4, lora__alpha=8, lora__dropout=0, lora__quantize_base="nf4")
+    one, pp = tmp_path / "one", tmp_path / "pp"
+    in_process("train", *layout_sets(one, corpus_dir, micro=4, **qlora))
+    train_on(2, layout_sets(pp, corpus_dir, micro=4, parallel__pp=2, **qlora))
+    assert losses(pp) == pytest.approx(losses(one), rel=1e-5)
+    # A pipeline's checkpoint is sharded: it holds the base dequantized too.
+    for (name, a), b in zip(weights(pp).items(), weights(one).values(), strict=True):
+        if "lora_" not in name:
+            assert torch.equal(a, b), name
 
 
 @pytest.mark.gpu
@@ -206,8 +306,6 @@ def test_qlora_on_cuda_in_bf16(tmp_path, sft, hf_llama):
     ("extra", "message"),
     [
         ({"lora.rank": 0}, "set lora.rank too"),
-        ({"parallel.strategy": "fsdp"}, "use parallel.strategy=ddp"),
-        ({"parallel.pp": 2}, "use parallel.strategy=ddp"),
         ({"lora.quantize_base": "int4"}, "choose one of none, nf4"),
     ],
 )
@@ -216,3 +314,14 @@ def test_what_qlora_cannot_do_is_refused_naming_the_key(tmp_path, hf_llama, extr
     with pytest.raises(ConfigError) as e:
         load_config(None, items)
     assert any("lora.quantize_base: " in line and message in line for line in e.value.errors), e.value
+
+
+@pytest.mark.parametrize(
+    "layout",
+    [{"parallel.strategy": "fsdp", "parallel.cpu_offload": "true"}, {"parallel.pp": 2}, {"parallel.strategy": "ddp"}],
+)
+def test_qlora_takes_every_layout_but_tensor_parallelism(tmp_path, hf_llama, layout):
+    items = sets(tmp_path / "run", tmp_path, hf_llama) + [f"{k}={v}" for k, v in layout.items()]
+    load_config(None, items)
+    with pytest.raises(ConfigError, match="lora.rank: LoRA adapters do not split over tensor-parallel ranks"):
+        load_config(None, [*items, "parallel.tp=2"])

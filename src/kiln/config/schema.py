@@ -540,7 +540,9 @@ class ProfileConfig:
 class LoraConfig:
     rank: int = 0
     """LoRA rank r (needs the peft package: pip install 'kiln[hf]'): only low-rank adapters of the
-    target modules train, the base model stays frozen; 0 is off (every weight trains)."""
+    target modules train, the base model stays frozen; 0 is off (every weight trains). With
+    train.precision bf16 or fp16 the frozen base is stored in that dtype (half the bytes of fp32,
+    and in checkpoints; sharded under FSDP), and the adapters keep fp32 master weights."""
     alpha: float = 16.0
     """LoRA scaling alpha (the adapter's update is scaled by alpha / rank)."""
     dropout: float = 0.05
@@ -552,7 +554,10 @@ class LoraConfig:
     """QLoRA: nf4 stores the frozen weight of every adapted linear layer in 4 bits (NormalFloat4
     with double-quantized block scales, torchao's NF4Tensor: about 0.52 bytes a weight instead of
     4 in fp32; needs torchao), dequantized on the fly in each forward; the adapters train in the
-    run's precision. Needs lora.rank, and one process or parallel.strategy=ddp."""
+    run's precision. Needs lora.rank. Works in one process, with DDP, with pipeline stages and
+    sharded by FSDP (parallel.cpu_offload too): each FSDP rank keeps its own rows of every 4-bit
+    weight, so a weight's groups of NF4 scales (256 blocks of 64 weights each, fewer in a small
+    layer) must divide evenly among the ranks; an error names any layer whose groups do not."""
 
     def errors(self) -> list[str]:
         return _failed(
@@ -663,12 +668,6 @@ class Config:
             (
                 not (self.lora.rank and self.parallel.tp > 1),
                 "lora.rank: LoRA adapters do not split over tensor-parallel ranks; set parallel.tp=1",
-            ),
-            (
-                self.lora.quantize_base == "none"
-                or (self.parallel.strategy == "ddp" and not self.parallel.cpu_offload and self.parallel.pp == 1),
-                "lora.quantize_base: a 4-bit base is neither sharded nor pipelined; use parallel.strategy=ddp "
-                "(every rank holds the whole base) without parallel.cpu_offload or parallel.pp",
             ),
             (
                 pp == 1 or micro != "auto",

@@ -211,7 +211,9 @@ class PipelineModel(ParallelModel):
         if not tied:
             return
         params = dict(self.module.named_parameters())
-        self._tied = [params[name] for name in (tied if first else tied.values() if last else ())]
+        # A frozen tied weight (a LoRA run's embedding) gets no gradient: its copies stay equal.
+        names = tied if first else tied.values() if last else ()
+        self._tied = [params[name] for name in names if params[name].requires_grad]
         # The last stage's copy is clipped with the first's norm, not counted twice.
         self.uncounted = self._tied if last and not first else []
         world, ranks = self.world, dist.get_process_group_ranks(self.group)

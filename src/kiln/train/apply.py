@@ -15,6 +15,7 @@ from torch.utils.checkpoint import checkpoint
 from kiln.compat import quiet_library_imports, quiet_library_warnings
 from kiln.config import Config, ConfigError
 from kiln.device import resolve_device
+from kiln.distributed.parallel import local_part
 from kiln.models.family import ModelFamily, ParallelPlan
 
 if TYPE_CHECKING:
@@ -130,10 +131,11 @@ def quantize_base(model: nn.Module, device: torch.device) -> None:
     adapters, biases and every other weight keep their precision. Quantized on ``device``, then
     put back where the weight was.
 
-    The layer's state dict holds the weight dequantized, on the host, so checkpoints and
-    exports see plain tensors; loading one back keeps the 4-bit weight when the values are the
-    ones it dequantizes to (a resume, which quantizes the same source weights again, continues
-    bit for bit: NF4 of dequantized NF4 is not the same NF4), and quantizes them otherwise."""
+    The layer's state dict holds the weight dequantized, on the host (sharded by FSDP: this
+    rank's rows, as a DTensor), so checkpoints and exports see plain tensors; loading one back
+    keeps the 4-bit weight when the values are the ones it dequantizes to (a resume, which
+    quantizes the same source weights again, continues bit for bit: NF4 of dequantized NF4 is
+    not the same NF4), and quantizes them otherwise."""
     to_nf4 = _nf4()[1]
     owners: dict[int, list[str]] = {}
     for name, param in model.named_parameters(remove_duplicate=False):
@@ -162,20 +164,67 @@ def quantize_base(model: nn.Module, device: torch.device) -> None:
         base.register_load_state_dict_pre_hook(_load_quantized)
 
 
+def check_quantized_shards(model: nn.Module, ranks: int) -> None:
+    """Refuse, naming the layer, a QLoRA base weight that FSDP cannot split evenly over ``ranks``.
+
+    FSDP cuts a weight into equal runs of rows, and an NF4 weight is cut the same way, codes,
+    block scales and their groups alike, with no padding: each rank needs whole rows and whole
+    groups of scales (``NF4_SCALER_BLOCK`` blocks of ``NF4_BLOCK`` weights, fewer in a small
+    layer). The groups are not chosen to fit the world size: one process and every layout
+    quantize alike, so that they train alike."""
+    # Only a tensor subclass can be NF4: a run without one never imports torchao.
+    subclassed = [(name, p) for name, p in model.named_parameters() if type(p) is not nn.Parameter]
+    for name, param in subclassed:
+        if not isinstance(param, _nf4()[0]):
+            continue
+        rows, groups = param.shape[0], param.n_blocks // param.scaler_block_size
+        if rows % ranks or groups % ranks:
+            raise ConfigError(
+                [
+                    f"lora.quantize_base: FSDP cannot split {name} {list(param.shape)} over {ranks} ranks: each "
+                    f"needs whole rows and whole groups of NF4 scales, and it has {rows} rows and {groups} group(s) "
+                    f"({param.n_blocks} blocks of {param.block_size} weights, {param.scaler_block_size} a group); "
+                    "use parallel.strategy=ddp, fewer ranks, or leave the layer out of lora.target_modules"
+                ]
+            )
+
+
 def _dequantized_state(module: nn.Module, state: dict, prefix: str, local_metadata: dict) -> None:
     # On the host one layer at a time: a save never holds the whole base dequantized on the device.
     key = prefix + "weight"
-    if isinstance(state.get(key), _nf4()[0]):
-        state[key] = state[key].get_original_weight().cpu()
+    weight = state.get(key)
+    if weight is None:
+        return
+    local = local_part(weight)
+    if not isinstance(local, _nf4()[0]):
+        return
+    plain = local.get_original_weight()
+    if local is not weight:
+        from torch.distributed.tensor import DTensor
+
+        # This rank's rows (FSDP): DCP writes them beside the other ranks' as one plain tensor.
+        plain = DTensor.from_local(
+            plain, weight.device_mesh, weight.placements, shape=weight.shape, stride=weight.stride()
+        )
+    state[key] = plain.cpu()
 
 
 def _load_quantized(module: nn.Module, state: dict, prefix: str, *args) -> None:
-    key, current = prefix + "weight", module.weight
-    if key not in state or not isinstance(current, _nf4()[0]):
+    key, current = prefix + "weight", cast(torch.Tensor, module.weight)
+    quantized = local_part(current)
+    if key not in state or not isinstance(quantized, _nf4()[0]):
         return
-    saved = state[key].to(current.device, current.dtype)
-    # The same NF4 (a self-copy) if ``saved`` is what it dequantizes to; else NF4's copy_ quantizes it.
-    state[key] = current if torch.equal(saved, current.get_original_weight()) else saved
+    saved = local_part(state[key]).to(quantized.device, quantized.dtype)
+    # The same NF4 if ``saved`` is what it dequantizes to; else ``saved`` quantized (a shard: this
+    # rank's rows alone) and written into the weight's own tensors, as NF4's copy_ would but for a
+    # shard, whose block count it compares with the whole weight's. Loading then copies the
+    # weight onto itself.
+    if not torch.equal(saved, quantized.get_original_weight()):
+        fresh = _nf4()[1](saved, quantized.block_size, quantized.scaler_block_size)
+        with torch.no_grad():
+            for name in quantized.__tensor_flatten__()[0]:
+                getattr(quantized, name).copy_(getattr(fresh, name))
+    state[key] = current
 
 
 def _dequantized_copy(model: nn.Module) -> nn.Module:

@@ -39,7 +39,7 @@ from kiln.checkpoint import (
 )
 from kiln.config import Config
 from kiln.data.loader import StepBatches
-from kiln.distributed.parallel import ParallelModel
+from kiln.distributed.parallel import ParallelModel, local_part
 from kiln.distributed.world import World
 from kiln.train.faults import NO_FAULTS, NoFaults
 
@@ -175,9 +175,9 @@ class Checkpointer:
         after work that must leave no trace. Unlike a checkpoint it keeps an optimizer that has
         not stepped yet exactly so: saving one initialises its state."""
         return {
-            "model": [_local(t).detach().cpu().clone() for t in self.model.state_dict().values()],
+            "model": [local_part(t).detach().cpu().clone() for t in self.model.state_dict().values()],
             "optimizer": {
-                param: {k: _local(v).detach().cpu().clone() if torch.is_tensor(v) else v for k, v in state.items()}
+                param: {k: local_part(v).detach().cpu().clone() if torch.is_tensor(v) else v for k, v in state.items()}
                 for param, state in self.optimizer.state.items()
             },
             "parts": copy.deepcopy({name: part.state_dict() for name, part in self.parts.items()}),
@@ -188,13 +188,13 @@ class Checkpointer:
     def put_back(self, held: dict[str, Any]) -> None:
         """Restore what ``hold`` copied, in place."""
         for target, saved in zip(self.model.state_dict().values(), held["model"], strict=True):
-            _local(target).copy_(saved)
+            local_part(target).copy_(saved)
         if not held["optimizer"]:  # it had not stepped: it starts afresh again
             self.optimizer.state.clear()
         for param, state in held["optimizer"].items():
             for key, value in state.items():
                 if torch.is_tensor(value):
-                    _local(self.optimizer.state[param][key]).copy_(value)
+                    local_part(self.optimizer.state[param][key]).copy_(value)
                 else:
                     self.optimizer.state[param][key] = value
         for name, part in self.parts.items():
@@ -272,8 +272,3 @@ def _options(sharded: bool):
     from torch.distributed.checkpoint.state_dict import StateDictOptions
 
     return StateDictOptions(flatten_optimizer_state_dict=sharded)
-
-
-def _local(tensor: torch.Tensor) -> torch.Tensor:
-    """This rank's shard of a DTensor (FSDP, tensor parallel); a plain tensor itself."""
-    return tensor.to_local() if hasattr(tensor, "to_local") else tensor

@@ -38,13 +38,14 @@ def param_groups(model: nn.Module, weight_decay: float, embeddings: Collection[s
 def _one_kind_per_group(groups: list[dict]) -> list[dict]:
     """The fused kernel takes one kind of tensor per group: under tensor parallelism the split
     projections are DTensors and the rest (norms, an untied output layer) plain tensors, so each
-    group is divided by kind."""
+    group is divided by kind. A group left empty (LoRA trains no norm or bias) is dropped: torch's
+    flattened optimizer state, which sharded checkpoints hold, cannot be loaded into one."""
     out = []
     for group in groups:
         kinds: dict[type, list] = {}
         for p in group["params"]:
             kinds.setdefault(type(p), []).append(p)
-        out += [{**group, "params": params} for params in kinds.values()] or [group]
+        out += [{**group, "params": params} for params in kinds.values()]
     return out
 
 

@@ -33,8 +33,11 @@ class Precision:
         self.skipped_steps = 0
 
     def convert(self, model: nn.Module) -> None:
-        """Under fp8, swap ``model``'s linear layers for torchao's float8 training layers in place,
-        before it is sharded or compiled (their names: ``float8``).
+        """Make ``model`` this precision's, in place, before it is sharded or compiled (and, when
+        built on ``meta``, before any rank allocates it): every run's one place for it, whatever
+        the layout. In every mode but fp32 its frozen parameters are stored in the compute dtype
+        (``store_frozen``); under fp8 its linear layers become torchao's float8 training layers
+        (their names: ``float8``).
 
         The weights stay what they were (a float8 layer is an ``nn.Linear`` whose forward casts
         its input and weight to float8 with dynamic scales), so checkpoints, exports and resumes
@@ -42,6 +45,8 @@ class Precision:
         (the model's last linear layer, which feeds the loss and is the most sensitive to
         rounding), a layer sharing its weight with an embedding, and a layer with a side not a
         multiple of 16, which float8 matrix products cannot take."""
+        if self.mode != "fp32":
+            store_frozen(model, self.dtype)
         if self.mode != "fp8":
             return
         if self.device.type == "cuda" and torch.cuda.get_device_capability(self.device) < (8, 9):
@@ -125,6 +130,26 @@ class Precision:
         if state.get("scaler"):
             self.scaler.load_state_dict(state["scaler"])
         self.skipped_steps = state.get("skipped_steps", 0)
+
+
+def store_frozen(model: nn.Module, dtype: torch.dtype) -> None:
+    """Store every frozen floating-point parameter of ``model`` (a LoRA run's base) in ``dtype``,
+    in place; trainable ones stay fp32, the optimizer's master weights.
+
+    No optimizer step ever updates a frozen weight, so an fp32 copy of it holds nothing that the
+    compute dtype loses in the forward: half the bytes, on every rank (sharded or not). On a model
+    built on ``meta`` only the dtype changes, and each rank then writes its shards' values in it
+    (``Values.fill`` copies into the allocated tensor), so no rank ever holds the fp32 base.
+
+    1-D norm weights and biases are stored in ``dtype`` too, though they are few bytes: FSDP's
+    bf16 compute casts every parameter to bf16 for the forward, so one process computes what the
+    sharded layouts compute only if it stores them so (``transformers``' RMSNorms compute their
+    statistics in fp32 whatever the weight's dtype). A tensor subclass (QLoRA's NF4 weight) keeps
+    its own format, which dequantizes to the input's dtype in the forward."""
+    for param in model.parameters():
+        if not param.requires_grad and param.is_floating_point() and type(param) is nn.Parameter:
+            # ``.data`` keeps the Parameter object, so a weight held under two names stays tied.
+            param.data = param.data.to(dtype)
 
 
 class _AmpScaled(Protocol):

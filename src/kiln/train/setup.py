@@ -15,6 +15,7 @@ from kiln.device import return_freed_host_memory
 from kiln.distributed.parallel import ParallelModel
 from kiln.distributed.parallelize import parallelize
 from kiln.distributed.world import World
+from kiln.train.apply import check_quantized_shards
 from kiln.train.faults import NoFaults
 from kiln.train.jobs import Job
 from kiln.train.precision import Precision
@@ -57,8 +58,9 @@ def start_model(
     times: SetupTimes,
 ) -> ParallelModel:
     """This rank's share of the job's model: built (on ``meta`` where the job can say each
-    tensor's starting value by name, so that each rank writes only its own shards), given its
-    precision's layers (fp8) and the test faults, and laid out over ``world`` as ``pcfg`` says.
+    tensor's starting value by name, so that each rank writes only its own shards), made its
+    precision's (frozen weights in the compute dtype, fp8's layers), given the test faults, and
+    laid out over ``world`` as ``pcfg`` says.
 
     A rank that gathers sharded layers on the host (FSDP on the CPU, or offloaded), and any rank
     of a GPU, whose loop allocates little on the host, has the host allocator return large freed
@@ -70,6 +72,8 @@ def start_model(
     with times.timed("build"):
         model = job.model()
         precision.convert(model)
+    if sharded:
+        check_quantized_shards(model, world.dp)
     for line in job.describe(model) + precision.describe():
         times.say(f"kiln: {line}")
     faults.attach(model)
