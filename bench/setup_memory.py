@@ -1,18 +1,23 @@
 """Per-rank peak memory and setup time of starting a large model, measured from outside.
 
-    python bench/setup_memory.py --nproc 2 [--preset 1b --n-layer 24] [--lora 8] [--src DIR]
+    python bench/setup_memory.py --nproc 2 [--preset 1b --n-layer 24] [--lora 8] [--precision bf16]
+        [--llama DIR] [--src DIR]
 
 Runs ``kiln launch --nproc-per-node N -- train`` (``kiln train`` for N = 1) for one step of a
 kiln GPT on a small generated corpus, polls the peak resident set (VmHWM) of every process the
 launch starts, and prints each worker's peak beside the whole model's fp32 bytes, with the
-run's own ``setup:`` line. ``--src`` runs another kiln source tree (its ``src/``), to measure a
-version before a change.
+run's own ``setup:`` line. ``--llama DIR`` fine-tunes a Hugging Face Llama from DIR instead
+(``model.source=hf:DIR``); an empty or missing DIR first gets a random ~1B-parameter one (the
+TinyLlama shape with a 4096-token BPE vocabulary), saved in bf16 in files of 500 MB with an
+index. ``--src`` runs another kiln source tree (its ``src/``), to measure a version before a
+change.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import subprocess
 import sys
@@ -57,14 +62,53 @@ def is_worker(pid: int) -> bool:
     return b"train" in args and b"launch" not in args
 
 
+def make_llama(directory: Path) -> None:
+    """A random Llama of about 1B parameters (TinyLlama's shape: 22 layers, d 2048, MLP 5632,
+    32 heads, 4 key/value heads) with a 4096-token BPE tokenizer, saved in bf16 in files of
+    500 MB with an index, as a model from the hub is."""
+    import torch
+    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+
+    directory.mkdir(parents=True, exist_ok=True)
+    bpe = Tokenizer(models.BPE(unk_token=None))
+    bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    text = [f"line {i}: the quick brown fox jumps over the lazy dog {i % 97}" for i in range(2000)]
+    bpe.train_from_iterator(text, trainers.BpeTrainer(vocab_size=4096, special_tokens=["<|endoftext|>"]))
+    tokenizer = PreTrainedTokenizerFast(
+        tokenizer_object=bpe, eos_token="<|endoftext|>", bos_token="<|endoftext|>", pad_token="<|endoftext|>"
+    )
+    tokenizer.save_pretrained(directory)
+    config = LlamaConfig(
+        vocab_size=len(tokenizer),
+        hidden_size=2048,
+        intermediate_size=5632,
+        num_hidden_layers=22,
+        num_attention_heads=32,
+        num_key_value_heads=4,
+        max_position_embeddings=2048,
+        tie_word_embeddings=False,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+    )
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(config).to(torch.bfloat16)
+    model.save_pretrained(directory, max_shard_size="500MB")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--nproc", type=int, default=2)
     ap.add_argument("--preset", default="1b")
     ap.add_argument("--n-layer", type=int, default=24)
     ap.add_argument("--lora", type=int, default=8, help="LoRA rank (0: full fine-tuning)")
+    ap.add_argument("--precision", default="fp32", help="train.precision")
+    ap.add_argument("--llama", type=Path, help="a Hugging Face Llama directory to fine-tune (made if missing)")
     ap.add_argument("--src", type=Path, help="a kiln source tree's src/ to run instead of the installed kiln")
     args = ap.parse_args()
+    if args.llama and not (args.llama / "config.json").is_file():
+        make_llama(args.llama)
 
     with tempfile.TemporaryDirectory() as tmp:
         tmp = Path(tmp)
@@ -77,8 +121,12 @@ def main() -> None:
             "data.source": corpus,
             "data.seq_len": 64,
             "data.num_workers": 0,
-            "model.preset": args.preset,
-            "model.n_layer": args.n_layer,
+            **(
+                {"model.source": f"hf:{args.llama.resolve()}"}
+                if args.llama
+                else {"model.preset": args.preset, "model.n_layer": args.n_layer}
+            ),
+            "train.precision": args.precision,
             "parallel.strategy": "fsdp",
             "train.max_steps": 1,
             "train.micro_batch_size": 1,
@@ -128,9 +176,18 @@ def main() -> None:
     from kiln.config import ModelConfig
     from kiln.models.gpt import GPT, build_gpt_config
 
-    with torch.device("meta"):
-        model = GPT(build_gpt_config(ModelConfig(preset=args.preset, n_layer=args.n_layer), 4096, 64))
-    whole = 4 * model.num_params()
+    if args.llama:
+        from safetensors import safe_open
+
+        index = json.loads((args.llama / "model.safetensors.index.json").read_text())
+        params = 0
+        for file in set(index["weight_map"].values()):
+            with safe_open(str(args.llama / file), framework="pt") as f:
+                params += sum(math.prod(f.get_slice(k).get_shape()) for k in f.keys())  # noqa: SIM118
+    else:
+        with torch.device("meta"):
+            params = GPT(build_gpt_config(ModelConfig(preset=args.preset, n_layer=args.n_layer), 4096, 64)).num_params()
+    whole = 4 * params
     worker_peaks = sorted((peaks[p] * 1024 for p in workers if p in peaks), reverse=True)
     setup_peaks = sorted((first_step.get(p, 0) * 1024 for p in workers), reverse=True)
     setup = next((line.split("kiln: ", 1)[1] for line in text.splitlines() if "setup:" in line), None)
@@ -138,10 +195,10 @@ def main() -> None:
         json.dumps(
             {
                 "nproc": args.nproc,
-                "preset": args.preset,
-                "n_layer": args.n_layer,
+                "model": str(args.llama) if args.llama else f"{args.preset}, {args.n_layer} layers",
+                "precision": args.precision,
                 "lora": args.lora,
-                "params": model.num_params(),
+                "params": params,
                 "whole_fp32_gb": whole / 1e9,
                 "worker_peak_rss_gb": [round(b / 1e9, 3) for b in worker_peaks],
                 "peak_over_whole": round(worker_peaks[0] / whole, 3) if worker_peaks else None,

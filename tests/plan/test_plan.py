@@ -1,4 +1,5 @@
-"""kiln plan: exact model-state bytes, peak estimates against measured training steps, the CLI."""
+"""kiln plan: exact model-state bytes (LoRA's too), peak estimates against measured training steps,
+the host memory of setup, the CLI."""
 
 import json
 
@@ -10,8 +11,9 @@ from kiln.config import all_keys, load_config
 from kiln.distributed.parallel import clip_grad_norm_
 from kiln.models import GPT, PRESETS, build_gpt_config, param_count
 from kiln.models.gpt import FAMILY
-from kiln.plan import ModelShape, Setup, make_plan, model_state, parse_memory
-from kiln.train.apply import apply_activation_checkpointing
+from kiln.plan import ModelShape, Setup, format_plan, make_plan, model_state, parse_memory
+from kiln.plan.estimate import CUDA_HOST_BYTES, PROCESS_BYTES
+from kiln.train.apply import apply_activation_checkpointing, apply_lora
 from kiln.train.optim import build_optimizer
 from kiln.train.precision import Precision
 
@@ -34,13 +36,17 @@ def sets(items):
 
 
 def build(cfg, device=CPU):
-    """kiln's GPT, optimizer and precision for ``cfg``, as the GPT job builds them."""
+    """kiln's GPT (with the LoRA adapters ``cfg`` asks for), optimizer and precision, as the GPT
+    job builds them."""
     torch.manual_seed(0)
+    args = build_gpt_config(cfg.model, vocab_size=cfg.data.vocab_size, max_seq_len=cfg.data.seq_len)
     with device:
-        model = GPT(build_gpt_config(cfg.model, vocab_size=cfg.data.vocab_size, max_seq_len=cfg.data.seq_len))
+        model = apply_lora(GPT(args), cfg, FAMILY, args)
+    precision = Precision(cfg.train.precision, device)
+    precision.convert(model)
     if cfg.train.activation_checkpointing:
         apply_activation_checkpointing(model)
-    return model, build_optimizer(model, cfg.train, device), Precision(cfg.train.precision, device)
+    return model, build_optimizer(model, cfg.train, device), precision
 
 
 def train_step(cfg, model, optimizer, precision, device=CPU):
@@ -74,7 +80,13 @@ def measured_peak(cfg, device=CPU) -> int:
 
 
 def nbytes(tensors):
-    return sum(t.numel() * t.element_size() for t in tensors)
+    """Bytes stored, a tensor subclass's (QLoRA's NF4 weight) inner tensors counted."""
+    return sum(
+        nbytes(getattr(t, name) for name in t.__tensor_flatten__()[0])
+        if type(t) not in (torch.Tensor, torch.nn.Parameter)
+        else t.numel() * t.element_size()
+        for t in tensors
+    )
 
 
 # -- memory sizes and the model's shape ----------------------------------------------------------
@@ -240,6 +252,109 @@ def test_7b_json_recommendations_fit_when_applied(capsys):
         )
         assert again.fits and again.memory.total == rec["memory"]["total"]
     assert plan["recommendations"][-1]["world_size"] > 1  # more GPUs, as the last suggestion
+
+
+# -- LoRA and QLoRA: the adapters train, the base is frozen in the compute dtype -----------------
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_lora_state_bytes_are_exact(precision):
+    cfg = load_config(
+        None,
+        [
+            "lora.rank=8",
+            f"train.precision={precision}",
+            "data.seq_len=64",
+            "train.micro_batch_size=2",
+            "train.global_batch_size=4",
+        ],
+    )
+    trained, optimizer, amp = build(cfg)
+    train_step(cfg, trained, optimizer, amp)
+
+    plan = make_plan(cfg, device_memory="1GiB")
+    planned = model_state(plan.job.shape, plan.base)
+    adapters = [p for p in trained.parameters() if p.requires_grad]
+    base = [p for p in trained.parameters() if not p.requires_grad]
+    assert nbytes(adapters) == planned["parameters"] and nbytes(base) == planned["frozen_parameters"]
+    assert nbytes(p.grad for p in adapters) == planned["gradients"]
+    state = [t for s in optimizer.state.values() for t in s.values() if torch.is_tensor(t)]
+    assert nbytes(state) == planned["optimizer_state"]
+
+
+def test_a_lora_plan_trains_the_adapters_and_halves_the_frozen_base_in_bf16():
+    items = ["model.preset=1b", "data.seq_len=2048", "train.micro_batch_size=1", "parallel.strategy=fsdp"]
+    kwargs = {"world_size": 8, "gpu": "h100", "device_memory": "80GB"}
+    full = make_plan(load_config(None, [*items, "train.precision=bf16"]), **kwargs)
+    plans = {
+        precision: make_plan(load_config(None, [*items, f"train.precision={precision}", "lora.rank=16"]), **kwargs)
+        for precision in ("fp32", "bf16")
+    }
+    whole = model_state(full.job.shape, full.base)
+    lora = {precision: model_state(plan.job.shape, plan.base) for precision, plan in plans.items()}
+    assert lora["bf16"]["gradients"] < whole["gradients"] / 50
+    assert lora["bf16"]["optimizer_state"] < whole["optimizer_state"] / 50
+    assert lora["fp32"]["frozen_parameters"] == 2 * lora["bf16"]["frozen_parameters"]
+    assert lora["fp32"]["frozen_parameters"] + lora["fp32"]["parameters"] >= whole["parameters"]
+    assert "frozen base weights (LoRA, bf16)" in format_plan(plans["bf16"])
+    # The config refuses LoRA with tensor parallelism: no recommendation asks for it.
+    assert plans["bf16"].recommendations and all(r.setup.tp == 1 for r in plans["bf16"].recommendations)
+
+
+def test_qlora_counts_the_adapted_weights_in_nf4_and_the_whole_model_it_creates():
+    items = ["lora.rank=8", "lora.quantize_base=nf4", "train.precision=bf16", "data.seq_len=64"]
+    items += ["train.micro_batch_size=2", "train.global_batch_size=4"]
+    cfg = load_config(None, items)
+    model = build(cfg)[0]
+    planned = model_state(make_plan(cfg, device_memory="1GiB").job.shape, Setup(2, "bf16", False, "ddp", False))
+    frozen = nbytes(p for p in model.parameters() if not p.requires_grad)
+    assert abs(planned["frozen_parameters"] - frozen) <= 0.01 * frozen
+    # Every rank creates the whole model in fp32 and quantizes it before FSDP shards it.
+    sharded = make_plan(load_config(None, [*items, "parallel.strategy=fsdp", "run.device=cpu"]), world_size=2)
+    assert "setup: the whole model, before it is split" in sharded.memory.phases
+    assert sharded.memory.host_setup >= 4 * sharded.job.shape.num_params()
+    assert any("every rank creates the whole model" in note for note in sharded.notes)
+
+
+# -- the host memory of setup ----------------------------------------------------------------------
+
+
+def test_host_memory_of_a_sharded_lora_setup_is_within_15_percent_of_the_measured_peak():
+    """bench/setup_memory.py (kiln.distributed.parallel.apply_fsdp says it): a 1.47B kiln GPT with
+    LoRA rank 8, fp32, FSDP over 2 CPU ranks (gloo), each linear layer its own FSDP unit, peaked
+    at 4.33 GB resident per rank in its first step, 64 tokens a rank."""
+    cfg = load_config(
+        None,
+        [
+            "model.preset=1b",
+            "model.n_layer=24",
+            "data.vocab_size=4096",
+            "data.seq_len=64",
+            "train.micro_batch_size=1",
+            "train.global_batch_size=2",
+            "train.precision=fp32",
+            "lora.rank=8",
+            "parallel.strategy=fsdp",
+            "run.device=cpu",
+        ],
+    )
+    memory = make_plan(cfg, world_size=2, device_memory="24GiB").memory
+    print(f"\nhost memory per rank at setup: estimated {memory.host_setup / 1e9:.2f} GB, measured 4.33 GB")
+    assert abs(memory.host_setup - 4.33e9) <= 0.15 * 4.33e9
+    # On the CPU the device is the host: the step's peak is the setup's.
+    assert memory.host_setup == memory.total
+
+
+def test_every_plan_reports_the_host_memory_of_setup(capsys):
+    assert main(["plan", *sets(SEVEN_B), *ON_ONE_H100]) == 0
+    assert "host memory per rank at setup" in capsys.readouterr().out
+    assert main(["plan", *sets(SEVEN_B), *ON_ONE_H100, "--json"]) == 0
+    plan = json.loads(capsys.readouterr().out)
+    # A GPU rank's host holds its process and, while initialising, one whole tensor in fp32 (the
+    # vocabulary embedding, 32,000 x 4,096) at a time; with CPU offload its shards too.
+    assert plan["memory"]["host_setup"] == PROCESS_BYTES + CUDA_HOST_BYTES + 4 * 32000 * 4096
+    offloaded = [r["memory"] for r in plan["recommendations"] if r["setup"]["cpu_offload"]]
+    assert offloaded and all(m["host_setup"] > m["host"] + PROCESS_BYTES for m in offloaded)
 
 
 # -- the rest of the command ---------------------------------------------------------------------

@@ -193,12 +193,13 @@ def apply_fsdp(
     """FSDP2 per repeated layer, then the root (embedding, final norm, output layer) as one more
     unit. A model whose plan names no repeated layers is sharded as one unit.
 
-    Where ranks gather on the host (a gloo mesh), each large part of a layer (a fifth of its
-    parameters or more: attention, MLP) is a unit of its own inside the layer's: a gather holds
-    three copies of its unit at once there (gloo's flat receive buffer, FSDP's all-gather output,
-    the layer's parameters), so smaller units lower the peak of host memory (a 1.47B GPT on 2 CPU
-    ranks: 4.81 GB a rank with one unit a layer, 4.52 GB with these). On GPUs a layer stays one
-    unit: fewer, larger collectives, and device memory holds one copy the more easily."""
+    Where ranks gather on the host (a gloo mesh), each module of a layer that holds a large
+    weight itself (a sixteenth of the layer's parameters or more: its linear layers) is a unit of
+    its own inside the layer's: a gather holds three copies of its unit at once there (gloo's flat
+    receive buffer, FSDP's all-gather output, the layer's parameters), so smaller units lower the
+    peak of host memory (a 1.47B GPT, LoRA, fp32 on 2 CPU ranks: 4.81 GB a rank with one unit a
+    layer, 4.33 GB with these). On GPUs a layer stays one unit: fewer, larger collectives, and
+    device memory holds one copy the more easily."""
     from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
     kwargs = {
@@ -211,14 +212,23 @@ def apply_fsdp(
     }
     blocks = plan.repeated_blocks(model)
     for i, block in enumerate(blocks):
-        if dp_mesh.device_type == "cpu":
-            size = sum(p.numel() for p in block.parameters())
-            for part in block.children():
-                if 5 * sum(p.numel() for p in part.parameters()) >= size:
-                    fully_shard(part, reshard_after_forward=reshard_after_forward, **kwargs)
+        for part in host_units(block) if dp_mesh.device_type == "cpu" else []:
+            fully_shard(part, reshard_after_forward=reshard_after_forward, **kwargs)
         # The last block's parameters are needed again at once by backward: keep them gathered.
         fully_shard(block, reshard_after_forward=reshard_after_forward and i < len(blocks) - 1, **kwargs)
     fully_shard(model, reshard_after_forward=reshard_after_forward, **kwargs)
+
+
+def host_units(block: nn.Module) -> list[nn.Module]:
+    """The modules of a repeated layer that FSDP shards as units of their own where ranks gather
+    on the host (``apply_fsdp``): each that itself holds a weight of a sixteenth of the layer's
+    parameters or more (its linear layers); the layer's unit keeps the rest."""
+    size = sum(p.numel() for p in block.parameters())
+    return [
+        part
+        for part in block.modules()
+        if part is not block and any(16 * p.numel() >= size for p in part.parameters(recurse=False))
+    ]
 
 
 def apply_ddp(model: nn.Module, plan: ParallelPlan, dp_mesh, device: torch.device, bucket_mb: int) -> nn.Module:

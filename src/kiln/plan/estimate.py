@@ -1,14 +1,16 @@
 """The memory each device needs for a training step, and the step's time, before anything is
 allocated.
 
-The model is built on the ``meta`` device (shapes, no storage), so the parameter, gradient and
-optimizer-state bytes are counted from the real parameter list, split and sharded as the
+The model is built on the ``meta`` device (shapes, no storage), with the run's LoRA adapters
+injected, so the parameter, gradient and optimizer-state bytes are counted from the real
+parameter list (what trains, and a frozen base as the run stores it), split and sharded as the
 family's parallel plan and the setup say. What the model keeps for its backward pass comes from
 its family's memory model (``kiln.models.MemoryModel``): kiln's GPT counts it tensor by tensor,
 checked against live-tensor measurements of real training steps (tests/plan/test_plan.py). A
 step's memory is followed through its phases (end of forward, backward of the output layer, of
 the last and the first block, of the embedding, the optimizer step) on the first and the last
-pipeline stage, and the plan reports the largest.
+pipeline stage, and the plan reports the largest. A rank's host memory from its start through
+its first step (building, initialising or loading its shards, the step) is counted beside it.
 
 A step's time is the busiest rank's compute at an assumed fraction of the device's peak, plus
 what compute does not hide: tensor-parallel all-reduces, the part of FSDP's or DDP's
@@ -20,18 +22,26 @@ measurement; docs/plan.md lists them and compares the estimates with published s
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 from dataclasses import dataclass, field
-from typing import Any, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple, cast
 
 import torch
+from torch import nn
 
-from kiln.config import ConfigError, TrainConfig
+from kiln.config import Config, ConfigError, TrainConfig
 from kiln.device import PEAK_FLOPS
+from kiln.distributed.parallel import host_units
 from kiln.models.family import MemoryContext, MemoryModel, ModelFamily, ParallelPlan
 from kiln.observe.memory import GIB
+from kiln.train.apply import NF4_BLOCK, NF4_SCALER_BLOCK, apply_lora
 from kiln.train.optim import build_optimizer
+from kiln.train.precision import DTYPES
+
+if TYPE_CHECKING:
+    from peft.tuners.tuners_utils import BaseTunerLayer
 
 # Rules of thumb (docs/plan.md). What a GPU process holds beyond its tensors: the CUDA context,
 # cuBLAS/cuDNN workspaces and kernel images, NCCL's buffers when there are peers, and the
@@ -39,8 +49,17 @@ from kiln.train.optim import build_optimizer
 CUDA_CONTEXT_BYTES = GIB
 NCCL_BYTES = GIB // 2
 ALLOCATOR_SLACK = 0.10
-# On the CPU: Python, libtorch and their heaps, before the first tensor.
-CPU_PROCESS_BYTES = GIB // 2
+# A rank's process on the host before its first tensor (resident set, measured on a 2-core CPU):
+# Python, PyTorch and kiln imported 0.24 GB, and a run's own data and threads about 0.02 GB;
+# transformers and peft, which a Hugging Face model or LoRA imports, 0.17 GB more (a kiln GPT
+# LoRA run: 0.43 GB once its model is built on meta). On a GPU the CUDA runtime and its
+# libraries are mapped into the process too (a rule of thumb, not measured).
+PROCESS_BYTES = 260 * 10**6
+HF_LIBRARIES_BYTES = 170 * 10**6
+CUDA_HOST_BYTES = GIB
+# QLoRA's NF4 weight (kiln.train.apply.quantize_base): 4-bit codes, an int8 scale per block of
+# NF4_BLOCK weights and an fp32 factor per group of NF4_SCALER_BLOCK scales: 0.516 bytes a weight.
+NF4_BYTES = 0.5 + 1 / NF4_BLOCK + 4 / (NF4_BLOCK * NF4_SCALER_BLOCK)
 
 # The fraction of the dense bf16 peak a training step's kernels reach while nothing waits for
 # communication (--compute-efficiency), from torchtitan's published runs (docs/plan.md): its
@@ -84,6 +103,7 @@ class Param(NamedTuple):
     name: str  # within its block, or at the root; without ".weight"
     shape: tuple[int, ...]
     tp_dim: int | None  # the dimension tensor parallelism divides, or None
+    kind: str = "trained"  # or "frozen" (a LoRA run's base), "nf4" (a QLoRA base's adapted weight)
 
 
 _SHAPES: dict[tuple[str, ...], ModelShape] = {}
@@ -106,34 +126,49 @@ class ModelShape:
     before: tuple[Param, ...] = ()
     after: tuple[Param, ...] = ()
     pipeline_error: str | None = None  # why kiln cannot pipeline this model, or None
+    # A block's FSDP units where ranks gather on the host (_host_units).
+    host_units: tuple[tuple[Param, ...], ...] = ()
+    lora: bool = False  # LoRA adapters train, the rest is frozen
+    created_whole: bool = False  # every rank creates the whole model before splitting it
+    imports_hf: bool = False  # the run imports transformers and peft
 
     @classmethod
-    def of(cls, family: ModelFamily, args: Any) -> ModelShape:
-        """The shape of ``family``'s model for ``args``. Building a 70B-class model on the meta
-        device takes about a second, so a process that plans one model again and again (tests,
-        a script comparing clusters) builds it once."""
-        key = (type(family).__module__, type(family).__qualname__, family.name, repr(args))
+    def of(cls, family: ModelFamily, args: Any, cfg: Config | None = None) -> ModelShape:
+        """The shape of ``family``'s model for ``args``, with the LoRA adapters ``cfg`` asks for.
+        Building a 70B-class model on the meta device takes about a second, so a process that
+        plans one model again and again (tests, a script comparing clusters) builds it once."""
+        lora = repr((cfg.lora, cfg.model.task)) if cfg is not None and cfg.lora.rank else ""
+        key = (type(family).__module__, type(family).__qualname__, family.name, repr(args), lora)
         if key not in _SHAPES:
             if len(_SHAPES) >= 8:
                 _SHAPES.pop(next(iter(_SHAPES)))
-            _SHAPES[key] = cls._build(family, args)
+            _SHAPES[key] = cls._build(family, args, cfg if lora else None)
         return _SHAPES[key]
 
     @classmethod
-    def _build(cls, family: ModelFamily, args: Any) -> ModelShape:
+    def _build(cls, family: ModelFamily, args: Any, lora_cfg: Config | None) -> ModelShape:
         with torch.device("meta"):
             model = family.build(args)
+            if lora_cfg is not None:  # the run's own adapters, without storage
+                model = apply_lora(model, lora_cfg, family, args, quantize=False)
+        # As kiln.train.apply.quantize_base picks them: the weight each adapted layer wraps.
+        nf4 = set()
+        if lora_cfg is not None and lora_cfg.lora.quantize_base == "nf4":
+            adapted = (cast("BaseTunerLayer", m) for m in model.modules() if hasattr(m, "lora_A"))
+            nf4 = {id(layer.get_base_layer().weight) for layer in adapted}
+
+        def param(name: str, p: torch.Tensor, tp_dim: int | None) -> Param:
+            kind = "trained" if p.requires_grad else "nf4" if id(p) in nf4 else "frozen"
+            return Param(name.removesuffix(".weight"), tuple(p.shape), tp_dim, kind)
+
         plan = family.parallel_plan(args)
         blocks = plan.repeated_blocks(model)
         in_blocks = {id(p) for b in blocks for p in b.parameters()}
         block = tuple(
-            Param(name.removesuffix(".weight"), tuple(p.shape), plan.tp_split_dim(name))
-            for name, p in (blocks[0].named_parameters() if blocks else ())
+            param(name, p, plan.tp_split_dim(name)) for name, p in (blocks[0].named_parameters() if blocks else ())
         )
         root = tuple(  # a tied matrix is listed once
-            Param(name.removesuffix(".weight"), tuple(p.shape), None)
-            for name, p in model.named_parameters()
-            if id(p) not in in_blocks
+            param(name, p, None) for name, p in model.named_parameters() if id(p) not in in_blocks
         )
         # A pipeline's first and last stage hold the modules the plan names for them, a tied
         # matrix a copy on each side (kiln.distributed.pipeline). Without such names: the
@@ -144,24 +179,46 @@ class ModelShape:
             if id(p) in in_blocks:
                 seen_block = True
                 continue
-            param = Param(name.removesuffix(".weight"), tuple(p.shape), None)
+            entry = param(name, p, None)
             module = name.split(".")[0]
             if plan.pipelined:
-                before += [param] * (module in plan.pipeline_first)
-                after += [param] * (module in plan.pipeline_last)
+                before += [entry] * (module in plan.pipeline_first)
+                after += [entry] * (module in plan.pipeline_last)
             else:
-                (after if seen_block else before).append(param)
+                (after if seen_block else before).append(entry)
+        host_units = _host_units(blocks[0], block) if blocks else ()
         buffers = sum(b.numel() * b.element_size() for b in model.buffers())
         pipeline_error = None if plan.pipelined else plan.pipeline_error(type(model).__name__)
         memory = family.memory_model(args)
-        return cls(family, args, block, root, buffers, memory, plan, tuple(before), tuple(after), pipeline_error)
+        # As the job decides (kiln.train.jobs.base.Job.family_model): a 4-bit base is quantized
+        # whole, and a family that cannot say each tensor's starting value by name creates the
+        # whole model, on every rank (the seed does not change which).
+        created_whole = bool(nf4) or family.initial_values(args, model, 0) is None
+        return cls(
+            family,
+            args,
+            block,
+            root,
+            buffers,
+            memory,
+            plan,
+            tuple(before),
+            tuple(after),
+            pipeline_error,
+            host_units,
+            lora=lora_cfg is not None,
+            created_whole=created_whole,
+            imports_hf=lora_cfg is not None or family.transformers_model(model) is not None,
+        )
 
     @property
     def n_layer(self) -> int:
         return self.memory.n_layer
 
-    def num_params(self) -> int:
-        return sum(math.prod(p.shape) for p in self.root) + self.n_layer * sum(math.prod(p.shape) for p in self.block)
+    def num_params(self, kinds: tuple[str, ...] = ("trained", "frozen", "nf4")) -> int:
+        """Parameters of the model (LoRA adapters included), or of the ``kinds`` named."""
+        root = sum(math.prod(p.shape) for p in self.root if p.kind in kinds)
+        return root + self.n_layer * sum(math.prod(p.shape) for p in self.block if p.kind in kinds)
 
     def flops_per_token(self, seq_len: int) -> float:
         return self.family.flops_per_token(self.args, seq_len)
@@ -179,12 +236,29 @@ class ModelShape:
         return self.pipeline_error is None and self.n_layer % stages == 0
 
     def splits(self, tp: int) -> bool:
-        """Whether the family's plan can split the blocks over ``tp`` ranks."""
+        """Whether the family's plan can split the blocks over ``tp`` ranks (and kiln can: LoRA
+        adapters do not split, the config refuses them with tensor parallelism)."""
+        if self.lora and tp > 1:
+            return False
         try:
             self.plan.check_tensor_parallel(tp, "")
         except ConfigError:
             return False
         return True
+
+
+def _host_units(block: nn.Module, params: tuple[Param, ...]) -> tuple[tuple[Param, ...], ...]:
+    """The FSDP units of ``block`` (whose parameters are ``params``) where ranks gather on the
+    host, as kiln.distributed.parallel.apply_fsdp makes them (``host_units``), then the rest."""
+    by_name = dict(zip((name for name, _ in block.named_parameters()), params, strict=True))
+    names = {id(module): name for name, module in block.named_modules()}
+    units = [
+        tuple(by_name[f"{names[id(module)]}.{leaf}"] for leaf, _ in module.named_parameters())
+        for module in host_units(block)
+    ]
+    taken = {p for unit in units for p in unit}
+    rest = tuple(p for p in params if p not in taken)
+    return (*units, rest) if rest else tuple(units)
 
 
 @dataclass(frozen=True)
@@ -234,6 +308,11 @@ class Setup:
     @property
     def offload(self) -> bool:
         return self.sharded and self.cpu_offload
+
+    @property
+    def splits(self) -> bool:
+        """A rank holds part of the model: FSDP (or its offload), tensor or pipeline parallelism."""
+        return self.sharded or self.tp > 1 or self.pp > 1
 
     @property
     def gathered_bytes(self) -> int:
@@ -365,15 +444,47 @@ def _gathered_numel(params: tuple[Param, ...], s: Setup) -> int:
     return sum(math.prod(_split_dims(p, s)) for p in params)
 
 
+def _trained(params: tuple[Param, ...]) -> tuple[Param, ...]:
+    return tuple(p for p in params if p.kind == "trained")
+
+
+def _stored_bytes(param: Param, s: Setup) -> float:
+    """Bytes per element of a parameter as a rank keeps it. What trains is fp32 in every
+    precision: autocast keeps fp32 master weights, and FSDP shards the fp32 originals. A LoRA
+    run's frozen base is stored in the compute dtype (kiln.train.precision.store_frozen), the
+    weights a QLoRA base adapts in NF4."""
+    if param.kind == "nf4":
+        return NF4_BYTES
+    return DTYPES[s.precision].itemsize if param.kind == "frozen" else 4
+
+
+def _gathered_bytes(params: tuple[Param, ...], s: Setup) -> int:
+    """Bytes of a group of parameters once FSDP has all-gathered it: what trains in the dtype
+    the setup gathers it in, a frozen base as it is stored."""
+    return int(
+        sum(
+            (s.gathered_bytes if p.kind == "trained" else _stored_bytes(p, s)) * math.prod(_split_dims(p, s))
+            for p in params
+        )
+    )
+
+
 def model_state(shape: ModelShape, s: Setup, stage: Stage | None = None) -> dict[str, int]:
     """Bytes of parameters, gradients and AdamW state on each device of ``stage`` (the whole
-    model by default; on the host with CPU offload). All three are fp32 in every precision:
-    autocast keeps fp32 master weights, and FSDP shards the fp32 originals. AdamW keeps
-    exp_avg and exp_avg_sq like each parameter and one fp32 step count per parameter tensor."""
+    model by default; on the host with CPU offload): the fp32 parameters that train, their fp32
+    gradients, AdamW's exp_avg and exp_avg_sq like each of them and one fp32 step count per
+    parameter tensor; and a LoRA run's frozen base (``frozen_parameters``), which has neither."""
     root, blocks = (stage.root, stage.blocks) if stage else (shape.root, shape.n_layer)
-    numel = sum(_local_numel(p, s) for p in root) + blocks * sum(_local_numel(p, s) for p in shape.block)
-    tensors = len(root) + blocks * len(shape.block)
-    return {"parameters": 4 * numel, "gradients": 4 * numel, "optimizer_state": 8 * numel + 4 * tensors}
+    counted = [(p, 1) for p in root] + [(p, blocks) for p in shape.block]
+    numel = sum(n * _local_numel(p, s) for p, n in counted if p.kind == "trained")
+    tensors = sum(n for p, n in counted if p.kind == "trained")
+    frozen = sum(n * int(_stored_bytes(p, s) * _local_numel(p, s)) for p, n in counted if p.kind != "trained")
+    return {
+        "parameters": 4 * numel,
+        "frozen_parameters": frozen,
+        "gradients": 4 * numel,
+        "optimizer_state": 8 * numel + 4 * tensors,
+    }
 
 
 def _casts_weights(s: Setup) -> bool:
@@ -398,7 +509,7 @@ def _optimizer_workspace(shape: ModelShape, s: Setup, device: str, stage: Stage)
         return 0
     if device == "cuda":
         return model_state(shape, s, stage)["parameters"]
-    return 2 * 4 * max(_local_numel(p, s) for p in stage.root + shape.block)
+    return 2 * 4 * max((_local_numel(p, s) for p in _trained(stage.root + shape.block)), default=0)
 
 
 def memory_phases(
@@ -425,6 +536,7 @@ def memory_phases(
     on_device = {k: 0 if s.offload else v for k, v in state.items()}
     static = {
         "parameters": on_device["parameters"],
+        "frozen_parameters": on_device["frozen_parameters"],
         "optimizer_state": on_device["optimizer_state"],
         "model_buffers": shape.buffer_bytes,
         "batch": rank_batch * seq_len * 2 * 8,
@@ -438,12 +550,13 @@ def memory_phases(
     # fp32 gradients of its stage.
     accumulated = all_grads
     if s.sharded and s.pp > 1:
-        accumulated = 4 * (_gathered_numel(stage.root, s) + blocks * _gathered_numel(shape.block, s))
+        trained = _gathered_numel(_trained(stage.root), s) + blocks * _gathered_numel(_trained(shape.block), s)
+        accumulated = 4 * trained
     # Micro-batches after the first of a step (every pipeline micro-batch after the first)
     # start with the gradients of those before.
     held = accumulated if rank_batch > s.micro_batch_size or s.pp > 1 else 0
-    block_grads = 0 if s.offload else 4 * sum(_local_numel(p, s) for p in shape.block)
-    peak_grad = next((p for p in shape.block if p.name == mem.backward_peak_grad), None)
+    block_grads = 0 if s.offload else 4 * sum(_local_numel(p, s) for p in _trained(shape.block))
+    peak_grad = next((p for p in _trained(shape.block) if p.name == mem.backward_peak_grad), None)
     new_grad = 0 if s.offload or peak_grad is None else 4 * _local_numel(peak_grad, s)
     root_grads = all_grads - blocks * block_grads
 
@@ -458,19 +571,29 @@ def memory_phases(
     if stage.in_flight > 1:
         static["pipeline_activations"] = int((stage.in_flight - 1) * one_in_flight)
 
-    matrices = tuple(p for p in shape.block if len(p.shape) == 2)
+    # A frozen weight is already in the compute dtype: autocast copies only what trains.
+    matrices = tuple(p for p in _trained(shape.block) if len(p.shape) == 2)
     block_copies = 2 * _gathered_numel(matrices, s) if ctx.casts_weights else 0
     head_copy = mem.head_weight_copy(ctx) if stage.head else 0
+    root_gathered, block_gathered = _gathered_bytes(stage.root, s), _gathered_bytes(shape.block, s)
+    host_units = sorted((_gathered_bytes(u, s) for u in shape.host_units), reverse=True) if device == "cpu" else []
 
     def gathered(n_blocks: int) -> int:
         """FSDP keeps the root gathered all step; fsdp reshards a block after its forward and
         prefetches the next (two in flight), fsdp_grad_op keeps blocks until their backward.
         In a pipeline, backward does not reshard (PipelineStage), so a stage's blocks stay
-        gathered from their first backward on."""
+        gathered from their first backward on.
+
+        Where ranks gather on the host (gloo), the units are a block's large linear layers, and
+        the one being gathered is there three times: gloo's flat receive buffer, FSDP's
+        all-gather output and the unsharded parameters (kiln.distributed.parallel.apply_fsdp)."""
         if not s.sharded:
             return 0
+        if host_units and n_blocks:
+            in_flight = sum(host_units[:2]) if s.strategy == "fsdp" and s.pp == 1 else n_blocks * block_gathered
+            return root_gathered + in_flight + 2 * host_units[0]
         in_flight = min(n_blocks, 2 if s.strategy == "fsdp" and s.pp == 1 else blocks)
-        return s.gathered_bytes * (_gathered_numel(stage.root, s) + in_flight * _gathered_numel(shape.block, s))
+        return root_gathered + in_flight * block_gathered
 
     def block_backward(i: int) -> dict[str, int]:
         """At the peak of block i's backward (the family's memory model says what it holds)."""
@@ -480,7 +603,7 @@ def memory_phases(
         else:
             activations, copies = before + (i + 1) * acts, (i + 1) * block_copies
         # FSDP reduce-scatters a block's gradient from an unsharded fp32 copy.
-        reducing = 4 * _gathered_numel(shape.block, s) if s.sharded else 0
+        reducing = 4 * _gathered_numel(_trained(shape.block), s) if s.sharded else 0
         return {
             **static,
             "gradients": grads,
@@ -519,9 +642,11 @@ def memory_phases(
     end = {**static, "gradients": reduced, "gathered_parameters": gathered(0)}
     end.pop("pipeline_activations", None)
     if stage.embedding:
+        # A frozen embedding (LoRA's) gets no gradient.
+        trains_embedding = any(p.kind == "trained" for p in shape.before)
         phases["backward: embedding"] = {
             **end,
-            "backward_workspace": mem.embedding_backward(ctx, accumulating=bool(held)),
+            "backward_workspace": mem.embedding_backward(ctx, accumulating=bool(held)) if trains_embedding else 0,
         }
     else:
         phases["backward: end of the stage"] = end
@@ -534,11 +659,51 @@ def memory_phases(
     return {prefix + name: {k: v for k, v in parts.items() if v} for name, parts in phases.items()}
 
 
-def overhead_bytes(target: Target, s: Setup, allocated: int) -> int:
-    """What a process needs beyond its tensors (rules of thumb, see the module constants)."""
+def process_bytes(shape: ModelShape, target: Target) -> int:
+    """A rank's process in host memory before its first tensor (see the module constants)."""
+    return PROCESS_BYTES + HF_LIBRARIES_BYTES * shape.imports_hf + CUDA_HOST_BYTES * (target.kind == "cuda")
+
+
+def overhead_bytes(shape: ModelShape, target: Target, s: Setup, allocated: int) -> int:
+    """What a process needs on its device beyond its tensors (rules of thumb, see the module
+    constants): on the CPU, the process itself."""
     if target.kind != "cuda":
-        return CPU_PROCESS_BYTES
+        return process_bytes(shape, target)
     return CUDA_CONTEXT_BYTES + (NCCL_BYTES if s.world_size > 1 else 0) + int(ALLOCATOR_SLACK * allocated)
+
+
+def whole_model_setup(shape: ModelShape, s: Setup, device: str) -> dict[str, int]:
+    """A device's tensors while a rank that creates the whole model (``ModelShape.created_whole``)
+    holds it, before it is split: on the CPU in fp32 as created; on a GPU as the run moves it
+    there, in the precision and format it trains in (kiln.train.setup.start_model)."""
+    if device != "cuda":
+        return {"parameters": 4 * shape.num_params(), "model_buffers": shape.buffer_bytes}
+    whole = model_state(shape, dataclasses.replace(s, world_size=1, tp=1, pp=1, cpu_offload=False))
+    return {
+        "parameters": whole["parameters"],
+        "frozen_parameters": whole["frozen_parameters"],
+        "model_buffers": shape.buffer_bytes,
+    }
+
+
+def setup_host_bytes(shape: ModelShape, s: Setup, target: Target, stages: list[Stage], step: int) -> int:
+    """A rank's peak host memory from its start through its first step: the process, and the
+    larger of what initialising the model and what the step (``step`` bytes) hold on the host.
+
+    Initialising: where every rank creates the whole model, all of it in fp32 as created.
+    Otherwise each rank allocates only its own parameters (on the host on a CPU run or with
+    CPU offload) and makes one whole tensor at a time, in fp32 as created or as read from a
+    file, to copy its slice from (kiln.distributed.parallel.materialize): the largest is the
+    bound."""
+    if shape.created_whole:
+        init = 4 * shape.num_params()
+    else:
+        largest = 4 * max(math.prod(p.shape) for p in shape.root + shape.block)
+        held = 0
+        if target.kind != "cuda" or s.offload:
+            held = max(sum(model_state(shape, s, st)[k] for k in ("parameters", "frozen_parameters")) for st in stages)
+        init = held + largest
+    return process_bytes(shape, target) + max(init, step)
 
 
 @dataclass
@@ -548,6 +713,7 @@ class MemoryEstimate:
     allocated: int  # tensor bytes at the peak
     overhead: int
     host: int  # bytes each rank keeps in host memory (CPU offload)
+    host_setup: int  # a rank's peak host memory through setup and its first step
 
     @property
     def total(self) -> int:
@@ -572,9 +738,11 @@ def offload_seconds(shape: ModelShape, s: Setup, micro_batches: int, pcie: float
     shards down, and AdamW reads 4 and writes 3 arrays like the shards in host memory."""
     if not s.offload:
         return 0.0
-    shards = model_state(shape, s)["parameters"]
+    state = model_state(shape, s)
+    shards = state["parameters"] + state["frozen_parameters"]
     gathers = 2 if s.strategy == "fsdp" else 1
-    return micro_batches * (gathers + 1) * shards / pcie + 7 * shards / CPU_ADAM_BYTES_PER_S
+    copies = micro_batches * (gathers * shards + state["gradients"]) / pcie
+    return copies + 7 * state["parameters"] / CPU_ADAM_BYTES_PER_S
 
 
 def ring(n: int) -> float:
@@ -640,14 +808,24 @@ class Job:
     def memory(self, s: Setup) -> MemoryEstimate:
         key = ("memory", s)
         if key not in self._cache:
+            shape, device, stages = self.shape, self.target.kind, self.stages(s)
             phases = {}
-            for stage in self.stages(s):
-                phases.update(memory_phases(self.shape, s, self.seq_len, self.rank_batch(s), self.target.kind, stage))
+            if shape.created_whole and s.splits:
+                phases["setup: the whole model, before it is split"] = whole_model_setup(shape, s, device)
+            for stage in stages:
+                phases.update(memory_phases(shape, s, self.seq_len, self.rank_batch(s), device, stage))
             peak_phase = max(phases, key=lambda name: sum(phases[name].values()))
             allocated = sum(phases[peak_phase].values())
-            host = max(sum(model_state(self.shape, s, st).values()) for st in self.stages(s)) if s.offload else 0
+            host = max(sum(model_state(shape, s, st).values()) for st in stages) if s.offload else 0
+            # On the CPU the device is the host; a GPU's step keeps on the host what it offloads.
+            step = allocated if device != "cuda" else host
             self._cache[key] = MemoryEstimate(
-                phases, peak_phase, allocated, overhead_bytes(self.target, s, allocated), host
+                phases,
+                peak_phase,
+                allocated,
+                overhead_bytes(shape, self.target, s, allocated),
+                host,
+                setup_host_bytes(shape, s, self.target, stages, step),
             )
         return self._cache[key]
 
@@ -729,7 +907,9 @@ class Job:
         traffic = exposed = 0.0
         if s.dp > 1:
             links["data_parallel"], bandwidth = c.link(s.tp * s.dp)
-            numel = _gathered_numel(busiest.root, s) + busiest.blocks * _gathered_numel(self.shape.block, s)
+            block, root = self.shape.block, busiest.root
+            params = _gathered_bytes(root, s) + busiest.blocks * _gathered_bytes(block, s)
+            grads = 4 * (_gathered_numel(_trained(root), s) + busiest.blocks * _gathered_numel(_trained(block), s))
             if s.sharded:
                 # Per micro-batch: all-gathers of the parameters in their compute dtype (forward,
                 # and backward again under fsdp), one reduce-scatter of fp32 gradients. In a
@@ -739,17 +919,18 @@ class Job:
                 # not the root's and the first block's all-gather before it nor the last
                 # reduce-scatters after it.
                 gathers = (m if p > 1 else 2) if s.strategy == "fsdp" else 1
-                gather = ring(s.dp) * s.gathered_bytes * numel / bandwidth
-                scatter = ring(s.dp) * 4 * numel / bandwidth
-                edge = _gathered_numel(busiest.root, s) + _gathered_numel(self.shape.block, s)
-                unhidden = (gather + scatter) * edge / numel
+                gather = ring(s.dp) * params / bandwidth
+                scatter = ring(s.dp) * grads / bandwidth
+                edge = _gathered_bytes(root, s) + _gathered_bytes(block, s)
+                edge += 4 * (_gathered_numel(_trained(root), s) + _gathered_numel(_trained(block), s))
+                unhidden = ring(s.dp) * edge / bandwidth
                 per_round = gathers * gather + scatter
                 traffic = rounds * per_round
                 exposed = rounds * (max(0.0, per_round - round_compute) + unhidden)
             else:
                 # DDP all-reduces fp32 gradients once, in buckets during the last micro-batch's
                 # backward (2/3 of its compute); a pipeline all at once, after its last schedule.
-                traffic = 2 * ring(s.dp) * 4 * numel / bandwidth
+                traffic = 2 * ring(s.dp) * grads / bandwidth
                 exposed = traffic if p > 1 else max(0.0, traffic - 2 / 3 * round_compute)
 
         # The same work (recomputation included) on one GPU's micro-batch, spread evenly.

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from kiln.observe.memory import GIB
-from kiln.plan.estimate import ALLOCATOR_SLACK, LINKS, RECOMPUTE_TIME, Job, MemoryEstimate, Setup, StepTime, Target
+from kiln.plan.estimate import ALLOCATOR_SLACK, LINKS, RECOMPUTE_TIME, Job, MemoryEstimate, Setup, StepTime
 from kiln.plan.planner import Plan
 from kiln.plan.recommend import Recommendation, sequences
 
@@ -14,6 +14,7 @@ def gib(n: float) -> float:
 
 LABELS = {
     "parameters": "parameters (fp32)",
+    "frozen_parameters": "frozen base weights (LoRA, {stored})",
     "gradients": "gradients (fp32)",
     "optimizer_state": "optimizer state (AdamW, fp32)",
     "ddp_gradient_buckets": "DDP gradient buckets",
@@ -24,7 +25,7 @@ LABELS = {
     "output_layer_and_loss": "output layer and loss",
     "backward_workspace": "backward workspace",
     "optimizer_workspace": "optimizer workspace",
-    "model_buffers": "model buffers",
+    "model_buffers": "model buffers ({buffers})",
     "batch": "batch (token ids)",
 }
 
@@ -58,9 +59,15 @@ def _setup_lines(s: Setup, job: Job, auto_micro: bool, fits: bool) -> list[str]:
     return lines
 
 
-def _overhead_label(target: Target, s: Setup) -> str:
+def _frozen_storage(job: Job, s: Setup) -> str:
+    """How a LoRA run's frozen base is stored: in the compute dtype, QLoRA's adapted weights in NF4."""
+    return f"NF4 and {s.precision}" if any(p.kind == "nf4" for p in job.shape.block) else s.precision
+
+
+def _overhead_label(job: Job, s: Setup) -> str:
+    target = job.target
     if target.kind != "cuda":
-        return "overhead (the process: Python, libtorch)"
+        return "overhead (the process: Python, PyTorch" + (", transformers, peft)" if job.shape.imports_hf else ")")
     return "overhead (CUDA context" + (", NCCL" if s.world_size > 1 else "") + f", +{ALLOCATOR_SLACK:.0%} allocator)"
 
 
@@ -88,8 +95,9 @@ def format_plan(plan: Plan) -> str:
     job, s, m, target = plan.job, plan.base, plan.memory, plan.job.target
     cfg = job.shape.memory
     unit = _unit(m.total)
+    lora = f", {job.shape.num_params(('trained',)):,} of them trained (LoRA)" if job.shape.lora else ""
     lines = [
-        f"kiln plan: model {plan.config.model.preset}, {job.shape.num_params():,} parameters "
+        f"kiln plan: model {plan.config.model.preset}, {job.shape.num_params():,} parameters{lora} "
         f"({cfg.n_layer} layers, d_model {cfg.d_model}, vocab {cfg.vocab_size:,} from data.vocab_size)",
         f"  on {_devices(job, s.world_size)}, {gib(target.memory):.2f} GiB each ({target.memory_source})",
         *_setup_lines(s, job, plan.auto_micro, plan.fits),
@@ -98,14 +106,15 @@ def format_plan(plan: Plan) -> str:
     ]
     order = list(LABELS)
     for key, value in sorted(m.components.items(), key=lambda kv: order.index(kv[0])):
-        label = LABELS[key] + (f" ({job.shape.memory.buffers})" if key == "model_buffers" else "")
+        label = LABELS[key].format(buffers=job.shape.memory.buffers, stored=_frozen_storage(job, s))
         lines.append(_row(label, _amount(value, unit)))
     lines += [
         _row("tensors at the peak", _amount(m.allocated, unit)),
-        _row(_overhead_label(target, s), _amount(m.overhead, unit)),
+        _row(_overhead_label(job, s), _amount(m.overhead, unit)),
         _row("total", _amount(m.total, unit)),
         _row("device memory", _amount(target.memory, unit)),
         _row("fits", "yes" if plan.fits else "NO"),
+        _row("host memory per rank at setup", _amount(m.host_setup, unit)),
     ]
     if m.host:
         lines.append(_row("host memory per rank (CPU offload)", _amount(m.host, unit)))
@@ -252,6 +261,7 @@ def _memory_json(m: MemoryEstimate) -> dict:
         "overhead": m.overhead,
         "total": m.total,
         "host": m.host,
+        "host_setup": m.host_setup,
         "phases": {name: sum(parts.values()) for name, parts in m.phases.items()},
     }
 
@@ -306,6 +316,7 @@ def plan_json(plan: Plan) -> dict:
         "model": {
             "preset": plan.config.model.preset,
             "parameters": job.shape.num_params(),
+            "trained_parameters": job.shape.num_params(("trained",)),
             "n_layer": cfg.n_layer,
             "d_model": cfg.d_model,
             "vocab_size": cfg.vocab_size,

@@ -283,7 +283,7 @@ def make_plan(
     family = job_for(cfg).family
     args = family.resolve(cfg.model, vocab_size=cfg.data.vocab_size, seq_len=cfg.data.seq_len)
     family.parallel_plan(args).check_tensor_parallel(base.tp, f"model.family={cfg.model.family}")
-    shape = ModelShape.of(family, args)
+    shape = ModelShape.of(family, args, cfg)
     if base.pp > 1:  # what kiln train would refuse (kiln.distributed.pipeline)
         if shape.pipeline_error:
             raise ConfigError([shape.pipeline_error])
@@ -317,6 +317,13 @@ def _notes(cfg: Config, s: Setup, job: Job, auto_micro: bool) -> list[str]:
             "train.compile=true is not modelled: the estimate is for the eager step (a compiled one "
             "usually keeps fewer activations and runs faster; torchtitan measured +16% on Llama 3.1 8B)"
         )
+    if job.shape.created_whole and s.splits:
+        why = (
+            "lora.quantize_base=nf4 quantizes the base whole"
+            if cfg.lora.quantize_base != "none"
+            else f"the {job.shape.family.name} family's model does not give each tensor's starting values by name"
+        )
+        notes.append(f"every rank creates the whole model before it is split ({why}): the setup phase counts it")
     if s.cpu_offload and not s.sharded:
         notes.append("parallel.cpu_offload needs parallel.strategy fsdp or fsdp_grad_op: planned without offload")
     if target.kind == "cuda" and target.peak_flops is None:
