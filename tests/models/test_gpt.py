@@ -66,6 +66,19 @@ def test_tied_embeddings_share_storage():
     assert tied.num_params() == untied.num_params() - 97 * 32
 
 
+def test_built_with_parameters_on_meta_it_computes_its_buffers():
+    """What reads a model part by part (an export of a sharded run) builds it under
+    params_on_meta and computes on its buffers as they are: the rotary tables, not uninitialised memory."""
+    from kiln.models.init import params_on_meta
+
+    with params_on_meta():
+        skeleton = GPT(small_config())
+    assert all(p.is_meta for p in skeleton.parameters())
+    whole = small_model()
+    for name, buffer in skeleton.named_buffers():
+        assert torch.equal(buffer, whole.get_buffer(name)), name
+
+
 def test_init_std_and_scaled_residual_init():
     cfg = GPTConfig(
         vocab_size=256, n_layer=4, d_model=128, n_head=4, n_kv_head=4, d_ff=384, max_seq_len=32, tie_embeddings=False

@@ -172,12 +172,17 @@ class GPT(nn.Module):
         """(Re)initialise every parameter and buffer in place, e.g. after ``to_empty`` from meta:
         each tensor from a generator seeded by ``seed`` and its name (``kiln.models.init``), so a
         rank can initialise a shard of it alone; no ``seed`` (a model constructed directly):
-        from PyTorch's global generator, tensor after tensor. A model on ``meta`` is only tied."""
+        from PyTorch's global generator, tensor after tensor. A model on ``meta`` is only tied;
+        one built with its parameters on ``meta`` and real buffers (``params_on_meta``) gets its
+        buffers' values, as a constructor computes them."""
         if self.config.tie_embeddings:
             # Done here rather than in __init__ because to_empty() replaces the tensors of a
             # meta-device model one module at a time, which unties them.
             self.lm_head.weight = self.tok_emb.weight
         if self.tok_emb.weight.is_meta:
+            for name, buffer in self.named_buffers():
+                if not buffer.is_meta:
+                    buffer.copy_(self.init_tensor(name, buffer.shape, None))
             return
         Initial(self, seed).fill(self)
 
