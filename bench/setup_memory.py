@@ -1,7 +1,7 @@
 """Per-rank peak memory and setup time of starting a large model, measured from outside.
 
     python bench/setup_memory.py --nproc 2 [--preset 1b --n-layer 24] [--lora 8] [--precision bf16]
-        [--llama DIR] [--src DIR]
+        [--llama DIR] [--src DIR] [--resume]
 
 Runs ``kiln launch --nproc-per-node N -- train`` (``kiln train`` for N = 1) for one step of a
 kiln GPT on a small generated corpus, polls the peak resident set (VmHWM) of every process the
@@ -10,7 +10,8 @@ run's own ``setup:`` line. ``--llama DIR`` fine-tunes a Hugging Face Llama from 
 (``model.source=hf:DIR``); an empty or missing DIR first gets a random ~1B-parameter one (the
 TinyLlama shape with a 4096-token BPE vocabulary), saved in bf16 in files of 500 MB with an
 index. ``--src`` runs another kiln source tree (its ``src/``), to measure a version before a
-change.
+change. ``--resume`` measures a run that resumes from a whole-model checkpoint (one process
+trains one step and saves it first, unmeasured) and trains one more step.
 """
 
 from __future__ import annotations
@@ -106,6 +107,11 @@ def main() -> None:
     ap.add_argument("--precision", default="fp32", help="train.precision")
     ap.add_argument("--llama", type=Path, help="a Hugging Face Llama directory to fine-tune (made if missing)")
     ap.add_argument("--src", type=Path, help="a kiln source tree's src/ to run instead of the installed kiln")
+    ap.add_argument(
+        "--resume",
+        action="store_true",
+        help="measure resuming from a whole-model checkpoint (one process trains a step and saves it first)",
+    )
     args = ap.parse_args()
     if args.llama and not (args.llama / "config.json").is_file():
         make_llama(args.llama)
@@ -141,14 +147,20 @@ def main() -> None:
             sets["lora.rank"] = args.lora
         items = [a for k, v in sets.items() for a in ("--set", f"{k}={v}")]
         kiln = [sys.executable, "-m", "kiln"]
+        env = dict(os.environ, PYTHONUNBUFFERED="1")
+        if args.src:
+            env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(args.src.resolve()), env.get("PYTHONPATH")]))
+        if args.resume:
+            # One process writes a whole-model checkpoint at step 1; the measured run resumes it.
+            first = [a for k, v in {**sets, "checkpoint.every": 1}.items() for a in ("--set", f"{k}={v}")]
+            subprocess.run([*kiln, "train", *first], check=True, env=env, stdout=subprocess.DEVNULL)
+            sets["train.max_steps"] = 2
+            items = [a for k, v in sets.items() for a in ("--set", f"{k}={v}")]
         cmd = (
             [*kiln, "train", *items]
             if args.nproc == 1
             else [*kiln, "launch", "--nproc-per-node", str(args.nproc), "--", "train", *items]
         )
-        env = dict(os.environ, PYTHONUNBUFFERED="1")
-        if args.src:
-            env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(args.src.resolve()), env.get("PYTHONPATH")]))
         began = time.perf_counter()
         log = (tmp / "output.txt").open("w")
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)

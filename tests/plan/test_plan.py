@@ -135,6 +135,16 @@ def test_sharding_divides_the_model_state():
 # -- acceptance 1: parameters, gradients and optimizer state are exact ---------------------------
 
 
+def _stepped(items: list[str]):
+    """The default model with ``items`` set, after one training step (its optimizer holding its
+    state), with its plan and the plan's model state."""
+    cfg = load_config(None, [*items, "data.seq_len=64", "train.micro_batch_size=2", "train.global_batch_size=4"])
+    trained, optimizer, amp = build(cfg)
+    train_step(cfg, trained, optimizer, amp)
+    plan = make_plan(cfg, device_memory="1GiB")
+    return trained, optimizer, plan, model_state(plan.job.shape, plan.base)
+
+
 @pytest.mark.parametrize(
     "precision, model",
     [
@@ -144,21 +154,7 @@ def test_sharding_divides_the_model_state():
     ],
 )
 def test_model_state_bytes_are_exact(precision, model):
-    cfg = load_config(
-        None,
-        [
-            *model,
-            f"train.precision={precision}",
-            "data.seq_len=64",
-            "train.micro_batch_size=2",
-            "train.global_batch_size=4",
-        ],
-    )
-    trained, optimizer, amp = build(cfg)
-    train_step(cfg, trained, optimizer, amp)
-
-    plan = make_plan(cfg, device_memory="1GiB")
-    planned = model_state(plan.job.shape, plan.base)
+    trained, optimizer, plan, planned = _stepped([*model, f"train.precision={precision}"])
     params = list(trained.parameters())
     assert nbytes(params) == planned["parameters"]
     assert nbytes(p.grad for p in params) == planned["gradients"]
@@ -259,21 +255,7 @@ def test_7b_json_recommendations_fit_when_applied(capsys):
 
 @pytest.mark.parametrize("precision", ["fp32", "bf16"])
 def test_lora_state_bytes_are_exact(precision):
-    cfg = load_config(
-        None,
-        [
-            "lora.rank=8",
-            f"train.precision={precision}",
-            "data.seq_len=64",
-            "train.micro_batch_size=2",
-            "train.global_batch_size=4",
-        ],
-    )
-    trained, optimizer, amp = build(cfg)
-    train_step(cfg, trained, optimizer, amp)
-
-    plan = make_plan(cfg, device_memory="1GiB")
-    planned = model_state(plan.job.shape, plan.base)
+    trained, optimizer, _, planned = _stepped(["lora.rank=8", f"train.precision={precision}"])
     adapters = [p for p in trained.parameters() if p.requires_grad]
     base = [p for p in trained.parameters() if not p.requires_grad]
     assert nbytes(adapters) == planned["parameters"] and nbytes(base) == planned["frozen_parameters"]

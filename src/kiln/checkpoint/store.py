@@ -30,7 +30,7 @@ import os
 import random
 import shutil
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Iterator, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, cast
@@ -70,7 +70,7 @@ def _fsync_file(path: Path) -> None:
         os.fsync(f.fileno())
 
 
-def _dedupe_shared(state: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+def dedupe_shared(state: Mapping[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
     """safetensors refuses tensors that share memory (tied embeddings): store each storage once
     and remember the other names as aliases."""
     by_storage: dict[tuple, str] = {}
@@ -216,7 +216,7 @@ def _commit(
     if before_write is not None:
         before_write()
     if model_state is not None:
-        tensors, aliases = _dedupe_shared(model_state)
+        tensors, aliases = dedupe_shared(model_state)
         save_file(tensors, str(tmp / MODEL_FILE), metadata={"aliases": json.dumps(aliases), "step": str(step)})
     torch.save(train_state, tmp / STATE_FILE)
     files = {}
@@ -272,6 +272,53 @@ def latest_checkpoint(root: str | os.PathLike) -> Path | None:
     return found[-1] if found else None
 
 
+class StoredWeights(Mapping[str, torch.Tensor]):
+    """A whole-model checkpoint's weights, each read from its file when asked for: whoever keeps
+    only a slice of each (a rank of a sharded run) never holds more than one whole tensor. A
+    weight saved under two names (tied) is stored once; ``key`` gives its stored name."""
+
+    def __init__(self, file: Path):
+        from safetensors import safe_open
+
+        self.file = file
+        with safe_open(str(file), framework="pt") as f:
+            self.stored = list(f.keys())  # noqa: SIM118 (safe_open is not a Mapping)
+            self.aliases: dict[str, str] = json.loads((f.metadata() or {}).get("aliases", "{}"))
+
+    def key(self, name: str) -> str:
+        """The name ``name``'s tensor is stored under."""
+        return self.aliases.get(name, name)
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        from safetensors import safe_open
+
+        if self.key(name) not in self.stored:
+            raise KeyError(name)
+        with safe_open(str(self.file), framework="pt") as f:
+            return f.get_tensor(self.key(name))
+
+    def __iter__(self) -> Iterator[str]:
+        return iter([*self.stored, *self.aliases])
+
+    def __len__(self) -> int:
+        return len(self.stored) + len(self.aliases)
+
+    def read(self) -> dict[str, torch.Tensor]:
+        """Every weight, read at once; a tied weight is one tensor under each of its names."""
+        tensors = {name: self[name] for name in self.stored}
+        return {name: tensors[self.key(name)] for name in self}
+
+
+def open_checkpoint(path: str | os.PathLike) -> tuple[StoredWeights | None, dict[str, Any]]:
+    """Like ``load_checkpoint(path, weights_only=False)``, with the weights read on access and the
+    training state mapped from its file rather than read: a rank that keeps only its slices of a
+    whole model's checkpoint reads no other tensor, and only its slices' pages of the optimizer
+    state are read in."""
+    path = _verified(path)
+    weights = StoredWeights(path / MODEL_FILE) if (path / MODEL_FILE).is_file() else None
+    return weights, torch.load(path / STATE_FILE, map_location="cpu", weights_only=False, mmap=True)
+
+
 def load_checkpoint(
     path: str | os.PathLike, *, weights_only: bool = True
 ) -> tuple[dict[str, torch.Tensor] | None, dict[str, Any] | None]:
@@ -279,25 +326,22 @@ def load_checkpoint(
 
     ``model_state`` is None for a sharded checkpoint: pass its layout to ``load_sharded``.
     With ``weights_only=True`` only the weights are read (``train_state`` is None)."""
-    from safetensors import safe_open
-    from safetensors.torch import load_file
+    path = _verified(path)
+    model_state = StoredWeights(path / MODEL_FILE).read() if (path / MODEL_FILE).is_file() else None
+    train_state = None
+    if not weights_only:
+        train_state = torch.load(path / STATE_FILE, map_location="cpu", weights_only=False)
+    return model_state, train_state
 
+
+def _verified(path: str | os.PathLike) -> Path:
+    """``path``, a checkpoint whose files all match its manifest; CheckpointError otherwise."""
     path = Path(path)
     if not path.is_dir():
         raise CheckpointError(f"{path}: not a checkpoint directory")
     if not _is_complete(path, verify_digests=True):
         raise CheckpointError(f"{path}: checkpoint is incomplete or corrupted (manifest does not match its files)")
-    model_state = None
-    if (path / MODEL_FILE).is_file():
-        model_state = load_file(str(path / MODEL_FILE))
-        with safe_open(str(path / MODEL_FILE), framework="pt") as f:
-            aliases = json.loads((f.metadata() or {}).get("aliases", "{}"))
-        for name, target in aliases.items():
-            model_state[name] = model_state[target]
-    train_state = None
-    if not weights_only:
-        train_state = torch.load(path / STATE_FILE, map_location="cpu", weights_only=False)
-    return model_state, train_state
+    return path
 
 
 def load_sharded(path: str | os.PathLike, state: dict[str, Any], reader: Any = None) -> None:

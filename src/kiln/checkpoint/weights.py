@@ -187,14 +187,9 @@ def write_weights(
 ) -> StreamWriter:
     """``state`` (held whole already) into files of at most ``max_shard_size``; a tensor stored
     under several names (a tied embedding) is written once, under its first."""
-    unique: dict[str, torch.Tensor] = {}
-    seen: set[tuple[int, object]] = set()
-    for name, tensor in state.items():
-        key = (tensor.untyped_storage().data_ptr(), tensor.storage_offset())
-        if tensor.numel() and key in seen:
-            continue
-        seen.add(key)
-        unique[name] = tensor
+    from kiln.checkpoint.store import dedupe_shared
+
+    unique, _ = dedupe_shared(state)
     layout = Layout.plan([Entry(n, tuple(t.shape), t.dtype) for n, t in unique.items()], max_shard_size)
     writer = StreamWriter(directory, layout, metadata)
     for name, tensor in unique.items():

@@ -13,12 +13,13 @@ from __future__ import annotations
 
 import contextlib
 from collections import defaultdict
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any, Protocol, cast
 
 import torch
 from torch import nn
 
+from kiln.checkpoint.store import StoredWeights
 from kiln.config import ParallelConfig
 from kiln.distributed.world import World
 from kiln.models.family import ParallelPlan
@@ -106,10 +107,11 @@ class ParallelModel:
         """Clip this rank's gradients to the global L2 norm ``max_norm``; the norm before clipping."""
         return clip_grad_norm_(self.parameters(), max_norm)
 
-    def local_state(self, model_state: dict[str, Any], optim_state: dict[str, Any]) -> tuple[dict, dict]:
-        """A whole model's weights and optimizer state (a checkpoint saved unsharded), cut down to
-        what this rank holds: all of it here."""
-        return model_state, optim_state
+    def local_state(self, model_state: StoredWeights, optim_state: dict[str, Any]) -> tuple[dict, dict]:
+        """A whole model's weights (read on access) and optimizer state (keyed by parameter name),
+        from a checkpoint saved unsharded, as this rank holds them: a sharded tensor's slice, one
+        tensor read at a time, so that no rank holds the whole model."""
+        return localize(self.module, model_state, optim_state)
 
 
 @contextlib.contextmanager
@@ -134,6 +136,41 @@ def materialize(module: nn.Module, initial: Values, device: torch.device) -> Non
     one parameter at a time and cut as its placements say, so a rank holds at most one whole
     parameter beside its shards (the largest is the vocabulary embedding)."""
     initial.materialize(module, device, _place)
+
+
+def localize(
+    module: nn.Module,
+    model_state: Mapping[str, torch.Tensor],
+    optim_state: dict[str, Any],
+    names: set[str] | None = None,
+) -> tuple[dict, dict]:
+    """``model_state`` (only ``names``, when given) and ``optim_state``, whole tensors, as
+    ``module`` holds them: where it holds a parameter or buffer sharded (a DTensor), its slice of
+    each tensor of that name, the whole value freed before the next is read; elsewhere the whole
+    value. Names ``module`` lacks are kept, for loading to refuse."""
+    held = module.state_dict(keep_vars=True)
+    kept = [name for name in model_state if names is None or name in names]
+    weights = {name: _slice(model_state[name], held.get(name)) for name in kept}
+    state = {
+        name: {key: _slice(value, held.get(name)) for key, value in per_param.items()}
+        for name, per_param in optim_state["state"].items()
+    }
+    return weights, {**optim_state, "state": state}
+
+
+def _slice(value: Any, like: torch.Tensor | None) -> Any:
+    """This rank's slice of ``value`` (a whole tensor of ``like``'s shape) as a DTensor laid out as
+    ``like`` is, or ``value`` itself where ``like`` is not sharded (or ``value`` is another
+    shape, such as an optimizer's step count)."""
+    from torch.distributed.tensor import DTensor, distribute_tensor
+
+    if not isinstance(like, DTensor) or not isinstance(value, torch.Tensor) or value.shape != like.shape:
+        return value
+    part = distribute_tensor(value, like.device_mesh, like.placements, src_data_rank=None)
+    # A slice that is contiguous as cut is a view of the whole tensor: copied, so that it is freed.
+    return DTensor.from_local(
+        part.to_local().clone(), like.device_mesh, like.placements, shape=part.shape, stride=part.stride()
+    )
 
 
 def _place(tensor: torch.Tensor, value: torch.Tensor) -> None:

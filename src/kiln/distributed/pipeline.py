@@ -23,9 +23,10 @@ from typing import Any, cast
 import torch
 from torch import nn
 
+from kiln.checkpoint.store import StoredWeights
 from kiln.config import ConfigError, ParallelConfig
 from kiln.data.batch import IGNORE_INDEX
-from kiln.distributed.parallel import ParallelModel, StepCompute, clip_grad_norm_, materialize, shard
+from kiln.distributed.parallel import ParallelModel, StepCompute, clip_grad_norm_, localize, materialize, shard
 from kiln.distributed.world import World
 from kiln.models.family import ParallelPlan
 from kiln.models.init import Values
@@ -197,9 +198,10 @@ class PipelineModel(ParallelModel):
         """The norm sums over the stages; a tied weight's second copy is clipped but not counted."""
         return clip_grad_norm_(self.parameters(), max_norm, group=self.group, uncounted=self.uncounted)
 
-    def local_state(self, model_state: dict[str, Any], optim_state: dict[str, Any]) -> tuple[dict, dict]:
-        """The layers of this rank's stages, from a whole model's checkpoint."""
-        return _restrict(model_state, optim_state, set(self.module.state_dict()))
+    def local_state(self, model_state: StoredWeights, optim_state: dict[str, Any]) -> tuple[dict, dict]:
+        """The layers of this rank's stages, from a whole model's checkpoint (sliced where they are sharded)."""
+        names = set(self.module.state_dict())
+        return localize(self.module, model_state, _restrict(model_state, optim_state, names), names)
 
     def _tie(self, tied: dict[str, str], first: bool, last: bool) -> None:
         """A weight the first and last stage share (tied embeddings) is a copy on each of their
@@ -277,24 +279,21 @@ class PipelineModel(ParallelModel):
         return loss
 
 
-def _restrict(
-    model_state: dict[str, torch.Tensor], optim_state: dict[str, Any], names: set[str]
-) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
-    """A whole model's weights and optimizer state (keyed by parameter name) cut down to the
-    parameters ``names``. A parameter the whole model shares under two names (a tied embedding)
+def _restrict(model_state: StoredWeights, optim_state: dict[str, Any], names: set[str]) -> dict[str, Any]:
+    """A whole model's optimizer state (keyed by parameter name) cut down to the parameters
+    ``names``. A parameter the whole model shares under two names (a tied embedding)
     has its optimizer state under one of them: a stage that knows it by the other takes it there."""
     states = optim_state["state"]
     source = {}
     for name in names:
-        tensor = model_state.get(name)
-        shared = (other for other in states if tensor is not None and model_state.get(other) is tensor)
+        shared = (other for other in states if name in model_state and model_state.key(other) == model_state.key(name))
         source[name] = name if name in states else next(shared, name)
     groups = [
         {**group, "params": [name for name in names if source[name] in group["params"]]}
         for group in optim_state["param_groups"]
     ]
     kept = {name: states[source[name]] for name in names if source[name] in states}
-    return {name: model_state[name] for name in names if name in model_state}, {"state": kept, "param_groups": groups}
+    return {"state": kept, "param_groups": groups}
 
 
 def _send_header(x: torch.Tensor, dst: int, group) -> None:

@@ -83,9 +83,15 @@ class Values:
     ``params_on_meta`` (only its names, shapes and buffers are read); a LoRA adapter's tensors
     start as PEFT starts them, from ``seed`` and their name."""
 
+    # What ``fill`` does, for a progress display: random values are made, a model's files are read.
+    verb = "initialising"
+
     def __init__(self, model: nn.Module, seed: int | None):
         self.model, self.seed = model, seed
         self.names = first_names(model)
+        # ``progress(what, total)``: a context whose value is called once per tensor filled (a
+        # progress bar's; the run sets it on its main rank's terminal).
+        self.progress: Callable[[str, int], contextlib.AbstractContextManager[Callable[[], None]]] = _no_progress
 
     def like(self, name: str) -> torch.Tensor:
         """The model's tensor ``name`` (on ``meta`` for a parameter): its shape and dtype."""
@@ -127,8 +133,11 @@ class Values:
         part of it that keeps the model's names), through ``place(tensor, value)``: by default a
         copy; ``kiln.distributed`` passes one that copies a shard's slice of the value."""
         place = place or _copy
-        for name, tensor in list(module.named_parameters()) + list(module.named_buffers()):
-            place(tensor, self.value(self.names.get(name, name)))
+        tensors = list(module.named_parameters()) + list(module.named_buffers())
+        with self.progress(f"{self.verb} weights", len(tensors)) as advance:
+            for name, tensor in tensors:
+                place(tensor, self.value(self.names.get(name, name)))
+                advance()
 
 
 class Initial(Values):
@@ -178,6 +187,11 @@ def lora_kind(name: str) -> str | None:
     """``lora_A`` or ``lora_B`` for a LoRA adapter's tensor, else None."""
     owner = f".{name.rpartition('.')[0]}."
     return next((kind for kind in ("lora_A", "lora_B") if f".{kind}." in owner), None)
+
+
+@contextlib.contextmanager
+def _no_progress(what: str, total: int) -> Iterator[Callable[[], None]]:
+    yield lambda: None
 
 
 def _copy(tensor: torch.Tensor, value: torch.Tensor) -> None:

@@ -4,6 +4,9 @@ samples) scrolls above it; off a terminal there is no bar, only those lines."""
 
 from __future__ import annotations
 
+import contextlib
+import sys
+from collections.abc import Callable, Iterator
 from typing import Any
 
 
@@ -48,3 +51,17 @@ class ProgressBar:
 
     def close(self) -> None:
         self._progress.stop()
+
+
+@contextlib.contextmanager
+def counted(what: str, total: int) -> Iterator[Callable[[], None]]:
+    """A bar of ``total`` items (``what``: "loading weights") while the block runs, on a terminal
+    and for more than a few items; yields the function that counts one done."""
+    if total < 16 or not sys.stdout.isatty():
+        yield lambda: None
+        return
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    with Progress(TextColumn(what), MofNCompleteColumn(), BarColumn(), TimeElapsedColumn(), transient=True) as bar:
+        task = bar.add_task(what, total=total)
+        yield lambda: bar.advance(task)

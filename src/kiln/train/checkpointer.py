@@ -31,8 +31,8 @@ from kiln.checkpoint import (
     host_stager,
     latest_checkpoint,
     list_checkpoints,
-    load_checkpoint,
     load_sharded,
+    open_checkpoint,
     restore_rng,
     save_checkpoint,
     save_checkpoint_async,
@@ -229,29 +229,25 @@ class Checkpointer:
 
     def load(self, path: Path) -> int:
         """Restore model, optimizer, every part and the RNG from ``path``; its step."""
-        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
+        from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
         self.wait()
-        model_state: dict[str, Any] | None
-        optim_state: dict[str, Any]
-        model_state, train_state = load_checkpoint(path, weights_only=False)
-        assert train_state is not None  # weights_only=False reads it
-        if model_state is None:  # sharded: DCP fills this process's own layout, resharding as needed
+        stored, train_state = open_checkpoint(path)
+        if stored is None:  # sharded: DCP fills this process's own layout, resharding as needed
             model_state, optim_state = get_state_dict(self.model, self.optimizer, options=_options(True))
             state: dict[str, Any] = {"model": model_state, "optimizer": optim_state}
             load_sharded(path, state)
-            model_state, optim_state, full = state["model"], state["optimizer"], False
+            model_state, optim_state = state["model"], state["optimizer"]
         else:
-            # A whole model's checkpoint, of which this rank takes what it holds.
-            model_state, optim_state = self.local_state(model_state, train_state["optimizer"])
-            full = True
+            # A whole model's checkpoint, of which this rank reads and keeps what it holds.
+            model_state, optim_state = self.local_state(stored, train_state["optimizer"])
         try:
             set_state_dict(
                 self.model,
                 self.optimizer,
                 model_state_dict=model_state,
                 optim_state_dict=optim_state,
-                options=StateDictOptions(full_state_dict=full and self.sharded, flatten_optimizer_state_dict=not full),
+                options=_options(stored is None),
             )
         except (RuntimeError, KeyError, ValueError) as e:
             raise CheckpointError(

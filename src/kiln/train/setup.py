@@ -15,6 +15,7 @@ from kiln.device import return_freed_host_memory
 from kiln.distributed.parallel import ParallelModel
 from kiln.distributed.parallelize import parallelize
 from kiln.distributed.world import World
+from kiln.observe.progress import counted
 from kiln.train.apply import check_quantized_shards
 from kiln.train.faults import NoFaults
 from kiln.train.jobs import Job
@@ -77,6 +78,8 @@ def start_model(
     for line in job.describe(model) + precision.describe():
         times.say(f"kiln: {line}")
     faults.attach(model)
+    if job.initial is not None and world.is_main:
+        job.initial.progress = counted
     with times.timed("shard + initialise" if job.initial else "shard"):
         model = model if job.initial else model.to(world.device)
         bf16 = precision.dtype == torch.bfloat16

@@ -18,6 +18,7 @@ import torch
 from safetensors import safe_open
 from torch import nn
 
+from kiln.checkpoint.weights import weight_files
 from kiln.compat import quiet_library_imports
 from kiln.config import ConfigError
 from kiln.models.init import Values, lora_kind, plain_name, tensor_seed
@@ -119,17 +120,10 @@ def load_tokenizer(path: Path):
 def weight_shapes(path: Path) -> dict[str, tuple[Path, tuple[int, ...]]]:
     """Each tensor of the directory's safetensors weights: the file holding it and its shape (read
     from the files' headers; one file, or those a sharded index names, each checked)."""
-    index = path / "model.safetensors.index.json"
-    files = [path / "model.safetensors"]
-    if index.is_file():
-        try:
-            weight_map = json.loads(index.read_text())["weight_map"]
-            files = sorted({path / file for file in weight_map.values()})
-        except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
-            raise ConfigError([f"model.source: {index} is not a safetensors index ({e})"]) from None
-        for file in files:
-            if not file.is_file():
-                raise ConfigError([f"model.source: {index} names {file.name}, which is not in {path}"])
+    try:
+        files = [path / file for file in weight_files(path)]
+    except (OSError, ValueError) as e:
+        raise ConfigError([f"model.source: {e}"]) from None
     shapes = {}
     for file in files:
         try:
@@ -161,6 +155,8 @@ class Pretrained(Values):
     another shape start as ``transformers`` starts them (``init_module``: the model's own
     initialisation of one module), seeded by their name, and are listed in ``new``; otherwise a
     shape that differs is a ConfigError naming the file and tensor."""
+
+    verb = "loading"
 
     def __init__(
         self,

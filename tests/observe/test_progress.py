@@ -1,0 +1,57 @@
+"""The bar shown while a large model's weights are loaded or initialised."""
+
+import contextlib
+import io
+import sys
+
+from kiln.models import GPT, GPTConfig
+from kiln.models.init import Initial, params_on_meta
+from kiln.observe.progress import counted
+
+
+class _Terminal(io.StringIO):
+    def isatty(self) -> bool:
+        return True
+
+
+def test_filling_a_model_counts_each_tensor_once():
+    with params_on_meta():
+        model = GPT(
+            GPTConfig(
+                vocab_size=97,
+                n_layer=2,
+                d_model=32,
+                n_head=4,
+                n_kv_head=4,
+                d_ff=64,
+                max_seq_len=64,
+                tie_embeddings=True,
+            )
+        )
+    initial = Initial(model, seed=0)
+    counts: list[tuple[str, int, int]] = []
+
+    @contextlib.contextmanager
+    def progress(what, total):
+        done = [0]
+        yield lambda: done.__setitem__(0, done[0] + 1)
+        counts.append((what, total, done[0]))
+
+    initial.progress = progress
+    initial.materialize(model, "cpu")
+    tensors = len(list(model.named_parameters()) + list(model.named_buffers()))
+    assert counts == [("initialising weights", tensors, tensors)]
+
+
+def test_the_bar_shows_on_a_terminal_only(monkeypatch):
+    terminal = _Terminal()
+    monkeypatch.setattr(sys, "stdout", terminal)
+    with counted("loading weights", 20) as advance:
+        for _ in range(20):
+            advance()
+    assert "loading weights" in terminal.getvalue() and "20/20" in terminal.getvalue()
+    plain = io.StringIO()
+    monkeypatch.setattr(sys, "stdout", plain)
+    with counted("loading weights", 20) as advance:
+        advance()
+    assert plain.getvalue() == ""
