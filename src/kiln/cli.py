@@ -320,10 +320,18 @@ def cmd_presets(args) -> int:
     from kiln.config import ModelConfig
     from kiln.models.gpt import PRESETS, build_gpt_config, param_count
 
-    print(f"{'preset':<12}{'layers':>8}{'d_model':>9}{'heads':>7}{'kv':>5}{'params (vocab 32k)':>20}")
+    # Experts: routed x picked a token (+ shared); active: the parameters one token goes through.
+    print(
+        f"{'preset':<14}{'layers':>7}{'d_model':>8}{'heads':>6}{'kv':>5}{'experts':>10}"
+        f"{'params (vocab 32k)':>20}{'active':>17}"
+    )
     for name in PRESETS:
         c = build_gpt_config(ModelConfig(preset=name), vocab_size=32000, max_seq_len=0)
-        print(f"{name:<12}{c.n_layer:>8}{c.d_model:>9}{c.n_head:>7}{c.n_kv_head:>5}{param_count(c):>20,}")
+        experts = f"{c.n_experts}x{c.experts_per_token}+{c.n_shared_experts}" if c.n_experts else "-"
+        print(
+            f"{name:<14}{c.n_layer:>7}{c.d_model:>8}{c.n_head:>6}{c.n_kv_head:>5}{experts:>10}"
+            f"{param_count(c):>20,}{param_count(c, active=True):>17,}"
+        )
     return 0
 
 

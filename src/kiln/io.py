@@ -1,11 +1,16 @@
 """Files written whole or not at all: the one atomic writer that data, checkpoints, the memory
-ladder and the metrics sinks share."""
+ladder and the metrics sinks share; and where a model directory's safetensors weights are (one
+file, or several an index names), for whoever reads or writes them."""
 
 from __future__ import annotations
 
+import json
 import os
 import tempfile
 from pathlib import Path
+
+WEIGHTS = "model.safetensors"
+INDEX = "model.safetensors.index.json"
 
 
 def write_atomic(path: str | os.PathLike, data: str | bytes) -> None:
@@ -41,3 +46,24 @@ def directory_problem(path: str | os.PathLike) -> str | None:
     if not os.access(parent, os.W_OK | os.X_OK):
         return f"{path} cannot be created: {parent} is not writable by this user"
     return None
+
+
+def weight_files(directory: Path) -> dict[str, list[str]]:
+    """The safetensors files of an export or model directory and the tensors each holds (from
+    the index when there is one); a missing file named by the index is an error naming both."""
+    index = directory / INDEX
+    if not index.is_file():
+        if not (directory / WEIGHTS).is_file():
+            raise FileNotFoundError(f"{directory}: no {WEIGHTS} and no {INDEX}")
+        return {WEIGHTS: []}
+    try:
+        weight_map = json.loads(index.read_text())["weight_map"]
+    except (ValueError, KeyError, TypeError) as e:
+        raise ValueError(f"{index}: not a safetensors index ({e})") from None
+    files: dict[str, list[str]] = {}
+    for name, file in weight_map.items():
+        files.setdefault(file, []).append(name)
+    for file in files:
+        if not (directory / file).is_file():
+            raise FileNotFoundError(f"{index}: names {file}, which is missing (tensor {files[file][0]!r})")
+    return files

@@ -14,7 +14,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from kiln.checkpoint.weights import INDEX, Entry, Layout, StreamWriter, parse_size, read_weights, write_weights
+from kiln.checkpoint.weights import Entry, Layout, StreamWriter, parse_size, read_weights, write_weights
+from kiln.io import INDEX
 from kiln.train.run import load_run
 
 from conftest import sft_records, tiny_overrides, write_jsonl

@@ -22,8 +22,8 @@ from typing import BinaryIO
 import torch
 from torch import nn
 
-WEIGHTS = "model.safetensors"
-INDEX = "model.safetensors.index.json"
+from kiln.io import INDEX, WEIGHTS, weight_files
+
 DEFAULT_MAX_SHARD_SIZE = "5GB"
 
 _DTYPES = {
@@ -196,27 +196,6 @@ def write_weights(
         writer.write(name, tensor)
     writer.close()
     return writer
-
-
-def weight_files(directory: Path) -> dict[str, list[str]]:
-    """The safetensors files of an export or model directory and the tensors each holds (from
-    the index when there is one); a missing file named by the index is an error naming both."""
-    index = directory / INDEX
-    if not index.is_file():
-        if not (directory / WEIGHTS).is_file():
-            raise FileNotFoundError(f"{directory}: no {WEIGHTS} and no {INDEX}")
-        return {WEIGHTS: []}
-    try:
-        weight_map = json.loads(index.read_text())["weight_map"]
-    except (ValueError, KeyError, TypeError) as e:
-        raise ValueError(f"{index}: not a safetensors index ({e})") from None
-    files: dict[str, list[str]] = {}
-    for name, file in weight_map.items():
-        files.setdefault(file, []).append(name)
-    for file in files:
-        if not (directory / file).is_file():
-            raise FileNotFoundError(f"{index}: names {file}, which is missing (tensor {files[file][0]!r})")
-    return files
 
 
 def read_weights(directory: Path, names: set[str] | None = None) -> dict[str, torch.Tensor]:

@@ -73,7 +73,8 @@ class ModelConfig:
     architecture only, e.g. to compare with training from scratch)."""
     preset: str = "tiny"
     """Model preset of the gpt family: tiny, small, gpt2-124m, 350m, 1b, 7b, or llama3-8b, llama3-70b,
-    llama3-405b (shaped like Llama 3: set data.vocab_size=128256); see `kiln presets`."""
+    llama3-405b (shaped like Llama 3: set data.vocab_size=128256); mixtures of experts: tiny-moe,
+    qwen3-30b-a3b, deepseek-v3 (shaped like those, for kiln plan); see `kiln presets`."""
     n_layer: int = 0
     """Number of Transformer blocks; 0 keeps the preset's."""
     d_model: int = 0
@@ -88,6 +89,30 @@ class ModelConfig:
     """Share input embedding and output projection: true, false or preset."""
     rope_theta: float = 0.0
     """RoPE base frequency; 0 keeps the preset's."""
+    n_experts: int = 0
+    """Mixture of experts: routed experts per MoE layer; 0 keeps the preset's (none for the dense
+    presets: every layer has one MLP). tiny-moe is the small MoE preset."""
+    experts_per_token: int = 0
+    """Experts the router picks for each token (top-k); 0 keeps the preset's (2 if it has none)."""
+    n_shared_experts: int = -1
+    """Experts every token goes through besides those picked (DeepSeek's shared experts); -1 keeps the preset's."""
+    d_expert: int = 0
+    """Hidden width of each expert's SwiGLU MLP; 0 keeps the preset's (d_ff if it has none)."""
+    moe_layer_start: int = -1
+    """First layer with a mixture of experts, the earlier ones dense (as DeepSeek-V3's first 3);
+    -1 keeps the preset's."""
+    router: str = "preset"
+    """Router scores: softmax (Qwen3-MoE, Mixtral) or sigmoid (DeepSeek-V3), or preset."""
+    router_bias_rate: float = 0.01
+    """Auxiliary-loss-free load balancing (DeepSeek-V3): after each step, each expert's routing
+    bias moves by this much towards an even load; 0 turns it off. DeepSeek-V3 used 0.001 over a
+    run of hundreds of thousands of steps; 0.01 evens tiny-moe's load within 200 steps."""
+    router_aux_loss: float = 0.0
+    """Coefficient of the auxiliary balance loss (Switch Transformer's) added to the training
+    loss; 0: none."""
+    expert_capacity: float = 0.0
+    """Capacity factor: each expert takes at most this times its even share of a batch's tokens,
+    the rest of its tokens dropped (skip the expert); 0: no capacity, nothing dropped."""
 
     def errors(self) -> list[str]:
         # Only the family knows its presets and which dimensions fit together: it checks the rest when it builds.

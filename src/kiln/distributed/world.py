@@ -114,6 +114,15 @@ class World:
         dist.all_reduce(value, group=self.control_group)
         return int(value.item()) // (self.tp * self.pp)
 
+    def dp_sum(self, value: torch.Tensor) -> torch.Tensor:
+        """``value`` (a tensor on this rank's device) summed in place over the data-parallel ranks
+        that hold the same part of the model as this one (one all-reduce, on the device)."""
+        if self.dp > 1:
+            import torch.distributed as dist
+
+            dist.all_reduce(value, group=self.mesh["dp"].get_group())
+        return value
+
     def mesh_of_one(self) -> Any:
         """The mesh, made for a single process on first use: FSDP needs a process group even
         alone, to keep a model's state in CPU memory (``parallel.cpu_offload``)."""

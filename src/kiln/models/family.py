@@ -52,7 +52,8 @@ class ParallelPlan:
     the first pipeline stage (the embedding) and with the last (final norm, output layer); a
     model that can be pipelined names them, and its ``forward`` runs with any of them set to
     None: without the first it takes hidden states instead of tokens, without the last it
-    returns hidden states (given targets, the last stage returns the loss).
+    returns hidden states (given targets, the last stage returns the loss). ``unpipelined``: why
+    this model, though its family pipelines others, cannot be cut into stages (empty: it can).
     """
 
     blocks: str | None = "blocks"
@@ -62,6 +63,7 @@ class ParallelPlan:
     derived_buffers: bool = False
     pipeline_first: tuple[str, ...] = ()
     pipeline_last: tuple[str, ...] = ()
+    unpipelined: str = ""
 
     def __post_init__(self):
         bad = {name: style for name, style in self.tensor_parallel.items() if style not in TP_STYLES}
@@ -72,10 +74,13 @@ class ParallelPlan:
     def pipelined(self) -> bool:
         """Whether the model can be cut into pipeline stages: the plan names the first and last
         stages' modules, and the repeated layers are an attribute of the model itself."""
-        return bool(self.pipeline_first or self.pipeline_last) and bool(self.blocks and "." not in self.blocks)
+        named = bool(self.pipeline_first or self.pipeline_last) and bool(self.blocks and "." not in self.blocks)
+        return named and not self.unpipelined
 
     def pipeline_error(self, what: str) -> str:
         """Why ``what`` (the model's name) cannot be pipelined."""
+        if self.unpipelined:
+            return f"parallel.pp: {self.unpipelined}"
         return (
             f"parallel.pp: {what} cannot be split into pipeline stages: its family's parallel plan does not name "
             "the modules of the first and last stage (kiln's GPT does); set parallel.pp=1"

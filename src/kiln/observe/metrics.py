@@ -26,7 +26,7 @@ METRICS_FILE = "metrics.jsonl"
 # The W&B run id of this run directory, so that a resumed run continues the same W&B run.
 WANDB_ID_FILE = "wandb_id.txt"
 # Logged to the files, left off the console line to keep it short.
-CONSOLE_HIDDEN = {"memory/peak_reserved_gib", "global_batch", "micro_batch_size", "tokens"}
+CONSOLE_HIDDEN = {"memory/peak_reserved_gib", "global_batch", "micro_batch_size", "tokens", "moe/min_load"}
 # Per-class figures of a classifier: in the files, too many for the console line.
 CONSOLE_HIDDEN_PREFIXES = ("val_precision/", "val_recall/", "val_f1/")
 

@@ -164,8 +164,11 @@ class ModelShape:
         plan = family.parallel_plan(args)
         blocks = plan.repeated_blocks(model)
         in_blocks = {id(p) for b in blocks for p in b.parameters()}
+        # Blocks that differ (a mixture of experts' dense first layers) are counted as the largest
+        # of them: the plan errs towards more memory, not less.
+        largest = max(blocks, key=lambda b: sum(p.numel() for p in b.parameters())) if blocks else None
         block = tuple(
-            param(name, p, plan.tp_split_dim(name)) for name, p in (blocks[0].named_parameters() if blocks else ())
+            param(name, p, plan.tp_split_dim(name)) for name, p in (largest.named_parameters() if largest else ())
         )
         root = tuple(  # a tied matrix is listed once
             param(name, p, None) for name, p in model.named_parameters() if id(p) not in in_blocks
@@ -186,7 +189,7 @@ class ModelShape:
                 after += [entry] * (module in plan.pipeline_last)
             else:
                 (after if seen_block else before).append(entry)
-        host_units = _host_units(blocks[0], block) if blocks else ()
+        host_units = _host_units(largest, block) if largest else ()
         buffers = sum(b.numel() * b.element_size() for b in model.buffers())
         pipeline_error = None if plan.pipelined else plan.pipeline_error(type(model).__name__)
         memory = family.memory_model(args)

@@ -3,11 +3,11 @@ given with a dataset and a loss.
 
 Read ``Trainer.fit`` top to bottom: resume, then for each step compute the gradients of the
 step's batch, update, and at intervals log, evaluate and checkpoint. Each feature is a component
-that owns its state and decides its own timing, called the same way in every configuration and
-parallel layout: the model (``ParallelModel``: this rank's share), the step (``TrainStep``),
-the memory ladder (the micro-batch, and a retry one rung down when memory runs out), the guard
-(non-finite steps, spikes), the meter, the checkpointer, the time plan (the steps that fill a
-time budget) and the phases (hang watchdog, profiler, straggler clock).
+that owns its state and decides its own timing, called alike in every configuration and layout:
+the model (``ParallelModel``: this rank's share), the step (``TrainStep``), the memory ladder
+(the micro-batch, and a retry one rung down when memory runs out), the guard (non-finite steps,
+spikes), the experts' load (a mixture of experts' balancing), the meter, the checkpointer, the
+time plan (the steps that fill a time budget) and the phases (watchdog, profiler, stragglers).
 """
 
 from __future__ import annotations
@@ -38,6 +38,7 @@ from kiln.train.meter import StepMeter
 from kiln.train.optim import build_optimizer, lr_at
 from kiln.train.phases import Phases
 from kiln.train.precision import Precision
+from kiln.train.routing import ExpertLoad
 from kiln.train.run import Budget, FitResult, StopRequest, seed_everything, write_run_files
 from kiln.train.setup import SetupTimes, start_model
 from kiln.train.step import LossFn, TrainStep
@@ -120,7 +121,7 @@ class Trainer:
             faults=self.faults,
             busy=self.stragglers.clock,
         )
-        self.params = self.train_step.params
+        self.params, self.expert_load = self.train_step.params, ExpertLoad(self.model.module, world)
         self.ladder.bind(self.train_step)
         self.meter = StepMeter(
             world, t.log_every, schedule, tokens_per_sample=job.tokens_per_sample, flops_per_token=job.flops_per_token
@@ -192,6 +193,7 @@ class Trainer:
                     loss = self.ladder.forward_backward(batch, self.step + 1, logger, save=self.save)
                 with phase("optimizer", self.step):
                     grad_norm = self.train_step.update(lr, inspect=self._histograms(logger))
+                    self.expert_load.step_done()
                 self.step += 1
                 self.meter.end_step(loss, grad_norm, batch)
                 logger.step_done(self.step)
@@ -282,7 +284,7 @@ class Trainer:
             values, step=self.step, lr=lr, elapsed_s=elapsed_s, micro_batch_size=self.micro_batch_size
         )
         record.update(self.precision.metrics())
-        record.update(self.guard.metrics())
+        record.update(self.guard.metrics() | self.expert_load.metrics())
         logger.log(self.step, record)
         self.stragglers.review(self.step, len(values["losses"]), logger)
         return record, review.rollback

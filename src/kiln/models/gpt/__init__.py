@@ -28,8 +28,9 @@ def flops_per_token(cfg: GPTConfig, seq_len: int) -> float:
         6 * N + 12 * n_layer * d_model * seq_len
 
     N counts the parameters of every matmul a token goes through: the attention and MLP
-    projections of each layer and the lm_head (tied or not); not the input embedding (a lookup)
-    nor the norms' gains. Each such weight costs 2 FLOPs per token forward (multiply and add) and
+    projections of each layer (of a mixture of experts, the router, the shared experts and the
+    ``experts_per_token`` it is routed to) and the lm_head (tied or not); not the input embedding
+    (a lookup) nor the norms' gains. Each such weight costs 2 FLOPs per token forward (multiply and add) and
     4 backward (gradients of input and weight): 6 * N. The second term is attention itself,
     QK^T and AV, 2 * 2 * d_model * seq_len per layer forward, times 3 with the backward;
     the causal mask's skipped half is counted too, as is conventional.
@@ -37,7 +38,7 @@ def flops_per_token(cfg: GPTConfig, seq_len: int) -> float:
     norm_gains = (2 * cfg.n_layer + 1) * cfg.d_model
     # A tied matrix is counted once, as the lm_head's; an untied input embedding is only a lookup.
     input_embedding = 0 if cfg.tie_embeddings else cfg.vocab_size * cfg.d_model
-    n_matmul = param_count(cfg) - norm_gains - input_embedding
+    n_matmul = param_count(cfg, active=True) - norm_gains - input_embedding
     return 6.0 * n_matmul + 12.0 * cfg.n_layer * cfg.n_head * cfg.head_dim * seq_len
 
 
@@ -58,10 +59,16 @@ class GPTFamily(ModelFamily):
 
     def describe(self, model_cfg: ModelConfig, args: GPTConfig, model: nn.Module) -> str:
         gpt = cast(GPT, model)  # this family's model
+        experts = (
+            f", {args.n_experts} experts ({args.experts_per_token} a token, {args.n_shared_experts} shared; "
+            f"{param_count(args, active=True):,} parameters active)"
+            if args.n_experts
+            else ""
+        )
         return (
             f"{model_cfg.preset}: {gpt.num_params():,} parameters "
             f"({gpt.num_params(exclude_embedding=True):,} without embeddings), "
-            f"{args.n_layer} layers, d_model {args.d_model}, vocab {args.vocab_size}"
+            f"{args.n_layer} layers, d_model {args.d_model}, vocab {args.vocab_size}{experts}"
         )
 
     def parallel_plan(self, args: GPTConfig) -> ParallelPlan:
@@ -73,6 +80,11 @@ class GPTFamily(ModelFamily):
         tp = dict.fromkeys(("attn.wq", "attn.wk", "attn.wv", "mlp.w1", "mlp.w3"), "colwise")
         tp.update(dict.fromkeys(("attn.wo", "mlp.w2"), "rowwise"))
         divisors = {f"model.{key}": getattr(args, key) for key in ("n_head", "n_kv_head", "d_ff")}
+        if args.n_experts:
+            # A mixture of experts is not split: each tensor-parallel rank runs it whole, on the
+            # whole activations the attention's all-reduce leaves (so do the dense layers' MLPs).
+            tp = {name: style for name, style in tp.items() if name.startswith("attn.")}
+            divisors.pop("model.d_ff")
         return ParallelPlan(
             blocks="blocks",
             tensor_parallel=tp,
@@ -80,6 +92,11 @@ class GPTFamily(ModelFamily):
             derived_buffers=True,
             pipeline_first=("tok_emb",),
             pipeline_last=("norm", "lm_head"),
+            # The balance loss of a stage's layers would not reach the last stage's loss.
+            unpipelined="model.router_aux_loss is not carried between pipeline stages; set it to 0 "
+            "(model.router_bias_rate balances the experts without a loss) or parallel.pp=1"
+            if args.router_aux_loss and args.n_experts
+            else "",
         )
 
     def flops_per_token(self, args: GPTConfig, seq_len: int) -> float:

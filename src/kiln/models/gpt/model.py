@@ -2,6 +2,8 @@
 
 Pre-norm RMSNorm blocks, rotary position embeddings, grouped-query attention through
 ``F.scaled_dot_product_attention`` (so flash kernels run on GPU) and a SwiGLU MLP; no biases.
+With ``n_experts``, the blocks from ``moe_layer_start`` on have a mixture of experts in place of
+the MLP (``moe.py``).
 Given targets, the model returns the mean next-token loss instead of logits, computed in fp32 by
 a fused projection + cross-entropy that never holds the full [tokens, vocab] logits.
 """
@@ -16,6 +18,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from kiln.models.fused_loss import linear_cross_entropy
+from kiln.models.gpt.moe import MoE
 from kiln.models.init import Initial
 
 
@@ -32,10 +35,24 @@ class GPTConfig:
     rope_theta: float = 10000.0
     norm_eps: float = 1e-5
     init_std: float = 0.02
+    # Mixture of experts (moe.py); n_experts 0: every block dense.
+    n_experts: int = 0
+    experts_per_token: int = 0
+    n_shared_experts: int = 0
+    d_expert: int = 0
+    moe_layer_start: int = 0
+    router: str = "softmax"
+    router_bias_rate: float = 0.0
+    router_aux_loss: float = 0.0
+    expert_capacity: float = 0.0
 
     @property
     def head_dim(self) -> int:
         return self.d_model // self.n_head
+
+    def is_moe(self, layer: int) -> bool:
+        """Whether block ``layer`` has a mixture of experts in place of its MLP."""
+        return self.n_experts > 0 and layer >= self.moe_layer_start
 
 
 def rope_tables(head_dim: int, end: int, theta: float, device=None, start: int = 0):
@@ -127,27 +144,44 @@ def _attend_cached(cache, k, v, start_pos):
 class MLP(nn.Module):
     """SwiGLU: a SiLU-gated linear unit, w2(silu(w1 x) * w3 x)."""
 
-    def __init__(self, cfg: GPTConfig):
+    def __init__(self, d_model: int, d_ff: int):
         super().__init__()
-        self.w1 = nn.Linear(cfg.d_model, cfg.d_ff, bias=False)
-        self.w3 = nn.Linear(cfg.d_model, cfg.d_ff, bias=False)
-        self.w2 = nn.Linear(cfg.d_ff, cfg.d_model, bias=False)
+        self.w1 = nn.Linear(d_model, d_ff, bias=False)
+        self.w3 = nn.Linear(d_model, d_ff, bias=False)
+        self.w2 = nn.Linear(d_ff, d_model, bias=False)
 
-    def forward(self, x):
+    def forward(self, x, losses=None):
         return self.w2(F.silu(self.w1(x)) * self.w3(x))
 
 
+def moe(cfg: GPTConfig) -> MoE:
+    """The mixture of experts of a block of ``cfg``'s model."""
+    shared = MLP(cfg.d_model, cfg.n_shared_experts * cfg.d_expert) if cfg.n_shared_experts else None
+    return MoE(
+        cfg.d_model,
+        cfg.n_experts,
+        cfg.experts_per_token,
+        cfg.d_expert,
+        shared,
+        router=cfg.router,
+        capacity=cfg.expert_capacity,
+        aux_loss=cfg.router_aux_loss,
+        bias_rate=cfg.router_bias_rate,
+    )
+
+
 class Block(nn.Module):
-    def __init__(self, cfg: GPTConfig):
+    def __init__(self, cfg: GPTConfig, layer: int = 0):
         super().__init__()
         self.attn_norm = nn.RMSNorm(cfg.d_model, eps=cfg.norm_eps)
         self.attn = Attention(cfg)
         self.mlp_norm = nn.RMSNorm(cfg.d_model, eps=cfg.norm_eps)
-        self.mlp = MLP(cfg)
+        self.mlp = moe(cfg) if cfg.is_moe(layer) else MLP(cfg.d_model, cfg.d_ff)
 
-    def forward(self, x, rope_cos, rope_sin, cache=None, start_pos=0):
+    def forward(self, x, rope_cos, rope_sin, cache=None, start_pos=0, losses=None):
+        """``losses``: where a mixture of experts appends its balance loss, when it has one."""
         x = x + self.attn(self.attn_norm(x), rope_cos, rope_sin, cache, start_pos)
-        return x + self.mlp(self.mlp_norm(x))
+        return x + self.mlp(self.mlp_norm(x), losses)
 
 
 class GPT(nn.Module):
@@ -158,7 +192,7 @@ class GPT(nn.Module):
         super().__init__()
         self.config = config
         self.tok_emb = nn.Embedding(config.vocab_size, config.d_model)
-        self.blocks = nn.ModuleList(Block(config) for _ in range(config.n_layer))
+        self.blocks = nn.ModuleList(Block(config, i) for i in range(config.n_layer))
         self.norm = nn.RMSNorm(config.d_model, eps=config.norm_eps)
         self.lm_head = nn.Linear(config.d_model, config.vocab_size, bias=False)
         # Derived from the config, so kept out of the state_dict; init_weights fills them.
@@ -196,7 +230,9 @@ class GPT(nn.Module):
             return rope_tables(cfg.head_dim, cfg.max_seq_len, cfg.rope_theta)[name == "rope_sin"]
         if name.endswith("norm.weight"):
             return torch.ones(shape)
-        residual = name.endswith(("attn.wo.weight", "mlp.w2.weight"))
+        if name.endswith(("expert_bias", "expert_load", "dropped")):
+            return torch.zeros(shape)
+        residual = name.endswith(("attn.wo.weight", "mlp.w2.weight", "mlp.shared.w2.weight", "mlp.experts.w2"))
         std = cfg.init_std / math.sqrt(2 * cfg.n_layer) if residual else cfg.init_std
         return torch.empty(shape).normal_(0.0, std, generator=generator)
 
@@ -237,12 +273,14 @@ class GPT(nn.Module):
         else:
             raise ValueError(f"positions up to {end} exceed max_seq_len {self.config.max_seq_len}")
         x = idx if self.tok_emb is None else self.tok_emb(idx)
+        losses: list[torch.Tensor] = []  # the mixtures of experts' balance losses, when they have them
         for i, block in enumerate(self.blocks):
             cache = None if kv_cache is None else (kv_cache.k[i], kv_cache.v[i])
-            x = block(x, rope_cos, rope_sin, cache, start_pos)
+            x = block(x, rope_cos, rope_sin, cache, start_pos, losses)
         if self.norm is None:
             return x
         x = self.norm(x)
         if targets is None:
             return self.lm_head(x)
-        return linear_cross_entropy(x.flatten(0, 1), self.lm_head.weight, targets.flatten())
+        loss = linear_cross_entropy(x.flatten(0, 1), self.lm_head.weight, targets.flatten())
+        return loss + sum(losses) if losses else loss

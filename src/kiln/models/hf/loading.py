@@ -18,9 +18,9 @@ import torch
 from safetensors import safe_open
 from torch import nn
 
-from kiln.checkpoint.weights import weight_files
 from kiln.compat import quiet_library_imports
 from kiln.config import ConfigError
+from kiln.io import weight_files
 from kiln.models.init import Values, lora_kind, plain_name, tensor_seed
 
 WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json")
