@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import pytest
 
 from conftest import tiny_overrides
@@ -37,3 +39,5 @@ def test_balancing_keeps_every_expert_loaded_and_the_loss_falls(tmp_path, corpus
     assert free[-1]["moe/min_load"] < 0.2, free[-1]["moe/load"]
     assert balanced[-1]["moe/imbalance"] < free[-1]["moe/imbalance"]
     assert set(balanced[-1]["moe/load"]) == {"blocks.1.mlp", "blocks.2.mlp", "blocks.3.mlp"}
+    # Each token's normalized scores: between certainty (0) and no preference (ln 8).
+    assert 0 < balanced[-1]["moe/router_entropy"] < math.log(8)

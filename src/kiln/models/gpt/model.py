@@ -230,7 +230,7 @@ class GPT(nn.Module):
             return rope_tables(cfg.head_dim, cfg.max_seq_len, cfg.rope_theta)[name == "rope_sin"]
         if name.endswith("norm.weight"):
             return torch.ones(shape)
-        if name.endswith(("expert_bias", "expert_load", "dropped")):
+        if name.endswith(("expert_bias", "expert_load", "dropped", "entropy")):
             return torch.zeros(shape)
         residual = name.endswith(("attn.wo.weight", "mlp.w2.weight", "mlp.shared.w2.weight", "mlp.experts.w2"))
         std = cfg.init_std / math.sqrt(2 * cfg.n_layer) if residual else cfg.init_std

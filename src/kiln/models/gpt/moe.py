@@ -19,8 +19,8 @@ pairs' order and summed per token: no loop over tokens, nothing dropped. With
 expert's capacity, in token order, are dropped: their weight is zero.
 
 In training mode each layer counts the pairs routed to each expert (``expert_load``) and those
-dropped, on the device, for balancing and metrics; the training loop reads and resets them once
-a step. A
+dropped, and sums the entropy of each token's scores (normalized to sum to 1: ``entropy``), on
+the device, for balancing and metrics; the training loop reads and resets them once a step. A
 forward recomputed by activation checkpointing counts twice: every count doubles alike, and
 only the proportions are used.
 """
@@ -87,6 +87,7 @@ class MoE(nn.Module):
     expert_bias: torch.Tensor
     expert_load: torch.Tensor
     dropped: torch.Tensor
+    entropy: torch.Tensor
 
     def __init__(
         self,
@@ -115,6 +116,7 @@ class MoE(nn.Module):
         # Counts since the training loop last read them: not part of the model's state.
         self.register_buffer("expert_load", torch.zeros(n_experts), persistent=False)
         self.register_buffer("dropped", torch.zeros(()), persistent=False)
+        self.register_buffer("entropy", torch.zeros(()), persistent=False)
 
     def forward(self, x: torch.Tensor, losses: list[torch.Tensor] | None = None) -> torch.Tensor:
         """``x`` [B, T, d_model]; the balance loss (scaled) is appended to ``losses`` when given
@@ -134,6 +136,8 @@ class MoE(nn.Module):
         if self.training:  # evaluation and generation leave the counts to training
             with torch.no_grad():
                 self.expert_load += counts.float()
+                p = scores / scores.sum(-1, keepdim=True)
+                self.entropy -= (p * p.clamp_min(1e-20).log()).sum()
         order = pairs.argsort(stable=True)  # stable: within an expert, in token order
         ends = counts.cumsum(0)
         weights = weights.flatten()[order]
