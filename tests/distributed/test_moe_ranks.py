@@ -1,5 +1,6 @@
 """A mixture of experts laid out over gloo ranks trains as one process does: the experts'
-balancing bias moves by the load of every rank's tokens, the same everywhere."""
+balancing bias moves by the load of every rank's tokens, the same everywhere, and experts split
+over ranks (``parallel.ep``) exchange tokens without changing a result."""
 
 from __future__ import annotations
 
@@ -7,18 +8,27 @@ import pytest
 import torch
 
 from kilnrun import in_process
-from layouts import assert_same_training, layout_sets, train_on, weights
+from layouts import STEPS, assert_same_training, layout_sets, resumable_copy, train_on, weights
 
 pytestmark = pytest.mark.dist
 
 # A bias rate high enough to change which experts tokens pick within the run's six steps.
 MOE = dict(model__preset="tiny-moe", model__n_layer=2, model__router_bias_rate=0.05)
+EP = dict(parallel__strategy="fsdp", parallel__ep=2, **MOE)
 
 
 @pytest.fixture(scope="module")
 def moe_single(tmp_path_factory, corpus_dir):
     run_dir = tmp_path_factory.mktemp("moe") / "one"
     in_process("train", *layout_sets(run_dir, corpus_dir, micro=4, **MOE))
+    return run_dir
+
+
+@pytest.fixture(scope="module")
+def ep_run(tmp_path_factory, corpus_dir):
+    """Two ranks, each holding half of every layer's experts."""
+    run_dir = tmp_path_factory.mktemp("moe") / "ep2"
+    train_on(2, layout_sets(run_dir, corpus_dir, micro=2, **EP))
     return run_dir
 
 
@@ -29,3 +39,48 @@ def test_a_mixture_of_experts_on_two_fsdp_ranks_equals_one_process(tmp_path, cor
     assert_same_training(run_dir, moe_single)
     bias = weights(run_dir)["blocks.1.mlp.expert_bias"]
     assert bias.abs().max() > 0 and torch.equal(bias, weights(moe_single)["blocks.1.mlp.expert_bias"])
+
+
+@pytest.mark.slow
+def test_experts_split_over_two_ranks_train_as_one_process(ep_run, moe_single):
+    assert_same_training(ep_run, moe_single)
+
+
+@pytest.mark.slow
+def test_experts_split_over_two_ranks_and_sharded_over_two_more_train_as_one_process(tmp_path, corpus_dir, moe_single):
+    run_dir = tmp_path / "ep2x4"
+    train_on(4, layout_sets(run_dir, corpus_dir, micro=1, **EP))
+    assert_same_training(run_dir, moe_single)
+
+
+@pytest.mark.slow
+def test_an_expert_parallel_checkpoint_resumes_in_one_process_and_back(tmp_path, corpus_dir, ep_run, moe_single):
+    one = resumable_copy(ep_run, tmp_path / "to-one", 3)
+    proc = in_process("train", *layout_sets(one, corpus_dir, micro=4, **MOE))
+    assert "at step 3" in proc.stdout
+    assert_same_training(one, moe_single, steps=range(4, STEPS + 1))
+    split = resumable_copy(moe_single, tmp_path / "to-ep", 3)
+    proc = train_on(2, layout_sets(split, corpus_dir, micro=2, **EP))
+    assert "at step 3" in proc.stdout
+    assert_same_training(split, moe_single, steps=range(4, STEPS + 1))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    ("sets", "message"),
+    [
+        (dict(parallel__ep=2, **MOE), "parallel.ep: experts split over ranks need parallel.strategy fsdp"),
+        (dict(parallel__ep=2, parallel__strategy="fsdp"), "parallel.ep: the model has no experts to split"),
+        (dict(parallel__ep=3, parallel__strategy="fsdp", **MOE), "parallel.ep: 3 must divide the data-parallel"),
+    ],
+)
+def test_expert_parallel_layouts_it_cannot_take_are_named(tmp_path, corpus_dir, sets, message):
+    proc = train_on(2, layout_sets(tmp_path / "run", corpus_dir, micro=2, **sets), check=False)
+    assert proc.returncode != 0 and message in proc.stderr, proc.stderr[-2000:]
+
+
+def test_one_process_cannot_split_experts(tmp_path, corpus_dir):
+    proc = in_process("train", *layout_sets(tmp_path / "run", corpus_dir, micro=4, parallel__ep=2, **MOE), check=False)
+    assert proc.returncode == 2
+    assert "parallel.ep: 2 must divide the data-parallel ranks, 1" in proc.stderr
+    assert not (tmp_path / "run" / "checkpoints").exists()

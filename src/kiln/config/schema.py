@@ -425,6 +425,11 @@ class ParallelConfig:
     """Pipeline-parallel degree: the model's layers are split into this many consecutive stages,
     one group of ranks each (the embedding goes with the first, the final norm, output layer and
     loss with the last). The world is pp x dp x tp ranks."""
+    ep: int = 1
+    """Expert-parallel degree, for a mixture of experts: each MoE layer's experts are split over
+    this many data-parallel ranks, which exchange their tokens with an all-to-all (it must divide
+    the data-parallel ranks and model.n_experts; needs fsdp or fsdp_grad_op). The other
+    data-parallel ranks, dp / ep, shard each rank's experts with FSDP."""
     pp_schedule: Literal["gpipe", "1f1b", "interleaved_1f1b"] = "1f1b"
     """How the pipeline orders its micro-batches: gpipe (all forwards, then all backwards: the
     most activation memory), 1f1b (one forward, one backward: at most pp micro-batches in flight)
@@ -452,6 +457,7 @@ class ParallelConfig:
             (self.tp >= 1, f"parallel.tp: must be >= 1, got {self.tp}"),
             (self.bucket_mb >= 1, f"parallel.bucket_mb: must be >= 1, got {self.bucket_mb}"),
             (self.pp >= 1, f"parallel.pp: must be >= 1, got {self.pp}"),
+            (self.ep >= 1, f"parallel.ep: must be >= 1, got {self.ep}"),
             (
                 self.pp_microbatches >= 0,
                 f"parallel.pp_microbatches: must be >= 0 (0: one per stage), got {self.pp_microbatches}",

@@ -21,6 +21,7 @@ from torch import nn
 
 from kiln.checkpoint.store import StoredWeights
 from kiln.config import ParallelConfig
+from kiln.distributed.experts import apply_ep, experts_of
 from kiln.distributed.world import World
 from kiln.models.family import ParallelPlan
 from kiln.models.init import Values
@@ -199,6 +200,9 @@ def shard(
     ``module``)."""
     if world.tp > 1:
         apply_tp(module, plan, world.mesh["tp"])
+    experts = experts_of(plan.experts, plan.repeated_blocks(module)) if world.ep > 1 else []
+    if experts:
+        apply_ep(experts, world.expert_mesh["ep"])
     if pcfg.strategy == "ddp" or (world.dp == 1 and not pcfg.cpu_offload):
         return
     mesh = world.mesh if world.distributed else world.mesh_of_one()
@@ -210,6 +214,8 @@ def shard(
             reshard_after_forward=pcfg.strategy == "fsdp",
             bf16=bf16,
             cpu_offload=pcfg.cpu_offload,
+            experts=experts,
+            experts_mesh=world.expert_mesh["dp_rep"] if experts else None,
         )
 
 
@@ -225,10 +231,22 @@ def apply_tp(model: nn.Module, plan: ParallelPlan, tp_mesh) -> None:
 
 
 def apply_fsdp(
-    model: nn.Module, plan: ParallelPlan, dp_mesh, *, reshard_after_forward: bool, bf16: bool, cpu_offload: bool
+    model: nn.Module,
+    plan: ParallelPlan,
+    dp_mesh,
+    *,
+    reshard_after_forward: bool,
+    bf16: bool,
+    cpu_offload: bool,
+    experts: list[nn.Module] | None = None,
+    experts_mesh=None,
 ) -> None:
     """FSDP2 per repeated layer, then the root (embedding, final norm, output layer) as one more
     unit. A model whose plan names no repeated layers is sharded as one unit.
+
+    ``experts``: modules split over the expert-parallel ranks (``kiln.distributed.experts``),
+    sharded separately, over ``experts_mesh`` (the data-parallel ranks that hold the same
+    experts), each a unit of its own; where those are one rank, the other units leave them alone.
 
     Where ranks gather on the host (a gloo mesh), each module of a layer that holds a large
     weight itself (a sixteenth of the layer's parameters or more: its linear layers) is a unit of
@@ -247,13 +265,22 @@ def apply_fsdp(
         else MixedPrecisionPolicy(),
         "offload_policy": CPUOffloadPolicy() if cpu_offload else OffloadPolicy(),
     }
+    experts = experts or []
+    ignored: set[nn.Parameter] | None = None
+    for module in experts:
+        if experts_mesh.size() > 1:
+            fully_shard(module, reshard_after_forward=reshard_after_forward, **{**kwargs, "mesh": experts_mesh})
+        else:
+            ignored = (ignored or set()) | set(module.parameters())
     blocks = plan.repeated_blocks(model)
     for i, block in enumerate(blocks):
         for part in host_units(block) if dp_mesh.device_type == "cpu" else []:
-            fully_shard(part, reshard_after_forward=reshard_after_forward, **kwargs)
+            if all(part is not module for module in experts):
+                fully_shard(part, reshard_after_forward=reshard_after_forward, ignored_params=ignored, **kwargs)
         # The last block's parameters are needed again at once by backward: keep them gathered.
-        fully_shard(block, reshard_after_forward=reshard_after_forward and i < len(blocks) - 1, **kwargs)
-    fully_shard(model, reshard_after_forward=reshard_after_forward, **kwargs)
+        reshard = reshard_after_forward and i < len(blocks) - 1
+        fully_shard(block, reshard_after_forward=reshard, ignored_params=ignored, **kwargs)
+    fully_shard(model, reshard_after_forward=reshard_after_forward, ignored_params=ignored, **kwargs)
 
 
 def host_units(block: nn.Module) -> list[nn.Module]:

@@ -66,9 +66,30 @@ def check_layout(plan: ParallelPlan, world: World, pcfg: ParallelConfig, what: s
             "parallel.strategy: ddp cannot be combined with parallel.tp > 1; "
             "use fsdp or fsdp_grad_op for 2-D (data x tensor) parallelism"
         )
+    if pcfg.ep > 1:
+        errors += _expert_layout_errors(plan, world, pcfg)
     if pcfg.cpu_offload and pcfg.strategy == "ddp":
         errors.append("parallel.cpu_offload: needs parallel.strategy fsdp or fsdp_grad_op")
     elif pcfg.cpu_offload and world.device.type != "cuda":
         errors.append("parallel.cpu_offload: offloads from a GPU; this run is on the CPU already")
     if errors:
         raise ConfigError(errors)
+
+
+def _expert_layout_errors(plan: ParallelPlan, world: World, pcfg: ParallelConfig) -> list[str]:
+    """Why ``parallel.ep`` cannot split this model's experts over this world, if it cannot."""
+    if not plan.experts:
+        return ["parallel.ep: the model has no experts to split (a mixture of experts has model.n_experts > 0)"]
+    errors = []
+    if world.dp % pcfg.ep:
+        errors.append(
+            f"parallel.ep: {pcfg.ep} must divide the data-parallel ranks, {world.dp} "
+            f"(the world's {world.size} over parallel.pp x parallel.tp = {world.pp} x {world.tp})"
+        )
+    if plan.n_experts % pcfg.ep:
+        errors.append(f"parallel.ep: {pcfg.ep} must divide model.n_experts={plan.n_experts}")
+    if pcfg.strategy == "ddp":
+        errors.append("parallel.ep: experts split over ranks need parallel.strategy fsdp or fsdp_grad_op")
+    if world.pp > 1:
+        errors.append("parallel.ep: expert parallelism does not run in a pipeline yet; set parallel.pp=1")
+    return errors

@@ -35,6 +35,10 @@ class World:
     pp: int = 1
     device: torch.device = torch.device("cpu")
     mesh: Any = None  # DeviceMesh with dims ("pp", "dp", "tp") when size > 1
+    ep: int = 1
+    # With ep > 1, the same ranks with the data-parallel dimension cut in two ("pp", "dp_rep",
+    # "ep", "tp"): experts are split over "ep" and sharded by FSDP over "dp_rep".
+    expert_mesh: Any = None
     control_group: Any = None  # a gloo group for host-side agreement
     watchdog: Watchdog = field(default_factory=Watchdog)  # the loop's beats go here
 
@@ -150,6 +154,7 @@ class World:
 
 
 MESH_DIMS = ("pp", "dp", "tp")
+EXPERT_MESH_DIMS = ("pp", "dp_rep", "ep", "tp")
 _WORLD: World | None = None
 _OWN_GROUP = False  # this module started the process group, so it ends it
 
@@ -211,8 +216,14 @@ def init_world(
         _OWN_GROUP = True
         atexit.register(close_world)
     mesh = init_device_mesh(dev.type, shape, mesh_dim_names=MESH_DIMS)
+    expert_mesh = None
+    if parallel.ep > 1 and shape[1] % parallel.ep == 0:  # else parallelize refuses the layout, naming it
+        # The data-parallel rank d is (d // ep, d % ep) here: the rows of both meshes are the same ranks.
+        expert_shape = (pp, shape[1] // parallel.ep, parallel.ep, tp)
+        expert_mesh = init_device_mesh(dev.type, expert_shape, mesh_dim_names=EXPERT_MESH_DIMS)
     control = dist.new_group(backend="gloo") if dev.type == "cuda" else None
-    watchdog.watch_groups([None, *mesh.get_all_groups(), control])  # None: the default group
+    groups = [*mesh.get_all_groups(), *(expert_mesh.get_all_groups() if expert_mesh is not None else [])]
+    watchdog.watch_groups([None, *groups, control])  # None: the default group
     _WORLD = World(
         rank=rank,
         local_rank=local_rank,
@@ -221,6 +232,8 @@ def init_world(
         pp=pp,
         device=dev,
         mesh=mesh,
+        ep=parallel.ep if expert_mesh is not None else 1,
+        expert_mesh=expert_mesh,
         control_group=control,
         watchdog=watchdog,
     )

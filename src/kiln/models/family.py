@@ -54,6 +54,9 @@ class ParallelPlan:
     None: without the first it takes hidden states instead of tokens, without the last it
     returns hidden states (given targets, the last stage returns the loss). ``unpipelined``: why
     this model, though its family pipelines others, cannot be cut into stages (empty: it can).
+    ``experts``: where a block holds a mixture of experts' experts (``mlp.experts``; see
+    ``kiln.distributed.experts`` for what such a module provides), which expert parallelism
+    splits; ``n_experts``: how many each holds (the expert-parallel degree must divide it).
     """
 
     blocks: str | None = "blocks"
@@ -64,6 +67,8 @@ class ParallelPlan:
     pipeline_first: tuple[str, ...] = ()
     pipeline_last: tuple[str, ...] = ()
     unpipelined: str = ""
+    experts: str = ""
+    n_experts: int = 0
 
     def __post_init__(self):
         bad = {name: style for name, style in self.tensor_parallel.items() if style not in TP_STYLES}

@@ -97,6 +97,8 @@ class GPTFamily(ModelFamily):
             "(model.router_bias_rate balances the experts without a loss) or parallel.pp=1"
             if args.router_aux_loss and args.n_experts
             else "",
+            experts="mlp.experts" if args.n_experts else "",
+            n_experts=args.n_experts,
         )
 
     def flops_per_token(self, args: GPTConfig, seq_len: int) -> float:

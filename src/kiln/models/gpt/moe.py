@@ -77,10 +77,15 @@ class Experts(nn.Module):
 
     def forward(self, x: torch.Tensor, ends: torch.Tensor) -> torch.Tensor:
         """``x`` [N, d_model], rows grouped by expert as ``ends`` says."""
-        hidden = F.silu(grouped_mm(x, self.w1, ends, native=self.native)) * grouped_mm(
-            x, self.w3, ends, native=self.native
-        )
-        return grouped_mm(hidden, self.w2, ends, native=self.native)
+        return self.compute(x, ends, self.w1, self.w3, self.w2)
+
+    def compute(
+        self, x: torch.Tensor, ends: torch.Tensor, w1: torch.Tensor, w3: torch.Tensor, w2: torch.Tensor
+    ) -> torch.Tensor:
+        """``forward`` with the given weights (in the order the parameters are registered): under
+        expert parallelism, a rank's own experts' (``kiln.distributed.experts``)."""
+        hidden = F.silu(grouped_mm(x, w1, ends, native=self.native)) * grouped_mm(x, w3, ends, native=self.native)
+        return grouped_mm(hidden, w2, ends, native=self.native)
 
 
 class MoE(nn.Module):
