@@ -9,17 +9,16 @@ import torch.multiprocessing as mp
 from safetensors.torch import save_file
 
 from kiln.checkpoint.store import StoredWeights
-from kiln.distributed.parallel import localize
+from kiln.distributed.parallel import load_whole
 
 pytestmark = pytest.mark.dist
 
 
-def _whole(tmp_path):
+def _whole(tmp_path, aliases=None):
     torch.manual_seed(0)
     weights = {"0.weight": torch.randn(16, 8), "0.bias": torch.randn(16), "1.weight": torch.randn(8, 16)}
     file = tmp_path / "model.safetensors"
-    # "2.weight" is a second name of "1.weight", as a tied weight is saved.
-    save_file(weights, str(file), metadata={"aliases": json.dumps({"2.weight": "1.weight"})})
+    save_file(weights, str(file), metadata={"aliases": json.dumps(aliases or {})})
     optim = {
         "state": {name: {"step": torch.tensor(3.0), "exp_avg": torch.randn(t.shape)} for name, t in weights.items()},
         "param_groups": [{"lr": 0.1, "params": list(weights)}],
@@ -28,7 +27,7 @@ def _whole(tmp_path):
     return file, weights, optim
 
 
-def _localize(rank: int, world: int, root: str) -> None:
+def _load(rank: int, world: int, root: str) -> None:
     from pathlib import Path
 
     from torch.distributed.device_mesh import init_device_mesh
@@ -41,18 +40,17 @@ def _localize(rank: int, world: int, root: str) -> None:
         model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Linear(16, 8, bias=False))
         fully_shard(model, mesh=init_device_mesh("cpu", (world,)))
         stored = StoredWeights(root_path / "model.safetensors")
-        weights, optim = localize(model, stored, torch.load(root_path / "optim.pt"))
-        whole = {name: stored[name] for name in stored}
-        assert set(weights) == {"0.weight", "0.bias", "1.weight", "2.weight"}  # "2.weight": the model lacks it
+        optim = load_whole(model, stored, torch.load(root_path / "optim.pt"))
         for name, param in model.state_dict().items():
-            local = weights[name]
-            assert isinstance(local, DTensor) and local.placements == param.placements
-            rows = whole[name].shape[0] // world
-            assert torch.equal(local.to_local(), whole[name][rank * rows : (rank + 1) * rows])
-            # Its own storage: a view would keep the whole tensor it was cut from.
-            assert local.to_local().untyped_storage().nbytes() == local.to_local().nbytes
+            whole = stored[name]
+            rows = whole.shape[0] // world
+            assert isinstance(param, DTensor)
+            assert torch.equal(param.to_local(), whole[rank * rows : (rank + 1) * rows]), name
             exp_avg = optim["state"][name]["exp_avg"]
-            assert isinstance(exp_avg, DTensor) and exp_avg.to_local().shape[0] == rows
+            assert isinstance(exp_avg, DTensor) and exp_avg.placements == param.placements
+            assert exp_avg.to_local().shape[0] == rows
+            # Its own storage: a view would keep the whole tensor it was cut from.
+            assert exp_avg.to_local().untyped_storage().nbytes() == exp_avg.to_local().nbytes
             assert not isinstance(optim["state"][name]["step"], DTensor)
         assert optim["param_groups"][0]["lr"] == 0.1
     finally:
@@ -60,7 +58,8 @@ def _localize(rank: int, world: int, root: str) -> None:
 
 
 def test_stored_weights_are_read_on_access_under_every_name(tmp_path):
-    file, weights, _ = _whole(tmp_path)
+    # "2.weight" is a second name of "1.weight", as a tied weight is saved.
+    file, weights, _ = _whole(tmp_path, {"2.weight": "1.weight"})
     stored = StoredWeights(file)
     assert sorted(stored) == ["0.bias", "0.weight", "1.weight", "2.weight"]
     assert stored.key("2.weight") == "1.weight" and torch.equal(stored["2.weight"], weights["1.weight"])
@@ -70,7 +69,15 @@ def test_stored_weights_are_read_on_access_under_every_name(tmp_path):
         stored["3.weight"]
 
 
+def test_a_checkpoint_that_does_not_fit_is_named(tmp_path):
+    file, _, optim = _whole(tmp_path)
+    with pytest.raises(ValueError, match="the model has '1.bias', which the checkpoint lacks"):
+        load_whole(torch.nn.Sequential(*[torch.nn.Linear(8, 8) for _ in range(3)]), StoredWeights(file), optim)
+    with pytest.raises(ValueError, match="the checkpoint has '1.weight', which the model does not"):
+        load_whole(torch.nn.Sequential(torch.nn.Linear(8, 16)), StoredWeights(file), optim)
+
+
 @pytest.mark.slow
 def test_each_fsdp_rank_keeps_its_own_slice_of_a_whole_checkpoint(tmp_path):
     _whole(tmp_path)
-    mp.spawn(_localize, args=(2, str(tmp_path)), nprocs=2, join=True)
+    mp.spawn(_load, args=(2, str(tmp_path)), nprocs=2, join=True)

@@ -108,11 +108,11 @@ class ParallelModel:
         """Clip this rank's gradients to the global L2 norm ``max_norm``; the norm before clipping."""
         return clip_grad_norm_(self.parameters(), max_norm)
 
-    def local_state(self, model_state: StoredWeights, optim_state: dict[str, Any]) -> tuple[dict, dict]:
-        """A whole model's weights (read on access) and optimizer state (keyed by parameter name),
-        from a checkpoint saved unsharded, as this rank holds them: a sharded tensor's slice, one
-        tensor read at a time, so that no rank holds the whole model."""
-        return localize(self.module, model_state, optim_state)
+    def load_whole(self, weights: StoredWeights, optim_state: dict[str, Any]) -> dict[str, Any]:
+        """Load a whole model's checkpoint (saved unsharded; ``weights`` read on access) into this
+        rank's share, one tensor at a time and only the slices it holds, so that no rank holds
+        the whole model; the optimizer state as this rank holds it, for the optimizer to load."""
+        return load_whole(self.module, weights, optim_state)
 
 
 @contextlib.contextmanager
@@ -139,24 +139,36 @@ def materialize(module: nn.Module, initial: Values, device: torch.device) -> Non
     initial.materialize(module, device, _place)
 
 
-def localize(
-    module: nn.Module,
-    model_state: Mapping[str, torch.Tensor],
-    optim_state: dict[str, Any],
-    names: set[str] | None = None,
-) -> tuple[dict, dict]:
-    """``model_state`` (only ``names``, when given) and ``optim_state``, whole tensors, as
-    ``module`` holds them: where it holds a parameter or buffer sharded (a DTensor), its slice of
-    each tensor of that name, the whole value freed before the next is read; elsewhere the whole
-    value. Names ``module`` lacks are kept, for loading to refuse."""
+@torch.no_grad()
+def load_whole(
+    module: nn.Module, weights: Mapping[str, torch.Tensor], optim_state: dict[str, Any], *, part: bool = False
+) -> dict[str, Any]:
+    """Load a whole model's ``weights`` (read on access) into ``module`` as it holds them, and
+    return ``optim_state`` (keyed by parameter name) as it holds it. Module by module, each
+    tensor is read whole and only this rank's slice of a sharded one (a DTensor) is kept, copied
+    through the module's own ``load_state_dict`` (so that its hooks run: a QLoRA base quantizes
+    its slice); the whole value is freed before the next is read. ValueError names a tensor the
+    module holds and ``weights`` lacks, or, unless ``part`` (``module`` is one pipeline stage of
+    the model), one ``weights`` has and the module does not."""
     held = module.state_dict(keep_vars=True)
-    kept = [name for name in model_state if names is None or name in names]
-    weights = {name: _slice(model_state[name], held.get(name)) for name in kept}
+    missing = sorted(held.keys() - set(weights))
+    unexpected = [] if part else sorted(set(weights) - held.keys())
+    if missing:
+        raise ValueError(f"the model has {missing[0]!r}, which the checkpoint lacks")
+    if unexpected:
+        raise ValueError(f"the checkpoint has {unexpected[0]!r}, which the model does not")
+    for prefix, owner in module.named_modules():
+        own = [name for name, _ in owner.named_parameters(recurse=False)]
+        own += [name for name, _ in owner.named_buffers(recurse=False)]
+        keys = {name: f"{prefix}.{name}" if prefix else name for name in own}
+        local = {name: _slice(weights[key], held[key]) for name, key in keys.items() if key in held}
+        if local:
+            owner.load_state_dict(local, strict=False)
     state = {
         name: {key: _slice(value, held.get(name)) for key, value in per_param.items()}
         for name, per_param in optim_state["state"].items()
     }
-    return weights, {**optim_state, "state": state}
+    return {**optim_state, "state": state}
 
 
 def _slice(value: Any, like: torch.Tensor | None) -> Any:

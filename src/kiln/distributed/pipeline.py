@@ -26,7 +26,7 @@ from torch import nn
 from kiln.checkpoint.store import StoredWeights
 from kiln.config import ConfigError, ParallelConfig
 from kiln.data.batch import IGNORE_INDEX
-from kiln.distributed.parallel import ParallelModel, StepCompute, clip_grad_norm_, localize, materialize, shard
+from kiln.distributed.parallel import ParallelModel, StepCompute, clip_grad_norm_, load_whole, materialize, shard
 from kiln.distributed.world import World
 from kiln.models.family import ParallelPlan
 from kiln.models.init import Values
@@ -198,10 +198,10 @@ class PipelineModel(ParallelModel):
         """The norm sums over the stages; a tied weight's second copy is clipped but not counted."""
         return clip_grad_norm_(self.parameters(), max_norm, group=self.group, uncounted=self.uncounted)
 
-    def local_state(self, model_state: StoredWeights, optim_state: dict[str, Any]) -> tuple[dict, dict]:
+    def load_whole(self, weights: StoredWeights, optim_state: dict[str, Any]) -> dict[str, Any]:
         """The layers of this rank's stages, from a whole model's checkpoint (sliced where they are sharded)."""
         names = set(self.module.state_dict())
-        return localize(self.module, model_state, _restrict(model_state, optim_state, names), names)
+        return load_whole(self.module, weights, _restrict(weights, optim_state, names), part=True)
 
     def _tie(self, tied: dict[str, str], first: bool, last: bool) -> None:
         """A weight the first and last stage share (tied embeddings) is a copy on each of their

@@ -64,7 +64,7 @@ class Checkpointer:
     ):
         self.cfg, self.world, self.optimizer = cfg, world, optimizer
         self.model: nn.Module = model.module
-        self.local_state = model.local_state
+        self.load_whole = model.load_whole
         self.parts, self.batches, self._say = parts, batches, say
         self.faults = faults
         self.dir = Path(cfg.run.dir) / "checkpoints"
@@ -229,26 +229,25 @@ class Checkpointer:
 
     def load(self, path: Path) -> int:
         """Restore model, optimizer, every part and the RNG from ``path``; its step."""
-        from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+        from torch.distributed.checkpoint.state_dict import get_state_dict, set_optimizer_state_dict, set_state_dict
 
         self.wait()
         stored, train_state = open_checkpoint(path)
-        if stored is None:  # sharded: DCP fills this process's own layout, resharding as needed
-            model_state, optim_state = get_state_dict(self.model, self.optimizer, options=_options(True))
-            state: dict[str, Any] = {"model": model_state, "optimizer": optim_state}
-            load_sharded(path, state)
-            model_state, optim_state = state["model"], state["optimizer"]
-        else:
-            # A whole model's checkpoint, of which this rank reads and keeps what it holds.
-            model_state, optim_state = self.local_state(stored, train_state["optimizer"])
         try:
-            set_state_dict(
-                self.model,
-                self.optimizer,
-                model_state_dict=model_state,
-                optim_state_dict=optim_state,
-                options=_options(stored is None),
-            )
+            if stored is None:  # sharded: DCP fills this process's own layout, resharding as needed
+                model_state, optim_state = get_state_dict(self.model, self.optimizer, options=_options(True))
+                state: dict[str, Any] = {"model": model_state, "optimizer": optim_state}
+                load_sharded(path, state)
+                set_state_dict(
+                    self.model,
+                    self.optimizer,
+                    model_state_dict=state["model"],
+                    optim_state_dict=state["optimizer"],
+                    options=_options(True),
+                )
+            else:  # a whole model's checkpoint, of which this rank reads and keeps what it holds
+                optim_state = self.load_whole(stored, train_state["optimizer"])
+                set_optimizer_state_dict(self.model, self.optimizer, optim_state, options=_options(False))
         except (RuntimeError, KeyError, ValueError) as e:
             raise CheckpointError(
                 f"{path}: the checkpoint does not fit this model (was [model] changed?); use a new run.dir "
