@@ -57,6 +57,23 @@ def test_histograms_readable_by_tensorboard(tmp_path):
     assert hists["grads/1.weight"][0].histogram_value.num == 15
 
 
+def test_expert_load_becomes_one_scalar_per_layer_and_expert(tmp_path):
+    load = {"blocks.1.mlp": [0.5, 0.25, 0.25, 0.0], "blocks.2.mlp": [0.1, math.nan, 0.6, 0.3]}
+    with MetricsLogger(tmp_path, total_steps=10, console=False) as logger:
+        logger.log(5, {"loss": 3.0, "moe/imbalance": 2.0, "moe/load": load})
+        logger.log(10, {"loss": 2.5, "moe/load": {"blocks.1.mlp": [0.25] * 4}})
+    acc = ea.EventAccumulator(str(tmp_path / "tensorboard"), size_guidance={ea.SCALARS: 0})
+    acc.Reload()
+    scalars = {tag: [(e.step, e.value) for e in acc.Scalars(tag)] for tag in acc.Tags()["scalars"]}
+
+    per_expert = {f"moe/load/blocks.{layer}.mlp/{i}" for layer in (1, 2) for i in range(4)}
+    assert set(scalars) == {"loss", "moe/imbalance"} | per_expert - {"moe/load/blocks.2.mlp/1"}  # NaN left out
+    assert scalars["moe/load/blocks.1.mlp/0"] == [(5, 0.5), (10, 0.25)]
+    assert scalars["moe/load/blocks.2.mlp/2"] == [(5, pytest.approx(0.6))]
+    first = json.loads((tmp_path / "metrics.jsonl").read_text().splitlines()[0])
+    assert first["moe/load"]["blocks.1.mlp"] == load["blocks.1.mlp"]  # metrics.jsonl keeps the dict
+
+
 def test_null_logger_histograms_is_a_no_op():
     with NullLogger() as logger:
         logger.histograms(1, _model_with_grads())

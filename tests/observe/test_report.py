@@ -7,6 +7,7 @@ import json
 import math
 from pathlib import Path
 
+import numpy as np
 import pytest
 from PIL import Image
 
@@ -153,13 +154,58 @@ def test_non_finite_values_events_and_a_torn_last_line(tmp_path, capsys):
     assert summary["tokens_per_s_mean"] == pytest.approx((200 + 300 + 400 + 500) / 4)
     assert summary["events"] == {"out_of_memory": 2}
     assert summary["parameters"] is None and summary["peak_memory_gib"] == {}
+    assert summary["experts_figure"] is None and not (run / "report_experts.png").exists()  # a dense model
     text = (run / "report.txt").read_text()
-    assert "(2 non-finite)" in text and "events       out_of_memory x2" in text
+    assert "(2 non-finite)" in text and "events       out_of_memory x2" in text and "experts" not in text
 
     report_command(str(run), None, as_json=True)
     # Strict JSON: NaN is not a JSON value, so the last loss is null.
     summary = json.loads(capsys.readouterr().out, parse_constant=lambda c: pytest.fail(f"{c} in JSON"))
     assert summary["loss_last"] is None and summary["loss_min"] == 3.0
+
+
+def _expert_step(step: int, layers: int, experts: int, **extra) -> dict:
+    """A training record of an MoE: expert 0 of each layer twice as busy as the rest."""
+    shares = [2 / (experts + 1)] + [1 / (experts + 1)] * (experts - 1)
+    load = {f"blocks.{layer}.mlp": shares for layer in range(1, layers + 1)}
+    return _step(step, 5.0 - step / 10, **{"moe/load": load, **extra})
+
+
+def test_expert_load_heat_map_and_numbers(tmp_path, capsys):
+    run = tmp_path / "run"
+    records = [
+        _expert_step(s, 3, 8, **{"moe/imbalance": 3.0 - s / 10, "moe/min_load": 0.5, "moe/router_entropy": 2.0})
+        for s in range(2, 22, 2)
+    ]
+    del records[4]["moe/load"]["blocks.2.mlp"]  # a layer missing from a record is left blank
+    records[2]["moe/dropped"] = 0.03  # logged only where an interval dropped tokens
+    records.append({"step": 20, "val_loss": 3.5, "val_bpb": 1.5})
+    _write_metrics(run, records)
+
+    summary = write_report(run)
+
+    heat_map = run / "report_experts.png"
+    assert summary["experts_figure"] == str(heat_map)
+    assert heat_map.read_bytes()[:8] == PNG_SIGNATURE
+    with Image.open(heat_map) as image:
+        assert image.size == (1600, 450)  # one row of three layers
+        pixels = np.asarray(image.convert("RGB")).astype(int)
+    r, g, b = pixels[..., 0], pixels[..., 1], pixels[..., 2]
+    # Expert 0, twice as busy as the mean, in red: an eighth of the panels.
+    assert 0.05 < ((r > 150) & (g < 100) & (b < 100)).mean() < 0.09
+    # The interval that lacks a layer is grey (211, 211, 211), not an even load's white.
+    assert ((r == 211) & (g == 211) & (b == 211)).sum() > 5_000
+    assert summary["moe_layers"] == 3 and summary["moe_experts"] == 8
+    assert summary["moe_imbalance_last"] == pytest.approx(1.0) and summary["moe_imbalance_max"] == pytest.approx(2.8)
+    assert summary["moe_router_entropy_last"] == 2.0 and summary["moe_dropped_max"] == 0.03
+    text = (run / "report.txt").read_text()
+    assert "experts      3 layers x 8: imbalance last 1  max 2.8  min load last 0.5\n" in text
+    assert "router       entropy last 2 nats (at most ln 8 = 2.079)  dropped max 3.00%\n" in text
+
+    # Named after the figure, in its format; the command lists it with the others.
+    report_command(str(run), str(tmp_path / "curves.svg"), as_json=False)
+    assert f"wrote {tmp_path / 'curves.svg'}, {tmp_path / 'curves_experts.svg'} and" in capsys.readouterr().out
+    assert (tmp_path / "curves_experts.svg").read_text().lstrip().startswith("<?xml")
 
 
 @pytest.mark.parametrize(

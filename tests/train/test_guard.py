@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from kiln.config import GuardConfig
-from kiln.train.guard import Guard, TrainingDiverged
+from kiln.train.guard import Guard, TrainingDiverged, first_non_finite_module
 from kiln.train.precision import Precision
 
 from conftest import tiny_overrides, token_sequences, train_tiny_gpt
@@ -49,6 +49,27 @@ def test_nan_step_is_skipped_located_and_the_run_goes_on(tmp_path):
     assert logged[1]["nonfinite_steps"] == 1
     # The update of step 4 was not applied: AdamW counted 7 steps of 8.
     assert trainer.optimizer.state[trainer.params[0]]["step"].item() == 7
+
+
+def test_a_non_finite_expert_is_named_with_its_layer():
+    from kiln.config import ModelConfig
+    from kiln.models.gpt import GPT, build_gpt_config
+
+    torch.manual_seed(0)
+    cfg = build_gpt_config(ModelConfig(preset="tiny-moe", d_model=32, n_head=4, d_expert=16, d_ff=48), 97, 32)
+    model = GPT(cfg)
+    tokens = torch.randint(0, 97, (4, 32))
+    assert first_non_finite_module(model, lambda: model(tokens)) is None
+    experts = model.blocks[2].mlp.experts
+    with torch.no_grad():
+        experts.w1[5, 0, 0] = math.nan  # one weight of expert 5: every row it computes
+    assert first_non_finite_module(model, lambda: model(tokens)) == "blocks.2.mlp.experts (expert 5)"
+    with torch.no_grad():
+        experts.w2[3] = math.inf
+    assert first_non_finite_module(model, lambda: model(tokens)) == "blocks.2.mlp.experts (2 experts: 3, 5)"
+    with torch.no_grad():
+        experts.w3.fill_(math.inf)
+    assert first_non_finite_module(model, lambda: model(tokens)) == "blocks.2.mlp.experts (all 8 experts)"
 
 
 def test_repeated_nan_rolls_back_with_a_lower_learning_rate(tmp_path):

@@ -13,6 +13,7 @@ import math
 import sys
 import time
 import uuid
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -93,6 +94,19 @@ def _histogram_values(tensor: torch.Tensor) -> torch.Tensor:
     values = tensor.detach().cpu().to(torch.float32).flatten()
     # Histogram bins come from the value range, which a NaN or inf makes meaningless.
     return values[torch.isfinite(values)]
+
+
+def _tensorboard_scalars(values: dict[str, Any]) -> Iterator[tuple[str, Any]]:
+    """A record's (tag, value) pairs for TensorBoard's scalars. A dict of lists of numbers
+    (``moe/load``: {layer: each expert's share}) has no TensorBoard view of its own: each number
+    becomes a scalar, ``KEY/NAME/INDEX``, to follow over the steps like any other."""
+    for key, value in values.items():
+        if isinstance(value, dict):
+            for name, row in value.items():
+                if isinstance(row, list):
+                    yield from ((f"{key}/{name}/{i}", v) for i, v in enumerate(row))
+        else:
+            yield key, value
 
 
 class MetricsLogger:
@@ -176,7 +190,7 @@ class MetricsLogger:
         record = {"step": step, **values}
         self._file.write(json.dumps(record) + "\n")
         if self._tb is not None:
-            for key, value in values.items():
+            for key, value in _tensorboard_scalars(values):
                 if isinstance(value, (int, float)) and math.isfinite(value):
                     self._tb.add_scalar(key, value, step)
         if self._wandb is not None:

@@ -1,4 +1,5 @@
-"""``kiln report``: a run's curves in one PNG and its numbers in a short text summary.
+"""``kiln report``: a run's curves in one PNG and its numbers in a short text summary; for a
+mixture of experts, a second PNG: the heat map of its experts' load.
 
 Everything comes from the run directory (``metrics.jsonl``, and ``env.json`` when present), so a
 finished, running or interrupted run can be reported from any machine that has its directory.
@@ -23,6 +24,7 @@ REPORT_PNG = "report.png"
 FIGURE_FORMATS = ("png", "svg", "pdf")
 MEMORY_PREFIX = "memory/"
 EVENT_COLORS = ["tab:red", "tab:gray", "tab:olive", "tab:pink"]
+MOE_LOAD = "moe/load"
 
 
 # -- reading the run ----------------------------------------------------------------------------
@@ -119,6 +121,7 @@ def summarize(records: list[dict[str, Any]], env: dict[str, Any] | None = None) 
         steady = [r["tokens_per_s"] for r in train if "tokens_per_s" in r]
     steady = _finite(steady)
     memory_keys = sorted({k for r in train for k in r if k.startswith(MEMORY_PREFIX)})
+    load = _last(train, MOE_LOAD)
     return {
         "parameters": env.get("parameters"),
         "device": env.get("device_name") or env.get("device"),
@@ -145,6 +148,15 @@ def summarize(records: list[dict[str, Any]], env: dict[str, Any] | None = None) 
             _memory_name(k): max(_finite([r[k] for r in train if k in r]), default=None) for k in memory_keys
         },
         "events": dict(Counter(r["event"] for r in events)),
+        # A mixture of experts' routing, where the run logged it.
+        "moe_layers": len(load) if load else None,
+        "moe_experts": max(map(len, load.values())) if load else None,
+        "moe_imbalance_last": _last(train, "moe/imbalance"),
+        "moe_imbalance_max": _best(train, "moe/imbalance", higher=True),
+        "moe_min_load_last": _last(train, "moe/min_load"),
+        "moe_router_entropy_last": _last(train, "moe/router_entropy"),
+        # An interval that dropped nothing logs no ``moe/dropped``: its last value may be stale.
+        "moe_dropped_max": _best(train, "moe/dropped", higher=True),
     }
 
 
@@ -200,6 +212,17 @@ def format_summary(run_dir: Path, s: dict[str, Any]) -> str:
     if s["peak_memory_gib"]:
         peaks = "  ".join(f"{k} {_num(v, '.2f')} GiB" for k, v in s["peak_memory_gib"].items())
         lines.append(f"peak memory  {peaks}")
+    if s["moe_layers"] is not None:
+        lines.append(
+            f"experts      {s['moe_layers']} layers x {s['moe_experts']}:"
+            f" imbalance last {_num(s['moe_imbalance_last'])}  max {_num(s['moe_imbalance_max'])}"
+            f"  min load last {_num(s['moe_min_load_last'])}"
+        )
+        dropped = f"  dropped max {_num(s['moe_dropped_max'], '.2%')}" if s["moe_dropped_max"] is not None else ""
+        lines.append(
+            f"router       entropy last {_num(s['moe_router_entropy_last'])} nats"
+            f" (at most ln {s['moe_experts']} = {math.log(s['moe_experts']):.4g}){dropped}"
+        )
     events = ", ".join(f"{kind} x{n}" for kind, n in sorted(s["events"].items())) or "none"
     lines.append(f"events       {events}")
     return "\n".join(lines) + "\n"
@@ -288,15 +311,26 @@ def _plot_memory(ax, train) -> None:
     ax.legend(fontsize=9)
 
 
-def render_figure(run_dir: Path, records: list[dict[str, Any]], summary: dict[str, Any], fmt: str = "png") -> bytes:
+def _figure(width: float, height: float):
     # The object API with the Agg canvas, not pyplot: no display needed and no global backend
     # switched under a caller (a notebook, say) that imported kiln.
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
 
-    train, evals, events = split_records(records)
-    fig = Figure(figsize=(16, 9), dpi=100, layout="constrained")
+    fig = Figure(figsize=(width, height), dpi=100, layout="constrained")
     FigureCanvasAgg(fig)
+    return fig
+
+
+def _saved(fig, fmt: str) -> bytes:
+    buffer = io.BytesIO()
+    fig.savefig(buffer, format=fmt)
+    return buffer.getvalue()
+
+
+def render_figure(run_dir: Path, records: list[dict[str, Any]], summary: dict[str, Any], fmt: str = "png") -> bytes:
+    train, evals, events = split_records(records)
+    fig = _figure(16, 9)
     axes = fig.subplots(2, 3)
     _plot_loss(axes[0, 0], train, evals, events)
     _plot_lr(axes[0, 1], train)
@@ -317,9 +351,62 @@ def render_figure(run_dir: Path, records: list[dict[str, Any]], summary: dict[st
         0, 1, _panel_text(summary), va="top", ha="left", family="monospace", fontsize=11, transform=text_ax.transAxes
     )
     fig.suptitle(f"kiln report: {run_dir}\n{headline(summary)}", fontsize=13)
-    buffer = io.BytesIO()
-    fig.savefig(buffer, format=fmt)
-    return buffer.getvalue()
+    return _saved(fig, fmt)
+
+
+def render_expert_load(
+    run_dir: Path, records: list[dict[str, Any]], summary: dict[str, Any], fmt: str = "png"
+) -> bytes | None:
+    """A heat map of each MoE layer's load, a panel per layer: the steps across, the experts up,
+    the colour each expert's tokens over the layer's mean (white even, red busy, blue idle); None
+    where the run logged no ``moe/load``."""
+    import numpy as np
+    from matplotlib import colormaps
+    from matplotlib.colors import TwoSlopeNorm
+    from matplotlib.ticker import MaxNLocator
+
+    train = [r for r in split_records(records)[0] if isinstance(r.get(MOE_LOAD), dict)]
+    if not train:
+        return None
+    steps = [r["step"] for r in train]
+    # A record's load is that of the steps since the record before: its cell spans them, the
+    # first as wide as the second (the run's first logged step need not be a whole interval).
+    edges = [max(2 * steps[0] - steps[1] if len(steps) > 1 else steps[0] - 1, 0), *steps]
+    layers = list(dict.fromkeys(name for r in train for name in r[MOE_LOAD]))
+    grids = {}
+    for layer in layers:
+        rows = [r[MOE_LOAD].get(layer) or [] for r in train]
+        n_experts = max(map(len, rows))
+        # Over the mean, so that 1 is an even load whatever the number of experts; NaN where a
+        # record lacks the layer.
+        grid = np.full((n_experts, len(rows)), np.nan)
+        for i, row in enumerate(rows):
+            grid[: len(row), i] = np.asarray(row, dtype=float) * n_experts
+        grids[layer] = np.ma.masked_invalid(grid)
+    top = max([2.0, *(float(g.max()) for g in grids.values() if g.count())])
+    norm = TwoSlopeNorm(vmin=0.0, vcenter=1.0, vmax=top)
+    # Missing values grey: the white of the background is an even load's colour.
+    cmap = colormaps["RdBu_r"].with_extremes(bad="lightgrey")
+    cols = min(len(layers), math.ceil(math.sqrt(2 * len(layers))))
+    n_rows = math.ceil(len(layers) / cols)
+    fig = _figure(16, 1.5 + 3 * n_rows)
+    axes = fig.subplots(n_rows, cols, sharex=True, sharey=True, squeeze=False).flatten()
+    for ax in axes[len(layers) :]:
+        ax.remove()
+    for ax, (layer, grid) in zip(axes, grids.items(), strict=False):
+        # An image, cells centred on their expert's number: an SVG or PDF of 48 layers x 128
+        # experts drawn as one rectangle a cell would be slow to write and to open.
+        mesh = ax.pcolorfast(edges, np.arange(grid.shape[0] + 1) - 0.5, grid, cmap=cmap, norm=norm)
+        ax.set_title(layer, fontsize=10, loc="left")
+        for axis in (ax.xaxis, ax.yaxis):
+            axis.set_major_locator(MaxNLocator(integer=True))
+    for ax in axes[len(layers) - cols : len(layers)]:  # the lowest panel of each column shows the steps
+        ax.xaxis.set_tick_params(labelbottom=True)
+    fig.supxlabel("step")
+    fig.supylabel("expert")
+    fig.colorbar(mesh, ax=list(axes[: len(layers)]), label="tokens routed / the layer's mean (1 = even)")
+    fig.suptitle(f"kiln report: {run_dir}, expert load by layer\n{headline(summary)}", fontsize=13)
+    return _saved(fig, fmt)
 
 
 def _panel_text(s: dict[str, Any]) -> str:
@@ -341,6 +428,12 @@ def _panel_text(s: dict[str, Any]) -> str:
         ("tokens/s mean", _num(s["tokens_per_s_mean"], ",.0f")),
     ]
     rows += [(f"{k.replace('_', ' ')} (max)", f"{_num(v, '.2f')} GiB") for k, v in s["peak_memory_gib"].items()]
+    if s["moe_layers"] is not None:
+        rows += [
+            ("moe imbalance last", _num(s["moe_imbalance_last"])),
+            ("moe imbalance max", _num(s["moe_imbalance_max"])),
+            ("router entropy last", _num(s["moe_router_entropy_last"])),
+        ]
     rows += [(f"event {kind}", f"x{n}") for kind, n in sorted(s["events"].items())]
     width = max(len(name) for name, _ in rows) + 2
     return "Summary\n\n" + "\n".join(f"{name:<{width}}{value}" for name, value in rows)
@@ -349,9 +442,16 @@ def _panel_text(s: dict[str, Any]) -> str:
 # -- writing --------------------------------------------------------------------------------------
 
 
+def expert_load_path(out: Path) -> Path:
+    """Where the expert-load heat map of the figure ``out`` goes: beside it, in its format
+    (``report.png``: ``report_experts.png``)."""
+    return out.with_name(f"{out.stem}_experts{out.suffix}")
+
+
 def write_report(run_dir: str | Path, out: str | Path | None = None) -> dict[str, Any]:
-    """Write the figure to ``out`` (default ``RUN_DIR/report.png``; .svg and .pdf work too) and
-    the text summary beside it (``report.txt``); return the summary's numbers. Both are rendered before either is
+    """Write the figure to ``out`` (default ``RUN_DIR/report.png``; .svg and .pdf work too), the
+    text summary beside it (``report.txt``) and, for a mixture of experts, its load's heat map
+    (``report_experts.png``); return the summary's numbers. All are rendered before any is
     written, and each is replaced atomically, so a failure leaves no half-written report."""
     run_dir = Path(run_dir)
     out = Path(out) if out else run_dir / REPORT_PNG
@@ -361,10 +461,19 @@ def write_report(run_dir: str | Path, out: str | Path | None = None) -> dict[str
     records = read_metrics(run_dir)
     summary = summarize(records, _read_env(run_dir))
     figure = render_figure(run_dir, records, summary, fmt)
+    experts = render_expert_load(run_dir, records, summary, fmt)
     text = format_summary(run_dir, summary)
     write_atomic(out, figure)
+    if experts is not None:
+        write_atomic(expert_load_path(out), experts)
     write_atomic(out.with_suffix(".txt"), text)
-    return {**summary, "run_dir": str(run_dir), "figure": str(out), "text": str(out.with_suffix(".txt"))}
+    return {
+        **summary,
+        "run_dir": str(run_dir),
+        "figure": str(out),
+        "experts_figure": str(expert_load_path(out)) if experts is not None else None,
+        "text": str(out.with_suffix(".txt")),
+    }
 
 
 def _json_safe(value: Any) -> Any:
@@ -383,5 +492,6 @@ def report_command(run_dir: str, out: str | None, as_json: bool) -> int:
         print(json.dumps(_json_safe(summary), indent=2))
     else:
         print(format_summary(Path(run_dir), summary), end="")
-        print(f"wrote {summary['figure']} and {summary['text']}")
+        figures = [summary["figure"], *([summary["experts_figure"]] if summary["experts_figure"] else [])]
+        print(f"wrote {', '.join(figures)} and {summary['text']}")
     return 0
