@@ -4,8 +4,12 @@ over ranks (``parallel.ep``) exchange tokens without changing a result."""
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
+
+from kiln.train.run import load_run
 
 from kilnrun import in_process
 from layouts import STEPS, assert_same_training, layout_sets, resumable_copy, train_on, weights
@@ -51,6 +55,25 @@ def test_experts_split_over_two_ranks_and_sharded_over_two_more_train_as_one_pro
     run_dir = tmp_path / "ep2x4"
     train_on(4, layout_sets(run_dir, corpus_dir, micro=1, **EP))
     assert_same_training(run_dir, moe_single)
+
+
+@pytest.mark.slow
+def test_an_expert_parallel_checkpoint_exports_one_layer_at_a_time_with_transformers_logits(ep_run, tmp_path):
+    """The streamed export of a sharded run checks its logits on a cut of the model that
+    transformers loads itself (its experts fused from the files' one tensor each)."""
+    import transformers
+
+    out = tmp_path / "hf"
+    in_process("export", ep_run, "--format", "hf", "--out", out)
+    info = json.loads((out / "export.json").read_text())
+    assert info["streamed"] and info["check"]["layers"] == [0, 1]
+    assert info["hf"]["max_abs_diff"] <= 1e-4
+    model, loading = transformers.AutoModelForCausalLM.from_pretrained(out, output_loading_info=True)
+    assert not any(loading.values()), loading
+    ids = torch.randint(0, 512, (2, 16))
+    with torch.no_grad():
+        expected = load_run(ep_run, device="cpu").model(ids)
+        torch.testing.assert_close(model.eval()(ids).logits, expected, rtol=0, atol=1e-4)
 
 
 @pytest.mark.slow

@@ -24,11 +24,10 @@ from torch import nn
 from kiln.config import Config
 from kiln.data import DataError, TokenSequences, prepare
 
+# Defined below the exporters, where a model family can raise it too.
+from kiln.models.family import ExportError as ExportError
+
 Logits = Callable[[torch.Tensor], torch.Tensor | np.ndarray]  # ONNX Runtime gives NumPy arrays
-
-
-class ExportError(RuntimeError):
-    """The model cannot be exported to the format asked for; the message says why."""
 
 
 class AsLogits(nn.Module):

@@ -20,6 +20,8 @@ from __future__ import annotations
 
 import copy
 import json
+import re
+import tempfile
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any, cast
@@ -33,6 +35,7 @@ from kiln.checkpoint.weights import Entry, Layout, StreamWriter, read_weights
 from kiln.export.check import Inputs, logit_difference
 from kiln.export.hf import write_tokenizer
 from kiln.export.weights import copy_run_files
+from kiln.io import WEIGHTS, weight_files
 from kiln.models.hf.loading import transformers_module
 from kiln.models.init import params_on_meta
 from kiln.train.apply import fold_lora, merge_lora
@@ -84,7 +87,7 @@ def export_streamed(
     layers = len(units) - 1
     sample = sorted({0, layers - 1}) if layers else []
     reference = _cut(_filled(skeleton, source.read(_sampled(units, sample))), layers, sample)
-    artifact = _hf_artifact(job, out, layers, sample) if fmt == "hf" else _own_artifact(job, out, layers, sample)
+    artifact = _hf_artifact(job, args, out, layers, sample) if fmt == "hf" else _own_artifact(job, out, layers, sample)
     batches = [inputs.batch(2), inputs.batch(3, max(2, inputs.seq_len // 2))]
     return {
         "check": {
@@ -271,7 +274,9 @@ def _own_artifact(job: Job, out: Path, count: int, sample: list[int]) -> Callabl
     return _cut(_filled(skeleton, values), count, sample)
 
 
-def _hf_artifact(job: Job, out: Path, count: int, sample: list[int]) -> Callable[[torch.Tensor], torch.Tensor]:
+def _hf_artifact(
+    job: Job, args: Any, out: Path, count: int, sample: list[int]
+) -> Callable[[torch.Tensor], torch.Tensor]:
     """The exported directory as ``transformers`` builds it from its config.json, holding the
     sampled layers' tensors read from its files."""
     transformers = transformers_module()
@@ -283,8 +288,50 @@ def _hf_artifact(job: Job, out: Path, count: int, sample: list[int]) -> Callable
     config = transformers.AutoConfig.from_pretrained(out, local_files_only=True)
     with params_on_meta():
         skeleton = auto.from_config(config, dtype=torch.float32)
-    values = read_weights(out, _sample_names(skeleton, count, sample))
-    model = _cut(_filled(skeleton, values), count, sample)
+    names = _sample_names(skeleton, count, sample)
+    values = read_weights(out, names)
+    adapter = job.family.state_dict_adapter(args)
+    cut = adapter.cut_config(sample) if adapter is not None else None
+    if names - values.keys() and cut is not None:
+        # The files name tensors other than the model does (an MoE's experts, one tensor each
+        # there, fused as transformers 5 loads them): transformers loads the sampled layers itself.
+        model = _loaded_cut(auto, out, cut, sample)
+    else:
+        model = _cut(_filled(skeleton, values), count, sample)
     if job.cfg.model.task == "sequence_classification":
         return lambda ids: model(input_ids=ids).logits
     return lambda ids: model(input_ids=ids, use_cache=False).logits
+
+
+def _loaded_cut(auto: Any, out: Path, config: dict[str, Any], sample: list[int]) -> nn.Module:
+    """The export's model as ``auto.from_pretrained`` loads it when cut to the ``sample`` of its
+    layers: their tensors (renumbered from 0) and the rest, from ``out``'s files, into a
+    directory of their own with ``config`` (the cut model's), read by transformers with its own
+    name conversions."""
+    from safetensors.torch import save_file
+
+    layer = re.compile(r"\.layers\.(\d+)\.")
+    renumbered = {str(old): str(new) for new, old in enumerate(sample)}
+    with tempfile.TemporaryDirectory(dir=out.parent) as tmp:
+        kept = {}
+        for name in _stored_names(out):
+            found = layer.search(name)
+            if found and found.group(1) not in renumbered:
+                continue
+            kept[name] = layer.sub(lambda m: f".layers.{renumbered[m.group(1)]}.", name, count=1) if found else name
+        values = read_weights(out, set(kept))
+        save_file({kept[name]: t.contiguous() for name, t in values.items()}, str(Path(tmp) / WEIGHTS))
+        (Path(tmp) / "config.json").write_text(json.dumps(config))
+        model = auto.from_pretrained(tmp, local_files_only=True, dtype=torch.float32)
+    return model.eval()
+
+
+def _stored_names(directory: Path) -> list[str]:
+    """The names of the tensors in ``directory``'s safetensors files (read from their headers)."""
+    from safetensors import safe_open
+
+    names = []
+    for file in weight_files(directory):
+        with safe_open(str(directory / file), framework="pt") as f:
+            names += list(f.keys())  # noqa: SIM118 (safe_open is not a Mapping)
+    return names

@@ -213,8 +213,14 @@ class MemoryModel:
         raise NotImplementedError
 
 
+class ExportError(RuntimeError):
+    """The model cannot be exported to the format asked for; the message says why. Here, below the
+    exporters, so that a family's adapter can refuse a model no Hugging Face architecture computes."""
+
+
 class StateDictAdapter:
-    """Weight names to and from a Hugging Face model's, so kiln's checkpoints load there and back."""
+    """Weight names to and from a Hugging Face model's, so kiln's checkpoints load there and back
+    (ExportError, saying why, for a model that has no such equivalent)."""
 
     def to_hf(self, state: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         raise NotImplementedError
@@ -225,6 +231,12 @@ class StateDictAdapter:
     def hf_config(self) -> dict[str, Any]:
         """The ``config.json`` of the equivalent Hugging Face model."""
         raise NotImplementedError
+
+    def cut_config(self, layers: list[int]) -> dict[str, Any] | None:
+        """The ``config.json`` of the model cut to its repeated ``layers`` (renumbered from 0), or
+        None where the adapter cannot say (a check of an export then builds the model from its
+        own config)."""
+        return None
 
 
 class ModelFamily:

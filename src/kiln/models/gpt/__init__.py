@@ -14,7 +14,7 @@ from torch import nn
 from kiln.config import ModelConfig
 from kiln.models.family import ModelFamily, ParallelPlan
 from kiln.models.generate import stream
-from kiln.models.gpt.hf import LlamaAdapter
+from kiln.models.gpt.hf import LlamaAdapter, hf_adapter
 from kiln.models.gpt.memory import GPTMemory
 from kiln.models.gpt.model import GPT, GPTConfig
 from kiln.models.gpt.presets import PRESETS, build_gpt_config, param_count
@@ -111,7 +111,9 @@ class GPTFamily(ModelFamily):
         return args.head_dim
 
     def state_dict_adapter(self, args: GPTConfig) -> LlamaAdapter:
-        return LlamaAdapter(args)
+        """A Llama's names, or those of the MoE architecture that computes the model's mixtures of
+        experts (ExportError naming the setting that none does)."""
+        return hf_adapter(args)
 
     def context_length(self, args: GPTConfig) -> int:
         return args.max_seq_len
