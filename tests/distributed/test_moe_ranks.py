@@ -107,3 +107,11 @@ def test_one_process_cannot_split_experts(tmp_path, corpus_dir):
     assert proc.returncode == 2
     assert "parallel.ep: 2 must divide the data-parallel ranks, 1" in proc.stderr
     assert not (tmp_path / "run" / "checkpoints").exists()
+
+
+@pytest.mark.slow
+def test_experts_split_over_ranks_beside_tensor_parallel_attention(tmp_path, corpus_dir, moe_single):
+    """4 ranks: attention split over 2 tensor-parallel ranks, experts over the 2 data-parallel ones."""
+    run_dir = tmp_path / "ep2tp2"
+    train_on(4, layout_sets(run_dir, corpus_dir, micro=2, parallel__tp=2, **EP))
+    assert_same_training(run_dir, moe_single)
