@@ -160,3 +160,16 @@ def test_names_round_trip_and_rename_one_block_at_a_time(setting, tmp_path):
         expected = model(ids)
         assert expected.abs().max() > 1  # logits far enough from 0 for the comparison to mean something
         torch.testing.assert_close(hf.eval()(ids).logits, expected, rtol=0, atol=1e-4)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("router_run", ["sigmoid"], indirect=True)
+@pytest.mark.parametrize("fmt", ["pt2", "onnx"])
+def test_an_moe_gpt_exports_for_torch_export_and_onnx_runtime(router_run, tmp_path, fmt):
+    """The grouped dispatch traces: torch.export (and AOTInductor) and ONNX Runtime compute the
+    run's logits (the export's own check)."""
+    out = tmp_path / fmt
+    in_process("export", router_run[1], "--format", fmt, "--out", out)
+    info = json.loads((out / "export.json").read_text())
+    for key in ("pt2", "aoti") if fmt == "pt2" else ("onnx",):
+        assert info[key]["max_abs_diff"] <= 1e-4, info[key]

@@ -34,16 +34,26 @@ class GPTMemory(MemoryModel):
         d = cfg.d_model
         heads = cfg.n_head // ctx.tp
         width = heads * cfg.head_dim  # q, and k and v once repeated to every head
-        ff = cfg.d_ff // ctx.tp
         per_token = (
             2 * ctx.residual_bytes * d
             + 2 * (4 * d + 4)
             + (5 if ctx.autocast else 2) * act * d
             + act * 5 * width
             + 4 * heads
-            + act * 4 * ff
+            + self._mlp(ctx)
         )
         return ctx.tokens * per_token
+
+    def _mlp(self, ctx: MemoryContext) -> int:
+        """Bytes a token's MLP keeps. A mixture of experts (the blocks are counted as their
+        largest kind) keeps the router's fp32 logits and scores, each of the token's k copies as
+        its experts read it and their SwiGLU tensors and outputs, its weights and sort order, and
+        the shared experts' SwiGLU tensors."""
+        cfg, act = self.cfg, ctx.act_bytes
+        if not cfg.n_experts:
+            return act * 4 * (cfg.d_ff // ctx.tp)
+        k, shared = cfg.experts_per_token, cfg.n_shared_experts * cfg.d_expert
+        return 8 * cfg.n_experts + k * (act * (2 * cfg.d_model + 4 * cfg.d_expert) + 4 + 16) + act * 4 * shared
 
     def block_backward_workspace(self, ctx: MemoryContext) -> int:
         """The residual stream's fp32 gradient, and two [tokens, d_ff] gradients of the MLP."""

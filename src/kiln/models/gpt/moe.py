@@ -39,13 +39,15 @@ def _native_grouped_mm(x: torch.Tensor) -> bool:
 
     It is a private operator (PyTorch has no public grouped GEMM yet), used only through
     ``grouped_mm``; ``tests/models/test_moe.py`` fails loudly if it changes. CUDA has it for
-    bf16 from Hopper on; the CPU runs it in eager mode for any float type, but the compiler's
-    shape function accepts only bf16."""
+    bf16 from Hopper on; the CPU runs it for any float type on plain tensors in eager mode, but
+    its shape function, which the compiler, ``torch.export`` and fake tensors run, accepts only
+    bf16."""
     if not hasattr(torch, "_grouped_mm"):
         return False
     if x.device.type == "cuda":
         return x.dtype == torch.bfloat16 and torch.cuda.get_device_capability(x.device) >= (9, 0)
-    return x.device.type == "cpu" and (x.dtype == torch.bfloat16 or not torch.compiler.is_compiling())
+    eager = not torch.compiler.is_compiling() and type(x) is torch.Tensor
+    return x.device.type == "cpu" and (x.dtype == torch.bfloat16 or eager)
 
 
 def grouped_mm(x: torch.Tensor, weight: torch.Tensor, ends: torch.Tensor, *, native: bool = True) -> torch.Tensor:
@@ -143,7 +145,9 @@ class MoE(nn.Module):
                 self.expert_load += counts.float()
                 p = scores / scores.sum(-1, keepdim=True)
                 self.entropy -= (p * p.clamp_min(1e-20).log()).sum()
-        order = pairs.argsort(stable=True)  # stable: within an expert, in token order
+        # Within an expert, in token order: the keys are unique, so any sort gives this order
+        # (ONNX has no stable sort).
+        order = (pairs * pairs.numel() + torch.arange(pairs.numel(), device=x.device)).argsort()
         ends = counts.cumsum(0)
         weights = weights.flatten()[order]
         if self.capacity:
