@@ -118,12 +118,10 @@ def test_parse_memory_refuses_what_is_not_a_size(text):
 def test_meta_model_agrees_with_the_closed_form(preset):
     cfg = load_config(None, [f"model.preset={preset}", "data.vocab_size=32000"])
     gpt_cfg = build_gpt_config(cfg.model, vocab_size=32000, max_seq_len=cfg.data.seq_len)
-    if gpt_cfg.n_experts and gpt_cfg.moe_layer_start:
-        # Blocks of two kinds (dense first layers, then experts): the plan counts every block as
-        # the larger kind, erring towards more memory (issue 27 makes it count each).
-        assert ModelShape.of(FAMILY, gpt_cfg).num_params() > param_count(gpt_cfg)
-    else:
-        assert ModelShape.of(FAMILY, gpt_cfg).num_params() == param_count(gpt_cfg)
+    shape = ModelShape.of(FAMILY, gpt_cfg)
+    # Blocks of two kinds (an MoE's dense first layers, then experts) are counted each as it is.
+    assert shape.num_params() == param_count(gpt_cfg)
+    assert shape.small_blocks == (gpt_cfg.moe_layer_start if gpt_cfg.n_experts else 0)
 
 
 def test_sharding_divides_the_model_state():

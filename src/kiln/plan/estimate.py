@@ -128,6 +128,10 @@ class ModelShape:
     pipeline_error: str | None = None  # why kiln cannot pipeline this model, or None
     # A block's FSDP units where ranks gather on the host (_host_units).
     host_units: tuple[tuple[Param, ...], ...] = ()
+    # The blocks smaller than ``block`` (a mixture of experts' dense first layers) and how many:
+    # the whole model's counts hold them as they are, a device's peak counts every block as ``block``.
+    small_block: tuple[Param, ...] = ()
+    small_blocks: int = 0
     lora: bool = False  # LoRA adapters train, the rest is frozen
     created_whole: bool = False  # every rank creates the whole model before splitting it
     imports_hf: bool = False  # the run imports transformers and peft
@@ -164,11 +168,16 @@ class ModelShape:
         plan = family.parallel_plan(args)
         blocks = plan.repeated_blocks(model)
         in_blocks = {id(p) for b in blocks for p in b.parameters()}
-        # Blocks that differ (a mixture of experts' dense first layers) are counted as the largest
-        # of them: the plan errs towards more memory, not less.
-        largest = max(blocks, key=lambda b: sum(p.numel() for p in b.parameters())) if blocks else None
+        # Blocks that differ (a mixture of experts' dense first layers): a device's peak counts each
+        # as the largest, erring towards more memory; the whole model's counts take both kinds.
+        sizes = [sum(p.numel() for p in b.parameters()) for b in blocks]
+        largest = blocks[sizes.index(max(sizes))] if blocks else None
         block = tuple(
             param(name, p, plan.tp_split_dim(name)) for name, p in (largest.named_parameters() if largest else ())
+        )
+        small = [b for b, size in zip(blocks, sizes, strict=True) if size < max(sizes)]
+        small_block = (
+            tuple(param(name, p, plan.tp_split_dim(name)) for name, p in small[0].named_parameters()) if small else ()
         )
         root = tuple(  # a tied matrix is listed once
             param(name, p, None) for name, p in model.named_parameters() if id(p) not in in_blocks
@@ -209,6 +218,8 @@ class ModelShape:
             tuple(after),
             pipeline_error,
             host_units,
+            small_block=small_block,
+            small_blocks=len(small),
             lora=lora_cfg is not None,
             created_whole=created_whole,
             imports_hf=lora_cfg is not None or family.transformers_model(model) is not None,
@@ -221,7 +232,8 @@ class ModelShape:
     def num_params(self, kinds: tuple[str, ...] = ("trained", "frozen", "nf4")) -> int:
         """Parameters of the model (LoRA adapters included), or of the ``kinds`` named."""
         root = sum(math.prod(p.shape) for p in self.root if p.kind in kinds)
-        return root + self.n_layer * sum(math.prod(p.shape) for p in self.block if p.kind in kinds)
+        large = (self.n_layer - self.small_blocks) * sum(math.prod(p.shape) for p in self.block if p.kind in kinds)
+        return root + large + self.small_blocks * sum(math.prod(p.shape) for p in self.small_block if p.kind in kinds)
 
     def flops_per_token(self, seq_len: int) -> float:
         return self.family.flops_per_token(self.args, seq_len)
@@ -477,8 +489,12 @@ def model_state(shape: ModelShape, s: Setup, stage: Stage | None = None) -> dict
     model by default; on the host with CPU offload): the fp32 parameters that train, their fp32
     gradients, AdamW's exp_avg and exp_avg_sq like each of them and one fp32 step count per
     parameter tensor; and a LoRA run's frozen base (``frozen_parameters``), which has neither."""
-    root, blocks = (stage.root, stage.blocks) if stage else (shape.root, shape.n_layer)
-    counted = [(p, 1) for p in root] + [(p, blocks) for p in shape.block]
+    if stage is None:  # the whole model: each kind of block as many times as it is there
+        small = shape.small_blocks
+        counted = [(p, 1) for p in shape.root] + [(p, shape.n_layer - small) for p in shape.block]
+        counted += [(p, small) for p in shape.small_block]
+    else:  # a stage's blocks, as its largest
+        counted = [(p, 1) for p in stage.root] + [(p, stage.blocks) for p in shape.block]
     numel = sum(n * _local_numel(p, s) for p, n in counted if p.kind == "trained")
     tensors = sum(n for p, n in counted if p.kind == "trained")
     frozen = sum(n * int(_stored_bytes(p, s) * _local_numel(p, s)) for p, n in counted if p.kind != "trained")
