@@ -16,7 +16,11 @@ from transformers import (
     BertTokenizerFast,
     LlamaConfig,
     LlamaForCausalLM,
+    MixtralConfig,
+    MixtralForCausalLM,
     PreTrainedTokenizerFast,
+    Qwen3MoeConfig,
+    Qwen3MoeForCausalLM,
 )
 
 # A chat template that marks what the assistant says with {% generation %}, and one that does not.
@@ -74,6 +78,38 @@ def wordpiece_tokenizer(directory: Path, vocab_size: int = 400):
     return fast
 
 
+def _tiny_decoder(
+    directory: Path,
+    config_class: type,
+    model_class: type,
+    *,
+    seed: int,
+    shards: bool,
+    chat_template: str | None,
+    dims: dict,
+    config: dict,
+) -> Path:
+    """A 2-layer decoder of ``model_class`` with its tokenizer, saved like a model from the hub
+    (optionally sharded): ``dims`` the architecture's own, ``config`` the caller's on top."""
+    tokenizer = bpe_tokenizer(directory, chat_template=chat_template)
+    common = dict(
+        vocab_size=len(tokenizer),
+        hidden_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=256,
+        tie_word_embeddings=False,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+    )
+    torch.manual_seed(seed)
+    model = model_class(config_class(**{**common, **dims, **config}))
+    model.save_pretrained(directory, max_shard_size="100KB" if shards else "5GB")
+    return directory
+
+
 def tiny_llama(
     directory: Path,
     *,
@@ -85,24 +121,47 @@ def tiny_llama(
     **config,
 ) -> Path:
     """A 2-layer Llama with its tokenizer, saved like a model from the hub (optionally sharded)."""
-    tokenizer = bpe_tokenizer(directory, chat_template=chat_template)
-    dims = dict(
-        vocab_size=len(tokenizer),
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=n_kv_head,
-        max_position_embeddings=256,
-        tie_word_embeddings=tie,
-        bos_token_id=tokenizer.bos_token_id,
-        eos_token_id=tokenizer.eos_token_id,
-        pad_token_id=tokenizer.pad_token_id,
+    dims = dict(intermediate_size=128, num_key_value_heads=n_kv_head, tie_word_embeddings=tie)
+    return _tiny_decoder(
+        directory,
+        LlamaConfig,
+        LlamaForCausalLM,
+        seed=seed,
+        shards=shards,
+        chat_template=chat_template,
+        dims=dims,
+        config=config,
     )
-    torch.manual_seed(seed)
-    model = LlamaForCausalLM(LlamaConfig(**{**dims, **config}))
-    model.save_pretrained(directory, max_shard_size="100KB" if shards else "5GB")
-    return directory
+
+
+def tiny_qwen3_moe(directory: Path, *, seed: int = 0, shards: bool = False, experts: int = 4, **config) -> Path:
+    """A 2-layer Qwen3-MoE (``experts`` experts a layer, 2 of them a token) with its tokenizer."""
+    dims = dict(num_experts=experts, num_experts_per_tok=2, moe_intermediate_size=32, intermediate_size=128)
+    return _tiny_decoder(
+        directory,
+        Qwen3MoeConfig,
+        Qwen3MoeForCausalLM,
+        seed=seed,
+        shards=shards,
+        chat_template=CHAT_MARKED,
+        dims=dims,
+        config=config,
+    )
+
+
+def tiny_mixtral(directory: Path, *, seed: int = 0, experts: int = 4, **config) -> Path:
+    """A 2-layer Mixtral (``experts`` experts a layer, 2 of them a token) with its tokenizer."""
+    dims = dict(num_local_experts=experts, num_experts_per_tok=2, intermediate_size=32)
+    return _tiny_decoder(
+        directory,
+        MixtralConfig,
+        MixtralForCausalLM,
+        seed=seed,
+        shards=False,
+        chat_template=CHAT_MARKED,
+        dims=dims,
+        config=config,
+    )
 
 
 def tiny_bert(directory: Path, *, seed: int = 0, num_labels: int = 2, **config) -> Path:

@@ -298,12 +298,18 @@ def apply_fsdp(
 def host_units(block: nn.Module) -> list[nn.Module]:
     """The modules of a repeated layer that FSDP shards as units of their own where ranks gather
     on the host (``apply_fsdp``): each that itself holds a weight of a sixteenth of the layer's
-    parameters or more (its linear layers); the layer's unit keeps the rest."""
+    parameters or more (its linear layers); the layer's unit keeps the rest. Not what PEFT's LoRA
+    on a parameter wraps (a mixture of experts' fused weights): the wrapper reads the weights
+    and its adapters' before their modules' forward, which is where a unit of its own gathers them."""
     size = sum(p.numel() for p in block.parameters())
+    wrappers = [w for w in block.modules() if hasattr(w, "lora_A") and hasattr(w, "parameter_name")]
+    wrapped = {id(m) for w in wrappers for m in w.modules() if m is not w}
     return [
         part
         for part in block.modules()
-        if part is not block and any(16 * p.numel() >= size for p in part.parameters(recurse=False))
+        if part is not block
+        and id(part) not in wrapped
+        and any(16 * p.numel() >= size for p in part.parameters(recurse=False))
     ]
 
 

@@ -79,7 +79,10 @@ def check_layout(plan: ParallelPlan, world: World, pcfg: ParallelConfig, what: s
 def _expert_layout_errors(plan: ParallelPlan, world: World, pcfg: ParallelConfig) -> list[str]:
     """Why ``parallel.ep`` cannot split this model's experts over this world, if it cannot."""
     if not plan.experts:
-        return ["parallel.ep: the model has no experts to split (a mixture of experts has model.n_experts > 0)"]
+        return [
+            "parallel.ep: the model has no experts to split: its family's plan names none (kiln's GPT with "
+            "model.n_experts > 0 does; a Hugging Face mixture of experts trains with FSDP, without ep)"
+        ]
     errors = []
     if world.dp % pcfg.ep:
         errors.append(

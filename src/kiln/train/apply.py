@@ -77,11 +77,20 @@ def apply_lora(model: nn.Module, cfg: Config, family: ModelFamily, args: Any, *,
         )
     hf = family.transformers_model(model)
     task = {"sequence_classification": "SEQ_CLS", "causal_lm": "CAUSAL_LM"}.get(cfg.model.task) if hf else None
+    modules, parameters = _split_targets(hf, targets) if hf is not None else (targets, [])
+    if parameters and lora.dropout:
+        raise ConfigError(
+            [
+                f"lora.dropout: {lora.dropout}, but PEFT adapts the expert weights {', '.join(parameters)} "
+                "(lora.target_modules) without dropout; set lora.dropout=0"
+            ]
+        )
     config = peft.LoraConfig(
         r=lora.rank,
         lora_alpha=lora.alpha,  # type: ignore[arg-type]  # peft annotates it int; a float works (scaling = alpha / r)
         lora_dropout=lora.dropout,
-        target_modules=targets,
+        target_modules=modules,
+        target_parameters=parameters or None,
         task_type=task,
         # GPT-2's Conv1D layers keep their weight [in, out]; PEFT would say so and set this itself.
         fan_in_fan_out=hf is not None and _adapts_conv1d(hf, targets),
@@ -102,13 +111,29 @@ def apply_lora(model: nn.Module, cfg: Config, family: ModelFamily, args: Any, *,
     return model
 
 
+def _matches(name: str, target: str) -> bool:
+    """PEFT's matching of a target: a module's (or parameter's) name, or the end of its path."""
+    return name == target or name.endswith(f".{target}")
+
+
 def _adapts_conv1d(model: nn.Module, targets: list[str]) -> bool:
-    """Whether PEFT's matching of ``targets`` (a module's name, or the end of its path) picks
-    ``transformers``' Conv1D layers (GPT-2's linear layers, their weight stored transposed)."""
+    """Whether ``targets`` pick ``transformers``' Conv1D layers (GPT-2's linear layers, their
+    weight stored transposed)."""
     return any(
-        type(module).__name__ == "Conv1D" and any(name == t or name.endswith(f".{t}") for t in targets)
+        type(module).__name__ == "Conv1D" and any(_matches(name, t) for t in targets)
         for name, module in model.named_modules()
     )
+
+
+def _split_targets(model: nn.Module, targets: list[str]) -> tuple[list[str], list[str]]:
+    """``targets`` as PEFT takes them: the modules to adapt, and the parameters: those that name a
+    mixture of experts' fused expert weights ([experts, out, in] parameters, e.g. Qwen3-MoE's and
+    Mixtral's ``gate_up_proj`` and ``down_proj``), which no linear layer holds. A name can be both
+    (``down_proj`` of dense layers and of experts)."""
+    fused = [name for name, p in model.named_parameters() if p.dim() == 3]
+    parameters = [t for t in targets if any(_matches(name, t) for name in fused)]
+    modules = [t for t in targets if t not in parameters or any(_matches(name, t) for name, _ in model.named_modules())]
+    return modules, parameters
 
 
 def _nf4():
@@ -144,10 +169,10 @@ def quantize_base(model: nn.Module, device: torch.device) -> None:
         if not hasattr(module, "lora_A"):
             continue
         base = module.get_base_layer()
-        weight = base.weight
         where = f"lora.quantize_base: {name}"
         if not isinstance(base, nn.Linear):
             raise ConfigError([f"{where} is a {type(base).__name__}; nf4 quantizes linear layers only"])
+        weight = base.weight
         if len(owners[id(weight)]) > 1:
             raise ConfigError(
                 [f"{where}.weight is shared with {owners[id(weight)][0]} (tied); leave it out of lora.target_modules"]

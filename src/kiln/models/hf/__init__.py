@@ -40,6 +40,7 @@ from kiln.models.hf.loading import (
     weights_error,
 )
 from kiln.models.hf.memory import EncoderMemory, ffn_width
+from kiln.models.hf.moe import routed_weights, watch_routers
 
 TASKS = {"causal_lm": "AutoModelForCausalLM", "sequence_classification": "AutoModelForSequenceClassification"}
 MAPPINGS = {
@@ -278,7 +279,7 @@ class HFFamily(ModelFamily):
             hf = auto.from_config(args.hf_config(), attn_implementation=attention(args), dtype=torch.float32)
         except ValueError as e:
             raise ConfigError([f"model.task: {args.task} does not fit {args.path}: {str(e).splitlines()[0]}"]) from None
-        return WRAPPERS[args.task](hf)
+        return WRAPPERS[args.task](watch_routers(hf))
 
     def create(self, args: HFArgs, device: torch.device | str, seed: int) -> nn.Module:
         """Pretrained weights from the directory (a classifier's new head from ``seed``), or random ones."""
@@ -297,7 +298,7 @@ class HFFamily(ModelFamily):
             # A classifier's head is new whenever the labels differ from the directory's.
             ignore_mismatched_sizes=args.task == "sequence_classification",
         )
-        return WRAPPERS[args.task](hf).to(device).train()
+        return WRAPPERS[args.task](watch_routers(hf)).to(device).train()
 
     def initial_values(self, args: HFArgs, model: nn.Module, seed: int) -> Pretrained | None:
         """Pretrained weights read tensor by tensor from the directory's safetensors, each rank
@@ -353,7 +354,8 @@ class HFFamily(ModelFamily):
 
     def flops_per_token(self, args: HFArgs, seq_len: int) -> float:
         """6 x the parameters of every matmul a token goes through (each nn.Linear; a tied output
-        layer once), plus attention's 12 x layers x width x context (the PaLM convention)."""
+        layer once; of a mixture of experts, the router and the experts the token is routed to),
+        plus attention's 12 x layers x width x context (the PaLM convention)."""
         with torch.device("meta"):
             model = self.build(args)
         seen, matmul = set(), 0
@@ -361,6 +363,7 @@ class HFFamily(ModelFamily):
             if isinstance(module, nn.Linear) and id(module.weight) not in seen:
                 seen.add(id(module.weight))
                 matmul += module.weight.numel()
+        matmul += routed_weights(self.transformers_model(model))
         c = args.hf_config()
         width = _heads(c) * (_head_dim(c) or 0)
         return 6.0 * matmul + 12.0 * c.num_hidden_layers * width * seq_len

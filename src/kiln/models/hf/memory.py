@@ -19,7 +19,16 @@ from kiln.models.family import HeadMemory, MemoryContext, MemoryModel
 
 def ffn_width(config: Any) -> int:
     """The width of a layer's MLP, under the names architectures give it (4 x hidden_size, GPT-2's
-    default, where none is set)."""
+    default, where none is set). Of a mixture of experts, the width a token goes through: its
+    experts per token times an expert's width (Qwen-MoE's moe_intermediate_size; Mixtral's experts
+    are intermediate_size wide)."""
+    k = getattr(config, "num_experts_per_tok", None)
+    if k and getattr(config, "num_experts", None):
+        return k * (getattr(config, "moe_intermediate_size", None) or _dense_width(config))
+    return _dense_width(config)
+
+
+def _dense_width(config: Any) -> int:
     for name in ("intermediate_size", "n_inner", "ffn_dim", "hidden_dim"):
         if width := getattr(config, name, None):
             return int(width)
