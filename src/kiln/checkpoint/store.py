@@ -284,15 +284,20 @@ class StoredWeights(Mapping[str, torch.Tensor]):
         with safe_open(str(file), framework="pt") as f:
             self.stored = list(f.keys())  # noqa: SIM118 (safe_open is not a Mapping)
             self.aliases: dict[str, str] = json.loads((f.metadata() or {}).get("aliases", "{}"))
+        self._names = set(self.stored)
 
     def key(self, name: str) -> str:
         """The name ``name``'s tensor is stored under."""
         return self.aliases.get(name, name)
 
+    def __contains__(self, name: object) -> bool:
+        # Mapping's own test would read the tensor.
+        return isinstance(name, str) and self.key(name) in self._names
+
     def __getitem__(self, name: str) -> torch.Tensor:
         from safetensors import safe_open
 
-        if self.key(name) not in self.stored:
+        if name not in self:
             raise KeyError(name)
         with safe_open(str(self.file), framework="pt") as f:
             return f.get_tensor(self.key(name))
@@ -304,8 +309,12 @@ class StoredWeights(Mapping[str, torch.Tensor]):
         return len(self.stored) + len(self.aliases)
 
     def read(self) -> dict[str, torch.Tensor]:
-        """Every weight, read at once; a tied weight is one tensor under each of its names."""
-        tensors = {name: self[name] for name in self.stored}
+        """Every weight, read at once (the file opened once); a tied weight is one tensor under
+        each of its names."""
+        from safetensors import safe_open
+
+        with safe_open(str(self.file), framework="pt") as f:
+            tensors = {name: f.get_tensor(name) for name in self.stored}
         return {name: tensors[self.key(name)] for name in self}
 
 

@@ -286,7 +286,8 @@ def _restrict(model_state: StoredWeights, optim_state: dict[str, Any], names: se
     states = optim_state["state"]
     source = {}
     for name in names:
-        shared = (other for other in states if name in model_state and model_state.key(other) == model_state.key(name))
+        key = model_state.key(name)
+        shared = (other for other in states if model_state.key(other) == key)
         source[name] = name if name in states else next(shared, name)
     groups = [
         {**group, "params": [name for name in names if source[name] in group["params"]]}

@@ -288,33 +288,32 @@ def _hf_artifact(
     config = transformers.AutoConfig.from_pretrained(out, local_files_only=True)
     with params_on_meta():
         skeleton = auto.from_config(config, dtype=torch.float32)
-    names = _sample_names(skeleton, count, sample)
-    values = read_weights(out, names)
+    names, stored = _sample_names(skeleton, count, sample), _stored_names(out)
     adapter = job.family.state_dict_adapter(args)
     cut = adapter.cut_config(sample) if adapter is not None else None
-    if names - values.keys() and cut is not None:
+    if names - stored and cut is not None:
         # The files name tensors other than the model does (an MoE's experts, one tensor each
         # there, fused as transformers 5 loads them): transformers loads the sampled layers itself.
-        model = _loaded_cut(auto, out, cut, sample)
+        model = _loaded_cut(auto, out, stored, cut, sample)
     else:
-        model = _cut(_filled(skeleton, values), count, sample)
+        model = _cut(_filled(skeleton, read_weights(out, names)), count, sample)
     if job.cfg.model.task == "sequence_classification":
         return lambda ids: model(input_ids=ids).logits
     return lambda ids: model(input_ids=ids, use_cache=False).logits
 
 
-def _loaded_cut(auto: Any, out: Path, config: dict[str, Any], sample: list[int]) -> nn.Module:
+def _loaded_cut(auto: Any, out: Path, stored: set[str], config: dict[str, Any], sample: list[int]) -> nn.Module:
     """The export's model as ``auto.from_pretrained`` loads it when cut to the ``sample`` of its
-    layers: their tensors (renumbered from 0) and the rest, from ``out``'s files, into a
-    directory of their own with ``config`` (the cut model's), read by transformers with its own
-    name conversions."""
+    layers: their tensors (renumbered from 0) and the rest, from ``out``'s files (which hold
+    ``stored``), into a directory of their own with ``config`` (the cut model's), read by
+    transformers with its own name conversions."""
     from safetensors.torch import save_file
 
     layer = re.compile(r"\.layers\.(\d+)\.")
     renumbered = {str(old): str(new) for new, old in enumerate(sample)}
     with tempfile.TemporaryDirectory(dir=out.parent) as tmp:
         kept = {}
-        for name in _stored_names(out):
+        for name in stored:
             found = layer.search(name)
             if found and found.group(1) not in renumbered:
                 continue
@@ -326,12 +325,12 @@ def _loaded_cut(auto: Any, out: Path, config: dict[str, Any], sample: list[int])
     return model.eval()
 
 
-def _stored_names(directory: Path) -> list[str]:
+def _stored_names(directory: Path) -> set[str]:
     """The names of the tensors in ``directory``'s safetensors files (read from their headers)."""
     from safetensors import safe_open
 
-    names = []
+    names: set[str] = set()
     for file in weight_files(directory):
         with safe_open(str(directory / file), framework="pt") as f:
-            names += list(f.keys())  # noqa: SIM118 (safe_open is not a Mapping)
+            names.update(f.keys())  # noqa: SIM118 (safe_open is not a Mapping)
     return names

@@ -19,7 +19,7 @@ from __future__ import annotations
 import dataclasses
 import re
 from collections.abc import Mapping
-from typing import Any, NoReturn
+from typing import Any
 
 import torch
 
@@ -54,29 +54,25 @@ def _rename(name: str, block: Mapping[str, str], root: Mapping[str, str], blocks
     raise KeyError(f"no Hugging Face name for weight {name!r}")
 
 
-def _refuse(message: str) -> NoReturn:
-    raise ExportError(message)
-
-
 def hf_adapter(cfg: GPTConfig) -> LlamaAdapter:
     """The names and config of the ``transformers`` architecture that computes ``cfg``'s model;
     ExportError, naming the setting, where none does."""
     if not cfg.n_experts:
         return LlamaAdapter(cfg)
     if cfg.expert_capacity:
-        _refuse(
+        raise ExportError(
             f"model.expert_capacity={cfg.expert_capacity}: kiln's mixture of experts drops the tokens past an "
             "expert's capacity, which no transformers architecture does"
         )
     if cfg.router == "sigmoid":
         if cfg.n_experts < 2:
-            _refuse(
+            raise ExportError(
                 f"model.n_experts={cfg.n_experts} with model.router=sigmoid: GLM-4.5's router "
                 "(Glm4MoeForCausalLM), the one that computes kiln's sigmoid routing, needs 2 experts or more"
             )
         return Glm4MoeAdapter(cfg)
     if cfg.experts_per_token == 1:
-        _refuse(
+        raise ExportError(
             "model.experts_per_token=1 with model.router=softmax: kiln weighs the one expert by its softmax "
             "score, where Mixtral and ERNIE 4.5 MoE (the architectures of softmax routing with kiln's "
             "attention) weigh it 1"
@@ -277,7 +273,7 @@ class MixtralAdapter(MoEAdapter):
     def _bias_to_hf(self, layer: int, bias: torch.Tensor) -> dict[str, torch.Tensor]:
         # Chosen for model.router_bias_rate 0, which leaves the bias at 0 unless it moved before.
         if not bias.is_meta and bias.any():
-            _refuse(
+            raise ExportError(
                 f"blocks.{layer}.mlp.expert_bias is not zero (model.router_bias_rate=0 now, not when it moved): "
                 "Mixtral, the architecture of softmax routing without shared experts, has no expert bias"
             )

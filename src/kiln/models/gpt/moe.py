@@ -140,11 +140,11 @@ class MoE(nn.Module):
         counts = torch.zeros(self.n_experts, dtype=torch.int64, device=x.device).scatter_add_(
             0, pairs, torch.ones_like(pairs)
         )
+        probs = scores / scores.sum(-1, keepdim=True)  # each token's scores as a distribution
         if self.training:  # evaluation and generation leave the counts to training
             with torch.no_grad():
                 self.expert_load += counts.float()
-                p = scores / scores.sum(-1, keepdim=True)
-                self.entropy -= (p * p.clamp_min(1e-20).log()).sum()
+                self.entropy += torch.special.entr(probs).sum()
         # Within an expert, in token order: the keys are unique, so any sort gives this order
         # (ONNX has no stable sort).
         order = (pairs * pairs.numel() + torch.arange(pairs.numel(), device=x.device)).argsort()
@@ -165,8 +165,7 @@ class MoE(nn.Module):
             y = y + self.shared(tokens)
         if losses is not None and self.aux_loss:
             share = counts.float() / pairs.numel()
-            mean_score = (scores / scores.sum(-1, keepdim=True)).mean(0)
-            losses.append(self.aux_loss * self.n_experts * (share * mean_score).sum())
+            losses.append(self.aux_loss * self.n_experts * (share * probs.mean(0)).sum())
         return y.view(shape)
 
     @torch.no_grad()
