@@ -430,6 +430,13 @@ class ParallelConfig:
     this many data-parallel ranks, which exchange their tokens with an all-to-all (it must divide
     the data-parallel ranks and model.n_experts; needs fsdp or fsdp_grad_op). The other
     data-parallel ranks, dp / ep, shard each rank's experts with FSDP."""
+    cp: int = 1
+    """Context-parallel degree: each sequence is split over this many data-parallel ranks, which
+    hold its tokens in 2 x cp chunks (rank r the r-th and the r-th from the end, so that causal
+    attention costs each the same) and gather each layer's keys and values from one another. The
+    activations of a rank are those of seq_len / cp tokens; the loss is the whole sequence's. It
+    must divide the data-parallel ranks, and 2 x cp must divide data.seq_len; kiln's GPT only,
+    without data.packing, parallel.ep or parallel.pp."""
     pp_schedule: Literal["gpipe", "1f1b", "interleaved_1f1b"] = "1f1b"
     """How the pipeline orders its micro-batches: gpipe (all forwards, then all backwards: the
     most activation memory), 1f1b (one forward, one backward: at most pp micro-batches in flight)
@@ -458,6 +465,16 @@ class ParallelConfig:
             (self.bucket_mb >= 1, f"parallel.bucket_mb: must be >= 1, got {self.bucket_mb}"),
             (self.pp >= 1, f"parallel.pp: must be >= 1, got {self.pp}"),
             (self.ep >= 1, f"parallel.ep: must be >= 1, got {self.ep}"),
+            (self.cp >= 1, f"parallel.cp: must be >= 1, got {self.cp}"),
+            (
+                self.cp == 1 or self.ep == 1,
+                "parallel.cp: context parallelism does not combine with expert parallelism (parallel.ep) yet; "
+                "set one of them to 1",
+            ),
+            (
+                self.cp == 1 or self.pp == 1,
+                "parallel.cp: context parallelism does not run in a pipeline yet; set parallel.pp=1",
+            ),
             (
                 self.pp_microbatches >= 0,
                 f"parallel.pp_microbatches: must be >= 0 (0: one per stage), got {self.pp_microbatches}",
@@ -694,8 +711,23 @@ class Config:
             self.lora,
             self.debug,
         )
-        pp, micro = self.parallel.pp, self.train.micro_batch_size
+        pp, cp, micro = self.parallel.pp, self.parallel.cp, self.train.micro_batch_size
         combinations = [
+            (
+                cp == 1 or self.data.seq_len % (2 * cp) == 0,
+                f"parallel.cp: each sequence is cut into 2 x parallel.cp = {2 * cp} equal chunks, so it must divide "
+                f"data.seq_len={self.data.seq_len}",
+            ),
+            (
+                cp == 1 or not self.data.packing,
+                "data.packing: packed records attend only within each record, which context parallelism "
+                "(parallel.cp > 1) does not model; set data.packing=false or parallel.cp=1",
+            ),
+            (
+                cp == 1 or micro != "auto",
+                "train.micro_batch_size: auto is not probed under context parallelism (parallel.cp > 1), whose "
+                "forward passes wait for one another; give a number",
+            ),
             (
                 not (self.lora.rank and self.parallel.tp > 1),
                 "lora.rank: LoRA adapters do not split over tensor-parallel ranks; set parallel.tp=1",

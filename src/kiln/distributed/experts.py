@@ -81,17 +81,6 @@ class ExpertParallel:
         return exchange(back, sends, takes, self._ep_group)
 
 
-def experts_of(path: str, blocks: list[nn.Module]) -> list[nn.Module]:
-    """The experts modules of ``blocks`` (``path`` within each block), where a block has one."""
-    found = []
-    for block in blocks:
-        try:
-            found.append(block.get_submodule(path))
-        except AttributeError:
-            continue
-    return found
-
-
 def apply_ep(experts: list[nn.Module], ep_mesh: Any) -> None:
     """Split each experts module's weights over ``ep_mesh`` (a 1-D mesh of the "ep" ranks) by
     their first dimension and make its forward exchange tokens (in place; the model may be on

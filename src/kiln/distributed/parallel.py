@@ -21,7 +21,7 @@ from torch import nn
 
 from kiln.checkpoint.store import StoredWeights
 from kiln.config import ParallelConfig
-from kiln.distributed.experts import apply_ep, experts_of
+from kiln.distributed.experts import apply_ep
 from kiln.distributed.world import World
 from kiln.models.family import ParallelPlan
 from kiln.models.init import Values
@@ -212,7 +212,7 @@ def shard(
     ``module``)."""
     if world.tp > 1:
         apply_tp(module, plan, world.mesh["tp"])
-    experts = experts_of(plan.experts, plan.repeated_blocks(module)) if world.ep > 1 else []
+    experts = plan.block_parts(module, plan.experts) if world.ep > 1 else []
     if experts:
         apply_ep(experts, world.expert_mesh["ep"])
     if pcfg.strategy == "ddp" or (world.dp == 1 and not pcfg.cpu_offload):

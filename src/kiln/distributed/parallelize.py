@@ -12,6 +12,7 @@ import torch
 from torch import nn
 
 from kiln.config import ConfigError, ParallelConfig
+from kiln.distributed.context import apply_cp
 from kiln.distributed.parallel import ParallelModel, apply_ddp, embedding_names, is_sharded, materialize, shard
 from kiln.distributed.pipeline import PipelineModel
 from kiln.distributed.world import World
@@ -37,6 +38,8 @@ def parallelize(
     check_layout(plan, world, pcfg, type(model).__name__)
     # Named before the model is cut: a pipeline stage may hold a tied output layer without its table.
     embeddings = embedding_names(model)
+    if world.cp > 1:
+        apply_cp(model, plan.block_parts(model, plan.attention), world.context_mesh["cp"])
     if world.pp > 1:
         return PipelineModel(model, plan, world, pcfg, bf16=bf16, embeddings=embeddings, initial=initial)
     if pcfg.strategy == "ddp" and world.dp > 1:
@@ -68,6 +71,16 @@ def check_layout(plan: ParallelPlan, world: World, pcfg: ParallelConfig, what: s
         )
     if pcfg.ep > 1:
         errors += _expert_layout_errors(plan, world, pcfg)
+    if pcfg.cp > 1 and not plan.attention:
+        errors.append(
+            f"parallel.cp: {what} cannot split its sequences over ranks: its family's parallel plan names no "
+            "attention for context parallelism (kiln's GPT does); set parallel.cp=1"
+        )
+    if pcfg.cp > 1 and world.dp % pcfg.cp:
+        errors.append(
+            f"parallel.cp: {pcfg.cp} must divide the data-parallel ranks, {world.dp} "
+            f"(the world's {world.size} over parallel.pp x parallel.tp = {world.pp} x {world.tp})"
+        )
     if pcfg.cpu_offload and pcfg.strategy == "ddp":
         errors.append("parallel.cpu_offload: needs parallel.strategy fsdp or fsdp_grad_op")
     elif pcfg.cpu_offload and world.device.type != "cuda":

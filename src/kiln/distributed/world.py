@@ -3,8 +3,9 @@
 ``kiln train`` under ``torchrun`` (or ``kiln launch``) finds RANK, WORLD_SIZE and LOCAL_RANK in
 the environment and joins the group itself: NCCL on CUDA, gloo on CPU. The world is split into
 ``pp x dp x tp`` (pipeline x data-parallel x tensor-parallel, pipeline outermost, so that a
-tensor-parallel group is the closest ranks, on one node) on a 3-D DeviceMesh; nothing else
-builds a mesh or asks for a rank. In a single process (no torchrun) the world is one rank and no process group
+tensor-parallel group is the closest ranks, on one node) on a 3-D DeviceMesh; expert and context
+parallelism cut the data-parallel dimension in two on a second mesh of the same ranks. Nothing
+else builds a mesh or asks for a rank. In a single process (no torchrun) the world is one rank and no process group
 exists, so everything here is a no-op and nothing distributed is imported. The world's hang watchdog
 (``kiln.distributed.watchdog``) starts with the process group and sets its timeouts.
 """
@@ -39,6 +40,10 @@ class World:
     # With ep > 1, the same ranks with the data-parallel dimension cut in two ("pp", "dp_rep",
     # "ep", "tp"): experts are split over "ep" and sharded by FSDP over "dp_rep".
     expert_mesh: Any = None
+    cp: int = 1
+    # With cp > 1, the same ranks cut as ("pp", "dp_batch", "cp", "tp"): the "cp" ranks split the
+    # sequences of one batch (kiln.distributed.context).
+    context_mesh: Any = None
     control_group: Any = None  # a gloo group for host-side agreement
     watchdog: Watchdog = field(default_factory=Watchdog)  # the loop's beats go here
 
@@ -49,6 +54,16 @@ class World:
     @property
     def dp_rank(self) -> int:
         return self.rank // self.tp % self.dp
+
+    @property
+    def data_ranks(self) -> int:
+        """The ranks that read different batches: the data-parallel ranks, over context parallelism's."""
+        return self.dp // self.cp
+
+    @property
+    def data_rank(self) -> int:
+        """Which batch this rank reads (the ranks of one context-parallel group read the same)."""
+        return self.dp_rank // self.cp
 
     @property
     def pp_rank(self) -> int:
@@ -107,16 +122,16 @@ class World:
         return values
 
     def dp_total(self, count: int) -> int:
-        """The sum of a host-side count over the data-parallel ranks (the ranks of one tensor-
-        parallel group, and the stages of one pipeline, hold the same batch and count once), over
-        the gloo group on the host."""
+        """The sum of a host-side count over the ranks that read different batches (the ranks of
+        one tensor- or context-parallel group, and the stages of one pipeline, hold the same batch
+        and count once), over the gloo group on the host."""
         if not self.distributed:
             return count
         import torch.distributed as dist
 
         value = torch.tensor([count], dtype=torch.int64)
         dist.all_reduce(value, group=self.control_group)
-        return int(value.item()) // (self.tp * self.pp)
+        return int(value.item()) // (self.tp * self.pp * self.cp)
 
     def dp_sum(self, value: torch.Tensor) -> torch.Tensor:
         """``value`` (a tensor on this rank's device) summed in place over the data-parallel ranks
@@ -155,6 +170,7 @@ class World:
 
 MESH_DIMS = ("pp", "dp", "tp")
 EXPERT_MESH_DIMS = ("pp", "dp_rep", "ep", "tp")
+CONTEXT_MESH_DIMS = ("pp", "dp_batch", "cp", "tp")
 _WORLD: World | None = None
 _OWN_GROUP = False  # this module started the process group, so it ends it
 
@@ -186,7 +202,7 @@ def init_world(
     parallel = parallel or ParallelConfig()
     tp, pp = parallel.tp, parallel.pp
     if _WORLD is not None:
-        for key, degree in (("tp", tp), ("pp", pp)):
+        for key, degree in (("tp", tp), ("pp", pp), ("cp", parallel.cp)):
             if getattr(_WORLD, key) != degree:
                 raise ConfigError(
                     [f"parallel.{key}: this process already runs with {key}={getattr(_WORLD, key)}, not {degree}"]
@@ -221,9 +237,13 @@ def init_world(
         # The data-parallel rank d is (d // ep, d % ep) here: the rows of both meshes are the same ranks.
         expert_shape = (pp, shape[1] // parallel.ep, parallel.ep, tp)
         expert_mesh = init_device_mesh(dev.type, expert_shape, mesh_dim_names=EXPERT_MESH_DIMS)
+    context_mesh = None
+    if parallel.cp > 1 and shape[1] % parallel.cp == 0:  # else parallelize refuses the layout, naming it
+        context_shape = (pp, shape[1] // parallel.cp, parallel.cp, tp)
+        context_mesh = init_device_mesh(dev.type, context_shape, mesh_dim_names=CONTEXT_MESH_DIMS)
     control = dist.new_group(backend="gloo") if dev.type == "cuda" else None
-    groups = [*mesh.get_all_groups(), *(expert_mesh.get_all_groups() if expert_mesh is not None else [])]
-    watchdog.watch_groups([None, *groups, control])  # None: the default group
+    groups = [m.get_all_groups() for m in (mesh, expert_mesh, context_mesh) if m is not None]
+    watchdog.watch_groups([None, *(g for some in groups for g in some), control])  # None: the default group
     _WORLD = World(
         rank=rank,
         local_rank=local_rank,
@@ -234,6 +254,8 @@ def init_world(
         mesh=mesh,
         ep=parallel.ep if expert_mesh is not None else 1,
         expert_mesh=expert_mesh,
+        cp=parallel.cp if context_mesh is not None else 1,
+        context_mesh=context_mesh,
         control_group=control,
         watchdog=watchdog,
     )

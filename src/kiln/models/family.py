@@ -57,6 +57,9 @@ class ParallelPlan:
     ``experts``: where a block holds a mixture of experts' experts (``mlp.experts``; see
     ``kiln.distributed.experts`` for what such a module provides), which expert parallelism
     splits; ``n_experts``: how many each holds (the expert-parallel degree must divide it).
+    ``attention``: where a block holds its attention, a module whose ``attend(q, k, v, mask,
+    causal)`` computes it, in a model whose ``forward`` takes ``positions``: context parallelism
+    needs both (``kiln.distributed.context``).
     """
 
     blocks: str | None = "blocks"
@@ -69,6 +72,7 @@ class ParallelPlan:
     unpipelined: str = ""
     experts: str = ""
     n_experts: int = 0
+    attention: str = ""
 
     def __post_init__(self):
         bad = {name: style for name, style in self.tensor_parallel.items() if style not in TP_STYLES}
@@ -109,6 +113,16 @@ class ParallelPlan:
                 f"{type(model).__name__}, but it is a {type(blocks).__name__}, not an nn.ModuleList"
             )
         return list(blocks)
+
+    def block_parts(self, model: nn.Module, path: str) -> list[nn.Module]:
+        """The submodule ``path`` (e.g. the plan's ``experts``) of each repeated layer that has one."""
+        found = []
+        for block in self.repeated_blocks(model):
+            try:
+                found.append(block.get_submodule(path))
+            except AttributeError:
+                continue
+        return found
 
     def tp_split_dim(self, name: str) -> int | None:
         """The dimension of a block parameter's weight (``[out, in]``) that tensor parallelism

@@ -185,11 +185,13 @@ class MemoryLadder:
     # -- the configured rung --------------------------------------------------------------------
 
     def _micro_batch_options(self) -> list[int]:
-        t, dp = self.cfg.train, self.world.dp
+        t, dp = self.cfg.train, self.world.data_ranks
         uneven = [b for b in self.schedule.sizes() if b % dp]
         if uneven:
             key = "train.global_batch_size" if uneven[0] == t.global_batch_size else "train.batch_ramp_start/increment"
-            raise ConfigError([f"{key}: global batch {uneven[0]} is not a multiple of the {dp} data-parallel ranks"])
+            raise ConfigError(
+                [f"{key}: global batch {uneven[0]} is not a multiple of the {dp} data-parallel ranks (over cp)"]
+            )
         return micro_batch_options([b // dp for b in self.schedule.sizes()])
 
     def _initial_rung(self) -> tuple[Rung, bool]:
@@ -197,7 +199,8 @@ class MemoryLadder:
         t = self.cfg.train
         micro = t.micro_batch_size
         if micro != "auto" and micro not in self.options:
-            shares = ", ".join(f"{b} / {self.world.dp} = {b // self.world.dp}" for b in self.schedule.sizes())
+            dp = self.world.data_ranks
+            shares = ", ".join(f"{b} / {dp} = {b // dp}" for b in self.schedule.sizes())
             raise ConfigError(
                 [
                     f"train.micro_batch_size: {micro} does not divide each data-parallel rank's share of "
@@ -259,7 +262,7 @@ class MemoryLadder:
         self._apply(rung)
         if self.world.is_main:
             write_rung_file(self.run_dir, rung)
-        accum = self.schedule.batch_size(step - 1) // self.world.dp // rung.micro_batch_size
+        accum = self.schedule.batch_size(step - 1) // self.world.data_ranks // rung.micro_batch_size
         logger.event(
             step,
             "out_of_memory",
@@ -317,7 +320,7 @@ class MemoryLadder:
         self.rung = replace(self.rung, micro_batch_size=best)
         if self.world.is_main:
             write_rung_file(self.run_dir, self.rung)
-        accum = self.cfg.train.global_batch_size // self.world.dp // best
+        accum = self.cfg.train.global_batch_size // self.world.data_ranks // best
         logger.event(
             done,
             "micro_batch_size",

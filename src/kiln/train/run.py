@@ -52,7 +52,7 @@ def write_run_files(run_dir: Path, cfg: Config, world: World, model: nn.Module, 
         "threads": torch.get_num_threads(),
         "parameters": sum(p.numel() for p in model.parameters()),
         "world_size": world.size,
-        "parallel": {"strategy": cfg.parallel.strategy, "pp": world.pp, "dp": world.dp, "tp": world.tp},
+        "parallel": {"strategy": cfg.parallel.strategy, "pp": world.pp, "dp": world.dp, "tp": world.tp, "cp": world.cp},
     }
     (run_dir / "env.json").write_text(json.dumps(env, indent=2))
 

@@ -86,8 +86,8 @@ class TrainStep:
         the device).
 
         Each micro-batch loss is a mean over its own counted tokens; dividing it by the global
-        count over its own count (times the data-parallel ranks, which average their gradients)
-        makes the summed gradients those of one big batch. Micro-batches that do not know their
+        count over its own count (times the ranks reading different batches, over which
+        gradients are averaged) makes the summed gradients those of one big batch. Micro-batches that do not know their
         count weigh the same: the divisor is their number. Data-parallel ranks reduce gradients
         after the last micro-batch only, unless ``sync`` is off."""
         n = len(micro_batches)
@@ -97,7 +97,7 @@ class TrainStep:
         if counted:
             total_count = world.dp_total(sum(cast("list[int]", counts)))  # counted: none is None
             # A micro-batch without counted tokens contributes nothing (its loss is a 0 / 0).
-            divisors = [total_count / (c * world.dp) if c else math.inf for c in counts]
+            divisors = [total_count / (c * world.data_ranks) if c else math.inf for c in counts]
         else:
             divisors = [n] * n
         total = None

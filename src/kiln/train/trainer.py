@@ -98,9 +98,9 @@ class Trainer:
             t.seed,
             num_workers=cfg.data.num_workers,
             pin_memory=self.device.type == "cuda",
-            # Ranks of one tensor-parallel group share a data-parallel rank, so the same batch.
-            rank=world.dp_rank,
-            world_size=world.dp,
+            # Ranks of one tensor- or context-parallel group read the same batch.
+            rank=world.data_rank,
+            world_size=world.data_ranks,
             collate_fn=job.collate_fn,
         )
         self.ladder = MemoryLadder(cfg, world, schedule, self.run_dir, self._say)

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.nn.attention.bias import causal_lower_right
 
 from kiln.models.fused_loss import linear_cross_entropy
 from kiln.models.gpt.moe import MoE
@@ -106,19 +107,21 @@ class Attention(nn.Module):
         q, k = apply_rope(q, rope_cos, rope_sin), apply_rope(k, rope_cos, rope_sin)
 
         mask, causal = None, True
-        if cache is not None and start_pos > 0:
+        if cache is not None:
             k, v, mask = _attend_cached(cache, k, v, start_pos)
             causal = False
-        elif cache is not None:
-            cache[0][:, :, :T] = k
-            cache[1][:, :, :T] = v
-
-        if self.n_kv_head != self.n_head:
-            # Each group of n_head // n_kv_head query heads shares one key/value head.
-            k = k.repeat_interleave(self.n_head // self.n_kv_head, dim=1)
-            v = v.repeat_interleave(self.n_head // self.n_kv_head, dim=1)
-        y = F.scaled_dot_product_attention(q, k.to(q.dtype), v.to(q.dtype), attn_mask=mask, is_causal=causal)
+        y = self.attend(q, k, v, mask, causal)
         return self.wo(y.transpose(1, 2).reshape(B, T, -1))
+
+    def attend(self, q, k, v, mask=None, causal=True):
+        """Attention of queries q [B, H, T, head_dim] over keys and values [B, H_kv, S, head_dim]:
+        causal (query i sees keys 0..i), or as ``mask`` says (a boolean mask or an attention
+        bias). Context parallelism overrides it to see the keys of the sequence's other chunks."""
+        if k.size(1) != q.size(1):
+            # Each group of H // H_kv query heads shares one key/value head.
+            k = k.repeat_interleave(q.size(1) // k.size(1), dim=1)
+            v = v.repeat_interleave(q.size(1) // v.size(1), dim=1)
+        return F.scaled_dot_product_attention(q, k.to(q.dtype), v.to(q.dtype), attn_mask=mask, is_causal=causal)
 
 
 def _attend_cached(cache, k, v, start_pos):
@@ -129,9 +132,9 @@ def _attend_cached(cache, k, v, start_pos):
     if end <= size:
         k_cache[:, :, start_pos:end] = k
         v_cache[:, :, start_pos:end] = v
-        # Query i sits at position start_pos + i and sees keys 0..start_pos + i; SDPA's is_causal
-        # would align the triangle to the top-left corner instead.
-        mask = torch.ones(T, end, dtype=torch.bool, device=k.device).tril(start_pos) if T > 1 else None
+        # Query i sits at position start_pos + i and sees keys 0..start_pos + i: the causal
+        # triangle aligned to the lower right corner (SDPA's is_causal aligns it to the upper left).
+        mask = causal_lower_right(T, end) if T > 1 else None
         return k_cache[:, :, :end], v_cache[:, :, :end], mask
     if T != 1:
         raise ValueError(f"past the cache's {size} positions tokens are fed one at a time, not {T}")
@@ -251,6 +254,7 @@ class GPT(nn.Module):
         targets: torch.Tensor | None = None,
         kv_cache: KVCache | None = None,
         start_pos: int = 0,
+        positions: torch.Tensor | None = None,
     ):
         """Logits [B, T, V] for tokens idx [B, T] at positions start_pos..start_pos + T - 1, or,
         given targets [B, T] (-100 where no loss is wanted), their mean cross-entropy.
@@ -259,13 +263,19 @@ class GPT(nn.Module):
         tokens attend to the cached positions before them as well (the last max_seq_len of them:
         past that, one token at a time).
 
+        ``positions`` [T] (without a kv_cache): the tokens' positions, where they are not
+        0..T - 1, e.g. a context-parallel rank's chunks of a longer sequence; attention is causal
+        in the order of ``idx`` whatever they are (``Attention.attend`` decides what each sees).
+
         A pipeline stage is this model with some modules removed (None): without ``tok_emb`` it
         takes hidden states [B, T, d_model] instead of tokens, without ``norm`` and ``lm_head``
         it returns them.
         """
         T = idx.size(1)  # noqa: N806
         end = start_pos + T
-        if end <= self.config.max_seq_len:
+        if positions is not None:
+            rope_cos, rope_sin = self.rope_cos[positions], self.rope_sin[positions]
+        elif end <= self.config.max_seq_len:
             rope_cos, rope_sin = self.rope_cos[start_pos:end], self.rope_sin[start_pos:end]
         elif kv_cache is not None:
             cfg = self.config

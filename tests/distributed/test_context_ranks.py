@@ -1,0 +1,77 @@
+"""Sequences split over gloo ranks (``parallel.cp``) train as one process does, alone and with
+FSDP and tensor parallelism beside them, at a length where the split matters (256 tokens)."""
+
+from __future__ import annotations
+
+import pytest
+
+from kilnrun import in_process, records
+from layouts import assert_same_training, layout_sets, train_on
+
+pytestmark = pytest.mark.dist
+
+LONG = dict(data__seq_len=256, eval__every=3)
+
+
+@pytest.fixture(scope="module")
+def one_process(tmp_path_factory, corpus_dir):
+    run_dir = tmp_path_factory.mktemp("cp") / "one"
+    in_process("train", *layout_sets(run_dir, corpus_dir, micro=2, **LONG))
+    return run_dir
+
+
+def val_losses(run_dir) -> list[float]:
+    return [r["val_loss"] for r in records(run_dir) if "val_loss" in r]
+
+
+@pytest.mark.slow
+def test_two_ranks_splitting_each_sequence_train_as_one_process(tmp_path, corpus_dir, one_process):
+    run_dir = tmp_path / "cp2"
+    train_on(2, layout_sets(run_dir, corpus_dir, micro=2, parallel__cp=2, **LONG))
+    assert_same_training(run_dir, one_process)
+    assert val_losses(run_dir) == pytest.approx(val_losses(one_process), rel=1e-5)
+
+
+@pytest.mark.slow
+def test_sequences_split_over_two_ranks_and_sharded_over_four_train_as_one_process(tmp_path, corpus_dir, one_process):
+    run_dir = tmp_path / "cp2x4"
+    train_on(4, layout_sets(run_dir, corpus_dir, micro=2, parallel__cp=2, parallel__strategy="fsdp", **LONG))
+    assert_same_training(run_dir, one_process)
+    assert val_losses(run_dir) == pytest.approx(val_losses(one_process), rel=1e-5)
+
+
+@pytest.mark.slow
+def test_sequences_split_over_two_ranks_with_tensor_parallel_pairs_train_as_one_process(
+    tmp_path, corpus_dir, one_process
+):
+    run_dir = tmp_path / "cp2tp2"
+    sets = layout_sets(run_dir, corpus_dir, micro=2, parallel__cp=2, parallel__tp=2, parallel__strategy="fsdp", **LONG)
+    train_on(4, sets)
+    assert_same_training(run_dir, one_process)
+
+
+@pytest.mark.parametrize(
+    ("sets", "message"),
+    [
+        (dict(parallel__cp=2), "parallel.cp: 2 must divide the data-parallel ranks, 1"),
+        (dict(parallel__cp=3, data__seq_len=32), "parallel.cp: each sequence is cut into 2 x parallel.cp = 6 equal"),
+        (dict(parallel__cp=2, parallel__ep=2), "parallel.cp: context parallelism does not combine with expert"),
+        (dict(parallel__cp=2, parallel__pp=2), "parallel.cp: context parallelism does not run in a pipeline"),
+        (dict(parallel__cp=2, data__packing=True), "data.packing: packed records attend only within each record"),
+        (dict(parallel__cp=2, train__micro_batch_size="auto"), "train.micro_batch_size: auto is not probed under"),
+    ],
+)
+def test_layouts_context_parallelism_cannot_take_are_named_before_training(tmp_path, corpus_dir, sets, message):
+    proc = in_process("train", *layout_sets(tmp_path / "run", corpus_dir, micro=4, **sets), check=False)
+    assert proc.returncode == 2 and message in proc.stderr, proc.stderr[-2000:]
+    assert not (tmp_path / "run" / "checkpoints").exists()
+
+
+def test_a_model_whose_plan_names_no_attention_cannot_split_its_sequences():
+    from kiln.config import ConfigError, ParallelConfig
+    from kiln.distributed.parallelize import check_layout
+    from kiln.distributed.world import World
+    from kiln.models.family import ParallelPlan
+
+    with pytest.raises(ConfigError, match="parallel.cp: MixerLM cannot split its sequences"):
+        check_layout(ParallelPlan(), World(size=2), ParallelConfig(cp=2), "MixerLM")
