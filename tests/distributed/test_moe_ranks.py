@@ -110,6 +110,23 @@ def test_one_process_cannot_split_experts(tmp_path, corpus_dir):
 
 
 @pytest.mark.slow
+def test_experts_split_over_two_ranks_in_each_pipeline_stage_train_as_one_process(tmp_path, corpus_dir, moe_single):
+    """4 ranks: 2 stages, each with its layers' experts over 2 ranks. The stages learn their
+    shapes from a forward pass of their own, which must not count in the experts' load."""
+    run_dir = tmp_path / "ep2pp2"
+    train_on(4, layout_sets(run_dir, corpus_dir, micro=4, parallel__pp=2, **EP))
+    assert_same_training(run_dir, moe_single)
+
+
+def test_pipeline_stages_still_learn_their_shapes_where_kiln_turns_training_mode_off():
+    from torch.distributed.pipelining import PipelineStage
+
+    assert callable(getattr(PipelineStage, "_forward_metadata_inference", None)), (
+        "PyTorch renamed PipelineStage._forward_metadata_inference: update kiln.distributed.pipeline._stage_class"
+    )
+
+
+@pytest.mark.slow
 def test_experts_split_over_ranks_beside_tensor_parallel_attention(tmp_path, corpus_dir, moe_single):
     """4 ranks: attention split over 2 tensor-parallel ranks, experts over the 2 data-parallel ones."""
     run_dir = tmp_path / "ep2tp2"

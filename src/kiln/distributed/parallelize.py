@@ -106,6 +106,4 @@ def _expert_layout_errors(plan: ParallelPlan, world: World, pcfg: ParallelConfig
         errors.append(f"parallel.ep: {pcfg.ep} must divide model.n_experts={plan.n_experts}")
     if pcfg.strategy == "ddp":
         errors.append("parallel.ep: experts split over ranks need parallel.strategy fsdp or fsdp_grad_op")
-    if world.pp > 1:
-        errors.append("parallel.ep: expert parallelism does not run in a pipeline yet; set parallel.pp=1")
     return errors

@@ -153,8 +153,7 @@ class PipelineModel(ParallelModel):
         self._tie(tied, 0 in mine, n_stages - 1 in mine)
         self._stage_modules = stages  # evaluation runs them one after the other, forward only
         self.stages = [
-            pipelining.PipelineStage(module, s, n_stages, world.device, group=self.group)
-            for s, module in stages.items()
+            _stage_class()(module, s, n_stages, world.device, group=self.group) for s, module in stages.items()
         ]
         self.is_last = n_stages - 1 in mine
         schedule = getattr(pipelining, SCHEDULES[pcfg.pp_schedule])
@@ -277,6 +276,29 @@ class PipelineModel(ParallelModel):
         loss = x.float() if self.is_last else torch.zeros((), device=self.world.device)
         dist.broadcast(loss, ranks[(self.n_stages - 1) % self.pp], group=self.group)
         return loss
+
+
+def _stage_class() -> type:
+    """PyTorch's ``PipelineStage``, learning the shapes it sends with its layers in eval mode.
+
+    On its first step a stage runs one forward pass to learn them (2.13's private
+    ``_forward_metadata_inference``), on the first piece again or, past the first stage, on empty
+    tensors; in training mode it would add to what layers count in training, such as a mixture
+    of experts' load, which moves its routing bias. tests/distributed/test_moe_ranks.py fails
+    if the method is renamed."""
+    from torch.distributed.pipelining import PipelineStage
+
+    class Stage(PipelineStage):
+        def _forward_metadata_inference(self, *args: Any, **kwargs: Any) -> Any:
+            training = [(m, m.training) for m in self.submod.modules()]
+            self.submod.eval()
+            try:
+                return super()._forward_metadata_inference(*args, **kwargs)
+            finally:
+                for module, mode in training:
+                    module.training = mode
+
+    return Stage
 
 
 def _restrict(model_state: StoredWeights, optim_state: dict[str, Any], names: set[str]) -> dict[str, Any]:
