@@ -47,6 +47,23 @@ def test_read_by_name_is_what_from_pretrained_loads(hf_llama):
         assert torch.equal(got[name], value), name
 
 
+@pytest.mark.parametrize("make", ["tiny_qwen3_moe", "tiny_mixtral"])
+def test_experts_stored_one_by_one_are_read_into_the_fused_tensors_from_pretrained_makes(tmp_path, make):
+    """transformers saves a mixture of experts one expert at a time (Qwen3-MoE's gate_proj/up_proj/
+    down_proj, Mixtral's w1/w3/w2 under block_sparse_moe) and computes with them fused."""
+    import hf_models
+
+    args = _args(getattr(hf_models, make)(tmp_path / make, experts=4))
+    model, values = _read(args)
+    fused = [key for key, source in values.sources.items() if not isinstance(source, str)]
+    assert values.missing == [] and len(fused) == 2 * args.config["num_hidden_layers"]
+    want = FAMILY.create(args, "cpu", seed=0).state_dict()
+    got = model.state_dict()
+    assert got.keys() == want.keys()
+    for name, value in want.items():
+        assert torch.equal(got[name], value), name
+
+
 def test_a_classifiers_new_head_starts_from_the_seed_and_its_name(hf_bert):
     # Three labels where the directory's head has two: the head is new.
     args = dataclasses.replace(_args(hf_bert, "sequence_classification"), labels=("a", "b", "c"))

@@ -303,9 +303,10 @@ class HFFamily(ModelFamily):
     def initial_values(self, args: HFArgs, model: nn.Module, seed: int) -> Pretrained | None:
         """Pretrained weights read tensor by tensor from the directory's safetensors, each rank
         keeping only its slices (a classifier's new head from ``seed``, as ``transformers``
-        initialises it). None for random weights, and for a causal LM whose files name its
-        tensors otherwise than the model does (an older checkpoint layout, which only
-        ``from_pretrained``'s conversions read): those are created whole on every rank."""
+        initialises it). Experts stored one by one are fused as ``transformers`` fuses them. None
+        for random weights, and for a causal LM whose files name its tensors otherwise (an older
+        checkpoint layout, which only ``from_pretrained``'s conversions read): those are created
+        whole on every rank."""
         if args.weights != "pretrained":
             return None
         hf = cast(Any, _base(self.transformers_model(model)))

@@ -10,7 +10,7 @@ from __future__ import annotations
 import copy
 import json
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -144,6 +144,32 @@ def read_tensor(file: Path, key: str) -> torch.Tensor:
         raise ConfigError([f"model.source: {file}: cannot read tensor {key} ({str(e).splitlines()[0]})"]) from None
 
 
+# What transformers renames when it loads older checkpoints (its conversion mapping): Mixtral's
+# mixture of experts is "block_sparse_moe" in the files and "mlp" in the model.
+RENAMED_MODULES = ((".mlp.", ".block_sparse_moe."),)
+# transformers computes a mixture of experts with each layer's experts fused into 3-D tensors
+# ([experts, rows, columns]); checkpoints store them one expert at a time. Each fused tensor's
+# name, and the names (Qwen-MoE's, Mixtral's) of the per-expert weights whose rows it stacks.
+FUSED_EXPERTS = {"gate_up_proj": (("gate_proj", "up_proj"), ("w1", "w3")), "down_proj": (("down_proj",), ("w2",))}
+
+
+def stored_names(key: str) -> list[str]:
+    """The names the model's tensor ``key`` may have in a checkpoint: its own, then older ones."""
+    return [key] + [key.replace(new, old, 1) for new, old in RENAMED_MODULES if new in key]
+
+
+def expert_parts(key: str, experts: int, stored: Mapping[str, Any]) -> list[list[str]] | None:
+    """The stored per-expert tensors whose rows make up the fused experts tensor ``key`` (for each
+    of its ``experts``, in order), or None if ``key`` is not one or ``stored`` lacks them."""
+    module, _, leaf = key.rpartition(".")
+    for prefix in stored_names(module) if module.endswith(".experts") else []:
+        for weights in FUSED_EXPERTS.get(leaf, ()):
+            parts = [[f"{prefix}.{e}.{w}.weight" for w in weights] for e in range(experts)]
+            if all(k in stored for expert in parts for k in expert):
+                return parts
+    return None
+
+
 class Pretrained(Values):
     """A Hugging Face model's starting values, read tensor by tensor from its safetensors files,
     so that a rank reads only the tensors of what it holds and keeps only its slices of them.
@@ -173,14 +199,22 @@ class Pretrained(Values):
         # Allocating the model gives it new buffers: these, the constructor's, stay as they were.
         self.buffers = {name: b.detach() for name, b in model.named_buffers() if not b.is_meta}
         params = {self.key(name): p for name, p in model.named_parameters() if lora_kind(name) is None}
-        self.missing = sorted(params.keys() - self.stored.keys())
-        reshaped = sorted(k for k in params.keys() & self.stored.keys() if self.stored[k][1] != tuple(params[k].shape))
+        # Each parameter's stored tensor, or those of each expert of fused experts.
+        self.sources: dict[str, str | list[list[str]]] = {}
+        for key, param in params.items():
+            found = next((name for name in stored_names(key) if name in self.stored), None)
+            if source := found or expert_parts(key, param.shape[0], self.stored):
+                self.sources[key] = source
+        shapes = {key: self._stored_shape(parts) for key, parts in self.sources.items()}
+        self.missing = sorted(params.keys() - shapes.keys())
+        reshaped = sorted(k for k in params.keys() & shapes.keys() if shapes[k] != tuple(params[k].shape))
         if reshaped and not new_head:
             key = reshaped[0]
-            file, shape = self.stored[key]
+            source = self.sources[key]
+            file = self.stored[source if isinstance(source, str) else source[0][0]][0]
             raise ConfigError(
                 [
-                    f"model.source: {file}: tensor {key} has shape {list(shape)}, but the model its config.json "
+                    f"model.source: {file}: tensor {key} has shape {list(shapes[key])}, but the model its config.json "
                     f"describes has {list(params[key].shape)}"
                 ]
             )
@@ -195,9 +229,23 @@ class Pretrained(Values):
         if name in self.buffers:
             return self.buffers[name]
         key = self.key(name)
-        if key in self.new or key not in self.stored:
+        if key in self.new or key not in self.sources:
             return self._initialised(name, key)
-        return read_tensor(self.stored[key][0], key)
+        source = self.sources[key]
+        if isinstance(source, str):
+            return self._read(source)
+        return torch.stack([torch.cat([self._read(k) for k in expert]) for expert in source])
+
+    def _read(self, name: str) -> torch.Tensor:
+        return read_tensor(self.stored[name][0], name)
+
+    def _stored_shape(self, source: str | list[list[str]]) -> tuple[int, ...]:
+        """The shape of the tensor read from ``source``: a stored one's, or fused experts' [experts,
+        their rows, columns]."""
+        if isinstance(source, str):
+            return self.stored[source][1]
+        first = [self.stored[k][1] for k in source[0]]
+        return (len(source), sum(shape[0] for shape in first), *first[0][1:])
 
     def _initialised(self, name: str, key: str) -> torch.Tensor:
         """``transformers``' initialisation of the module holding ``name``, on a copy of it alone."""
