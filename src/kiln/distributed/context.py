@@ -119,6 +119,10 @@ class ContextParallelAttention:
 
         keys = gather_sequence(k, 2, self._cp_group, self._cp)
         values = gather_sequence(v, 2, self._cp_group, self._cp)
+        if (group := q.size(1) // k.size(1)) > 1:
+            # Repeated for the query heads here, once: the head chunk's keys are a prefix of the
+            # tail chunk's, so the two calls share (and autograd saves) one copy.
+            keys, values = keys.repeat_interleave(group, dim=1), values.repeat_interleave(group, dim=1)
         length, chunk = keys.size(2), q.size(2) // 2
         outs = []
         for part, end in ((0, (self._cp_rank + 1) * chunk), (1, length - self._cp_rank * chunk)):

@@ -117,11 +117,14 @@ class Attention(nn.Module):
         """Attention of queries q [B, H, T, head_dim] over keys and values [B, H_kv, S, head_dim]:
         causal (query i sees keys 0..i), or as ``mask`` says (a boolean mask or an attention
         bias). Context parallelism overrides it to see the keys of the sequence's other chunks."""
-        if k.size(1) != q.size(1):
-            # Each group of H // H_kv query heads shares one key/value head.
-            k = k.repeat_interleave(q.size(1) // k.size(1), dim=1)
-            v = v.repeat_interleave(q.size(1) // v.size(1), dim=1)
+        k, v = repeat_kv(k, q.size(1)), repeat_kv(v, q.size(1))
         return F.scaled_dot_product_attention(q, k.to(q.dtype), v.to(q.dtype), attn_mask=mask, is_causal=causal)
+
+
+def repeat_kv(x: torch.Tensor, heads: int) -> torch.Tensor:
+    """Keys or values [B, H_kv, S, head_dim] for ``heads`` query heads: each group of
+    heads // H_kv query heads shares one key/value head."""
+    return x if x.size(1) == heads else x.repeat_interleave(heads // x.size(1), dim=1)
 
 
 def _attend_cached(cache, k, v, start_pos):
