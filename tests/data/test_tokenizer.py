@@ -17,7 +17,7 @@ def corpus(tmp_path):
     """A .jsonl whose val documents (known in advance from the name hash) hold a word train never has."""
     lines = []
     for lineno in range(1, 41):
-        val = split_of(f"docs.jsonl:{lineno}", 0.2) == "val"
+        val = split_of(f"docs:{lineno}", 0.2) == "val"
         text = f"{VAL_ONLY} " * 50 if val else f"{TRAIN_WORDS} {lineno} " * 5
         lines.append(json.dumps({"text": text}))
     (tmp_path / "data").mkdir()

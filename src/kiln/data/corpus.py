@@ -1,34 +1,61 @@
 """Text corpora: the embedded Python standard library or user files, split into train and val.
 
-A document is ``(name, text)``. Its name is stable across machines and runs (a path relative to
-the corpus root, plus ``:LINE`` for .jsonl records and ``:ROW`` for .parquet rows), because the
+A document is ``(name, text)``. Its name is stable across machines and runs, because the
 train/val split is a hash of the name: adding or removing files never moves other documents
-between splits. Exact copies are kept once, so no text is on both sides; a document too large to
+between splits. A text file's name is its path relative to the corpus root. A record's name does
+not depend on the container: it is ``NAME:N``, NAME the path of its file without the format
+suffix (.jsonl, .jsonl.gz, .jsonl.zst, .parquet) and N its 1-based number (a .jsonl's line
+number, blank lines counted; a row number otherwise), so the same records as .jsonl, compressed
+.jsonl, .parquet or a ``datasets`` save give the same documents and the same split. The complete
+shards of a Hugging Face Hub split (``data/train-00000-of-00002.parquet``, ...) are numbered on as
+one file ``data/train``; a ``datasets.Dataset.save_to_disk`` directory as one file named after
+the directory. Exact copies are kept once, so no text is on both sides; a document too large to
 go to one side whole (a book, a dump) is split by position. See :class:`Corpus`.
 """
 
 from __future__ import annotations
 
+import contextlib
 import glob
+import gzip
 import hashlib
+import io
 import json
 import os
+import re
 import sysconfig
+import zlib
 from array import array
-from collections.abc import Iterator
+from collections.abc import Generator, Iterator
+from dataclasses import dataclass
 from functools import cached_property
 from pathlib import Path
 
 import numpy as np
 
 # Bump when the meaning of names, splits or reading changes, so fingerprints (and caches) change.
-CORPUS_VERSION = 2
+# 3: records are named without their format suffix and numbered from 1 (parquet rows too); Hub
+# shards and datasets saves are numbered as one file; .jsonl.gz, .jsonl.zst and .arrow are read.
+CORPUS_VERSION = 3
 # Plain-text files (.txt, and .py since source code is a natural corpus) are one document each.
 TEXT_EXTENSIONS = (".txt", ".py")
-EXTENSIONS = (*TEXT_EXTENSIONS, ".jsonl", ".parquet")
+# Record files: one document per line or row. Longest suffixes first, so .jsonl.gz is not .gz.
+RECORD_FORMATS = {
+    ".jsonl.gz": "jsonl",
+    ".jsonl.zst": "jsonl",
+    ".jsonl": "jsonl",
+    ".parquet": "parquet",
+    ".arrow": "arrow",  # only as part of a datasets save_to_disk directory
+}
+EXTENSIONS = (*TEXT_EXTENSIONS, *RECORD_FORMATS)
 SPLITS = ("train", "val")
 _STDLIB_EXCLUDED_DIRS = {"site-packages", "test", "tests", "idle_test"}
-_KINDS = "'stdlib', or a file, directory or glob of .txt, .py, .jsonl and .parquet files"
+_KINDS = (
+    "'stdlib', or a file, directory or glob of .txt, .py, .jsonl, .jsonl.gz, .jsonl.zst and .parquet "
+    "files, or a directory written by datasets' save_to_disk"
+)
+# A Hub shard's name without its format suffix: NAME-00000-of-00002, perhaps with a hash after.
+_SHARD = re.compile(r"(?P<stem>.+)-(?P<index>\d+)-of-(?P<count>\d+)(?:-[0-9a-f]{8,})?")
 
 
 class DataError(ValueError):
@@ -64,94 +91,233 @@ def position_cut(text: str, val_fraction: float) -> int | None:
     return None
 
 
-class Files:
-    """The files one source names, read as documents ``(name, text)`` in file order, then line or
-    row order; empty documents are skipped. Names are relative to ``root``."""
+@dataclass(frozen=True)
+class Part:
+    """Files read as one: a text file (one document, named by its path), or record files whose
+    records are numbered on from file to file, 1-based, and named ``NAME:N`` (a .jsonl, .jsonl.gz,
+    .jsonl.zst or .parquet file; the complete shards ``NAME-00000-of-0000M`` of a Hugging Face
+    Hub split; or a directory written by ``datasets.Dataset.save_to_disk``)."""
 
-    def __init__(self, source: str, root: Path, files: list[Path], text_field: str):
-        self.source, self.root, self.files, self.text_field = source, root, files, text_field
+    name: str
+    paths: tuple[Path, ...]
+    records: bool
+
+
+class Files:
+    """The files one source names, read as documents ``(name, text)`` in part order, then file,
+    then line or row order; empty documents are skipped. Names are relative to ``root``."""
+
+    def __init__(self, source: str, root: Path, parts: list[Part], text_field: str):
+        self.source, self.root, self.parts, self.text_field = source, root, parts, text_field
+
+    @property
+    def files(self) -> list[Path]:
+        return [path for part in self.parts for path in part.paths]
 
     def name_of(self, path: Path) -> str:
+        """A file's path relative to the root (a record's name is its part's name plus ``:N``)."""
         return path.relative_to(self.root).as_posix()
 
     def hash_into(self, h) -> None:
-        for path in self.files:
-            name = self.name_of(path).encode("utf-8")
-            # Length prefixes keep (name, content) boundaries unambiguous.
-            h.update(len(name).to_bytes(8, "big") + name + path.stat().st_size.to_bytes(8, "big"))
-            with open(path, "rb") as f:
-                while chunk := f.read(1 << 20):
-                    h.update(chunk)
+        for part in self.parts:
+            # Length prefixes keep (name, content) boundaries unambiguous; the part's name and its
+            # files in reading order fix every record's name.
+            _hash_field(h, f"{part.name}\0{int(part.records)}\0{len(part.paths)}".encode())
+            for path in part.paths:
+                _hash_field(h, self.name_of(path).encode("utf-8"))
+                h.update(path.stat().st_size.to_bytes(8, "big"))
+                with open(path, "rb") as f:
+                    while chunk := f.read(1 << 20):
+                        h.update(chunk)
 
     def documents(self) -> Iterator[tuple[str, str]]:
-        for path in self.files:
-            yield from self._read(path)
-
-    def _read(self, path: Path) -> Iterator[tuple[str, str]]:
-        rel = self.name_of(path)
-        suffix = path.suffix.lower()
-        if suffix in TEXT_EXTENSIONS:
-            text = path.read_text(encoding="utf-8", errors="replace")
-            if text.strip():
-                yield rel, text
-        elif suffix == ".jsonl":
-            yield from self._read_jsonl(path, rel)
-        else:
-            yield from self._read_parquet(path, rel)
-
-    def _read_jsonl(self, path: Path, rel: str) -> Iterator[tuple[str, str]]:
-        field = self.text_field
-        with open(path, encoding="utf-8", errors="replace") as f:
-            for lineno, line in enumerate(f, 1):
-                if not line.strip():
-                    continue
-                try:
-                    record = json.loads(line)
-                except json.JSONDecodeError as e:
-                    raise DataError(
-                        f"{path}:{lineno}: not valid JSON ({e.msg}); .jsonl needs one JSON object per line"
-                    ) from None
-                if not isinstance(record, dict):
-                    raise DataError(
-                        f"{path}:{lineno}: expected a JSON object with a string field {field!r}, "
-                        f"got a JSON {type(record).__name__}"
-                    )
-                text = record.get(field)
-                if not isinstance(text, str):
-                    raise DataError(
-                        f"{path}:{lineno}: no string field {field!r} (fields: {', '.join(record)}); "
-                        "set data.text_field to the field that holds the text"
-                    )
+        for part in self.parts:
+            if not part.records:
+                [path] = part.paths
+                text = path.read_text(encoding="utf-8", errors="replace")
                 if text.strip():
-                    yield f"{rel}:{lineno}", text
+                    yield part.name, text
+                continue
+            offset = 0  # records of the part's earlier files
+            for path in part.paths:
+                kind = _record_format(path.name)
+                read = self._read_jsonl if kind == "jsonl" else self._read_columnar
+                offset += yield from read(path, part.name, offset)
 
-    def _read_parquet(self, path: Path, rel: str) -> Iterator[tuple[str, str]]:
+    def _read_jsonl(self, path: Path, name: str, offset: int) -> Generator[tuple[str, str], None, int]:
+        """Documents of a .jsonl, .jsonl.gz or .jsonl.zst file, named by line number (blank lines
+        count); returns its number of lines."""
+        field = self.text_field
+        lines = 0
+        for lineno, line in _lines(path):
+            lines = lineno
+            if not line.strip():
+                continue
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise DataError(
+                    f"{path}:{lineno}: not valid JSON ({e.msg}); .jsonl needs one JSON object per line"
+                ) from None
+            if not isinstance(record, dict):
+                raise DataError(
+                    f"{path}:{lineno}: expected a JSON object with a string field {field!r}, "
+                    f"got a JSON {type(record).__name__}"
+                )
+            text = record.get(field)
+            if not isinstance(text, str):
+                raise DataError(
+                    f"{path}:{lineno}: no string field {field!r} (fields: {', '.join(record)}); "
+                    "set data.text_field to the field that holds the text"
+                )
+            if text.strip():
+                yield f"{name}:{offset + lineno}", text
+        return lines
+
+    def _read_columnar(self, path: Path, name: str, offset: int) -> Generator[tuple[str, str], None, int]:
+        """Documents of a .parquet file, or an .arrow file of a datasets save (an Arrow IPC
+        stream), one record batch at a time; named by row number; returns its number of rows."""
         import pyarrow as pa
-        import pyarrow.parquet as pq
 
-        try:
-            pf = pq.ParquetFile(path)
-        except (pa.ArrowException, OSError) as e:
-            raise DataError(f"{path}: not a readable Parquet file ({e})") from None
-        schema = pf.schema_arrow
+        parquet = _record_format(path.name) == "parquet"
+        what = "Parquet file" if parquet else "Arrow IPC stream (as datasets' save_to_disk writes)"
+        with contextlib.ExitStack() as stack:
+            try:
+                if parquet:
+                    import pyarrow.parquet as pq
+
+                    pf = stack.enter_context(pq.ParquetFile(path))
+                    schema = pf.schema_arrow
+                else:
+                    reader = stack.enter_context(pa.ipc.open_stream(stack.enter_context(pa.memory_map(str(path)))))
+                    schema = reader.schema
+            except (pa.ArrowException, OSError) as e:
+                raise DataError(f"{path}: not a readable {what} ({e})") from None
+            if not schema.names:
+                raise DataError(f"{path}: not a readable {what} (its schema has no columns)")
+            column = self._text_column(path, schema)
+            batches = iter(pf.iter_batches(columns=[self.text_field]) if parquet else reader)
+            rows = 0
+            while True:
+                try:
+                    batch = next(batches, None)
+                except (pa.ArrowException, OSError) as e:
+                    raise DataError(f"{path}: truncated or corrupt {what} after row {rows} ({e})") from None
+                if batch is None:
+                    return rows
+                for text in batch.column(0 if parquet else column).to_pylist():
+                    rows += 1
+                    # Nulls are treated like empty documents: skipped.
+                    if text is not None and text.strip():
+                        yield f"{name}:{offset + rows}", text
+
+    def _text_column(self, path: Path, schema) -> int:
+        import pyarrow as pa
+
         field = self.text_field
         if field not in schema.names:
             raise DataError(
                 f"{path}: no column {field!r}; columns are {', '.join(schema.names)}; "
                 "set data.text_field to the column that holds the text"
             )
-        if not (pa.types.is_string(schema.field(field).type) or pa.types.is_large_string(schema.field(field).type)):
+        kind = schema.field(field).type
+        if not (pa.types.is_string(kind) or pa.types.is_large_string(kind)):
             raise DataError(
-                f"{path}: column {field!r} has type {schema.field(field).type}, not string; "
+                f"{path}: column {field!r} has type {kind}, not string; "
                 "set data.text_field to the column that holds the text"
             )
-        row = 0  # 0-based row index over the whole file
-        for batch in pf.iter_batches(columns=[field]):
-            for text in batch.column(0).to_pylist():
-                # Nulls are treated like empty documents: skipped.
-                if text is not None and text.strip():
-                    yield f"{rel}:{row}", text
-                row += 1
+        return schema.get_field_index(field)
+
+
+def _hash_field(h, data: bytes) -> None:
+    h.update(len(data).to_bytes(8, "big") + data)
+
+
+def _record_format(filename: str) -> str | None:
+    """'jsonl', 'parquet' or 'arrow' for a record file's name, else None."""
+    suffix = _record_suffix(filename)
+    return None if suffix is None else RECORD_FORMATS[suffix]
+
+
+def _record_suffix(filename: str) -> str | None:
+    lower = filename.lower()
+    return next((s for s in RECORD_FORMATS if lower.endswith(s)), None)
+
+
+def _lines(path: Path) -> Iterator[tuple[int, str]]:
+    """``(line number, line)`` of a text file, plain, gzip- or zstd-compressed; a corrupt or
+    truncated compressed file is a DataError naming the last line read whole."""
+    lower = path.name.lower()
+    compression = "gzip" if lower.endswith(".gz") else "zstd" if lower.endswith(".zst") else None
+    lineno = 0
+    try:
+        with contextlib.ExitStack() as stack:
+            if compression == "gzip":
+                f = stack.enter_context(gzip.open(path, "rt", encoding="utf-8", errors="replace"))
+            elif compression == "zstd":
+                raw = stack.enter_context(open(path, "rb"))
+                frames = io.BufferedReader(_ZstdFrames(raw, _zstandard(path)), buffer_size=1 << 16)
+                f = stack.enter_context(io.TextIOWrapper(frames, encoding="utf-8", errors="replace"))
+            else:
+                f = stack.enter_context(open(path, encoding="utf-8", errors="replace"))
+            for line in f:
+                lineno += 1
+                yield lineno, line
+    except (OSError, EOFError, zlib.error) as e:
+        if compression is None:
+            raise
+        raise DataError(
+            f"{path}: truncated or corrupt {compression} data after line {lineno} ({e}); "
+            f"check the file, e.g. with `{'gzip' if compression == 'gzip' else 'zstd'} -t`"
+        ) from None
+
+
+def _zstandard(path: Path):
+    try:
+        import zstandard
+    except ImportError:
+        raise DataError(f"{path}: reading .zst files needs the zstandard package: pip install 'kiln[data]'") from None
+    return zstandard
+
+
+class _ZstdFrames(io.RawIOBase):
+    """The decompressed bytes of a zstd file, frame after frame (skippable frames and the frames
+    of parallel compressors included), a chunk at a time. Unlike zstandard's ``stream_reader``,
+    which ends quietly where a file was cut short, a frame cut short is an EOFError."""
+
+    _CHUNK = 1 << 17  # compressed bytes read at a time: output per read stays bounded
+
+    def __init__(self, raw, zstandard):
+        super().__init__()
+        self._raw = raw
+        self._error = zstandard.ZstdError
+        # A window of up to 2 GiB, so files written with `zstd --long=31` decompress too.
+        self._dctx = zstandard.ZstdDecompressor(max_window_size=1 << 31)
+        self._frame = None  # the decompressor of the current frame; None before the first
+        self._out = memoryview(b"")  # decompressed, not yet read
+
+    def readable(self) -> bool:
+        return True
+
+    def readinto(self, buffer) -> int:
+        while not self._out:
+            if self._frame is None or self._frame.eof:
+                data = (self._frame.unused_data if self._frame is not None else b"") or self._raw.read(self._CHUNK)
+                if not data:
+                    return 0  # the end of the file, between frames
+                self._frame = self._dctx.decompressobj()
+            else:
+                data = self._raw.read(self._CHUNK)
+                if not data:
+                    raise EOFError("the file ends inside a zstd frame")
+            try:
+                self._out = memoryview(self._frame.decompress(data))
+            except self._error as e:
+                raise OSError(str(e)) from None
+        n = min(len(buffer), len(self._out))
+        buffer[:n] = self._out[:n]
+        self._out = self._out[n:]
+        return n
 
 
 # What becomes of each document of the training source.
@@ -359,9 +525,12 @@ def open_corpus(
     """Resolve ``source`` ('stdlib', a file, a directory or a glob; '' for none) and ``val_source``
     (the same kinds, '' for none) to a Corpus; DataError if unusable.
 
-    Directories are searched recursively for .txt, .py, .jsonl and .parquet files (hidden files and
-    folders skipped); so are directories a glob matches. Names are relative to the directory,
-    to a file's parent, or to the glob's leading folder without wildcards.
+    Directories are searched recursively for .txt, .py, .jsonl, .jsonl.gz, .jsonl.zst and .parquet
+    files and ``datasets`` save_to_disk directories (hidden files and folders skipped); so are
+    directories a glob matches. Names are relative to the directory, to a file's parent, or to
+    the glob's leading folder without wildcards; a save named as the source is named after its
+    directory. A ``datasets`` DatasetDict (dataset_dict.json) is refused: its splits are not mixed,
+    the source names one split directory.
     """
     if not 0 < val_fraction < 1:
         raise ValueError(f"val_fraction must be in (0, 1), got {val_fraction}")
@@ -379,19 +548,118 @@ def _files(source: str, text_field: str, help: str) -> Files:
             if p.is_file() and not _STDLIB_EXCLUDED_DIRS.intersection(p.relative_to(root).parts[:-1])
         ]
     else:
+        path = Path(source).expanduser()
+        if path.is_dir() and (path / "dataset_dict.json").is_file():
+            raise _dataset_dict_error(path)
         root, files = find_files(source, EXTENSIONS, help)
     # abspath, not resolve: following symlinks could lead outside the root and change names.
     root = Path(os.path.abspath(root))
     unique = {Path(os.path.abspath(p)) for p in files}  # a glob like **/* can match a file directly and via its folder
     ordered = sorted(unique, key=lambda p: p.relative_to(root).as_posix())
-    return Files(source, root, ordered, text_field)
+    zst = next((p for p in ordered if p.name.lower().endswith(".zst")), None)
+    if zst is not None:
+        _zstandard(zst)  # before fingerprinting a large corpus, not after
+    return Files(source, root, _parts(root, ordered), text_field)
+
+
+def _parts(root: Path, files: list[Path]) -> list[Part]:
+    """``files`` (sorted by relative path) as parts, in the order of their first files: a part per
+    text or record file, except that a datasets save, and the complete set of a Hub split's shards,
+    are one part each."""
+    rel = {p: p.relative_to(root).as_posix() for p in files}
+    parts: list[tuple[str, Part]] = []  # (sort key, part)
+    saves: dict[Path, list[Path]] = {}
+    shards: dict[tuple[str, str, int], list[tuple[int, Path]]] = {}
+    for path in files:
+        suffix = _record_suffix(path.name)
+        if suffix is None:
+            parts.append((rel[path], Part(rel[path], (path,), records=False)))
+        elif suffix == ".arrow":
+            saves.setdefault(path.parent, []).append(path)
+        else:
+            name = rel[path][: -len(suffix)]
+            shard = _SHARD.fullmatch(name)
+            if shard is None:
+                parts.append((rel[path], Part(name, (path,), records=True)))
+            else:
+                key = (shard["stem"], suffix, int(shard["count"]))
+                shards.setdefault(key, []).append((int(shard["index"]), path))
+    for (stem, suffix, count), indexed in shards.items():
+        indexed.sort()
+        if [index for index, _ in indexed] == list(range(count)):
+            paths = tuple(path for _, path in indexed)
+            parts.append((rel[paths[0]], Part(stem, paths, records=True)))
+        else:  # not exactly one file per shard: each is a file of its own
+            parts.extend((rel[p], Part(rel[p][: -len(suffix)], (p,), records=True)) for _, p in indexed)
+    for directory, arrows in saves.items():
+        paths = _save_files(directory, arrows, root)
+        name = directory.relative_to(root).as_posix() if directory != root else directory.name
+        parts.append((min(rel[p] for p in paths), Part(name, paths, records=True)))
+    parts.sort(key=lambda item: item[0])
+    return [part for _, part in parts]
+
+
+def _save_files(directory: Path, found: list[Path], root: Path) -> tuple[Path, ...]:
+    """The .arrow files of a directory written by ``datasets.Dataset.save_to_disk``, in the
+    dataset's order (its state.json's ``_data_files``); DataError unless ``found`` (the .arrow
+    files the source named there) is exactly those."""
+    state_path = directory / "state.json"
+    save = "a directory written by datasets' Dataset.save_to_disk (state.json listing its .arrow files)"
+    if not state_path.is_file():
+        raise DataError(
+            f"{directory}: holds .arrow files ({found[0].name}) but no state.json; .arrow files are read "
+            f"only as {save}; convert other Arrow data to .parquet or .jsonl"
+        )
+    if directory != root and (directory.parent / "dataset_dict.json").is_file():
+        raise _dataset_dict_error(directory.parent)
+    try:
+        state = json.loads(state_path.read_text(encoding="utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise DataError(f"{state_path}: not valid JSON ({e}); .arrow files are read only as {save}") from None
+    listed = state.get("_data_files") if isinstance(state, dict) else None
+    if not (
+        isinstance(listed, list)
+        and listed
+        and all(isinstance(entry, dict) and isinstance(entry.get("filename"), str) for entry in listed)
+    ):
+        raise DataError(f"{state_path}: no _data_files list of .arrow files; {directory} is not {save}")
+    paths = tuple(directory / entry["filename"] for entry in listed)
+    for path in paths:
+        if not path.is_file() or _record_suffix(path.name) != ".arrow":
+            raise DataError(f"{state_path}: lists {path.name}, which is not an .arrow file in {directory}")
+    unlisted = sorted(set(found) - set(paths))
+    if unlisted:
+        raise DataError(
+            f"{unlisted[0]}: not one of the .arrow files that {state_path} lists; {directory} is not {save}"
+        )
+    if len(set(found)) != len(set(paths)):
+        raise DataError(
+            f"{directory}: the source names some of the .arrow files of this datasets save; a save is read "
+            f"whole: name its directory"
+        )
+    return paths
+
+
+def _dataset_dict_error(directory: Path) -> DataError:
+    try:
+        splits = [str(s) for s in json.loads((directory / "dataset_dict.json").read_text(encoding="utf-8"))["splits"]]
+    except (OSError, ValueError, KeyError, TypeError):
+        splits = sorted(p.name for p in directory.iterdir() if (p / "state.json").is_file())
+    train = "train" if "train" in splits else (splits or ["SPLIT"])[0]
+    others = [s for s in ("validation", "valid", "val", "test") if s in splits]
+    val = f", and data.val_source at {directory / others[0]} to validate on that split" if others else ""
+    return DataError(
+        f"{directory}: a DatasetDict written by datasets' save_to_disk (splits: {', '.join(splits) or 'none'}); "
+        f"kiln does not mix its splits: point data.source at one split, e.g. {directory / train}{val}"
+    )
 
 
 def find_files(source: str, extensions: tuple[str, ...], help: str) -> tuple[Path, list[Path]]:
-    """The files of ``extensions`` that ``source`` names (a file, a directory searched recursively
-    without hidden files and folders, or a glob), and the folder names are relative to (the
-    directory, a file's parent, or the glob's leading folder without wildcards); DataError naming
-    the source when there are none. ``help`` says what a source may be."""
+    """The files of ``extensions`` (name endings, matched without case) that ``source`` names (a
+    file, a directory searched recursively without hidden files and folders, or a glob), and the
+    folder names are relative to (the directory, a file's parent, or the glob's leading folder
+    without wildcards); DataError naming the source when there are none. ``help`` says what a
+    source may be."""
     kinds = ", ".join(extensions[:-1]) + f" or {extensions[-1]}" if len(extensions) > 1 else extensions[0]
     path = Path(source).expanduser()
     if glob.has_magic(source):
@@ -400,7 +668,7 @@ def find_files(source: str, extensions: tuple[str, ...], help: str) -> tuple[Pat
             raise DataError(f"{source}: the glob matched nothing; {help}")
         files = []
         for m in map(Path, matches):
-            files.extend(_walk(m, extensions) if m.is_dir() else [m] if m.suffix.lower() in extensions else [])
+            files.extend(_walk(m, extensions) if m.is_dir() else [m] if _has_extension(m, extensions) else [])
         if not files:
             raise DataError(f"{source}: the glob matched {len(matches)} paths but no {kinds} files")
         return _glob_root(path), files
@@ -410,17 +678,21 @@ def find_files(source: str, extensions: tuple[str, ...], help: str) -> tuple[Pat
             raise DataError(f"{path}: the directory holds no {kinds} files; {help}")
         return path, files
     if path.is_file():
-        if path.suffix.lower() not in extensions:
+        if not _has_extension(path, extensions):
             raise DataError(f"{path}: unsupported file type {path.suffix or '(none)'!r}; {help}")
         return path.parent, [path]
     raise DataError(f"{path}: no such file or directory; {help}")
+
+
+def _has_extension(path: Path, extensions: tuple[str, ...]) -> bool:
+    return path.name.lower().endswith(extensions)
 
 
 def _walk(directory: Path, extensions: tuple[str, ...]) -> list[Path]:
     return [
         p
         for p in directory.rglob("*")
-        if p.suffix.lower() in extensions
+        if _has_extension(p, extensions)
         and p.is_file()
         and not any(part.startswith(".") for part in p.relative_to(directory).parts)
     ]
