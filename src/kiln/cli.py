@@ -255,15 +255,16 @@ def cmd_train(args) -> int:
 
 
 def cmd_prepare(args) -> int:
-    from kiln.data import prepare
+    from kiln.data import prepare, prepare_mix
 
-    prepared = prepare(_load(args).data)
-    m = prepared.manifest
-    state = "tokenized" if prepared.tokenized else "already prepared (nothing to do)"
-    print(f"kiln: {state}: {prepared.dir}")
-    for split, s in m["splits"].items():
-        print(f"  {split}: {s['documents']:,} documents, {s['tokens']:,} tokens, {s['bytes']:,} bytes")
-    print(f"  vocab {prepared.vocab_size}, corpus fingerprint {m['corpus_fingerprint'][:16]}")
+    data = _load(args).data
+    for name, prepared in (prepare_mix(data) if data.mix else {"": prepare(data)}).items():
+        m = prepared.manifest
+        state = "tokenized" if prepared.tokenized else "already prepared (nothing to do)"
+        print(f"kiln: {state}{f' data.mix source {name!r}' if name else ''}: {prepared.dir}")
+        for split, s in m["splits"].items():
+            print(f"  {split}: {s['documents']:,} documents, {s['tokens']:,} tokens, {s['bytes']:,} bytes")
+        print(f"  vocab {prepared.vocab_size}, corpus fingerprint {m['corpus_fingerprint'][:16]}")
     return 0
 
 

@@ -40,6 +40,8 @@ def _type_name(tp: Any) -> str:
 
 def _coerce(key: str, tp: Any, value: Any, from_text: bool) -> Any:
     """Turn ``value`` into type ``tp`` or raise ConfigError naming ``key``."""
+    if get_origin(tp) is tuple and dataclasses.is_dataclass(get_args(tp)[0]):
+        return _tables(key, get_args(tp)[0], value, from_text)
     if get_origin(tp) in _UNIONS:
         for option in get_args(tp):
             try:
@@ -79,6 +81,41 @@ def _coerce(key: str, tp: Any, value: Any, from_text: bool) -> Any:
         if from_text:
             return str(value)
     raise ConfigError([f"{key}: expected {_type_name(tp)}, got {value!r}"])
+
+
+def _tables(key: str, cls: Any, value: Any, from_text: bool) -> tuple:
+    """A list of tables (``[[section.key]]`` in TOML, or an inline array of them on the command
+    line: ``[{a = 1}, {a = 2}]``) as a tuple of ``cls``, each field coerced, errors naming
+    ``key[i].field``."""
+    if from_text:
+        try:
+            value = tomllib.loads(f"value = {value}")["value"]
+        except tomllib.TOMLDecodeError as e:
+            raise ConfigError(
+                [f"{key}: expected a TOML array of tables, [{{key = value}}, ...], got {value!r} ({e})"]
+            ) from None
+    if not isinstance(value, list) or not all(isinstance(v, dict) for v in value):
+        raise ConfigError([f"{key}: expected a list of tables, got {value!r}"])
+    hints = typing.get_type_hints(cls)
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    required = [name for name, f in fields.items() if f.default is dataclasses.MISSING]
+    errors, out = [], []
+    for i, table in enumerate(value):
+        where = f"{key}[{i}]"
+        errors += [f"{where}.{k}: unknown key; keys are {', '.join(fields)}" for k in table if k not in fields]
+        errors += [f"{where}: needs {name} = ..." for name in required if name not in table]
+        coerced = {}
+        for k, v in table.items():
+            if k in fields:
+                try:
+                    coerced[k] = _coerce(f"{where}.{k}", hints[k], v, False)
+                except ConfigError as e:
+                    errors += e.errors
+        if not errors:
+            out.append(cls(**coerced))
+    if errors:
+        raise ConfigError(errors)
+    return tuple(out)
 
 
 def _unknown_key(key: str, known: list[str]) -> str:

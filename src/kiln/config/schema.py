@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -126,12 +127,41 @@ class ModelConfig:
 
 
 @dataclass(frozen=True)
+class MixSource:
+    """One corpus of a weighted mixture (``data.mix``)."""
+
+    source: str
+    weight: float
+    text_field: str = ""  # empty: data.text_field
+    name: str = ""  # empty: from the source (a file's or folder's name)
+
+    @property
+    def label(self) -> str:
+        """The source's name in metrics and reports."""
+        if self.name:
+            return self.name
+        stem = self.source.rstrip("/").rsplit("/", 1)[-1]
+        for suffix in (".gz", ".zst", ".jsonl", ".parquet", ".txt"):
+            stem = stem.removesuffix(suffix)
+        return stem or self.source
+
+
+@dataclass(frozen=True)
 class DataConfig:
     source: str = "stdlib"
     """Training text: 'stdlib' (the Python standard library on this machine, no download) or a
-    file, directory or glob of .txt or .py files (one document each), .jsonl (one document per
-    line) and .parquet files (one per row). Fine-tuning records (see data.format) come from
-    .jsonl, .csv or .parquet files."""
+    file, directory or glob of .txt or .py files (one document each), .jsonl, .jsonl.gz and
+    .jsonl.zst (one document per line), .parquet files (one per row; Hub-style shard sets read as
+    one) and directories written by datasets' save_to_disk. Fine-tuning records (see data.format)
+    come from .jsonl, .csv or .parquet files."""
+    mix: tuple[MixSource, ...] = ()
+    """A weighted mixture of corpora instead of data.source, each entry {source = ..., weight = ...}
+    (optionally text_field, and name, its label in metrics): [[data.mix]] tables in TOML, or
+    --set 'data.mix=[{source="web/", weight=0.7}, {source="code.jsonl", weight=0.3}]'. Weights are
+    shares of the training sequences; each source has its own train/val split, one tokenizer is
+    trained on them all, and validation reports each source and their weighted mean."""
+    max_epochs: float = 4.0
+    """With data.mix: an event warns when a source has been read more than this many times over."""
     format: Literal["auto", "text", "records"] = "auto"
     """text: a corpus (one document per file, line or row); records: fine-tuning examples
     (prompt/completion or messages for causal_lm, text/label for sequence_classification);
@@ -182,32 +212,61 @@ class DataConfig:
     """Where tokenizers and token shards are cached; empty means $KILN_CACHE or ~/.cache/kiln."""
 
     def errors(self) -> list[str]:
-        return _failed(
-            (
-                self.vocab_size >= 260,
-                f"data.vocab_size: must be >= 260 (256 bytes and special tokens), got {self.vocab_size}",
-            ),
-            (self.seq_len >= 2, f"data.seq_len: must be >= 2, got {self.seq_len}"),
-            (0 < self.val_fraction < 1, f"data.val_fraction: must be in (0, 1), got {self.val_fraction}"),
-            (self.num_workers >= 0, f"data.num_workers: must be >= 0, got {self.num_workers}"),
-            (self.prepare_workers >= 0, f"data.prepare_workers: must be >= 0, got {self.prepare_workers}"),
-            (
-                self.position_split_chars >= 0,
-                f"data.position_split_chars: must be >= 0, got {self.position_split_chars}",
-            ),
-            *(
-                (bool(getattr(self, key)), f"data.{key}: must not be empty")
-                for key in (
-                    "text_field",
-                    "text_pair_field",
-                    "label_field",
-                    "prompt_field",
-                    "completion_field",
-                    "messages_field",
-                )
-            ),
-            (bool(self.source), "data.source: must not be empty; use 'stdlib' or a path"),
+        return (
+            _failed(
+                (
+                    self.vocab_size >= 260,
+                    f"data.vocab_size: must be >= 260 (256 bytes and special tokens), got {self.vocab_size}",
+                ),
+                (self.seq_len >= 2, f"data.seq_len: must be >= 2, got {self.seq_len}"),
+                (0 < self.val_fraction < 1, f"data.val_fraction: must be in (0, 1), got {self.val_fraction}"),
+                (self.num_workers >= 0, f"data.num_workers: must be >= 0, got {self.num_workers}"),
+                (self.prepare_workers >= 0, f"data.prepare_workers: must be >= 0, got {self.prepare_workers}"),
+                (
+                    self.position_split_chars >= 0,
+                    f"data.position_split_chars: must be >= 0, got {self.position_split_chars}",
+                ),
+                *(
+                    (bool(getattr(self, key)), f"data.{key}: must not be empty")
+                    for key in (
+                        "text_field",
+                        "text_pair_field",
+                        "label_field",
+                        "prompt_field",
+                        "completion_field",
+                        "messages_field",
+                    )
+                ),
+                (bool(self.source), "data.source: must not be empty; use 'stdlib' or a path"),
+                (not self.mix or self.source == "stdlib", "data.mix: give either data.source or data.mix, not both"),
+                (self.max_epochs > 0, f"data.max_epochs: must be above 0, got {self.max_epochs}"),
+            )
+            + self._mix_errors()
         )
+
+    def __post_init__(self):
+        # A config read back from a checkpoint or a run's config.toml holds the mixture as tables.
+        if any(isinstance(m, dict) for m in self.mix):
+            object.__setattr__(self, "mix", tuple(m if isinstance(m, MixSource) else MixSource(**m) for m in self.mix))
+
+    def _mix_errors(self) -> list[str]:
+        errors = []
+        for i, m in enumerate(self.mix):
+            if not m.source:
+                errors.append(f"data.mix[{i}].source: must not be empty")
+            if not (m.weight > 0 and math.isfinite(m.weight)):
+                errors.append(f"data.mix[{i}].weight: must be a number above 0, got {m.weight}")
+        total = sum(m.weight for m in self.mix if m.weight > 0 and math.isfinite(m.weight))
+        for i, m in enumerate(self.mix):
+            if 0 < m.weight < total / 1000:
+                errors.append(
+                    f"data.mix[{i}].weight: {m.weight} is {m.weight / total:.2%} of the mixture, below the 0.1% "
+                    "that it draws at the least (one sequence in a thousand)"
+                )
+        labels = [m.label for m in self.mix]
+        for label in sorted({x for x in labels if labels.count(x) > 1}):
+            errors.append(f"data.mix: two sources are named {label!r}; give each a distinct name (name = ...)")
+        return errors
 
 
 @dataclass(frozen=True)
@@ -714,6 +773,15 @@ class Config:
         pp, cp, micro = self.parallel.pp, self.parallel.cp, self.train.micro_batch_size
         combinations = [
             (
+                not self.data.mix or self.data.format != "records",
+                "data.mix: a mixture is of text corpora; fine-tuning records (data.format=records) come from "
+                "data.source",
+            ),
+            (
+                not self.data.mix or not self.data.val_source,
+                "data.val_source: with data.mix each source is split into train and val itself; leave it empty",
+            ),
+            (
                 cp == 1 or self.data.seq_len % (2 * cp) == 0,
                 f"parallel.cp: each sequence is cut into 2 x parallel.cp = {2 * cp} equal chunks, so it must divide "
                 f"data.seq_len={self.data.seq_len}",
@@ -777,4 +845,8 @@ def _toml_value(value: Any) -> str:
         return "true" if value else "false"
     if isinstance(value, (int, float)):
         return repr(value)
+    if isinstance(value, (list, tuple)):
+        return "[" + ", ".join(map(_toml_value, value)) + "]"
+    if isinstance(value, dict):  # an inline table
+        return "{" + ", ".join(f"{k} = {_toml_value(v)}" for k, v in value.items()) + "}"
     return json.dumps(value)  # a JSON string is a valid TOML basic string

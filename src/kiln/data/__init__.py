@@ -2,7 +2,7 @@
 
 from kiln.data.corpus import Corpus, DataError, open_corpus, split_of
 from kiln.data.loader import StepSampler, TokenSequences, make_train_loader, val_batches
-from kiln.data.shards import PreparedData, cache_root, open_prepared, prepare, verify
+from kiln.data.shards import PreparedData, cache_root, open_prepared, prepare, prepare_mix, verify
 from kiln.data.tokenizer import EOT, eot_id, load_or_train_tokenizer, token_byte_lengths, tokenizer_hash
 
 __all__ = [
@@ -19,6 +19,7 @@ __all__ = [
     "open_corpus",
     "open_prepared",
     "prepare",
+    "prepare_mix",
     "split_of",
     "token_byte_lengths",
     "tokenizer_hash",

@@ -9,7 +9,7 @@ from __future__ import annotations
 import hashlib
 import sys
 from collections.abc import Callable, Iterable, Iterator, Sized
-from typing import Any, cast
+from typing import Any, Protocol, cast
 
 import numpy as np
 import torch
@@ -68,37 +68,21 @@ class TokenSequences(Dataset):
         return state
 
 
-class StepSampler(Sampler):
-    """An endless stream of batches of item indices for this rank, one per optimizer step.
+class Order(Protocol):
+    """A data order: the dataset item at each position g of the run's sequences."""
 
-    The j-th sequence of step s has global position g = B(s) + j, where B(s) counts the
-    sequences of all steps before s (the schedule's ``samples_before``), and is item
-    ``perm_e[g % num_items]``, where e = g // num_items is its epoch and perm_e a permutation
-    seeded by (seed, e). Every item appears once per epoch. Rank r of world_size W takes the
-    contiguous share j in [r*b/W, (r+1)*b/W) of each step's global batch of b sequences.
-    """
+    def item(self, g: int) -> int: ...
 
-    def __init__(
-        self,
-        num_items: int,
-        schedule: BatchSchedule | int,
-        seed: int,
-        start_step: int = 0,
-        rank: int = 0,
-        world_size: int = 1,
-    ):
+
+class Shuffled:
+    """The data order of one dataset of ``num_items``: position g is item ``perm_e[g %
+    num_items]``, where e = g // num_items is its epoch and perm_e a permutation seeded by (seed,
+    e). Every item appears once per epoch."""
+
+    def __init__(self, num_items: int, seed: int):
         if num_items < 1:
             raise ValueError(f"num_items must be >= 1, got {num_items}")
-        self.schedule = schedule if isinstance(schedule, BatchSchedule) else BatchSchedule(schedule)
-        uneven = [b for b in self.schedule.sizes() if b % world_size]
-        if uneven:
-            raise ValueError(f"global batch size {uneven[0]} is not divisible by world_size {world_size}")
-        if not 0 <= rank < world_size:
-            raise ValueError(f"rank {rank} out of range for world_size {world_size}")
-        self.num_items = num_items
-        self.seed = seed
-        self.start_step = start_step
-        self.rank, self.world_size = rank, world_size
+        self.num_items, self.seed = num_items, seed
         self._perm: torch.Tensor | None
         self._epoch, self._perm = -1, None
 
@@ -111,12 +95,50 @@ class StepSampler(Sampler):
         assert self._perm is not None  # set for every epoch >= 0 (self._epoch starts at -1)
         return self._perm
 
+    def item(self, g: int) -> int:
+        return int(self.permutation(g // self.num_items)[g % self.num_items])
+
+
+def data_order(dataset: Dataset, seed: int) -> Order:
+    """The order the run reads ``dataset`` in: its own where it has one (a ``Mixture``), else shuffled."""
+    return cast(Order, dataset) if callable(getattr(dataset, "item", None)) else Shuffled(dataset_len(dataset), seed)
+
+
+class StepSampler(Sampler):
+    """An endless stream of batches of item indices for this rank, one per optimizer step.
+
+    The j-th sequence of step s has global position g = B(s) + j, where B(s) counts the
+    sequences of all steps before s (the schedule's ``samples_before``), and is the item the data
+    order gives g (``items``: an ``Order``, or a number of items, read ``Shuffled`` by ``seed``).
+    Rank r of world_size W takes the contiguous share j in [r*b/W, (r+1)*b/W) of each step's
+    global batch of b sequences.
+    """
+
+    def __init__(
+        self,
+        items: int | Order,
+        schedule: BatchSchedule | int,
+        seed: int,
+        start_step: int = 0,
+        rank: int = 0,
+        world_size: int = 1,
+    ):
+        self.order = Shuffled(items, seed) if isinstance(items, int) else items
+        self.schedule = schedule if isinstance(schedule, BatchSchedule) else BatchSchedule(schedule)
+        uneven = [b for b in self.schedule.sizes() if b % world_size]
+        if uneven:
+            raise ValueError(f"global batch size {uneven[0]} is not divisible by world_size {world_size}")
+        if not 0 <= rank < world_size:
+            raise ValueError(f"rank {rank} out of range for world_size {world_size}")
+        self.start_step = start_step
+        self.rank, self.world_size = rank, world_size
+
     def __iter__(self) -> Iterator[list[int]]:
         step = self.start_step
         while True:
             per_rank = self.schedule.batch_size(step) // self.world_size
             base = self.schedule.samples_before(step) + self.rank * per_rank
-            yield [int(self.permutation(g // self.num_items)[g % self.num_items]) for g in range(base, base + per_rank)]
+            yield [self.order.item(g) for g in range(base, base + per_rank)]
             step += 1
 
 
@@ -147,7 +169,7 @@ def make_train_loader(
             f"the training split has {num_tokens} tokens, fewer than seq_len + 1 = {seq_len + 1}; "
             "lower data.seq_len or use more data"
         )
-    sampler = StepSampler(dataset_len(dataset), schedule, seed, start_step, rank, world_size)
+    sampler = StepSampler(data_order(dataset, seed), schedule, seed, start_step, rank, world_size)
     workers = num_workers > 0
     return DataLoader(
         dataset,
@@ -205,7 +227,8 @@ class StepBatches:
 
     def items(self, step: int) -> list[int]:
         """This rank's dataset items of ``step``."""
-        sampler = StepSampler(dataset_len(self.dataset), self.schedule, self.seed, step - 1, self.rank, self.world_size)
+        order = data_order(self.dataset, self.seed)
+        sampler = StepSampler(order, self.schedule, self.seed, step - 1, self.rank, self.world_size)
         return next(iter(sampler))
 
     def batch(self, step: int, device: torch.device):

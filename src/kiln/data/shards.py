@@ -30,6 +30,7 @@ from tokenizers import Tokenizer
 
 from kiln.data.corpus import SPLITS, Corpus, DataError, open_corpus
 from kiln.data.tokenizer import (
+    TrainingText,
     bpe_cache_path,
     eot_id,
     load_or_train_tokenizer,
@@ -107,19 +108,61 @@ def prepare(data_cfg, progress: bool = True) -> PreparedData:
     file sizes against the manifest; it neither trains nor tokenizes.
     """
     report = _Reporter(progress)
-    root = cache_root(data_cfg)
+    corpus = _open(data_cfg, data_cfg.source, data_cfg.text_field, report)
+    return _prepare(corpus, _tokenizer(corpus, data_cfg, report), data_cfg, report)
+
+
+def prepare_mix(data_cfg, progress: bool = True) -> dict[str, PreparedData]:
+    """Each source of the mixture ``data_cfg.mix`` prepared as ``prepare`` does one corpus (its own
+    train/val split and cache entry), all with one tokenizer trained on their train splits
+    together; by the sources' names."""
+    report = _Reporter(progress)
+    corpora = [_open(data_cfg, m.source, m.text_field or data_cfg.text_field, report) for m in data_cfg.mix]
+    tok = _tokenizer(Corpora(corpora), data_cfg, report)
+    return {m.label: _prepare(c, tok, data_cfg, report) for m, c in zip(data_cfg.mix, corpora, strict=True)}
+
+
+class Corpora:
+    """Several corpora as one text to train a tokenizer on."""
+
+    def __init__(self, corpora: list[Corpus]):
+        self.corpora = corpora
+
+    @property
+    def fingerprint(self) -> str:
+        return hashlib.sha256("\0".join(c.fingerprint for c in self.corpora).encode()).hexdigest()
+
+    def documents(self, split: str) -> Iterator[tuple[str, str]]:
+        for corpus in self.corpora:
+            yield from corpus.documents(split)
+
+    def count(self, split: str) -> int:
+        return sum(c.count(split) for c in self.corpora)
+
+
+def _open(data_cfg, source: str, text_field: str, report: _Reporter) -> Corpus:
     corpus = open_corpus(
-        data_cfg.source,
-        data_cfg.text_field,
+        source,
+        text_field,
         data_cfg.val_fraction,
         val_source=data_cfg.val_source,
         position_split_chars=data_cfg.position_split_chars,
     )
     report.line(f"kiln: fingerprinting {len(corpus.files)} files of {corpus.source!r} ...")
-    fingerprint = corpus.fingerprint
-    if data_cfg.tokenizer == "bpe" and not bpe_cache_path(corpus, data_cfg, root).is_file():
+    corpus.fingerprint  # noqa: B018 (computed here, after its message, and cached)
+    return corpus
+
+
+def _tokenizer(text: TrainingText, data_cfg, report: _Reporter) -> Tokenizer:
+    root = cache_root(data_cfg)
+    if data_cfg.tokenizer == "bpe" and not bpe_cache_path(text, data_cfg, root).is_file():
         report.line(f"kiln: training a byte-level BPE tokenizer (vocab {data_cfg.vocab_size}) on the train split ...")
-    tok = load_or_train_tokenizer(corpus, data_cfg, root)
+    return load_or_train_tokenizer(text, data_cfg, root)
+
+
+def _prepare(corpus: Corpus, tok: Tokenizer, data_cfg, report: _Reporter) -> PreparedData:
+    """``corpus`` tokenized with ``tok`` into the cache, or found there."""
+    root, fingerprint = cache_root(data_cfg), corpus.fingerprint
     tok_hash = tokenizer_hash(tok)
     key = hashlib.sha256(f"{fingerprint}\0{tok_hash}\0{FORMAT_VERSION}".encode()).hexdigest()
     final = root / "prepared" / key[:32]

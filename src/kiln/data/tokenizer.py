@@ -6,13 +6,14 @@ from __future__ import annotations
 import hashlib
 import json
 import threading
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from pathlib import Path
+from typing import Protocol
 
 import numpy as np
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
-from kiln.data.corpus import Corpus, DataError
+from kiln.data.corpus import DataError
 from kiln.io import write_atomic
 
 EOT = "<|endoftext|>"
@@ -22,7 +23,18 @@ TOKENIZER_VERSION = 1
 _EOS_NAMES = ("</s>", "<|end_of_text|>", "<eos>", "<|eos|>", "[EOS]", "<|im_end|>", "<|eot_id|>")
 
 
-def load_or_train_tokenizer(corpus: Corpus, data_cfg, cache_dir: Path) -> Tokenizer:
+class TrainingText(Protocol):
+    """What a BPE is trained on: a corpus, or several (a mixture's)."""
+
+    @property
+    def fingerprint(self) -> str: ...
+
+    def documents(self, split: str) -> Iterator[tuple[str, str]]: ...
+
+    def count(self, split: str) -> int: ...
+
+
+def load_or_train_tokenizer(corpus: TrainingText, data_cfg, cache_dir: Path) -> Tokenizer:
     """The tokenizer ``data_cfg.tokenizer`` names: 'bpe' trains (or reuses) one, else a tokenizer.json path.
 
     A trained BPE is cached at ``cache_dir/tokenizers/<key>/tokenizer.json``, where the key covers
@@ -38,7 +50,7 @@ def load_or_train_tokenizer(corpus: Corpus, data_cfg, cache_dir: Path) -> Tokeni
     return tok
 
 
-def bpe_cache_path(corpus: Corpus, data_cfg, cache_dir: Path) -> Path:
+def bpe_cache_path(corpus: TrainingText, data_cfg, cache_dir: Path) -> Path:
     """Where the BPE trained for this corpus and vocab size is (or will be) cached."""
     key = hashlib.sha256(f"{corpus.fingerprint}\0{data_cfg.vocab_size}\0{TOKENIZER_VERSION}".encode()).hexdigest()
     return Path(cache_dir) / "tokenizers" / key[:32] / "tokenizer.json"

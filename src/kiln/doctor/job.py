@@ -146,8 +146,8 @@ def build_job(
         return _finetune_job(job, device, device_problem)
     prepared, data_problem = None, None
     if train_data is None:
-        try:  # the corpus of the config's language-model job
-            prepared = LMJob(cfg).prepare_data(World(device=device), console=progress)
+        try:  # the corpus of the config's language-model job (a mixture's first source)
+            prepared = next(iter(LMJob(cfg).prepare_data(World(device=device), console=progress).values()))
         except DataError as e:
             data_problem = str(e)
         if prepared is not None:

@@ -25,6 +25,7 @@ FIGURE_FORMATS = ("png", "svg", "pdf")
 MEMORY_PREFIX = "memory/"
 EVENT_COLORS = ["tab:red", "tab:gray", "tab:olive", "tab:pink"]
 MOE_LOAD = "moe/load"
+SOURCE_TOKENS = "data/tokens/"
 
 
 # -- reading the run ----------------------------------------------------------------------------
@@ -157,6 +158,16 @@ def summarize(records: list[dict[str, Any]], env: dict[str, Any] | None = None) 
         "moe_router_entropy_last": _last(train, "moe/router_entropy"),
         # An interval that dropped nothing logs no ``moe/dropped``: its last value may be stale.
         "moe_dropped_max": _best(train, "moe/dropped", higher=True),
+        # A data mixture's sources: tokens and epochs drawn, and the last validation of each.
+        "sources": {
+            name: {
+                "tokens": _last(train, f"data/tokens/{name}"),
+                "epochs": _last(train, f"data/epochs/{name}"),
+                "val_loss_last": _last(evals, f"val_loss/{name}"),
+                "val_bpb_last": _last(evals, f"val_bpb/{name}"),
+            }
+            for name in sorted({k.removeprefix(SOURCE_TOKENS) for r in train for k in r if k.startswith(SOURCE_TOKENS)})
+        },
     }
 
 
@@ -223,6 +234,12 @@ def format_summary(run_dir: Path, s: dict[str, Any]) -> str:
             f"router       entropy last {_num(s['moe_router_entropy_last'])} nats"
             f" (at most ln {s['moe_experts']} = {math.log(s['moe_experts']):.4g}){dropped}"
         )
+    for name, use in s["sources"].items():
+        drawn = sum(u["tokens"] or 0 for u in s["sources"].values())
+        share = f" ({use['tokens'] / drawn:.1%})" if drawn and use["tokens"] is not None else ""
+        val = f"  val loss last {_num(use['val_loss_last'])}" if use["val_loss_last"] is not None else ""
+        epochs = _num(use["epochs"], ".3g")
+        lines.append(f"source {name:<6}{_count(use['tokens'] or 0)} tokens{share}, {epochs} epochs{val}")
     events = ", ".join(f"{kind} x{n}" for kind, n in sorted(s["events"].items())) or "none"
     lines.append(f"events       {events}")
     return "\n".join(lines) + "\n"

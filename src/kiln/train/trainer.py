@@ -41,6 +41,7 @@ from kiln.train.precision import Precision
 from kiln.train.routing import ExpertLoad
 from kiln.train.run import Budget, FitResult, StopRequest, seed_everything, write_run_files
 from kiln.train.setup import SetupTimes, start_model
+from kiln.train.sources import SourceUse
 from kiln.train.step import LossFn, TrainStep
 from kiln.train.straggler import Stragglers
 from kiln.train.time_plan import TimePlan
@@ -122,18 +123,14 @@ class Trainer:
             busy=self.stragglers.clock,
         )
         self.params, self.expert_load = self.train_step.params, ExpertLoad(self.model.module, world)
+        self.sources = SourceUse(job.train_data, schedule, cfg.data.max_epochs)
         self.ladder.bind(self.train_step)
         self.meter = StepMeter(
             world, t.log_every, schedule, tokens_per_sample=job.tokens_per_sample, flops_per_token=job.flops_per_token
         )
         self.time_plan = TimePlan(cfg)
-        parts: dict[str, Stateful] = {
-            "precision": self.precision,
-            "memory": self.ladder,
-            "guard": self.guard,
-            "meter": self.meter,
-            "time_plan": self.time_plan,
-        }
+        parts: dict[str, Stateful] = {"precision": self.precision, "memory": self.ladder, "guard": self.guard}
+        parts.update(meter=self.meter, time_plan=self.time_plan)
         self.checkpointer = Checkpointer(
             cfg, world, self.model, self.optimizer, parts, self.batches, self._say, faults=self.faults
         )
@@ -284,7 +281,7 @@ class Trainer:
             values, step=self.step, lr=lr, elapsed_s=elapsed_s, micro_batch_size=self.micro_batch_size
         )
         record.update(self.precision.metrics())
-        record.update(self.guard.metrics() | self.expert_load.metrics())
+        record.update(self.guard.metrics() | self.expert_load.metrics() | self.sources.metrics(self.step, logger))
         logger.log(self.step, record)
         self.stragglers.review(self.step, len(values["losses"]), logger)
         return record, review.rollback

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import shutil
 from pathlib import Path
 from typing import Any
@@ -18,9 +19,10 @@ import torch
 from torch import nn
 
 from kiln.config import ConfigError, DataConfig
-from kiln.data import PreparedData, TokenSequences, prepare, val_batches
+from kiln.data import PreparedData, TokenSequences, prepare, prepare_mix, val_batches
 from kiln.data.batch import split_batch
 from kiln.data.loader import covering_batches
+from kiln.data.mixture import Mixture
 from kiln.data.tokenizer import Codec
 from kiln.distributed.world import World
 from kiln.models.family import ModelFamily
@@ -33,39 +35,56 @@ class LMJob(Job):
 
     def prepare(self, world: World, console: bool) -> None:
         cfg, family = self.cfg, self.family
-        prepared = self.prepare_data(world, console)
+        self.sources = self.prepare_data(world, console)
+        prepared = self.prepared = next(iter(self.sources.values()))  # the sources share one tokenizer
         seq_len = cfg.data.seq_len
-        self.prepared = prepared
         self.args = family.resolve(cfg.model, vocab_size=prepared.vocab_size, seq_len=seq_len)
-        self.train_data = TokenSequences(prepared.tokens("train"), seq_len)
-        val_data = TokenSequences(prepared.tokens("val"), seq_len)
-        if len(self.train_data) < 1 or len(val_data) < 1:
-            raise ConfigError(
-                [
-                    f"data.seq_len: {seq_len} is longer than the corpus allows "
-                    f"(train {len(self.train_data)} / val {len(val_data)} sequences); lower data.seq_len"
-                ]
-            )
-        # A fixed validation sample, scored in chunks of the micro-batch in use at the time (the
-        # out-of-memory ladder may lower it); with "auto", sized as if the micro-batch were 8.
-        self.fixed_val = val_batches(val_data, cfg.train.nominal_micro_batch, cfg.eval.batches)
+        train = {name: TokenSequences(p.tokens("train"), seq_len) for name, p in self.sources.items()}
+        val = {name: TokenSequences(p.tokens("val"), seq_len) for name, p in self.sources.items()}
+        for name in train:
+            if len(train[name]) < 1 or len(val[name]) < 1:
+                of = f" of data.mix source {name!r}" if cfg.data.mix else ""
+                raise ConfigError(
+                    [
+                        f"data.seq_len: {seq_len} is longer than the corpus{of} allows "
+                        f"(train {len(train[name])} / val {len(val[name])} sequences); lower data.seq_len"
+                    ]
+                )
+        self.weights = {m.label: m.weight for m in cfg.data.mix}
+        self.train_data = (
+            Mixture(list(train), list(train.values()), list(self.weights.values()), cfg.train.seed)
+            if cfg.data.mix
+            else train[""]
+        )
+        # A fixed validation sample (of each source), scored in chunks of the micro-batch in use at
+        # the time (the out-of-memory ladder may lower it); with "auto", sized as if it were 8.
+        self.fixed_val = {
+            name: val_batches(data, cfg.train.nominal_micro_batch, cfg.eval.batches) for name, data in val.items()
+        }
         self.token_bytes = torch.from_numpy(prepared.token_bytes())
         self.tokens_per_sample = seq_len
         self.flops_per_token = family.flops_per_token(self.args, seq_len)
         self.plan = family.parallel_plan(self.args)
         self.loss_fn = family.loss
 
-    def prepare_data(self, world: World, console: bool) -> PreparedData:
-        """The corpus, tokenized into the cache: rank 0 fills it (tokenizer, shards), then the
-        others find it there."""
+    def prepare_data(self, world: World, console: bool) -> dict[str, PreparedData]:
+        """The corpus (by the name "") or each source of the mixture, tokenized into the cache:
+        rank 0 fills it (tokenizer, shards), then the others find it there."""
+        data_cfg = self._data_config()
         with world.main_first():
-            return prepare(self._data_config(), progress=console)
+            if data_cfg.mix:
+                return prepare_mix(data_cfg, progress=console)
+            return {"": prepare(data_cfg, progress=console)}
 
     def model(self) -> nn.Module:
         return self.family_model(self.args)
 
     def evaluate(self, model: nn.Module, ctx: EvalContext) -> dict[str, Any]:
-        return self.family.evaluate(model, rebatch(self.fixed_val, ctx.micro_batch_size), self.token_bytes, ctx.device)
+        scores = {
+            name: self.family.evaluate(model, rebatch(batches, ctx.micro_batch_size), self.token_bytes, ctx.device)
+            for name, batches in self.fixed_val.items()
+        }
+        return by_source(scores, self.weights)
 
     def sample(self, model: nn.Module, ctx: EvalContext) -> str | None:
         e = self.cfg.eval
@@ -83,7 +102,8 @@ class LMJob(Job):
         shutil.copyfile(self.prepared.dir / "tokenizer.json", run_dir / "tokenizer.json")
         (run_dir / "model.json").write_text(json.dumps(self.family.args_to_dict(self.args), indent=2))
         # The corpus fingerprint, token counts and checksums of the data this run trained on.
-        (run_dir / "data.json").write_text(json.dumps(self.prepared.manifest, indent=2))
+        manifests = {name: p.manifest for name, p in self.sources.items()}
+        (run_dir / "data.json").write_text(json.dumps(manifests.get("", manifests), indent=2))
 
     def _data_config(self) -> DataConfig:
         """The data config, tokenizing with the model's own tokenizer when the model comes from a
@@ -121,19 +141,37 @@ class LMJob(Job):
         cfg = self.cfg
         data_cfg = dataclasses.replace(cfg.data, tokenizer=str(run.directory / "tokenizer.json"))
         if source:  # no training source: every document of ``source`` is val
-            data_cfg = dataclasses.replace(data_cfg, source="", val_source=source)
-        prepared = prepare(data_cfg)
+            data_cfg = dataclasses.replace(data_cfg, source="", val_source=source, mix=())
+        sources = prepare_mix(data_cfg) if data_cfg.mix else {"": prepare(data_cfg)}
         batch = batch_size or cfg.train.nominal_micro_batch
-        val = TokenSequences(prepared.tokens("val"), cfg.data.seq_len)
-        if source:
-            batches = covering_batches(val, batch)[:max_batches]
-            if not batches:
-                raise ConfigError([f"--data: {source} holds fewer than 2 tokens"])
-        else:
-            batches = val_batches(val, batch, max_batches or 100)
         device = next(run.model.parameters()).device
-        metrics = self.family.evaluate(run.model, batches, torch.from_numpy(prepared.token_bytes()), device)
-        return {**metrics, "step": run.step, "tokens": sum(y.numel() for _, y in batches)}
+        scores, tokens = {}, 0
+        for name, prepared in sources.items():
+            val = TokenSequences(prepared.tokens("val"), cfg.data.seq_len)
+            if source:
+                batches = covering_batches(val, batch)[:max_batches]
+                if not batches:
+                    raise ConfigError([f"--data: {source} holds fewer than 2 tokens"])
+            else:
+                batches = val_batches(val, batch, max_batches or 100)
+            token_bytes = torch.from_numpy(prepared.token_bytes())
+            scores[name] = self.family.evaluate(run.model, batches, token_bytes, device)
+            tokens += sum(y.numel() for _, y in batches)
+        metrics = by_source(scores, {m.label: m.weight for m in data_cfg.mix})
+        return {**metrics, "step": run.step, "tokens": tokens}
+
+
+def by_source(scores: dict[str, dict[str, float]], weights: dict[str, float]) -> dict[str, float]:
+    """One corpus's validation metrics (by the name ""), or a mixture's: each source's as
+    ``val_loss/<name>``, and their mean weighed as the mixture draws them as ``val_loss``."""
+    if list(scores) == [""]:
+        return scores[""]
+    total = sum(weights.values())
+    out = {key: sum(weights[name] * s[key] for name, s in scores.items()) / total for key in ("val_loss", "val_bpb")}
+    out["val_ppl"] = math.exp(min(out["val_loss"], 50.0))
+    for name, s in scores.items():
+        out.update({f"{key}/{name}": s[key] for key in ("val_loss", "val_bpb")})
+    return out
 
 
 def rebatch(batches: list, size: int) -> list:
