@@ -153,7 +153,9 @@ class MemoryContext:
     one device, ``seq_len`` tokens per sequence; ``autocast``: matmuls run in 16 bits and return 16-bit activations;
     ``residual_bytes``: bytes per element of the residual stream between blocks (4, or 2 when FSDP
     computes with gathered bf16 weights); ``tp``: the tensor-parallel degree; ``casts_weights``:
-    autocast makes 16-bit copies of the fp32 weights (and keeps them for the backward pass)."""
+    autocast makes 16-bit copies of the fp32 weights (and keeps them for the backward pass);
+    ``cp``: the context-parallel degree (``tokens`` are then this rank's 1 / cp of the sequences,
+    whose attention sees the keys of all of them)."""
 
     tokens: int
     autocast: bool
@@ -161,6 +163,7 @@ class MemoryContext:
     tp: int
     casts_weights: bool
     seq_len: int = 0
+    cp: int = 1
 
     @property
     def act_bytes(self) -> int:
@@ -191,6 +194,11 @@ class MemoryModel:
     backward_peak_grad: str | None = None
     """The block parameter (relative to the block) whose new gradient exists at the peak of a
     block's backward pass, or None."""
+    kv_width: int = 0
+    """Elements of a token's keys (as many of its values): what context parallelism gathers; 0
+    for d_model."""
+    experts_per_token: int = 1
+    """Copies of a token that a mixture of experts sends to its experts (expert parallelism)."""
 
     def block_activations(self, ctx: MemoryContext) -> int:
         """Bytes one block keeps from its forward for its backward."""

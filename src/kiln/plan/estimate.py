@@ -13,11 +13,12 @@ pipeline stage, and the plan reports the largest. A rank's host memory from its 
 its first step (building, initialising or loading its shards, the step) is counted beside it.
 
 A step's time is the busiest rank's compute at an assumed fraction of the device's peak, plus
-what compute does not hide: tensor-parallel all-reduces, the part of FSDP's or DDP's
-collectives beyond the compute they overlap, pipeline sends, and the pipeline's bubble. Each
-collective is costed as a ring over the link its group spans: NVLink inside a node, the network
-between nodes. Everything below that says "rule of thumb" or "assumed" is an assumption, not a
-measurement; docs/plan.md lists them and compares the estimates with published step times.
+what compute does not hide: tensor-parallel all-reduces, expert-parallel all-to-alls,
+context-parallel all-gathers of keys and values, the part of FSDP's or DDP's collectives beyond
+the compute they overlap, pipeline sends, and the pipeline's bubble. Each collective is costed
+as a ring over the link its group spans: NVLink inside a node, the network between nodes.
+Everything below that says "rule of thumb" or "assumed" is an assumption, not a measurement;
+docs/plan.md lists them and compares the estimates with published step times.
 """
 
 from __future__ import annotations
@@ -104,6 +105,7 @@ class Param(NamedTuple):
     shape: tuple[int, ...]
     tp_dim: int | None  # the dimension tensor parallelism divides, or None
     kind: str = "trained"  # or "frozen" (a LoRA run's base), "nf4" (a QLoRA base's adapted weight)
+    expert: bool = False  # a mixture of experts' weight, experts on dim 0: expert parallelism splits it
 
 
 _SHAPES: dict[tuple[str, ...], ModelShape] = {}
@@ -163,7 +165,9 @@ class ModelShape:
 
         def param(name: str, p: torch.Tensor, tp_dim: int | None) -> Param:
             kind = "trained" if p.requires_grad else "nf4" if id(p) in nf4 else "frozen"
-            return Param(name.removesuffix(".weight"), tuple(p.shape), tp_dim, kind)
+            # The experts module's own weights, as kiln.distributed.experts splits them.
+            expert = bool(plan.experts) and name.rpartition(".")[0] == plan.experts
+            return Param(name.removesuffix(".weight"), tuple(p.shape), tp_dim, kind, expert)
 
         plan = family.parallel_plan(args)
         blocks = plan.repeated_blocks(model)
@@ -229,6 +233,18 @@ class ModelShape:
     def n_layer(self) -> int:
         return self.memory.n_layer
 
+    @property
+    def kv_width(self) -> int:
+        """Elements of a token's keys (and of its values), which context parallelism gathers: as
+        the family's memory model says (kiln's GPT does), else d_model."""
+        return self.memory.kv_width or self.memory.d_model
+
+    @property
+    def experts_per_token(self) -> int:
+        """The copies of a token expert parallelism sends, one to each of its experts: as the
+        family's memory model says (kiln's GPT does), else 1."""
+        return self.memory.experts_per_token
+
     def num_params(self, kinds: tuple[str, ...] = ("trained", "frozen", "nf4")) -> int:
         """Parameters of the model (LoRA adapters included), or of the ``kinds`` named."""
         root = sum(math.prod(p.shape) for p in self.root if p.kind in kinds)
@@ -291,10 +307,17 @@ class Setup:
     pp_schedule: str = "1f1b"
     pp_microbatches: int = 0  # 0: one per stage, as parallel.pp_microbatches
     pp_virtual_stages: int = 1
+    ep: int = 1  # data-parallel ranks that split a mixture of experts' experts
+    cp: int = 1  # data-parallel ranks that split each sequence
 
     @property
     def dp(self) -> int:
         return self.world_size // (self.tp * self.pp)
+
+    @property
+    def data_ranks(self) -> int:
+        """Ranks that read different batches: a context-parallel group reads one."""
+        return self.dp // self.cp
 
     @property
     def stages(self) -> int:
@@ -345,6 +368,8 @@ class Setup:
             "cpu_offload": "parallel.cpu_offload",
             "tp": "parallel.tp",
             "pp": "parallel.pp",
+            "ep": "parallel.ep",
+            "cp": "parallel.cp",
         }
         if self.pp > 1:
             keys.update(
@@ -439,23 +464,43 @@ def pipeline_stages(shape: ModelShape, s: Setup) -> list[Stage]:
 
 
 def _split_dims(param: Param, s: Setup) -> list[int]:
+    """A parameter's shape on one rank before FSDP: split by tensor parallelism, an expert
+    weight's experts by expert parallelism (which the config has them divisible by)."""
     dims = list(param.shape)
     if s.tp > 1 and param.tp_dim is not None:
         dims[param.tp_dim] //= s.tp
+    if param.expert:
+        dims[0] //= s.ep
     return dims
 
 
+def _shards(param: Param, s: Setup) -> int:
+    """The ranks FSDP shards a parameter over: all data-parallel ranks, and an expert-parallel
+    rank's experts over the dp / ep ranks that hold the same experts."""
+    return s.dp // s.ep if param.expert else s.dp
+
+
 def _local_numel(param: Param, s: Setup) -> int:
-    """Elements of one parameter on one device: split by tensor parallelism, then sharded along
-    dim 0 by FSDP, which pads every shard to the largest (ceil)."""
+    """Elements of one parameter on one device: split by tensor and expert parallelism, then
+    sharded along dim 0 by FSDP, which pads every shard to the largest (ceil)."""
     dims = _split_dims(param, s)
     if s.sharded:
-        dims[0] = -(-dims[0] // s.dp)
+        dims[0] = -(-dims[0] // _shards(param, s))
     return math.prod(dims)
 
 
+def _fsdp_gathered(params: tuple[Param, ...], s: Setup) -> tuple[Param, ...]:
+    """What FSDP all-gathers of ``params`` to compute with: all of them where it shards, but the
+    experts of an expert-parallel rank no other rank holds, which it leaves alone
+    (kiln.distributed.parallel.apply_fsdp)."""
+    if not s.sharded:
+        return ()
+    return tuple(p for p in params if not (p.expert and s.ep > 1 and _shards(p, s) == 1))
+
+
 def _gathered_numel(params: tuple[Param, ...], s: Setup) -> int:
-    """Elements of a group of parameters once FSDP has all-gathered it (tensor-parallel split kept)."""
+    """Elements of a group of parameters once FSDP has all-gathered it (tensor- and
+    expert-parallel splits kept)."""
     return sum(math.prod(_split_dims(p, s)) for p in params)
 
 
@@ -513,6 +558,16 @@ def _casts_weights(s: Setup) -> bool:
     return s.autocast and s.gathered_bytes == 4
 
 
+def _cast_copies(params: tuple[Param, ...], s: Setup) -> int:
+    """Bytes of the 16-bit copies autocast computes with of the fp32 weights in ``params`` that
+    train: all of them unless FSDP gathers them in bf16 (_casts_weights); an expert-parallel
+    rank's experts that FSDP leaves alone are cast even then."""
+    if not s.autocast:
+        return 0
+    in_bf16 = () if _casts_weights(s) else _fsdp_gathered(params, s)
+    return 2 * _gathered_numel(tuple(p for p in _trained(params) if p not in in_bf16), s)
+
+
 @functools.cache
 def fused_adamw(device: str) -> bool:
     """Whether kiln's optimizer builder picks the fused AdamW kernel for this kind of device."""
@@ -538,18 +593,20 @@ def memory_phases(
     training step, component by component.
 
     ``rank_batch`` is the sequences of one optimizer step on this data-parallel rank (the loop
-    holds all of them and splits them into micro-batches). Memory during the backward pass is
-    linear in the block being differentiated, so its first and last blocks bound it.
+    holds all of them and splits them into micro-batches; under context parallelism each rank
+    computes 1 / cp of each). Memory during the backward pass is linear in the block being
+    differentiated, so its first and last blocks bound it.
     """
     stage = stage or pipeline_stages(shape, s)[0]
     blocks, mem = stage.blocks, shape.memory
     ctx = MemoryContext(
-        tokens=s.pipeline_micro * seq_len,
+        tokens=s.pipeline_micro * seq_len // s.cp,
         autocast=s.autocast,
         residual_bytes=s.gathered_bytes if s.sharded else 4,
         tp=s.tp,
         casts_weights=_casts_weights(s),
         seq_len=seq_len,
+        cp=s.cp,
     )
     state = model_state(shape, s, stage)
     on_device = {k: 0 if s.offload else v for k, v in state.items()}
@@ -590,12 +647,20 @@ def memory_phases(
     if stage.in_flight > 1:
         static["pipeline_activations"] = int((stage.in_flight - 1) * one_in_flight)
 
-    # A frozen weight is already in the compute dtype: autocast copies only what trains.
-    matrices = tuple(p for p in _trained(shape.block) if len(p.shape) == 2)
-    block_copies = 2 * _gathered_numel(matrices, s) if ctx.casts_weights else 0
+    # The matrices' copies stay in autocast's cache through the forward; a mixture of experts'
+    # grouped matrix multiply casts its experts itself (kiln.models.gpt.moe.grouped_mm), so
+    # checkpointing drops what it keeps for backward, and recomputes it there.
+    block_copies = _cast_copies(tuple(p for p in shape.block if len(p.shape) == 2), s)
+    saved_copies = block_copies + _cast_copies(tuple(p for p in shape.block if p.expert), s)
+    forward_copies = blocks * (block_copies if s.activation_checkpointing else saved_copies)
     head_copy = mem.head_weight_copy(ctx) if stage.head else 0
-    root_gathered, block_gathered = _gathered_bytes(stage.root, s), _gathered_bytes(shape.block, s)
-    host_units = sorted((_gathered_bytes(u, s) for u in shape.host_units), reverse=True) if device == "cpu" else []
+    root_gathered = _gathered_bytes(stage.root, s)
+    block_gathered = _gathered_bytes(_fsdp_gathered(shape.block, s), s)
+    host_units = (
+        sorted((_gathered_bytes(_fsdp_gathered(u, s), s) for u in shape.host_units), reverse=True)
+        if device == "cpu"
+        else []
+    )
 
     def gathered(n_blocks: int) -> int:
         """FSDP keeps the root gathered all step; fsdp reshards a block after its forward and
@@ -618,11 +683,11 @@ def memory_phases(
         """At the peak of block i's backward (the family's memory model says what it holds)."""
         grads = (held or root_grads + (blocks - 1 - i) * block_grads) + new_grad
         if s.activation_checkpointing:
-            activations, copies = before + (i + 1) * kept + acts, block_copies
+            activations, copies = before + (i + 1) * kept + acts, saved_copies
         else:
-            activations, copies = before + (i + 1) * acts, (i + 1) * block_copies
+            activations, copies = before + (i + 1) * acts, (i + 1) * saved_copies
         # FSDP reduce-scatters a block's gradient from an unsharded fp32 copy.
-        reducing = 4 * _gathered_numel(_trained(shape.block), s) if s.sharded else 0
+        reducing = 4 * _gathered_numel(_trained(_fsdp_gathered(shape.block, s)), s)
         return {
             **static,
             "gradients": grads,
@@ -642,7 +707,7 @@ def memory_phases(
     if stage.head:
         phases["forward: output layer and loss"] = {
             **forward_end,
-            "autocast_weight_copies": blocks * block_copies + head_copy,
+            "autocast_weight_copies": forward_copies + head_copy,
             "output_layer_and_loss": head.saved + head.transient,
         }
         # Leaving autocast dropped the weight copies nothing saved (the output layer's; all of
@@ -650,10 +715,10 @@ def memory_phases(
         phases["backward: output layer"] = {
             **forward_end,
             "output_layer_and_loss": head.backward,
-            "autocast_weight_copies": (0 if s.activation_checkpointing else blocks * block_copies),
+            "autocast_weight_copies": (0 if s.activation_checkpointing else blocks * saved_copies),
         }
     else:
-        phases["forward: end of the stage"] = {**forward_end, "autocast_weight_copies": blocks * block_copies}
+        phases["forward: end of the stage"] = {**forward_end, "autocast_weight_copies": forward_copies}
     phases["backward: last block"] = block_backward(blocks - 1)
     phases["backward: first block"] = block_backward(0)
     # Reducing the accumulated gradients makes their shards beside them.
@@ -697,7 +762,7 @@ def whole_model_setup(shape: ModelShape, s: Setup, device: str) -> dict[str, int
     there, in the precision and format it trains in (kiln.train.setup.start_model)."""
     if device != "cuda":
         return {"parameters": 4 * shape.num_params(), "model_buffers": shape.buffer_bytes}
-    whole = model_state(shape, dataclasses.replace(s, world_size=1, tp=1, pp=1, cpu_offload=False))
+    whole = model_state(shape, dataclasses.replace(s, world_size=1, tp=1, pp=1, ep=1, cp=1, cpu_offload=False))
     return {
         "parameters": whole["parameters"],
         "frozen_parameters": whole["frozen_parameters"],
@@ -766,8 +831,17 @@ def offload_seconds(shape: ModelShape, s: Setup, micro_batches: int, pcie: float
 
 def ring(n: int) -> float:
     """The share of a buffer each rank sends in a ring all-gather or reduce-scatter of n ranks
-    (an all-reduce is both: twice this)."""
+    (an all-reduce is both: twice this), and in an all-to-all of n ranks (the rest of its own)."""
     return (n - 1) / n
+
+
+def _fsdp_sent(params: tuple[Param, ...], s: Setup) -> tuple[float, float]:
+    """Bytes a rank sends to all-gather ``params`` in the dtype it computes with, and to
+    reduce-scatter the fp32 gradients of those that train: each over the ranks FSDP shards it
+    over (none for an expert-parallel rank's own experts where no other rank holds them)."""
+    gather = sum(ring(_shards(p, s)) * _gathered_bytes((p,), s) for p in params)
+    scatter = sum(ring(_shards(p, s)) * 4 * math.prod(_split_dims(p, s)) for p in _trained(params))
+    return gather, scatter
 
 
 @dataclass(frozen=True)
@@ -777,6 +851,8 @@ class StepTime:
 
     compute: float  # kernels, recomputation included, at the assumed efficiency
     tensor_parallel: float  # all-reduces inside each block: on the critical path
+    expert_parallel: float  # all-to-alls of each mixture of experts' tokens: on the critical path
+    context_parallel: float  # each block's all-gathers of keys and values: on the critical path
     data_parallel: float  # the part of FSDP's or DDP's collectives the compute does not hide
     data_parallel_traffic: float  # all of their time, hidden or not
     pipeline_sends: float  # activations and their gradients between stages
@@ -787,9 +863,8 @@ class StepTime:
 
     @property
     def total(self) -> float:
-        return (
-            self.compute + self.tensor_parallel + self.data_parallel + self.pipeline_sends + self.bubble + self.offload
-        )
+        communication = self.tensor_parallel + self.expert_parallel + self.context_parallel + self.pipeline_sends
+        return self.compute + communication + self.data_parallel + self.bubble + self.offload
 
     @property
     def scaling_efficiency(self) -> float:
@@ -813,7 +888,7 @@ class Job:
     _cache: dict = field(default_factory=dict, compare=False, repr=False)
 
     def rank_batch(self, s: Setup) -> int:
-        return self.global_batch // s.dp
+        return self.global_batch // s.data_ranks
 
     def micro_batch_options(self, s: Setup) -> list[int]:
         """Micro-batch sizes that keep the global batch: divisors of each rank's share, and
@@ -898,14 +973,17 @@ class Job:
         busiest = max(self.stages(s), key=stage_flops)
         rounds = self.rank_batch(s) // s.micro_batch_size  # micro-batches (pipeline schedules) per step
         m, p, v = s.microbatches, s.pp, s.pp_virtual_stages
-        tokens = s.pipeline_micro * self.seq_len  # what a stage computes at once
+        # What a stage computes at once: under context parallelism 1 / cp of each sequence, whose
+        # attention over all of it the family's FLOPs per token count.
+        tokens = s.pipeline_micro * self.seq_len // s.cp
         act_bytes = 2 if s.autocast else 4
         residual = s.gathered_bytes if s.sharded else 4
+        forwards = 2 if s.activation_checkpointing else 1  # of each block: recomputation repeats it
         links = {}
 
         # One slot: a pipeline micro-batch's forward and backward on the busiest rank.
         slot_compute = tokens * stage_flops(busiest) / rate * _micro_batch_time(tokens)
-        slot_tp = slot_sends = 0.0
+        slot_tp = slot_ep = slot_cp = slot_sends = 0.0
         if s.tp > 1:
             # Column-wise then row-wise projections: an all-reduce of the [tokens, d_model]
             # activations after attention and after the MLP forward, two of their gradients
@@ -913,22 +991,37 @@ class Job:
             # Forward ones carry the matmuls' 16-bit outputs, backward ones the gradients of the
             # blocks' inputs, in the residual stream's dtype.
             links["tensor_parallel"], bandwidth = c.link(s.tp)
-            forward = 4 if s.activation_checkpointing else 2
-            per_block = forward * act_bytes + 2 * residual
+            per_block = 2 * forwards * act_bytes + 2 * residual
             slot_tp = busiest.blocks * per_block * 2 * ring(s.tp) * tokens * d / bandwidth
+        if s.ep > 1:
+            # Each mixture of experts sends every token's k copies to its experts' ranks (the
+            # layer's input, in the residual stream's dtype) and takes the experts' outputs back:
+            # two all-to-alls per forward, two of their gradients backward. The ep ranks are
+            # adjacent data-parallel ranks.
+            links["expert_parallel"], bandwidth = c.link(s.tp * s.ep)
+            layers = min(busiest.blocks, self.shape.n_layer - self.shape.small_blocks)
+            routed = ring(s.ep) * tokens * self.shape.experts_per_token * d
+            slot_ep = layers * (forwards + 1) * (residual + act_bytes) * routed / bandwidth
+        if s.cp > 1:
+            # Each block's attention all-gathers the keys and values of the whole sequences from
+            # the group in every forward and reduce-scatters their gradients backward.
+            links["context_parallel"], bandwidth = c.link(s.tp * s.cp)
+            keys = 2 * tokens * s.cp * self.shape.kv_width // s.tp * act_bytes
+            slot_cp = busiest.blocks * (forwards + 1) * ring(s.cp) * keys / bandwidth
         if p > 1:
             # Each virtual stage sends its output forward and receives its gradient back.
             links["pipeline"], bandwidth = c.link(s.world_size)
             slot_sends = 2 * v * tokens * d * residual / bandwidth
-        slot = slot_compute + slot_tp + slot_sends
+        slot = slot_compute + slot_tp + slot_ep + slot_cp + slot_sends
         round_compute = m * slot_compute
 
         traffic = exposed = 0.0
         if s.dp > 1:
             links["data_parallel"], bandwidth = c.link(s.tp * s.dp)
-            block, root = self.shape.block, busiest.root
-            params = _gathered_bytes(root, s) + busiest.blocks * _gathered_bytes(block, s)
-            grads = 4 * (_gathered_numel(_trained(root), s) + busiest.blocks * _gathered_numel(_trained(block), s))
+            root_params, root_grads = _fsdp_sent(busiest.root, s)
+            block_params, block_grads = _fsdp_sent(self.shape.block, s)
+            params = root_params + busiest.blocks * block_params
+            grads = root_grads + busiest.blocks * block_grads
             if s.sharded:
                 # Per micro-batch: all-gathers of the parameters in their compute dtype (forward,
                 # and backward again under fsdp), one reduce-scatter of fp32 gradients. In a
@@ -938,18 +1031,14 @@ class Job:
                 # not the root's and the first block's all-gather before it nor the last
                 # reduce-scatters after it.
                 gathers = (m if p > 1 else 2) if s.strategy == "fsdp" else 1
-                gather = ring(s.dp) * params / bandwidth
-                scatter = ring(s.dp) * grads / bandwidth
-                edge = _gathered_bytes(root, s) + _gathered_bytes(block, s)
-                edge += 4 * (_gathered_numel(_trained(root), s) + _gathered_numel(_trained(block), s))
-                unhidden = ring(s.dp) * edge / bandwidth
-                per_round = gathers * gather + scatter
+                per_round = (gathers * params + grads) / bandwidth
+                unhidden = (root_params + root_grads + block_params + block_grads) / bandwidth
                 traffic = rounds * per_round
                 exposed = rounds * (max(0.0, per_round - round_compute) + unhidden)
             else:
                 # DDP all-reduces fp32 gradients once, in buckets during the last micro-batch's
                 # backward (2/3 of its compute); a pipeline all at once, after its last schedule.
-                traffic = 2 * ring(s.dp) * grads / bandwidth
+                traffic = 2 * grads / bandwidth
                 exposed = traffic if p > 1 else max(0.0, traffic - 2 / 3 * round_compute)
 
         # The same work (recomputation included) on one GPU's micro-batch, spread evenly.
@@ -958,6 +1047,8 @@ class Job:
         return StepTime(
             compute=rounds * m * slot_compute,
             tensor_parallel=rounds * m * slot_tp,
+            expert_parallel=rounds * m * slot_ep,
+            context_parallel=rounds * m * slot_cp,
             data_parallel=exposed,
             data_parallel_traffic=traffic,
             pipeline_sends=rounds * m * slot_sends,

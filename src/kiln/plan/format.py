@@ -30,8 +30,22 @@ LABELS = {
 }
 
 
+def _data_split(s: Setup, expert: str, context: str) -> str:
+    """How the data-parallel ranks split the experts or the sequences, if they do."""
+    if s.ep > 1:
+        return f" ({expert} {s.ep})"
+    return f" ({context} {s.cp})" if s.cp > 1 else ""
+
+
 def _layout(s: Setup) -> str:
-    return f"pipeline {s.pp} x data-parallel {s.dp} x tensor-parallel {s.tp}"
+    split = _data_split(s, "expert-parallel", "context-parallel")
+    return f"pipeline {s.pp} x data-parallel {s.dp}{split} x tensor-parallel {s.tp}"
+
+
+def _layout_keys(s: Setup) -> str:
+    keys = [f"parallel.pp={s.pp}", f"parallel.tp={s.tp}"]
+    keys += [f"parallel.{key}={value}" for key, value in (("ep", s.ep), ("cp", s.cp)) if value > 1]
+    return ", ".join(keys)
 
 
 def _pipeline(s: Setup) -> str:
@@ -48,7 +62,7 @@ def _setup_lines(s: Setup, job: Job, auto_micro: bool, fits: bool) -> list[str]:
         micro += " (auto: the largest that fits)" if fits else " (auto: none fits; shown at the smallest)"
     accumulation = job.rank_batch(s) // s.micro_batch_size
     lines = [
-        f"  layout: {_layout(s)} (parallel.pp={s.pp}, parallel.tp={s.tp}), parallel.strategy={s.strategy}, "
+        f"  layout: {_layout(s)} ({_layout_keys(s)}), parallel.strategy={s.strategy}, "
         f"parallel.cpu_offload={str(s.cpu_offload).lower()}",
         f"  train.micro_batch_size={micro} x {job.seq_len:,} tokens, train.global_batch_size={job.global_batch} "
         f"(accumulation {accumulation}), train.precision={s.precision}, "
@@ -148,6 +162,11 @@ def _time_lines(plan: Plan) -> list[str]:
     parts = [(f"compute at {c.efficiency:.0%} of the {peak / 1e12:.0f} TFLOP/s peak{recompute}", t.compute)]
     if s.tp > 1:
         parts.append((f"tensor-parallel all-reduces ({t.links['tensor_parallel']}), not overlapped", t.tensor_parallel))
+    if s.ep > 1:
+        parts.append((f"expert-parallel all-to-alls ({t.links['expert_parallel']}), not overlapped", t.expert_parallel))
+    if s.cp > 1:
+        label = f"context-parallel key/value all-gathers ({t.links['context_parallel']}), not overlapped"
+        parts.append((label, t.context_parallel))
     if s.dp > 1:
         what = "DDP all-reduce" if not s.sharded else f"{s.strategy} collectives"
         traffic = _seconds(t.data_parallel_traffic)
@@ -193,7 +212,7 @@ def _summary(rec: Recommendation, job: Job) -> str:
     s = rec.setup
     accumulation = job.rank_batch(s) // s.micro_batch_size
     parts = [
-        f"pp {s.pp} x dp {s.dp} x tp {s.tp}",
+        f"pp {s.pp} x dp {s.dp}{_data_split(s, 'ep', 'cp')} x tp {s.tp}",
         (s.strategy if s.dp > 1 or s.cpu_offload else "no data parallelism")
         + (" + CPU offload" if s.cpu_offload else ""),
         f"checkpointing {'on' if s.activation_checkpointing else 'off'}",
@@ -249,7 +268,8 @@ def _assumption_lines(plan: Plan) -> list[str]:
         f"  nodes of {c.gpus_per_node} GPUs: a group of ranks inside a node uses NVLink, one that spans nodes the "
         "network; collectives cost (n-1)/n of their bytes per ring pass",
         "  FSDP's and DDP's collectives overlap compute (what exceeds it shows, and the first all-gather and "
-        "last reduce-scatter of each micro-batch); tensor-parallel all-reduces and pipeline sends do not",
+        "last reduce-scatter of each micro-batch); tensor-, expert- and context-parallel collectives and pipeline "
+        "sends do not",
     ]
 
 
@@ -279,6 +299,8 @@ def _setup_json(s: Setup, job: Job) -> dict:
         "pp": s.pp,
         "dp": s.dp,
         "tp": s.tp,
+        "ep": s.ep,
+        "cp": s.cp,
         "pp_schedule": s.pp_schedule if s.pp > 1 else None,
         "pp_microbatches": s.microbatches,
         "pp_virtual_stages": s.pp_virtual_stages if s.pp > 1 else 1,
@@ -294,6 +316,8 @@ def _time_json(job: Job, s: Setup, t: StepTime) -> dict:
         "seconds": t.total,
         "compute": t.compute,
         "tensor_parallel": t.tensor_parallel,
+        "expert_parallel": t.expert_parallel,
+        "context_parallel": t.context_parallel,
         "data_parallel": t.data_parallel,
         "data_parallel_traffic": t.data_parallel_traffic,
         "pipeline_sends": t.pipeline_sends,
@@ -334,6 +358,8 @@ def plan_json(plan: Plan) -> dict:
             "pp": s.pp,
             "dp": s.dp,
             "tp": s.tp,
+            "ep": s.ep,
+            "cp": s.cp,
         },
         "assumptions": {
             "compute_efficiency": c.efficiency,

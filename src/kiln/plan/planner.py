@@ -13,7 +13,9 @@ import torch
 
 from kiln.config import Config, ConfigError
 from kiln.device import PEAK_FLOPS, gpu_key
+from kiln.distributed.parallelize import check_layout
 from kiln.distributed.pipeline import stage_layers
+from kiln.distributed.world import World
 from kiln.plan.estimate import (
     COMPUTE_EFFICIENCY,
     COMPUTE_EFFICIENCY_BY_GPU,
@@ -212,33 +214,45 @@ class Plan:
         return not self.fits or self.base.world_size > 1
 
 
-def _base_setup(cfg: Config, world_size: int, world_flag: str) -> Setup:
-    t, p = cfg.train, cfg.parallel
+def _check_layout(cfg: Config, shape: ModelShape, target: Target, world_size: int, world_flag: str) -> None:
+    """What kiln train would refuse of the layout (kiln.distributed): a world that pp x tp does
+    not divide, a pipeline the model cannot be cut into, tensor, expert or context parallelism
+    that it cannot take or the data-parallel ranks cannot hold, DDP with tensor parallelism, CPU
+    offload without FSDP or from a CPU."""
+    p = cfg.parallel
     if world_size % (p.tp * p.pp):
         of = f"parallel.tp = {p.tp}" if p.pp == 1 else f"parallel.pp x parallel.tp = {p.pp} x {p.tp} = {p.pp * p.tp}"
         raise ConfigError([f"{world_flag}: {world_size} is not a multiple of {of}"])
+    if p.pp > 1:
+        if shape.pipeline_error:
+            raise ConfigError([shape.pipeline_error])
+        stage_layers(shape.n_layer, p.pp_stages)
+    world = World(size=world_size, tp=p.tp, pp=p.pp, device=torch.device(target.kind))
+    check_layout(shape.plan, world, p, f"model.family={cfg.model.family}")
+
+
+def _base_setup(cfg: Config, world_size: int, world_flag: str) -> Setup:
+    t, p = cfg.train, cfg.parallel
     dp = world_size // (p.tp * p.pp)
-    if t.global_batch_size % dp:
+    data = dp // p.cp  # the ranks that read different batches
+    if t.global_batch_size % data:
+        split = f" / parallel.cp {p.cp}" if p.cp > 1 else ""
         raise ConfigError(
             [
-                f"train.global_batch_size: {t.global_batch_size} is not divisible by the {dp} data-parallel ranks "
-                f"({world_flag} {world_size} / parallel.pp {p.pp} / parallel.tp {p.tp}); use a multiple of {dp}, "
-                "or larger parallel.tp or parallel.pp"
+                f"train.global_batch_size: {t.global_batch_size} is not divisible by the {data} data-parallel ranks "
+                f"({world_flag} {world_size} / parallel.pp {p.pp} / parallel.tp {p.tp}{split}); use a multiple of "
+                f"{data}, or larger parallel.tp, parallel.pp or parallel.cp"
             ]
         )
     micro = t.micro_batch_size
-    if micro != "auto" and (t.global_batch_size // dp) % micro:
+    if micro != "auto" and (t.global_batch_size // data) % micro:
         raise ConfigError(
             [
                 f"train.micro_batch_size: {micro} does not divide each rank's share of the global "
-                f"batch, {t.global_batch_size} / {dp} data-parallel ranks; use a divisor of "
-                f"{t.global_batch_size // dp}, or auto (kiln plan shows the largest that fits)"
+                f"batch, {t.global_batch_size} / {data} data-parallel ranks; use a divisor of "
+                f"{t.global_batch_size // data}, or auto (kiln plan shows the largest that fits)"
             ]
         )
-    if dp > 1 and p.strategy == "ddp" and p.tp > 1:
-        raise ConfigError(["parallel.strategy: ddp cannot be combined with parallel.tp > 1; use fsdp or fsdp_grad_op"])
-    if dp > 1 and p.strategy == "ddp" and p.cpu_offload:
-        raise ConfigError(["parallel.cpu_offload: needs parallel.strategy fsdp or fsdp_grad_op"])
     # The config has checked the pipeline's micro-batches (they divide a fixed micro-batch);
     # the Setup keeps their number, 0 meaning one per stage resolved.
     return Setup(
@@ -253,6 +267,8 @@ def _base_setup(cfg: Config, world_size: int, world_flag: str) -> Setup:
         p.pp_schedule,
         p.microbatches if p.pp > 1 else p.pp_microbatches,
         p.pp_virtual_stages,
+        ep=p.ep,
+        cp=p.cp,
     )
 
 
@@ -279,15 +295,11 @@ def make_plan(
     if cfg.train.precision == "auto":  # as on the GPUs of PEAK_FLOPS, which all compute bf16 natively
         precision: Literal["bf16", "fp32"] = "bf16" if target.kind == "cuda" else "fp32"
         cfg = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, precision=precision))
-    base = _base_setup(cfg, world, world_flag)
     family = job_for(cfg).family
     args = family.resolve(cfg.model, vocab_size=cfg.data.vocab_size, seq_len=cfg.data.seq_len)
-    family.parallel_plan(args).check_tensor_parallel(base.tp, f"model.family={cfg.model.family}")
     shape = ModelShape.of(family, args, cfg)
-    if base.pp > 1:  # what kiln train would refuse (kiln.distributed.pipeline)
-        if shape.pipeline_error:
-            raise ConfigError([shape.pipeline_error])
-        stage_layers(shape.n_layer, base.stages)
+    _check_layout(cfg, shape, target, world, world_flag)
+    base = _base_setup(cfg, world, world_flag)
     job = Job(shape, cfg.data.seq_len, cfg.train.global_batch_size, target, cluster)
     auto_micro = cfg.train.micro_batch_size == "auto"
     if auto_micro:
@@ -324,10 +336,14 @@ def _notes(cfg: Config, s: Setup, job: Job, auto_micro: bool) -> list[str]:
             else f"the {job.shape.family.name} family's model does not give each tensor's starting values by name"
         )
         notes.append(f"every rank creates the whole model before it is split ({why}): the setup phase counts it")
-    if s.cpu_offload and not s.sharded:
-        notes.append("parallel.cpu_offload needs parallel.strategy fsdp or fsdp_grad_op: planned without offload")
     if target.kind == "cuda" and target.peak_flops is None:
         notes.append(f"{target.name}: no peak FLOP/s in kiln/device.py PEAK_FLOPS, so no time estimate")
+    if job.shape.plan.experts and target.peak_flops and job.cluster.source("efficiency").startswith("default"):
+        notes.append(
+            "a mixture of experts is timed at a dense model's compute efficiency, which published runs of one "
+            "do not reach (torchtitan's Qwen3-30B-A3B: 10-15% of the peak; docs/plan.md): "
+            "--compute-efficiency 0.15 is nearer"
+        )
     if target.kind == "cuda" and s.precision == "fp32":
         notes.append(
             "train.precision=fp32 runs matmuls without the bf16 tensor-core rate (PyTorch keeps TF32 off): "

@@ -1,7 +1,8 @@
 """What to run: every combination of the settings a plan may change (the layout of the world
-into pipeline x data-parallel x tensor-parallel ranks, the data-parallel strategy, CPU offload,
-activation checkpointing, bf16, the micro-batch and the pipeline's schedule), estimated, and
-the fastest few that fit, each with what it costs in words."""
+into pipeline x data-parallel x tensor-parallel ranks, the data-parallel ranks' expert or
+context parallelism, the data-parallel strategy, CPU offload, activation checkpointing, bf16,
+the micro-batch and the pipeline's schedule), estimated, and the fastest few that fit, each
+with what it costs in words."""
 
 from __future__ import annotations
 
@@ -84,6 +85,24 @@ def _strategies(job: Job, base: Setup, dp: int, pp: int, tp: int) -> list[tuple[
     return [(base.strategy, False)] + [("fsdp", True)] * (gpu and alone)
 
 
+def _data_splits(job: Job, base: Setup, dp: int, pp: int, strategy: str, offload: bool) -> list[tuple[int, int]]:
+    """(ep, cp) degrees that kiln runs on ``dp`` data-parallel ranks, one of them at a time and
+    not in a pipeline: expert parallelism for a mixture of experts under FSDP, over degrees that
+    divide its experts; context parallelism where the family's plan names the attention, over
+    degrees whose 2 x cp chunks divide the sequence, no wider than a node (unless the config asks
+    for it). Not with CPU offload, the last resort: that keeps the search small."""
+    splits = [(1, 1)]
+    if pp > 1 or offload:
+        return splits
+    plan, widest = job.shape.plan, max(job.cluster.gpus_per_node, base.cp)
+    for degree in _divisors(dp)[1:]:
+        if plan.experts and strategy != "ddp" and plan.n_experts % degree == 0:
+            splits.append((degree, 1))
+        if plan.attention and job.seq_len % (2 * degree) == 0 and degree <= widest:
+            splits.append((1, degree))
+    return splits
+
+
 def _candidates(job: Job, base: Setup, world_size: int) -> Iterator[Setup]:
     """The fastest fitting micro-batch of every combination of the changes a plan may
     recommend, for ``world_size`` devices."""
@@ -91,12 +110,13 @@ def _candidates(job: Job, base: Setup, world_size: int) -> Iterator[Setup]:
     if job.target.kind == "cuda" and base.precision == "fp32":
         precisions.add("bf16")
     combinations = (
-        (pp, tp, schedule, virtual, strategy, offload)
+        (pp, tp, schedule, virtual, strategy, offload, ep, cp)
         for pp, tp in _layouts(job, base, world_size)
         for schedule, virtual in _schedules(job, base, pp)
         for strategy, offload in _strategies(job, base, world_size // (pp * tp), pp, tp)
+        for ep, cp in _data_splits(job, base, world_size // (pp * tp), pp, strategy, offload)
     )
-    for (pp, tp, schedule, virtual, strategy, offload), precision, checkpointing in itertools.product(
+    for (pp, tp, schedule, virtual, strategy, offload, ep, cp), precision, checkpointing in itertools.product(
         combinations, sorted(precisions), (False, True)
     ):
         s = dataclasses.replace(
@@ -110,6 +130,8 @@ def _candidates(job: Job, base: Setup, world_size: int) -> Iterator[Setup]:
             pp=pp,
             pp_schedule=schedule,
             pp_virtual_stages=virtual,
+            ep=ep,
+            cp=cp,
         )
         fastest = fastest_fitting_micro_batch(job, s)
         if fastest:
@@ -141,9 +163,9 @@ def fastest_fitting_micro_batch(job: Job, s: Setup) -> Setup | None:
 
 def needs_fixed_micro_batch(s: Setup) -> bool:
     """kiln probes for train.micro_batch_size = "auto" only without collectives in the forward
-    pass: in one process or under DDP, not with FSDP, tensor or pipeline parallelism over
-    several ranks."""
-    return s.world_size > 1 and (s.strategy != "ddp" or s.tp > 1 or s.pp > 1)
+    pass: in one process or under DDP, not with FSDP, tensor, pipeline or context parallelism
+    over several ranks."""
+    return s.world_size > 1 and (s.strategy != "ddp" or s.tp > 1 or s.pp > 1 or s.cp > 1)
 
 
 def _recommendation(job: Job, base: Setup, s: Setup, auto_micro: bool) -> Recommendation:
@@ -181,6 +203,18 @@ def _costs(job: Job, base: Setup, s: Setup, auto_micro: bool) -> list[str]:
         costs.append(
             f"tensor parallelism over {s.tp} GPUs ({t.links['tensor_parallel']}): all-reduces inside every "
             f"block, {t.tensor_parallel:.3g} s per step, not overlapped"
+        )
+    if s.ep > 1 and s.ep != base.ep:
+        costs.append(
+            f"expert parallelism over {s.ep} GPUs ({t.links['expert_parallel']}): each rank holds 1/{s.ep} of the "
+            f"experts; all-to-alls send every token to its experts' ranks and back in every mixture of experts, "
+            f"{t.expert_parallel:.3g} s per step, not overlapped"
+        )
+    if s.cp > 1 and s.cp != base.cp:
+        costs.append(
+            f"context parallelism over {s.cp} GPUs ({t.links['context_parallel']}): each computes 1/{s.cp} of "
+            f"every sequence; all-gathers of keys and values in every block, {t.context_parallel:.3g} s per step, "
+            "not overlapped"
         )
     if s.pp > 1 and (s.pp, s.pp_schedule, s.microbatches) != (base.pp, base.pp_schedule, base.microbatches):
         costs.append(

@@ -21,6 +21,9 @@ class GPTMemory(MemoryModel):
     def __init__(self, cfg: GPTConfig):
         self.cfg = cfg
         self.n_layer, self.d_model, self.vocab_size = cfg.n_layer, cfg.d_model, cfg.vocab_size
+        # What the plan's time model moves: the keys' (and values') width, which context
+        # parallelism gathers, and the copies of a token that expert parallelism sends.
+        self.kv_width, self.experts_per_token = cfg.n_kv_head * cfg.head_dim, cfg.experts_per_token
 
     def block_activations(self, ctx: MemoryContext) -> int:
         """Per tensor autograd saves (checked against saved-tensor hooks on CPU): the block's
@@ -38,11 +41,14 @@ class GPTMemory(MemoryModel):
             2 * ctx.residual_bytes * d
             + 2 * (4 * d + 4)
             + (5 if ctx.autocast else 2) * act * d
-            + act * 5 * width
+            + act * 3 * width
             + 4 * heads
             + self._mlp(ctx)
         )
-        return ctx.tokens * per_token
+        # Under context parallelism SDPA keeps the keys and values of the whole sequences,
+        # gathered from the group (kiln.distributed.context): one copy, repeated to every head
+        # once, which the rank's head and tail chunks' calls share.
+        return ctx.tokens * (per_token + 2 * act * width * ctx.cp)
 
     def _mlp(self, ctx: MemoryContext) -> int:
         """Bytes a token's MLP keeps. A mixture of experts (the blocks are counted as their
