@@ -707,6 +707,8 @@ class DebugConfig:
     """Rank debug.hang_rank stops for good before this step's forward pass, as a rank stuck outside a
     collective would, in the first attempt only (a group kiln launch --max-restarts restarted runs
     on); 0 is off."""
+    slow_prepare_seconds: float = 0.0
+    """Rank 0's data preparation takes this much longer (a large corpus), while the other ranks wait."""
     slow_rank: int = 0
     """The rank that debug.slow_seconds slows down."""
     slow_seconds: float = 0.0

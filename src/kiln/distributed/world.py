@@ -13,12 +13,14 @@ exists, so everything here is a no-op and nothing distributed is imported. The w
 from __future__ import annotations
 
 import atexit
-import contextlib
 import os
-from collections.abc import Iterator
+import sys
+import threading
+import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 
@@ -158,16 +160,55 @@ class World:
             self.mesh = init_device_mesh(self.device.type, (1, 1, 1), mesh_dim_names=MESH_DIMS)
         return self.mesh
 
-    @contextlib.contextmanager
-    def main_first(self) -> Iterator[None]:
-        """Rank 0 runs the block first (e.g. fills a shared cache), then the others run it."""
+    def main_first(self, work: Callable[[], T], what: str) -> T:
+        """``work()`` run by rank 0 first (e.g. filling a shared cache), then by the others.
+
+        However long rank 0 takes, no collective waits long: every ``HEARTBEAT_S`` rank 0 (from
+        a thread beside its work) and the others meet in a small host-side agreement that says
+        whether it is done, so the process group's timeout never runs out. A waiting node's first
+        rank says every minute how long it has waited for ``what``; if rank 0's work fails, the
+        others stop with an error that says so."""
+        if not self.distributed:
+            return work()
         if not self.is_main:
-            self.barrier()
-        yield
-        if self.is_main:
-            self.barrier()
+            started, said = time.monotonic(), 0.0
+            while True:
+                done, failed = self.agree(False, False)
+                if done or failed:
+                    break
+                if self.local_rank == 0 and time.monotonic() - said >= 60:
+                    waited = time.monotonic() - started
+                    if waited > 1:
+                        print(f"kiln: rank {self.rank} waiting for rank 0 ({what}): {waited:.0f}s", file=sys.stderr)
+                    said = time.monotonic()
+            if failed:
+                raise RuntimeError(f"rank 0 failed while it prepared {what}; its own error says why")
+            return work()
+        finished = threading.Event()
+        outcome: list[bool] = []
+
+        def heartbeat() -> None:
+            while True:
+                finished.wait(HEARTBEAT_S)
+                done = finished.is_set()
+                self.agree(done and outcome == [True], done and outcome != [True])
+                if done:
+                    return
+
+        beats = threading.Thread(target=heartbeat, name="kiln-main-first", daemon=True)
+        beats.start()
+        try:
+            result = work()
+            outcome.append(True)
+            return result
+        finally:
+            finished.set()
+            beats.join()
 
 
+T = TypeVar("T")
+# How often rank 0, busy in World.main_first, tells the waiting ranks whether it is done.
+HEARTBEAT_S = 2.0
 MESH_DIMS = ("pp", "dp", "tp")
 EXPERT_MESH_DIMS = ("pp", "dp_rep", "ep", "tp")
 CONTEXT_MESH_DIMS = ("pp", "dp_batch", "cp", "tp")

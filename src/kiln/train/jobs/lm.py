@@ -12,6 +12,7 @@ import dataclasses
 import json
 import math
 import shutil
+import time
 from pathlib import Path
 from typing import Any
 
@@ -70,11 +71,16 @@ class LMJob(Job):
     def prepare_data(self, world: World, console: bool) -> dict[str, PreparedData]:
         """The corpus (by the name "") or each source of the mixture, tokenized into the cache:
         rank 0 fills it (tokenizer, shards), then the others find it there."""
-        data_cfg = self._data_config()
-        with world.main_first():
+        data_cfg, delay = self._data_config(), self.cfg.debug.slow_prepare_seconds
+
+        def work() -> dict[str, PreparedData]:
+            if delay and world.is_main:
+                time.sleep(delay)
             if data_cfg.mix:
                 return prepare_mix(data_cfg, progress=console)
             return {"": prepare(data_cfg, progress=console)}
+
+        return world.main_first(work, "the data")
 
     def model(self) -> nn.Module:
         return self.family_model(self.args)
