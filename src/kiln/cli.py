@@ -256,9 +256,21 @@ def cmd_train(args) -> int:
 
 def cmd_prepare(args) -> int:
     from kiln.data import prepare, prepare_mix
+    from kiln.distributed.world import init_world
 
-    data = _load(args).data
-    for name, prepared in (prepare_mix(data) if data.mix else {"": prepare(data)}).items():
+    cfg = _load(args)
+    data = cfg.data
+    # Under kiln launch rank 0 prepares while the others wait for it, then find it in the cache.
+    world = init_world("cpu", cfg.parallel)
+    progress = world.is_main
+
+    def work() -> dict:
+        return prepare_mix(data, progress) if data.mix else {"": prepare(data, progress)}
+
+    sources = world.main_first(work, "the data")
+    if not world.is_main:
+        return 0
+    for name, prepared in sources.items():
         m = prepared.manifest
         state = "tokenized" if prepared.tokenized else "already prepared (nothing to do)"
         print(f"kiln: {state}{f' data.mix source {name!r}' if name else ''}: {prepared.dir}")

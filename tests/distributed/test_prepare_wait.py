@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from kilnrun import losses
+from kilnrun import launch, losses, sets
 from layouts import layout_sets, train_on
 
 pytestmark = pytest.mark.dist
@@ -20,3 +20,10 @@ def test_a_preparation_longer_than_the_collective_timeout_does_not_time_out(tmp_
     )
     proc = train_on(2, sets)
     assert sorted(losses(run_dir)) == [1, 2], proc.stderr[-2000:]
+
+
+def test_kiln_launch_prepare_prepares_once(tmp_path, corpus_dir):
+    cache = tmp_path / "cache"
+    proc = launch(2, "prepare", *sets([f"data.source={corpus_dir}", "data.vocab_size=300", f"data.cache_dir={cache}"]))
+    assert proc.stdout.count("kiln: tokenized") == 1
+    assert len(list((cache / "prepared").iterdir())) == 1
