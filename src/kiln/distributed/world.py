@@ -243,7 +243,7 @@ def init_world(
     parallel = parallel or ParallelConfig()
     tp, pp = parallel.tp, parallel.pp
     if _WORLD is not None:
-        for key, degree in (("tp", tp), ("pp", pp), ("cp", parallel.cp)):
+        for key, degree in (("tp", tp), ("pp", pp)):
             if getattr(_WORLD, key) != degree:
                 raise ConfigError(
                     [f"parallel.{key}: this process already runs with {key}={getattr(_WORLD, key)}, not {degree}"]
