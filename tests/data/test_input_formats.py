@@ -92,7 +92,8 @@ def test_every_format_gives_the_same_documents_and_tokens(tmp_path):
             source=source, cache_dir=str(tmp_path / "cache" / kind), vocab_size=300, val_fraction=0.2, prepare_workers=1
         )
         prepared = prepare(cfg, progress=False)
-        outputs[kind] = [(prepared.dir / f).read_bytes() for f in ("train.bin", "val.bin", "tokenizer.json")]
+        names = ("train-00000.bin", "val-00000.bin", "tokenizer.json")
+        outputs[kind] = [(prepared.dir / f).read_bytes() for f in names]
     assert all(out == outputs["jsonl"] for out in outputs.values())
     assert all(len(b) > 0 for b in outputs["jsonl"])
 

@@ -75,7 +75,7 @@ def test_worker_count_does_not_change_output(source, tmp_path, monkeypatch):
     one = prepare(config(source, tmp_path / "one", prepare_workers=1), progress=False)
     two = prepare(config(source, tmp_path / "two", prepare_workers=2), progress=False)
     assert one.manifest == two.manifest
-    for name in ("train.bin", "val.bin", "tokenizer.json"):
+    for name in ("train-00000.bin", "val-00000.bin", "tokenizer.json"):
         assert (one.dir / name).read_bytes() == (two.dir / name).read_bytes()
 
 
@@ -88,20 +88,20 @@ def test_stdlib_slice_with_two_workers(tmp_path):
 
 def test_verify_names_corrupted_file(source, tmp_path):
     p = prepare(config(source, tmp_path / "cache", prepare_workers=1), progress=False)
-    data = bytearray((p.dir / "val.bin").read_bytes())
+    data = bytearray((p.dir / "val-00000.bin").read_bytes())
     data[0] ^= 1
-    (p.dir / "val.bin").write_bytes(bytes(data))
-    with pytest.raises(DataError, match=r"val\.bin: checksum does not match"):
+    (p.dir / "val-00000.bin").write_bytes(bytes(data))
+    with pytest.raises(DataError, match=r"val-00000\.bin: checksum does not match"):
         verify(open_prepared(p.dir))
 
 
 def test_wrong_size_prepares_again(source, tmp_path):
     cfg = config(source, tmp_path / "cache", prepare_workers=1)
     p = prepare(cfg, progress=False)
-    expected = (p.dir / "train.bin").read_bytes()
-    (p.dir / "train.bin").write_bytes(expected[:-2])
+    expected = (p.dir / "train-00000.bin").read_bytes()
+    (p.dir / "train-00000.bin").write_bytes(expected[:-2])
     again = prepare(cfg, progress=False)
-    assert again.tokenized and (again.dir / "train.bin").read_bytes() == expected
+    assert again.tokenized and (again.dir / "train-00000.bin").read_bytes() == expected
 
 
 def test_interrupted_prepare_leaves_nothing_complete(source, tmp_path, monkeypatch):

@@ -94,7 +94,7 @@ def private_cache(tmp_path, corpus_dir):
 
 def test_corrupted_shard_fails_naming_the_file(tmp_path, corpus_dir, private_cache, capsys):
     cache, prepared = private_cache
-    shard = prepared.dir / "train.bin"
+    shard = prepared.dir / "train-00000.bin"
     data = bytearray(shard.read_bytes())
     data[1000:1004] = bytes(b ^ 0x01 for b in data[1000:1004])  # same size: only the checksum can tell
     shard.write_bytes(bytes(data))

@@ -192,6 +192,11 @@ class DataConfig:
     causal mask), instead of padding each row."""
     tokenizer: str = "bpe"
     """'bpe' trains a byte-level BPE on the training split (cached), or a path to a tokenizer.json."""
+    tokenizer_sample_bytes: int = 0
+    """Train the BPE on a sample of the training split of up to this many bytes of UTF-8 text
+    (e.g. 100000000, 100 MB, for a corpus of many GB) instead of all of it; 0 trains on all of it. The
+    sample is chosen by a hash of the document names: deterministic and spread over the whole
+    corpus, not its first bytes."""
     vocab_size: int = 4096
     """Vocabulary size of the trained BPE tokenizer."""
     seq_len: int = 128
@@ -208,6 +213,9 @@ class DataConfig:
     """DataLoader worker processes (0 loads in the training process)."""
     prepare_workers: int = 0
     """Processes that tokenize during preparation; 0 uses every CPU core."""
+    shard_bytes: int = 1 << 30
+    """Largest file of prepared tokens: each split's token stream is written in shards of at most
+    this many bytes (train-00000.bin, train-00001.bin, ...); at least 1 MiB (1048576)."""
     cache_dir: str = ""
     """Where tokenizers and token shards are cached; empty means $KILN_CACHE or ~/.cache/kiln."""
 
@@ -225,6 +233,15 @@ class DataConfig:
                 (
                     self.position_split_chars >= 0,
                     f"data.position_split_chars: must be >= 0, got {self.position_split_chars}",
+                ),
+                (
+                    self.tokenizer_sample_bytes >= 0,
+                    f"data.tokenizer_sample_bytes: must be >= 0 (0: all of the train split), "
+                    f"got {self.tokenizer_sample_bytes}",
+                ),
+                (
+                    self.shard_bytes >= 1 << 20,
+                    f"data.shard_bytes: must be at least 1 MiB (1048576), got {self.shard_bytes}",
                 ),
                 *(
                     (bool(getattr(self, key)), f"data.{key}: must not be empty")

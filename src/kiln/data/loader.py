@@ -7,8 +7,9 @@ exactly what an uninterrupted run would have yielded from step k on.
 from __future__ import annotations
 
 import hashlib
+import os
 import sys
-from collections.abc import Callable, Iterable, Iterator, Sized
+from collections.abc import Callable, Iterable, Iterator, Sequence, Sized
 from typing import Any, Protocol, cast
 
 import numpy as np
@@ -20,14 +21,97 @@ from kiln.data.batch_schedule import BatchSchedule
 from kiln.data.corpus import DataError
 
 
+class TokenShards:
+    """One token stream stored in several files (a prepared split's shards), read as one 1-D array.
+
+    It has ``len()``, ``dtype``, ``ndim`` and ``shape``; an integer index gives one token, and a
+    slice (step 1) gives a NumPy array: a view of one file's memmap when the slice lies in one
+    shard, else the parts joined across the shard boundaries. ``np.asarray`` reads the whole
+    stream into memory (for small streams and tests). The memmaps are opened lazily, and it
+    pickles by paths, so a DataLoader worker reopens the files itself.
+    """
+
+    ndim = 1
+
+    def __init__(self, paths: Sequence[str | os.PathLike], counts: Sequence[int], dtype: np.dtype | str):
+        if len(paths) != len(counts) or not paths:
+            raise ValueError(f"need one token count per shard, got {len(paths)} paths and {len(counts)} counts")
+        self.paths = [os.fspath(p) for p in paths]
+        self.counts = [int(n) for n in counts]
+        self.dtype = np.dtype(dtype)
+        # starts[k] is the stream position of shard k's first token; starts[-1] the length.
+        self.starts = np.concatenate([[0], np.cumsum(self.counts, dtype=np.int64)])
+        self._maps: list[np.ndarray | None] = [None] * len(self.paths)
+
+    @property
+    def shape(self) -> tuple[int]:
+        return (len(self),)
+
+    def __len__(self) -> int:
+        return int(self.starts[-1])
+
+    def shard(self, k: int) -> np.ndarray:
+        """Shard ``k``'s tokens, memory-mapped read-only."""
+        found = self._maps[k]
+        if found is None:
+            if self.counts[k] == 0:  # an empty file cannot be mapped
+                found = np.empty(0, self.dtype)
+            else:
+                found = np.memmap(self.paths[k], dtype=self.dtype, mode="r", shape=(self.counts[k],))
+            self._maps[k] = found
+        return found
+
+    def _shard_of(self, position: int) -> int:
+        return int(np.searchsorted(self.starts, position, side="right")) - 1
+
+    def __getitem__(self, key):
+        if isinstance(key, slice):
+            start, stop, step = key.indices(len(self))
+            if step != 1:
+                raise IndexError(f"{type(self).__name__} takes slices with step 1, got step {step}")
+            if stop <= start:
+                return np.empty(0, self.dtype)
+            first, last = self._shard_of(start), self._shard_of(stop - 1)
+            parts = [
+                self.shard(k)[max(start, int(self.starts[k])) - int(self.starts[k]) : stop - int(self.starts[k])]
+                for k in range(first, last + 1)
+            ]
+            return parts[0] if len(parts) == 1 else np.concatenate(parts)
+        if isinstance(key, (int, np.integer)):
+            i = int(key) + (len(self) if key < 0 else 0)
+            if not 0 <= i < len(self):
+                raise IndexError(f"index {int(key)} out of range for {len(self)} tokens")
+            k = self._shard_of(i)
+            return self.shard(k)[i - int(self.starts[k])]
+        raise TypeError(f"{type(self).__name__} indices are integers or slices, not {type(key).__name__}")
+
+    def __iter__(self) -> Iterator:
+        for k in range(len(self.paths)):
+            yield from self.shard(k)
+
+    def __array__(self, dtype=None, copy=None) -> np.ndarray:
+        whole = np.concatenate([self.shard(k) for k in range(len(self.paths))])
+        return whole if dtype is None else whole.astype(dtype, copy=False)
+
+    def __getstate__(self) -> dict:
+        state = self.__dict__.copy()
+        state["_maps"] = [None] * len(self.paths)
+        return state
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({len(self):,} {self.dtype.name} tokens in {len(self.paths)} files)"
+
+
 class TokenSequences(Dataset):
     """Non-overlapping windows of ``seq_len`` + 1 tokens; item i is (x, y) with y = x shifted by one.
 
     Built from a memmap, it pickles only the file's path, dtype and length, and reopens the
-    file lazily in each DataLoader worker (an in-memory array is pickled as is).
+    file lazily in each DataLoader worker; built from ``TokenShards`` (a stream in several
+    files), it pickles those, which pickle by paths (an in-memory array is pickled as is). A
+    window that crosses a shard boundary is read from both shards.
     """
 
-    def __init__(self, tokens: np.ndarray, seq_len: int):
+    def __init__(self, tokens: np.ndarray | TokenShards, seq_len: int):
         if seq_len < 1:
             raise ValueError(f"seq_len must be >= 1, got {seq_len}")
         if tokens.ndim != 1:
@@ -40,15 +124,16 @@ class TokenSequences(Dataset):
             self.path, self.offset = tokens.filename, tokens.offset
         else:
             self.path, self.offset = None, 0
-        self._tokens = tokens
+        self._tokens: np.ndarray | TokenShards | None = tokens
 
     def __len__(self) -> int:
         return max(0, (self.num_tokens - 1) // self.seq_len)
 
     @property
-    def tokens(self) -> np.ndarray:
-        """The whole 1-D token stream (memory-mapped when it came from a file)."""
+    def tokens(self) -> np.ndarray | TokenShards:
+        """The whole 1-D token stream (memory-mapped when it came from files)."""
         if self._tokens is None:
+            assert self.path is not None  # only a stream read from a file is dropped when pickled
             self._tokens = np.memmap(
                 self.path, dtype=self.dtype, mode="r", offset=self.offset, shape=(self.num_tokens,)
             )

@@ -1,10 +1,17 @@
 """Tokenize a corpus once into memory-mappable token files, cached by corpus and tokenizer.
 
-Layout: ``<cache>/prepared/<key>/`` holds ``train.bin`` and ``val.bin`` (raw little-endian
-uint16 or uint32 token ids, every document followed by the end-of-text token), a copy of
-``tokenizer.json`` and ``manifest.json``. The key hashes the corpus fingerprint, the tokenizer
-and FORMAT_VERSION, so any change to the data or tokenizer prepares a new directory. A directory
-is built under a temporary name and renamed into place, so one that exists is complete.
+Layout: ``<cache>/prepared/<key>/`` holds each split's token stream (raw little-endian uint16 or
+uint32 token ids, every document followed by the end-of-text token) in shards of at most
+``data.shard_bytes`` bytes, ``train-00000.bin``, ``train-00001.bin``, ..., ``val-00000.bin``, ...
+(the stream is cut every shard_bytes, inside a document where it falls there), a copy of
+``tokenizer.json`` and ``manifest.json``, which lists each split's shards in order with their
+token counts and sha256. The key hashes the corpus fingerprint, the tokenizer, the shard size and
+FORMAT_VERSION, so any change to the data or tokenizer prepares a new directory. A directory is
+built under a temporary name and renamed into place, so one that exists is complete.
+
+Memory stays bounded whatever the corpus size: documents are read one at a time, tokenized by a
+pool of processes a chunk at a time with a bounded number of chunks in flight, and written out as
+each chunk comes back.
 """
 
 from __future__ import annotations
@@ -24,11 +31,13 @@ from concurrent.futures import Future, ProcessPoolExecutor
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
+from typing import BinaryIO
 
 import numpy as np
 from tokenizers import Tokenizer
 
 from kiln.data.corpus import SPLITS, Corpus, DataError, open_corpus
+from kiln.data.loader import TokenShards
 from kiln.data.tokenizer import (
     TrainingText,
     bpe_cache_path,
@@ -40,10 +49,14 @@ from kiln.data.tokenizer import (
 )
 
 # Bump when the file layout or manifest changes, so old prepared directories are not reused.
-FORMAT_VERSION = 2
+# 3: each split in shards of at most data.shard_bytes, listed in the manifest.
+FORMAT_VERSION = 3
 # Characters of text per task sent to a worker: large enough to amortise pickling, small
 # enough to keep every worker busy and memory bounded.
 _CHUNK_CHARS = 1 << 20
+# Chunks in flight per worker: enough that a worker never waits for the next, few enough that
+# memory stays bounded (about this many chunks of text and of token ids per worker).
+_IN_FLIGHT = 2
 
 
 def cache_root(data_cfg) -> Path:
@@ -65,12 +78,17 @@ class PreparedData:
     tokenized: bool
     """True if the call that returned this did the tokenization (False: found in the cache)."""
 
-    def tokens(self, split: str) -> np.memmap:
-        """The split's token stream, memory-mapped read-only."""
-        info = self.manifest["splits"][split]
-        return np.memmap(
-            self.dir / info["file"], dtype=np.dtype(self.manifest["dtype"]), mode="r", shape=(info["tokens"],)
-        )
+    def tokens(self, split: str) -> np.ndarray | TokenShards:
+        """The split's whole token stream, memory-mapped read-only: one ``np.memmap`` when it is
+        in one shard, else ``TokenShards`` over its shards (sliced like an array)."""
+        shards = self.manifest["splits"][split]["shards"]
+        dtype = np.dtype(self.manifest["dtype"])
+        if len(shards) == 1:
+            [shard] = shards
+            if shard["tokens"] == 0:  # an empty file cannot be mapped
+                return np.empty(0, dtype)
+            return np.memmap(self.dir / shard["file"], dtype=dtype, mode="r", shape=(shard["tokens"],))
+        return TokenShards([self.dir / s["file"] for s in shards], [s["tokens"] for s in shards], dtype)
 
     def token_bytes(self) -> np.ndarray:
         return token_byte_lengths(self.tokenizer)
@@ -91,9 +109,14 @@ def open_prepared(directory: str | os.PathLike) -> PreparedData:
     return PreparedData(directory, manifest, tok, tok.get_vocab_size(), manifest["eot_id"], tokenized=False)
 
 
+def shard_files(manifest: dict) -> list[str]:
+    """Every token shard a manifest lists: each split's, in order."""
+    return [shard["file"] for info in manifest["splits"].values() for shard in info["shards"]]
+
+
 def verify(prepared: PreparedData) -> None:
     """Check every file against the manifest's sha256; DataError naming the first that differs."""
-    files = {info["file"]: info["sha256"] for info in prepared.manifest["splits"].values()}
+    files = {s["file"]: s["sha256"] for info in prepared.manifest["splits"].values() for s in info["shards"]}
     files["tokenizer.json"] = prepared.manifest["tokenizer_hash"]
     for name, expected in files.items():
         path = prepared.dir / name
@@ -155,16 +178,23 @@ def _open(data_cfg, source: str, text_field: str, report: _Reporter) -> Corpus:
 
 def _tokenizer(text: TrainingText, data_cfg, report: _Reporter) -> Tokenizer:
     root = cache_root(data_cfg)
-    if data_cfg.tokenizer == "bpe" and not bpe_cache_path(text, data_cfg, root).is_file():
-        report.line(f"kiln: training a byte-level BPE tokenizer (vocab {data_cfg.vocab_size}) on the train split ...")
-    return load_or_train_tokenizer(text, data_cfg, root)
+    if data_cfg.tokenizer != "bpe" or bpe_cache_path(text, data_cfg, root).is_file():
+        return load_or_train_tokenizer(text, data_cfg, root)
+    sample = data_cfg.tokenizer_sample_bytes
+    on = f"a sample of up to {sample:,} bytes of the train split" if sample else "the train split"
+    report.line(f"kiln: training a byte-level BPE tokenizer (vocab {data_cfg.vocab_size}) on {on} ...")
+    started = time.monotonic()
+    tok = load_or_train_tokenizer(text, data_cfg, root)
+    report.line(f"kiln: trained the tokenizer in {time.monotonic() - started:.1f}s")
+    return tok
 
 
 def _prepare(corpus: Corpus, tok: Tokenizer, data_cfg, report: _Reporter) -> PreparedData:
     """``corpus`` tokenized with ``tok`` into the cache, or found there."""
     root, fingerprint = cache_root(data_cfg), corpus.fingerprint
     tok_hash = tokenizer_hash(tok)
-    key = hashlib.sha256(f"{fingerprint}\0{tok_hash}\0{FORMAT_VERSION}".encode()).hexdigest()
+    shard_bytes = data_cfg.shard_bytes
+    key = hashlib.sha256(f"{fingerprint}\0{tok_hash}\0{shard_bytes}\0{FORMAT_VERSION}".encode()).hexdigest()
     final = root / "prepared" / key[:32]
 
     if (final / "manifest.json").is_file():
@@ -192,9 +222,10 @@ def _prepare(corpus: Corpus, tok: Tokenizer, data_cfg, report: _Reporter) -> Pre
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
+    splits = manifest["splits"]
     report.line(
-        f"kiln: prepared {manifest['splits']['train']['tokens']:,} train and "
-        f"{manifest['splits']['val']['tokens']:,} val tokens in {final} ({describe_split(manifest)})"
+        f"kiln: prepared {splits['train']['tokens']:,} train and {splits['val']['tokens']:,} val tokens "
+        f"({len(shard_files(manifest))} shards) in {final} ({describe_split(manifest)})"
     )
     return dataclasses.replace(open_prepared(final), tokenized=True)
 
@@ -213,10 +244,11 @@ def describe_split(manifest: dict) -> str:
 def _size_problem(prepared: PreparedData) -> str | None:
     itemsize = np.dtype(prepared.manifest["dtype"]).itemsize
     for info in prepared.manifest["splits"].values():
-        path = prepared.dir / info["file"]
-        expected = info["tokens"] * itemsize
-        if not path.is_file() or path.stat().st_size != expected:
-            return f"{path} is not {expected} bytes as manifest.json says"
+        for shard in info["shards"]:
+            path = prepared.dir / shard["file"]
+            expected = shard["tokens"] * itemsize
+            if not path.is_file() or path.stat().st_size != expected:
+                return f"{path} is not {expected} bytes as manifest.json says"
     return None
 
 
@@ -230,25 +262,26 @@ def _build(corpus: Corpus, tok: Tokenizer, tok_hash: str, data_cfg, out: Path, r
     for split in SPLITS:
         total = corpus.count(split)
         report.line(f"kiln: tokenizing {total} {split} documents with {workers} worker{'s' * (workers > 1)} ...")
+        started = time.monotonic()
         chunks = _chunks(text for _, text in corpus.documents(split))
-        sha = hashlib.sha256()
-        tokens = nbytes = documents = 0
-        with open(out / f"{split}.bin", "wb") as f, report.bar(f"tokenizing {split}", total) as advance:
+        nbytes = documents = 0
+        with (
+            _ShardWriter(out, split, dtype, data_cfg.shard_bytes) as writer,
+            report.bar(f"tokenizing {split}", total) as advance,
+        ):
             for ids, chunk_bytes, docs in _encode_all(chunks, tok.to_str(), eot, dtype, workers):
-                data = ids.tobytes()
-                f.write(data)
-                sha.update(data)
-                tokens += len(ids)
+                writer.write(ids)
                 nbytes += chunk_bytes
                 documents += docs
                 advance(docs)
-        splits[split] = {
-            "documents": documents,
-            "tokens": tokens,
-            "bytes": nbytes,
-            "file": f"{split}.bin",
-            "sha256": sha.hexdigest(),
-        }
+        seconds = time.monotonic() - started
+        report.line(
+            f"kiln: tokenized {split}: {documents:,} documents, {nbytes:,} bytes, {writer.tokens:,} tokens "
+            f"in {seconds:.1f}s ({nbytes / 1e6 / max(seconds, 1e-9):.2f} MB/s, "
+            f"{writer.tokens / max(seconds, 1e-9):,.0f} tokens/s), {len(writer.shards)} "
+            f"shard{'s' * (len(writer.shards) > 1)}"
+        )
+        splits[split] = {"documents": documents, "tokens": writer.tokens, "bytes": nbytes, "shards": writer.shards}
     (out / "tokenizer.json").write_text(tok.to_str(), encoding="utf-8")
     manifest = {
         "format_version": FORMAT_VERSION,
@@ -262,11 +295,68 @@ def _build(corpus: Corpus, tok: Tokenizer, tok_hash: str, data_cfg, out: Path, r
         "vocab_size": vocab_size,
         "eot_id": eot,
         "dtype": dtype.name,
+        "shard_bytes": data_cfg.shard_bytes,
         "splits": splits,
     }
     # Written last: its presence marks the directory complete.
     (out / "manifest.json").write_text(json.dumps(manifest, indent=2) + "\n", encoding="utf-8")
     return manifest
+
+
+class _ShardWriter:
+    """A split's token stream written to ``SPLIT-00000.bin``, ``SPLIT-00001.bin``, ..., each of
+    ``shard_bytes`` (rounded down to whole tokens) but the last; ``shards`` lists them for the
+    manifest. A split always has one file, perhaps empty."""
+
+    def __init__(self, out: Path, split: str, dtype: np.dtype, shard_bytes: int):
+        self.out, self.split = out, split
+        self.per_shard = max(1, shard_bytes // dtype.itemsize)
+        self.shards: list[dict] = []
+        self.tokens = 0
+        self._file: BinaryIO | None = None
+        self._name = ""
+        self._sha = hashlib.sha256()
+        self._count = 0  # tokens in the open file
+
+    def __enter__(self) -> _ShardWriter:
+        return self
+
+    def __exit__(self, kind, value, tb) -> None:
+        if kind is not None:
+            if self._file is not None:
+                self._file.close()
+            return
+        if self._file is None and not self.shards:
+            self._open()
+        if self._file is not None:
+            self._finish()
+
+    def write(self, ids: np.ndarray) -> None:
+        pos = 0
+        while pos < len(ids):
+            if self._file is None:
+                self._open()
+            assert self._file is not None
+            take = min(len(ids) - pos, self.per_shard - self._count)
+            data = np.ascontiguousarray(ids[pos : pos + take]).data
+            self._file.write(data)
+            self._sha.update(data)
+            self._count += take
+            self.tokens += take
+            pos += take
+            if self._count == self.per_shard:
+                self._finish()
+
+    def _open(self) -> None:
+        self._name = f"{self.split}-{len(self.shards):05d}.bin"
+        self._file = open(self.out / self._name, "wb")  # noqa: SIM115 (closed by _finish or __exit__)
+        self._sha, self._count = hashlib.sha256(), 0
+
+    def _finish(self) -> None:
+        assert self._file is not None
+        self._file.close()
+        self._file = None
+        self.shards.append({"file": self._name, "tokens": self._count, "sha256": self._sha.hexdigest()})
 
 
 def _chunks(texts: Iterable[str]) -> Iterator[list[str]]:
@@ -296,10 +386,10 @@ def _init_worker(tok_json: str, eot: int, dtype: str) -> None:
 def _encode_chunk(texts: list[str]) -> tuple[np.ndarray, int, int]:
     """(token ids with EOT after each document, UTF-8 bytes of the texts, number of documents)."""
     encodings = _worker["tok"].encode_batch(texts, add_special_tokens=False)
-    ids = np.fromiter(
-        (i for enc in encodings for i in (*enc.ids, _worker["eot"])),
-        dtype=_worker["dtype"],
-    )
+    eot = np.array([_worker["eot"]], dtype=_worker["dtype"])
+    # One array per document and one join: no Python-level loop over the tokens.
+    parts = [part for enc in encodings for part in (np.array(enc.ids, dtype=_worker["dtype"]), eot)]
+    ids = np.concatenate(parts) if parts else np.empty(0, _worker["dtype"])
     return ids, sum(len(t.encode("utf-8")) for t in texts), len(texts)
 
 
@@ -324,7 +414,7 @@ def _encode_all(chunks: Iterator[list[str]], tok_json: str, eot: int, dtype: np.
         pending: collections.deque[Future[tuple[np.ndarray, int, int]]] = collections.deque()
         for chunk in chunks:
             pending.append(pool.submit(_encode_chunk, chunk))
-            if len(pending) >= 2 * workers:
+            if len(pending) >= _IN_FLIGHT * workers:
                 yield pending.popleft().result()
         while pending:
             yield pending.popleft().result()
@@ -385,7 +475,6 @@ class _Reporter:
         from rich.console import Console
         from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
-        started = time.monotonic()
         with Progress(
             TextColumn("{task.description}"),
             BarColumn(),
@@ -396,4 +485,3 @@ class _Reporter:
         ) as bar:
             task = bar.add_task(description, total=total)
             yield lambda n: bar.advance(task, n)
-        self.line(f"kiln: {description} took {time.monotonic() - started:.1f}s")

@@ -37,23 +37,67 @@ class TrainingText(Protocol):
 def load_or_train_tokenizer(corpus: TrainingText, data_cfg, cache_dir: Path) -> Tokenizer:
     """The tokenizer ``data_cfg.tokenizer`` names: 'bpe' trains (or reuses) one, else a tokenizer.json path.
 
-    A trained BPE is cached at ``cache_dir/tokenizers/<key>/tokenizer.json``, where the key covers
-    the corpus fingerprint (so its train split), the vocab size and TOKENIZER_VERSION.
+    The BPE is trained on the train split, or on a sample of it of up to
+    ``data_cfg.tokenizer_sample_bytes`` (see :func:`sample_documents`). A trained BPE is cached at
+    ``cache_dir/tokenizers/<key>/tokenizer.json``, where the key covers the corpus fingerprint (so
+    its train split), the vocab size, the sample size and TOKENIZER_VERSION.
     """
     if data_cfg.tokenizer != "bpe":
         return load_tokenizer(Path(data_cfg.tokenizer).expanduser())
     path = bpe_cache_path(corpus, data_cfg, cache_dir)
     if path.is_file():
         return load_tokenizer(path)
-    tok = _train_bpe((text for _, text in corpus.documents("train")), data_cfg.vocab_size, corpus.count("train"))
+    texts, count = sample_documents(corpus, data_cfg.tokenizer_sample_bytes)
+    tok = _train_bpe(texts, data_cfg.vocab_size, count)
     write_atomic(path, tok.to_str())
     return tok
 
 
 def bpe_cache_path(corpus: TrainingText, data_cfg, cache_dir: Path) -> Path:
-    """Where the BPE trained for this corpus and vocab size is (or will be) cached."""
-    key = hashlib.sha256(f"{corpus.fingerprint}\0{data_cfg.vocab_size}\0{TOKENIZER_VERSION}".encode()).hexdigest()
-    return Path(cache_dir) / "tokenizers" / key[:32] / "tokenizer.json"
+    """Where the BPE trained for this corpus, vocab size and sample size is (or will be) cached."""
+    key = f"{corpus.fingerprint}\0{data_cfg.vocab_size}\0{TOKENIZER_VERSION}"
+    if data_cfg.tokenizer_sample_bytes:  # 0 (the whole split) keeps the key it always had
+        key += f"\0sample={data_cfg.tokenizer_sample_bytes}"
+    return Path(cache_dir) / "tokenizers" / hashlib.sha256(key.encode()).hexdigest()[:32] / "tokenizer.json"
+
+
+def sample_documents(corpus: TrainingText, max_bytes: int) -> tuple[Iterator[str], int]:
+    """The train documents a BPE is trained on, and how many: all of them when ``max_bytes`` is 0
+    or the split holds no more than that many UTF-8 bytes, else a sample of up to ``max_bytes``.
+
+    The sample is chosen by name, so it is deterministic, spread evenly over the corpus (every
+    file and every part of each file, not its first N bytes) and stable as the corpus grows: a
+    salted hash of each document's name puts it in one of SAMPLE_BUCKETS buckets, a first pass
+    adds up the UTF-8 bytes of each bucket, and the sample is the documents of the buckets
+    0, 1, ..., k, the longest run of buckets whose bytes add up to ``max_bytes`` or less (at least
+    the first bucket that holds any). A second pass yields them, in corpus order. Memory is the two
+    tables of bucket sizes, whatever the corpus size.
+    """
+    if not max_bytes:
+        return (text for _, text in corpus.documents("train")), corpus.count("train")
+    sizes, counts = [0] * SAMPLE_BUCKETS, [0] * SAMPLE_BUCKETS
+    for name, text in corpus.documents("train"):
+        bucket = _sample_bucket(name)
+        sizes[bucket] += len(text.encode("utf-8", "surrogatepass"))
+        counts[bucket] += 1
+    if sum(sizes) <= max_bytes:
+        return (text for _, text in corpus.documents("train")), sum(counts)
+    cumulative = np.cumsum(sizes)
+    # The buckets whose running total stays within max_bytes; at least the first non-empty one.
+    taken = max(int(np.searchsorted(cumulative, max_bytes, side="right")), int(np.argmax(cumulative > 0)) + 1)
+    texts = (text for name, text in corpus.documents("train") if _sample_bucket(name) < taken)
+    return texts, sum(counts[:taken])
+
+
+# Buckets a document's name hashes to, for sample_documents: the sample's size is exact to 1/65536
+# of the train split.
+SAMPLE_BUCKETS = 1 << 16
+
+
+def _sample_bucket(name: str) -> int:
+    # Salted, so the sample does not line up with the train/val split (a hash of the same names).
+    digest = hashlib.blake2b(name.encode("utf-8", "surrogatepass"), digest_size=8, person=b"kiln-bpe-sample")
+    return int.from_bytes(digest.digest(), "big") % SAMPLE_BUCKETS
 
 
 def load_tokenizer(path: Path) -> Tokenizer:

@@ -21,7 +21,8 @@ import torch
 from torch.utils.data import Dataset
 
 from kiln.data import DataError, TokenSequences, verify
-from kiln.data.loader import dataset_len
+from kiln.data.loader import TokenShards, dataset_len
+from kiln.data.shards import shard_files
 from kiln.doctor.job import DoctorJob
 from kiln.doctor.report import fmt_bytes
 
@@ -72,7 +73,7 @@ class DataScan:
         self._sampled: dict[str, tuple[list[tuple[int, Any]], str]] = {}
 
     @cached_property
-    def streams(self) -> dict[str, np.ndarray | None]:
+    def streams(self) -> dict[str, np.ndarray | TokenShards | None]:
         return {split: _stream_of(ds) for split, ds in self.datasets.items()}
 
     def windows(self, split: str) -> list[tuple[int, int]]:
@@ -199,11 +200,17 @@ def check_checksums(job: DoctorJob):
         verify(prepared)
     except DataError as e:
         return "fail", str(e), f"delete {prepared.dir} and run `kiln prepare` again (the cache is rebuilt)"
-    files = [info["file"] for info in prepared.manifest["splits"].values()] + ["tokenizer.json"]
+    shards = shard_files(prepared.manifest)
+    files = [*shards, "tokenizer.json"]
     size = sum((prepared.dir / f).stat().st_size for f in files)
+    named = (
+        ", ".join(files)
+        if len(shards) <= 4
+        else f"{len(shards)} token shards ({shards[0]} ... {shards[-1]}), tokenizer.json"
+    )
     return (
         "pass",
-        f"{', '.join(files)} in {prepared.dir} match the sha256 in manifest.json "
+        f"{named} in {prepared.dir} match the sha256 in manifest.json "
         f"({fmt_bytes(size)} read in {time.perf_counter() - started:.1f}s)",
         "",
     )
@@ -416,12 +423,16 @@ CHECKS = [
 # -- helpers --------------------------------------------------------------------------------------
 
 
-def _stream_of(ds: Dataset) -> np.ndarray | None:
-    """The 1-D token array behind a TokenSequences (memory-mapped), or None for other datasets."""
+def _stream_of(ds: Dataset) -> np.ndarray | TokenShards | None:
+    """The 1-D token stream behind a TokenSequences (memory-mapped; ``TokenShards`` when prepared in
+    several files, whose slices join the files: the checks read at most SCAN_TOKENS at a time), or
+    None for other datasets."""
     return ds.tokens if isinstance(ds, TokenSequences) else None
 
 
-def _document_spans(stream: np.ndarray, eot: int, windows: list[tuple[int, int]]) -> list[tuple[int, int]]:
+def _document_spans(
+    stream: np.ndarray | TokenShards, eot: int, windows: list[tuple[int, int]]
+) -> list[tuple[int, int]]:
     """(start, end) of every document wholly inside the windows; end is its EOT's position."""
     spans = []
     for a, b in windows:
