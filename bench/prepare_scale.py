@@ -45,6 +45,7 @@ from pathlib import Path
 import numpy as np
 
 # -- the corpus -----------------------------------------------------------------------------------
+from procs import descendants
 
 
 def vocabulary(rng: np.random.Generator, n: int = 30000) -> list[str]:
@@ -114,23 +115,6 @@ def cpu_busy() -> tuple[float, float]:
     return (sum(fields) - idle) / tick, sum(fields) / tick
 
 
-def tree(root: int) -> list[int]:
-    children: dict[int, list[int]] = {}
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                stat = Path(f"/proc/{entry}/stat").read_text()
-            except OSError:
-                continue
-            children.setdefault(int(stat.rsplit(")", 1)[1].split()[1]), []).append(int(entry))
-    found, todo = [], [root]
-    while todo:
-        pid = todo.pop()
-        found.append(pid)
-        todo.extend(children.get(pid, []))
-    return found
-
-
 def _kib(path: str, key: str) -> int:
     try:
         for line in Path(path).read_text().splitlines():
@@ -158,7 +142,7 @@ class TreeMemory:
         pids = [self.pid]
         for i in itertools.count():
             if i % self.every == 0:
-                pids = tree(self.pid)
+                pids = descendants(self.pid)
                 self.processes = max(self.processes, len(pids))
                 self.pss = max(self.pss, sum(_kib(f"/proc/{p}/smaps_rollup", "Pss:") for p in pids))
             status = [_status(p) for p in pids]
