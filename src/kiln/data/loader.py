@@ -153,6 +153,13 @@ class TokenSequences(Dataset):
         return state
 
 
+def hashed_generator(*parts: object) -> torch.Generator:
+    """A generator seeded by a hash of ``parts`` (seed, epoch, ...): nearby seeds or epochs give
+    unrelated streams."""
+    digest = hashlib.blake2b(":".join(map(str, parts)).encode(), digest_size=8).digest()
+    return torch.Generator().manual_seed(int.from_bytes(digest, "big") >> 1)
+
+
 class Order(Protocol):
     """A data order: the dataset item at each position g of the run's sequences."""
 
@@ -173,9 +180,7 @@ class Shuffled:
 
     def permutation(self, epoch: int) -> torch.Tensor:
         if epoch != self._epoch:
-            # Hash (seed, epoch) so nearby seeds or epochs give unrelated permutations.
-            digest = hashlib.blake2b(f"{self.seed}:{epoch}".encode(), digest_size=8).digest()
-            gen = torch.Generator().manual_seed(int.from_bytes(digest, "big") >> 1)
+            gen = hashed_generator(self.seed, epoch)
             self._epoch, self._perm = epoch, torch.randperm(self.num_items, generator=gen)
         assert self._perm is not None  # set for every epoch >= 0 (self._epoch starts at -1)
         return self._perm

@@ -12,22 +12,15 @@ seed, the source's name and e), as a single corpus's are.
 
 from __future__ import annotations
 
-import hashlib
 from collections.abc import Sequence
 
 import numpy as np
 import torch
 from torch.utils.data import Dataset
 
-from kiln.data.loader import TokenSequences
+from kiln.data.loader import TokenSequences, hashed_generator
 
 BLOCK = 1000
-
-
-def _generator(*parts: object) -> torch.Generator:
-    # Hashed, so nearby seeds, blocks or epochs give unrelated orders.
-    digest = hashlib.blake2b(":".join(map(str, parts)).encode(), digest_size=8).digest()
-    return torch.Generator().manual_seed(int.from_bytes(digest, "big") >> 1)
 
 
 def quotas(weights: Sequence[float], block: int = BLOCK) -> list[int]:
@@ -66,7 +59,7 @@ class Mixture(Dataset):
         before it draw from the same source."""
         if self._block[0] != b:
             slots = np.repeat(np.arange(len(self.quotas)), self.quotas)
-            sources = slots[torch.randperm(BLOCK, generator=_generator(self.seed, "block", b)).numpy()]
+            sources = slots[torch.randperm(BLOCK, generator=hashed_generator(self.seed, "block", b)).numpy()]
             before = np.empty(BLOCK, dtype=np.int64)
             for s in range(len(self.quotas)):
                 where = np.flatnonzero(sources == s)
@@ -88,7 +81,7 @@ class Mixture(Dataset):
         epoch = n // size
         cached = self._perms.get(source)
         if cached is None or cached[0] != epoch:
-            perm = torch.randperm(size, generator=_generator(self.seed, self.names[source], epoch))
+            perm = torch.randperm(size, generator=hashed_generator(self.seed, self.names[source], epoch))
             self._perms[source] = cached = (epoch, perm)
         return self.offsets[source] + int(cached[1][n % size])
 
