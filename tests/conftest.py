@@ -3,6 +3,7 @@ user's cache and train in seconds."""
 
 from __future__ import annotations
 
+import subprocess
 import sysconfig
 from pathlib import Path
 
@@ -195,6 +196,16 @@ def single(tmp_path_factory, corpus_dir) -> Path:
     run_dir = tmp_path_factory.mktemp("single") / "run"
     in_process("train", *layout_sets(run_dir, corpus_dir, micro=4))
     return run_dir
+
+
+@pytest.fixture(scope="session")
+def ddp_run(tmp_path_factory, corpus_dir) -> tuple[Path, subprocess.CompletedProcess]:
+    """Two DDP ranks, micro-batch 2, watched by the hang watchdog: compared with one process, and
+    the uninterrupted reference of a run whose rank hangs. The run and its launch's output."""
+    from layouts import train_on, watched_sets
+
+    run_dir = tmp_path_factory.mktemp("ddp") / "run"
+    return run_dir, train_on(2, watched_sets(run_dir, corpus_dir))
 
 
 @pytest.fixture(scope="session")

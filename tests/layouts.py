@@ -19,6 +19,7 @@ from kilnrun import launch, losses, start
 
 STEPS = 6
 GLOBAL = 8
+TRAIN_TIMEOUT_S = 10  # parallel.train_timeout of the watched runs (tests/distributed/test_watchdog.py)
 
 
 def layout_sets(run_dir: Path, corpus: Path, micro: int, **extra) -> list[str]:
@@ -26,6 +27,11 @@ def layout_sets(run_dir: Path, corpus: Path, micro: int, **extra) -> list[str]:
     base = dict(train__max_steps=STEPS, train__global_batch_size=GLOBAL, checkpoint__every=3, eval__sample_tokens=0)
     items = tiny_overrides(run_dir, corpus, **{**base, "train__micro_batch_size": micro, **extra})
     return [a for item in items for a in ("--set", item)]
+
+
+def watched_sets(run_dir: Path, corpus: Path, **extra) -> list[str]:
+    """Two DDP ranks' ``layout_sets`` (micro-batch 2) with the hang watchdog on."""
+    return layout_sets(run_dir, corpus, micro=2, parallel__train_timeout=f"{TRAIN_TIMEOUT_S}s", **extra)
 
 
 def train_on(nproc: int, sets: list[str], *launch_args: str, **kw) -> subprocess.CompletedProcess:

@@ -31,9 +31,8 @@ from layouts import (
 )
 
 
-def test_ddp_two_ranks_equal_one_process_with_twice_the_micro_batch(tmp_path, corpus_dir, single):
-    run_dir = tmp_path / "ddp"
-    proc = train_on(2, layout_sets(run_dir, corpus_dir, micro=2))
+def test_ddp_two_ranks_equal_one_process_with_twice_the_micro_batch(ddp_run, single):
+    run_dir, proc = ddp_run  # watched by the hang watchdog too (test_watchdog.py), which changes no result
     assert_same_training(run_dir, single)
     # Only rank 0 prints progress.
     assert proc.stdout.count(f"step {STEPS}/{STEPS}") == 2  # the train line and the val line

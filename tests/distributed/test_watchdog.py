@@ -19,13 +19,9 @@ import torch
 from kiln.distributed.watchdog import HANG_EXIT, collective_env, describe
 
 from kilnrun import losses, start
-from layouts import layout_sets, train_on, weights, workers
-
-TIMEOUT_S = 10  # parallel.train_timeout of these runs
-
-
-def _watched(run_dir: Path, corpus: Path, **extra) -> list[str]:
-    return layout_sets(run_dir, corpus, micro=2, parallel__train_timeout=f"{TIMEOUT_S}s", **extra)
+from layouts import TRAIN_TIMEOUT_S as TIMEOUT_S
+from layouts import watched_sets as _watched
+from layouts import weights, workers
 
 
 def _start(sets: list[str], *launch_args: str) -> subprocess.Popen:
@@ -47,10 +43,9 @@ def _logged_step(run_dir: Path) -> int:
 
 
 @pytest.mark.slow
-def test_a_hung_rank_is_named_dumped_and_the_job_restarts_from_its_checkpoint(tmp_path, corpus_dir):
-    ref = tmp_path / "uninterrupted"
-    train_on(2, _watched(ref, corpus_dir))  # the watchdog raises no false alarm either
-    assert not list((ref / "hang").glob("2*"))
+def test_a_hung_rank_is_named_dumped_and_the_job_restarts_from_its_checkpoint(tmp_path, corpus_dir, ddp_run):
+    ref = ddp_run[0]  # the same watched run, uninterrupted
+    assert not list((ref / "hang").glob("2*"))  # the watchdog raised no false alarm there
     run_dir = tmp_path / "hung"
     # Rank 1 hangs before step 5, after the checkpoint at step 3; a restarted group runs on.
     launcher = _start(_watched(run_dir, corpus_dir, debug__hang_rank=1, debug__hang_step=5), "--max-restarts", "1")
