@@ -260,14 +260,10 @@ def cmd_prepare(args) -> int:
 
     cfg = _load(args)
     data = cfg.data
-    # Under kiln launch rank 0 prepares while the others wait for it, then find it in the cache.
+    # Under kiln launch every rank tokenizes its share of the files.
     world = init_world("cpu", cfg.parallel)
     progress = world.is_main
-
-    def work() -> dict:
-        return prepare_mix(data, progress) if data.mix else {"": prepare(data, progress)}
-
-    sources = world.main_first(work, "the data")
+    sources = prepare_mix(data, progress, world) if data.mix else {"": prepare(data, progress, world)}
     if not world.is_main:
         return 0
     for name, prepared in sources.items():

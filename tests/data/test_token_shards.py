@@ -12,7 +12,8 @@ import torch
 from kiln.config import DataConfig
 from kiln.data.corpus import DataError
 from kiln.data.loader import TokenSequences, TokenShards, covering_batches, make_train_loader, val_batches
-from kiln.data.shards import FORMAT_VERSION, _ShardWriter, open_prepared, prepare, shard_files, verify
+from kiln.data.shards import FORMAT_VERSION, _assemble, _Job, _Reporter, open_prepared, prepare, shard_files, verify
+from kiln.data.team import ALONE
 from kiln.doctor.data import _document_spans
 
 SHARD_BYTES = 256  # 128 uint16 tokens a shard
@@ -143,21 +144,25 @@ def test_truncated_or_corrupt_shard_is_detected(source, tmp_path):
         verify(open_prepared(p.dir))
 
 
-@pytest.mark.parametrize("pieces", [[10], [3, 3, 3, 1], [4, 4], [1] * 9, [20, 1], []])
-def test_shard_writer_cuts_every_shard_bytes(tmp_path, pieces):
+@pytest.mark.parametrize("parts", [[10], [3, 3, 3, 1], [4, 4], [1] * 9, [20, 1], [0], [0, 4, 0, 5], [4, 0]])
+def test_parts_are_cut_into_shards_every_shard_bytes(tmp_path, parts):
+    """The ranks' parts, joined in rank order, cut every 19 bytes (4 uint32 tokens): a part that
+    is exactly one shard is renamed, the others copied; none is left over, none empty."""
     dtype = np.dtype(np.uint32)
-    stream = np.arange(sum(pieces), dtype=dtype)
-    with _ShardWriter(tmp_path, "train", dtype, 4 * 4 + 3) as writer:  # 19 bytes: 4 tokens a shard
-        for a, b in itertools.pairwise([0, *np.cumsum(pieces).tolist()]):
-            writer.write(stream[a:b])
-    counts = [s["tokens"] for s in writer.shards]
+    stream = np.arange(sum(parts), dtype=dtype)
+    for r, (a, b) in enumerate(itertools.pairwise([0, *np.cumsum(parts).tolist()])):
+        (tmp_path / f"rank-{r:05d}.train.bin").write_bytes(stream[a:b].tobytes())
+    job = _Job(DataConfig(shard_bytes=4 * 4 + 3), ALONE, _Reporter(False), 0.0)
+    shards = _assemble(job, tmp_path, "train", parts, dtype, [0])
+    counts = [s["tokens"] for s in shards]
     assert counts == ([4] * (len(stream) // 4) + ([len(stream) % 4] if len(stream) % 4 else []) or [0])
-    assert [s["file"] for s in writer.shards] == [f"train-{k:05d}.bin" for k in range(len(counts))]
-    assert sorted(p.name for p in tmp_path.iterdir()) == [s["file"] for s in writer.shards]  # none left empty
-    joined = b"".join((tmp_path / s["file"]).read_bytes() for s in writer.shards)
-    assert joined == stream.tobytes() and writer.tokens == len(stream)
-    if len(writer.shards) > 1:
-        tokens = TokenShards([tmp_path / s["file"] for s in writer.shards], counts, dtype)
+    assert [s["file"] for s in shards] == [f"train-{k:05d}.bin" for k in range(len(counts))]
+    joined = b"".join((tmp_path / s["file"]).read_bytes() for s in shards)
+    assert joined == stream.tobytes()
+    for s in shards:
+        assert hashlib.sha256((tmp_path / s["file"]).read_bytes()).hexdigest() == s["sha256"]
+    if len(shards) > 1:
+        tokens = TokenShards([tmp_path / s["file"] for s in shards], counts, dtype)
         assert np.array_equal(np.asarray(tokens), stream)
 
 

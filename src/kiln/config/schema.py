@@ -725,7 +725,7 @@ class DebugConfig:
     collective would, in the first attempt only (a group kiln launch --max-restarts restarted runs
     on); 0 is off."""
     slow_prepare_seconds: float = 0.0
-    """Rank 0's data preparation takes this much longer (a large corpus), while the other ranks wait."""
+    """Rank 0's share of the tokenization takes this much longer (a large corpus), while the other ranks wait."""
     slow_rank: int = 0
     """The rank that debug.slow_seconds slows down."""
     slow_seconds: float = 0.0

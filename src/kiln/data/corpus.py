@@ -30,13 +30,17 @@ from collections.abc import Generator, Iterator
 from dataclasses import dataclass
 from functools import cached_property
 from pathlib import Path
+from typing import NamedTuple, TypeVar
 
 import numpy as np
+
+from kiln.data.team import ALONE, Team, share_of
 
 # Bump when the meaning of names, splits or reading changes, so fingerprints (and caches) change.
 # 3: records are named without their format suffix and numbered from 1 (parquet rows too); Hub
 # shards and datasets saves are numbered as one file; .jsonl.gz, .jsonl.zst and .arrow are read.
-CORPUS_VERSION = 3
+# 4: the fingerprint hashes each file's digest (so ranks can hash their shares of the files).
+CORPUS_VERSION = 4
 # Plain-text files (.txt, and .py since source code is a natural corpus) are one document each.
 TEXT_EXTENSIONS = (".txt", ".py")
 # Record files: one document per line or row. Longest suffixes first, so .jsonl.gz is not .gz.
@@ -55,6 +59,8 @@ _KINDS = (
     "files, or a directory written by datasets' save_to_disk"
 )
 # A Hub shard's name without its format suffix: NAME-00000-of-00002, perhaps with a hash after.
+Y = TypeVar("Y")
+R = TypeVar("R")
 _SHARD = re.compile(r"(?P<stem>.+)-(?P<index>\d+)-of-(?P<count>\d+)(?:-[0-9a-f]{8,})?")
 
 
@@ -114,39 +120,63 @@ class Files:
     def files(self) -> list[Path]:
         return [path for part in self.parts for path in part.paths]
 
+    @cached_property
+    def entries(self) -> list[tuple[Part, Path]]:
+        """Every file with its part, in reading order: the units that ranks share."""
+        return [(part, path) for part in self.parts for path in part.paths]
+
     def name_of(self, path: Path) -> str:
         """A file's path relative to the root (a record's name is its part's name plus ``:N``)."""
         return path.relative_to(self.root).as_posix()
 
-    def hash_into(self, h) -> None:
+    def digest(self, index: int) -> str:
+        """sha256 of file ``index``'s size and bytes."""
+        path = self.entries[index][1]
+        h = hashlib.sha256(path.stat().st_size.to_bytes(8, "big"))
+        with open(path, "rb") as f:
+            while chunk := f.read(1 << 20):
+                h.update(chunk)
+        return h.hexdigest()
+
+    def hash_into(self, h, digests: list[str]) -> None:
+        """The parts, the files' names and ``digests`` (of each entry, as :meth:`digest` says) into ``h``."""
+        at = 0
         for part in self.parts:
             # Length prefixes keep (name, content) boundaries unambiguous; the part's name and its
             # files in reading order fix every record's name.
             _hash_field(h, f"{part.name}\0{int(part.records)}\0{len(part.paths)}".encode())
             for path in part.paths:
                 _hash_field(h, self.name_of(path).encode("utf-8"))
-                h.update(path.stat().st_size.to_bytes(8, "big"))
-                with open(path, "rb") as f:
-                    while chunk := f.read(1 << 20):
-                        h.update(chunk)
+                h.update(bytes.fromhex(digests[at]))
+                at += 1
 
     def documents(self) -> Iterator[tuple[str, str]]:
-        for part in self.parts:
-            if not part.records:
-                [path] = part.paths
-                text = path.read_text(encoding="utf-8", errors="replace")
-                if text.strip():
-                    yield part.name, text
-                continue
-            offset = 0  # records of the part's earlier files
-            for path in part.paths:
-                kind = _record_format(path.name)
-                read = self._read_jsonl if kind == "jsonl" else self._read_columnar
-                offset += yield from read(path, part.name, offset)
+        offset = 0  # records of the part's earlier files
+        for index, (part, path) in enumerate(self.entries):
+            if path == part.paths[0]:
+                offset = 0
+            records: list[int] = []
+            for number, text in returning(self.read(index), records):
+                yield document_name(part, offset + number), text
+            offset += records[0]
 
-    def _read_jsonl(self, path: Path, name: str, offset: int) -> Generator[tuple[str, str], None, int]:
-        """Documents of a .jsonl, .jsonl.gz or .jsonl.zst file, named by line number (blank lines
-        count); returns its number of lines."""
+    def read(self, index: int) -> Generator[tuple[int, str], None, int]:
+        """The non-empty documents of file ``index`` as (its number in the file, text): a text
+        file is one document (number 0), a record file's are numbered from 1 by line or row.
+        Returns how many records the file holds (blank lines and empty rows counted)."""
+        part, path = self.entries[index]
+        if not part.records:
+            text = path.read_text(encoding="utf-8", errors="replace")
+            if text.strip():
+                yield 0, text
+            return 0
+        if _record_format(path.name) == "jsonl":
+            return (yield from self._read_jsonl(path))
+        return (yield from self._read_columnar(path))
+
+    def _read_jsonl(self, path: Path) -> Generator[tuple[int, str], None, int]:
+        """Documents of a .jsonl, .jsonl.gz or .jsonl.zst file by line number (blank lines count);
+        returns its number of lines."""
         field = self.text_field
         lines = 0
         for lineno, line in _lines(path):
@@ -171,12 +201,12 @@ class Files:
                     "set data.text_field to the field that holds the text"
                 )
             if text.strip():
-                yield f"{name}:{offset + lineno}", text
+                yield lineno, text
         return lines
 
-    def _read_columnar(self, path: Path, name: str, offset: int) -> Generator[tuple[str, str], None, int]:
+    def _read_columnar(self, path: Path) -> Generator[tuple[int, str], None, int]:
         """Documents of a .parquet file, or an .arrow file of a datasets save (an Arrow IPC
-        stream), one record batch at a time; named by row number; returns its number of rows."""
+        stream), one record batch at a time, by row number; returns its number of rows."""
         import pyarrow as pa
 
         parquet = _record_format(path.name) == "parquet"
@@ -209,7 +239,7 @@ class Files:
                     rows += 1
                     # Nulls are treated like empty documents: skipped.
                     if text is not None and text.strip():
-                        yield f"{name}:{offset + rows}", text
+                        yield rows, text
 
     def _text_column(self, path: Path, schema) -> int:
         import pyarrow as pa
@@ -227,6 +257,12 @@ class Files:
                 "set data.text_field to the column that holds the text"
             )
         return schema.get_field_index(field)
+
+
+def document_name(part: Part, number: int) -> str:
+    """The name of document ``number`` (over the part's files) of ``part``: a text file's is its
+    part's name, a record's ``NAME:N``."""
+    return f"{part.name}:{number}" if part.records else part.name
 
 
 def _hash_field(h, data: bytes) -> None:
@@ -374,44 +410,85 @@ class Corpus:
 
     @cached_property
     def fingerprint(self) -> str:
-        """sha256 over every file's relative name and bytes, the text field, the split settings
-        and the version."""
-        settings = f"{self.text_field}\0{self.val_fraction!r}\0{self.position_split_chars}"
-        h = hashlib.sha256(f"kiln-corpus-v{CORPUS_VERSION}\0{settings}\0".encode())
-        for role, files in (("train", self.train), ("val", self.val)):
-            if files is not None:
-                h.update(f"\0{role}\0".encode())
-                files.hash_into(h)
-        return h.hexdigest()
+        """sha256 over every file's relative name, size and bytes, the text field, the split
+        settings and the version."""
+        return self._fingerprint(ALONE)
 
-    def documents(self, split: str) -> Iterator[tuple[str, str]]:
-        """Documents of ``split`` ('train' or 'val'), in file order then record order. A document
-        split by position is named ``NAME[:CUT]`` in train and ``NAME[CUT:]`` in val."""
+    def fingerprint_with(self, team: Team) -> str:
+        """The fingerprint, each rank of ``team`` hashing its share of the files (all call this)."""
+        if "fingerprint" not in self.__dict__:
+            self.__dict__["fingerprint"] = self._fingerprint(team)
+        return self.fingerprint
+
+    def plan_with(self, team: Team) -> None:
+        """Decide the split, each rank of ``team`` reading its share of the training files (all
+        call this; without it the split is decided by this process alone when first needed)."""
+        if "_plan" not in self.__dict__:
+            self.__dict__["_plan"] = self._make_plan(team)
+
+    def pieces(self, split: str) -> list[int]:
+        """The sizes in bytes of the pieces ``documents(split, ...)`` reads in turn: each file of
+        the training source, or the validation source whole when ``split`` comes from it."""
+        if split == "val" and self.val is not None:
+            return [sum(path.stat().st_size for path in self.val.files)]
+        return [path.stat().st_size for _, path in self.train.entries] if self.train else []
+
+    def documents(self, split: str, pieces: range | None = None) -> Iterator[tuple[str, str]]:
+        """Documents of ``split`` ('train' or 'val'), in file order then record order (of the
+        ``pieces``, indices into :meth:`pieces`, if given, else all). A document split by position
+        is named ``NAME[:CUT]`` in train and ``NAME[CUT:]`` in val."""
         if split not in SPLITS:
             raise ValueError(f"split must be one of {SPLITS}, got {split!r}")
         if split == "val" and self.val is not None:
-            yield from self._val_documents()
+            if pieces is None or 0 in pieces:
+                yield from self._val_documents()
             return
         if self.train is None:
             return
         plan = self._plan
         wanted = _TRAIN if split == "train" else _VAL
-        for i, (name, text) in enumerate(self.train.documents()):
-            fate = plan["fate"][i]
-            if fate == wanted:
-                yield name, text
-            elif fate == _BOTH:
-                cut = int(plan["cuts"][i])
-                yield (f"{name}[:{cut}]", text[:cut]) if split == "train" else (f"{name}[{cut}:]", text[cut:])
+        for i in range(len(self.train.entries)) if pieces is None else pieces:
+            part = self.train.entries[i][0]
+            index, offset = int(plan["starts"][i]), int(plan["offsets"][i])
+            for number, text in self.train.read(i):
+                fate = plan["fate"][index]
+                index += 1
+                if fate == wanted:
+                    yield document_name(part, offset + number), text
+                elif fate == _BOTH:
+                    name, cut = document_name(part, offset + number), int(plan["cuts"][index - 1])
+                    yield (f"{name}[:{cut}]", text[:cut]) if split == "train" else (f"{name}[{cut}:]", text[cut:])
 
-    def count(self, split: str) -> int:
-        """Number of documents in ``split`` (reads the corpus once, then cached)."""
-        return self._plan["counts"][split]
+    def count(self, split: str, pieces: range | None = None) -> int:
+        """Number of documents in ``split`` (of the ``pieces``, if given; reads the corpus once,
+        then cached)."""
+        if pieces is None:
+            return self._plan["counts"][split]
+        if split == "val" and self.val is not None:
+            return self._plan["counts"][split] if 0 in pieces else 0
+        if self.train is None or not pieces:
+            return 0
+        starts = self._plan["starts"]
+        fate = self._plan["fate"][starts[pieces.start] : starts[pieces.stop]]
+        return int(((fate == (_TRAIN if split == "train" else _VAL)) | (fate == _BOTH)).sum())
 
     @property
     def stats(self) -> dict:
         """How the documents were split, and what was removed: for data.json and the console."""
         return self._plan["stats"]
+
+    def _fingerprint(self, team: Team) -> str:
+        settings = f"{self.text_field}\0{self.val_fraction!r}\0{self.position_split_chars}"
+        h = hashlib.sha256(f"kiln-corpus-v{CORPUS_VERSION}\0{settings}\0".encode())
+        sources = [(role, files) for role, files in (("train", self.train), ("val", self.val)) if files is not None]
+        entries = [(files, i) for _, files in sources for i in range(len(files.entries))]
+        mine = share_of([files.entries[i][1].stat().st_size for files, i in entries], team.size, team.rank)
+        shares = team.each(lambda: [files.digest(i) for files, i in (entries[j] for j in mine)], "hashing the data")
+        digests = iter(d for share in shares for d in share)
+        for role, files in sources:
+            h.update(f"\0{role}\0".encode())
+            files.hash_into(h, [next(digests) for _ in files.entries])
+        return h.hexdigest()
 
     def _val_documents(self) -> Iterator[tuple[str, str]]:
         assert self.val is not None  # only called with a validation source
@@ -426,6 +503,9 @@ class Corpus:
 
     @cached_property
     def _plan(self) -> dict:
+        return self._make_plan(ALONE)
+
+    def _make_plan(self, team: Team) -> dict:
         if self.train is None:
             assert self.val is not None  # the constructor wants a training or a validation source
             n = sum(1 for _ in self.val.documents())
@@ -434,25 +514,45 @@ class Corpus:
             stats = {"split": f"every document of {self.val.source} is val"}
             return {"counts": {"train": 0, "val": n}, "stats": stats}
         if self.val is not None:
-            return self._plan_with_val_source()
-        return self._plan_by_hash()
+            return self._plan_with_val_source(team)
+        return self._plan_by_hash(team)
 
-    def _scan(self) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
-        """One pass over the training source: per document its name's hash unit, its content
-        hash, its length and its position cut (-1 where it has none). Arrays, not lists, so
-        millions of documents stay small in memory."""
-        assert self.train is not None  # only called with a training source
-        units, hashes, lengths, cuts = array("d"), array("Q"), array("q"), array("q")
-        for name, text in self.train.documents():
-            units.append(_hash_unit(name))
-            hashes.append(_content_hash(text))
-            lengths.append(len(text))
-            cut = position_cut(text, self.val_fraction)
-            cuts.append(-1 if cut is None else cut)
-        return np.asarray(units), np.asarray(hashes, dtype=np.uint64), np.asarray(lengths), np.asarray(cuts)
+    def _scan(self, team: Team) -> dict:
+        """One pass over the training source, each rank of ``team`` reading its share of the
+        files: per document its name's hash unit, its content hash, its length and its position
+        cut (-1 where it has none); per file the index of its first document and the number of
+        records before it in its part. Arrays, not lists, so millions of documents stay small."""
+        train = self.train
+        assert train is not None  # only called with a training source
+        mine = share_of(self.pieces("train"), team.size, team.rank)
+        shares = team.each(lambda: [_scan_file(train, i, self.val_fraction) for i in mine], "reading the data")
+        scans = [scan for share in shares for scan in share]
+        units, offsets, offset = array("d"), array("q"), 0
+        for (part, path), scan in zip(train.entries, scans, strict=True):
+            offset = 0 if path == part.paths[0] else offset
+            offsets.append(offset)
+            units.extend(_hash_unit(document_name(part, offset + int(n))) for n in scan.numbers)
+            offset += scan.records
+        starts = np.concatenate([[0], np.cumsum([len(scan.numbers) for scan in scans], dtype=np.int64)])
 
-    def _plan_by_hash(self) -> dict:
-        units, hashes, lengths, cuts = self._scan()
+        def column(name: str, dtype: type) -> np.ndarray:
+            return (
+                np.concatenate([getattr(scan, name) for scan in scans]).astype(dtype) if scans else np.empty(0, dtype)
+            )
+
+        hashes, lengths, cuts = column("hashes", np.uint64), column("lengths", np.int64), column("cuts", np.int64)
+        return {
+            "units": np.asarray(units),
+            "hashes": hashes,
+            "lengths": lengths,
+            "cuts": cuts,
+            "starts": starts,
+            "offsets": np.asarray(offsets),
+        }
+
+    def _plan_by_hash(self, team: Team) -> dict:
+        scan = self._scan(team)
+        units, hashes, lengths, cuts = scan["units"], scan["hashes"], scan["lengths"], scan["cuts"]
         n = len(units)
         keep = _first_copies(hashes)
         kept = int(keep.sum())
@@ -484,14 +584,22 @@ class Corpus:
             "train": int(((fate == _TRAIN) | (fate == _BOTH)).sum()),
             "val": int(((fate == _VAL) | (fate == _BOTH)).sum()),
         }
-        return {"fate": fate, "cuts": cuts, "counts": counts, "stats": stats}
+        return {
+            "fate": fate,
+            "cuts": cuts,
+            "starts": scan["starts"],
+            "offsets": scan["offsets"],
+            "counts": counts,
+            "stats": stats,
+        }
 
-    def _plan_with_val_source(self) -> dict:
+    def _plan_with_val_source(self, team: Team) -> dict:
         assert self.val is not None  # only called with a validation source
         val_hashes = {_content_hash(text) for _, text in self.val.documents()}
         if not val_hashes:
             raise DataError(f"data.val_source: {self.val.source}: no non-empty documents")
-        _, hashes, _, cuts = self._scan()
+        scan = self._scan(team)
+        hashes = scan["hashes"]
         keep = _first_copies(hashes)
         in_val = np.fromiter((int(h) in val_hashes for h in hashes), bool, len(hashes))
         fate = np.where(keep & ~in_val, _TRAIN, _DROP).astype(np.int8)
@@ -504,7 +612,43 @@ class Corpus:
             "removed_as_in_val": int((keep & in_val).sum()),
         }
         counts = {"train": int((fate == _TRAIN).sum()), "val": len(val_hashes)}
-        return {"fate": fate, "cuts": cuts, "counts": counts, "stats": stats}
+        return {
+            "fate": fate,
+            "cuts": scan["cuts"],
+            "starts": scan["starts"],
+            "offsets": scan["offsets"],
+            "counts": counts,
+            "stats": stats,
+        }
+
+
+class _FileScan(NamedTuple):
+    """A file's documents as arrays, and its number of records."""
+
+    numbers: np.ndarray  # of each document in the file
+    hashes: np.ndarray  # of the content
+    lengths: np.ndarray  # in characters
+    cuts: np.ndarray  # position cuts, -1 where there is none
+    records: int
+
+
+def _scan_file(files: Files, index: int, val_fraction: float) -> _FileScan:
+    numbers, hashes, lengths, cuts = array("q"), array("Q"), array("q"), array("q")
+    records: list[int] = []
+    for number, text in returning(files.read(index), records):
+        numbers.append(number)
+        hashes.append(_content_hash(text))
+        lengths.append(len(text))
+        cut = position_cut(text, val_fraction)
+        cuts.append(-1 if cut is None else cut)
+    return _FileScan(
+        np.asarray(numbers), np.asarray(hashes, np.uint64), np.asarray(lengths), np.asarray(cuts), records[0]
+    )
+
+
+def returning(generator: Generator[Y, None, R], result: list[R]) -> Iterator[Y]:
+    """``generator``'s items; its return value is appended to ``result`` when it ends."""
+    result.append((yield from generator))
 
 
 def _first_copies(hashes: np.ndarray) -> np.ndarray:

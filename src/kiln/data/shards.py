@@ -17,27 +17,31 @@ each chunk comes back.
 from __future__ import annotations
 
 import collections
+import contextlib
 import dataclasses
+import functools
 import hashlib
 import json
 import multiprocessing
 import os
+import secrets
 import shutil
+import socket
 import sys
-import tempfile
 import time
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import Future, ProcessPoolExecutor
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import BinaryIO
+from typing import Any, TypeVar
 
 import numpy as np
 from tokenizers import Tokenizer
 
 from kiln.data.corpus import SPLITS, Corpus, DataError, open_corpus
 from kiln.data.loader import TokenShards
+from kiln.data.team import ALONE, Team, share_of
 from kiln.data.tokenizer import (
     TrainingText,
     bpe_cache_path,
@@ -47,6 +51,7 @@ from kiln.data.tokenizer import (
     token_byte_lengths,
     tokenizer_hash,
 )
+from kiln.io import write_atomic
 
 # Bump when the file layout or manifest changes, so old prepared directories are not reused.
 # 3: each split in shards of at most data.shard_bytes, listed in the manifest.
@@ -57,6 +62,10 @@ _CHUNK_CHARS = 1 << 20
 # Chunks in flight per worker: enough that a worker never waits for the next, few enough that
 # memory stays bounded (about this many chunks of text and of token ids per worker).
 _IN_FLIGHT = 2
+# Bytes of a part sent from rank to rank in one broadcast, and copied into a shard in one read.
+_SEND_BYTES = 64 << 20
+_COPY_BYTES = 16 << 20
+T = TypeVar("T")
 
 
 def cache_root(data_cfg) -> Path:
@@ -124,25 +133,46 @@ def verify(prepared: PreparedData) -> None:
             raise DataError(f"{path}: checksum does not match manifest.json; delete {prepared.dir} and prepare again")
 
 
-def prepare(data_cfg, progress: bool = True) -> PreparedData:
+def prepare(data_cfg, progress: bool = True, team: Team = ALONE, slow_seconds: float = 0.0) -> PreparedData:
     """Tokenized train/val streams for ``data_cfg``, built once and then found in the cache.
 
     A cache hit reads the corpus only to fingerprint it, loads the cached tokenizer and checks
-    file sizes against the manifest; it neither trains nor tokenizes.
+    file sizes against the manifest; it neither trains nor tokenizes. With a ``team`` (the ranks
+    of a launched job, every one calling this), each rank hashes, reads and tokenizes its share of
+    the files and the shards come out as one process writes them (see :func:`_prepare`);
+    ``slow_seconds`` delays rank 0's tokenization (a test's stand-in for a large corpus).
     """
-    report = _Reporter(progress)
-    corpus = _open(data_cfg, data_cfg.source, data_cfg.text_field, report)
-    return _prepare(corpus, _tokenizer(corpus, data_cfg, report), data_cfg, report)
+    job = _Job(data_cfg, team, _Reporter(progress and team.rank == 0), slow_seconds)
+    corpus = _open(job, data_cfg.source, data_cfg.text_field)
+    return _prepare(job, corpus, _tokenizer(job, [corpus]))
 
 
-def prepare_mix(data_cfg, progress: bool = True) -> dict[str, PreparedData]:
+def prepare_mix(
+    data_cfg, progress: bool = True, team: Team = ALONE, slow_seconds: float = 0.0
+) -> dict[str, PreparedData]:
     """Each source of the mixture ``data_cfg.mix`` prepared as ``prepare`` does one corpus (its own
     train/val split and cache entry), all with one tokenizer trained on their train splits
     together; by the sources' names."""
-    report = _Reporter(progress)
-    corpora = [_open(data_cfg, m.source, m.text_field or data_cfg.text_field, report) for m in data_cfg.mix]
-    tok = _tokenizer(Corpora(corpora), data_cfg, report)
-    return {m.label: _prepare(c, tok, data_cfg, report) for m, c in zip(data_cfg.mix, corpora, strict=True)}
+    job = _Job(data_cfg, team, _Reporter(progress and team.rank == 0), slow_seconds)
+    corpora = [_open(job, m.source, m.text_field or data_cfg.text_field) for m in data_cfg.mix]
+    tok = _tokenizer(job, corpora)
+    return {m.label: _prepare(job, c, tok) for m, c in zip(data_cfg.mix, corpora, strict=True)}
+
+
+@dataclass
+class _Job:
+    cfg: Any  # DataConfig
+    team: Team
+    report: _Reporter
+    slow_seconds: float
+    hosts: list[str] = dataclasses.field(default_factory=list)
+    """Each rank's host name (from the first source opened)."""
+
+    def here(self, work: Callable[[], T], what: str) -> T:
+        """``work()``'s result on this rank, every rank running its own (see Team.each)."""
+        mine: list[T] = []
+        self.team.each(lambda: mine.append(work()), what)
+        return mine[0]
 
 
 class Corpora:
@@ -163,71 +193,163 @@ class Corpora:
         return sum(c.count(split) for c in self.corpora)
 
 
-def _open(data_cfg, source: str, text_field: str, report: _Reporter) -> Corpus:
-    corpus = open_corpus(
-        source,
-        text_field,
-        data_cfg.val_fraction,
-        val_source=data_cfg.val_source,
-        position_split_chars=data_cfg.position_split_chars,
-    )
-    report.line(f"kiln: fingerprinting {len(corpus.files)} files of {corpus.source!r} ...")
-    corpus.fingerprint  # noqa: B018 (computed here, after its message, and cached)
+def _open(job: _Job, source: str, text_field: str) -> Corpus:
+    """The corpus ``source`` names, the same on every rank (DataError naming the rank, host and
+    file where one sees other files), fingerprinted."""
+    cfg, opened = job.cfg, []
+
+    def look() -> tuple[str, str | list[tuple[str, int]]]:
+        try:
+            corpus = open_corpus(
+                source,
+                text_field,
+                cfg.val_fraction,
+                val_source=cfg.val_source,
+                position_split_chars=cfg.position_split_chars,
+            )
+        except DataError as e:
+            return socket.gethostname(), str(e)
+        opened.append(corpus)
+        return socket.gethostname(), _listing(corpus)
+
+    views = job.team.each(look, "listing the data")
+    job.hosts = job.hosts or [host for host, _ in views]
+    for rank, (host, view) in enumerate(views):
+        if isinstance(view, str):
+            raise DataError(view if job.team.size == 1 else f"{view} (on rank {rank}, host {host})")
+    listings = [dict(view) for _, view in views if not isinstance(view, str)]
+    for rank, (host, listing) in enumerate(zip(job.hosts, listings, strict=True)):
+        if listing != listings[0]:
+            raise DataError(
+                f"{source}: rank {rank} (host {host}) does not see the same files as rank 0 (host {job.hosts[0]}): "
+                f"{_difference(listings[0], listing)}; every node must hold the same data"
+            )
+    corpus = opened[0]
+    job.report.line(f"kiln: fingerprinting {len(corpus.files)} files of {corpus.source!r} ...")
+    corpus.fingerprint_with(job.team)
     return corpus
 
 
-def _tokenizer(text: TrainingText, data_cfg, report: _Reporter) -> Tokenizer:
-    root = cache_root(data_cfg)
-    if data_cfg.tokenizer != "bpe" or bpe_cache_path(text, data_cfg, root).is_file():
-        return load_or_train_tokenizer(text, data_cfg, root)
-    sample = data_cfg.tokenizer_sample_bytes
+def _listing(corpus: Corpus) -> list[tuple[str, int]]:
+    """Each file of the corpus by its name under its source's root (those of the validation
+    source marked so), with its size: what every node must see alike."""
+    listing = []
+    for role, files in (("", corpus.train), ("data.val_source ", corpus.val)):
+        if files is not None:
+            listing += [(role + files.name_of(path), path.stat().st_size) for path in files.files]
+    return listing
+
+
+def _difference(ours: dict[str, int], theirs: dict[str, int]) -> str:
+    for path in sorted(ours.keys() - theirs.keys()):
+        return f"{path} is missing there"
+    for path in sorted(theirs.keys() - ours.keys()):
+        return f"{path} is there but not on rank 0"
+    path = next(p for p in ours if ours[p] != theirs[p])
+    return f"{path} is {theirs[path]:,} bytes there, {ours[path]:,} on rank 0"
+
+
+def _tokenizer(job: _Job, corpora: list[Corpus]) -> Tokenizer:
+    """The tokenizer data.tokenizer names; a BPE is trained by rank 0 (the split of every corpus
+    decided by all ranks first) and sent to the others, which cache it too."""
+    cfg, team, root = job.cfg, job.team, cache_root(job.cfg)
+    text: TrainingText = corpora[0] if len(corpora) == 1 else Corpora(corpora)
+    if cfg.tokenizer != "bpe" or all(team.each(bpe_cache_path(text, cfg, root).is_file, "finding the tokenizer")):
+        return job.here(lambda: load_or_train_tokenizer(text, cfg, root), "loading the tokenizer")
+    for corpus in corpora:
+        corpus.plan_with(team)
+    sample = cfg.tokenizer_sample_bytes
     on = f"a sample of up to {sample:,} bytes of the train split" if sample else "the train split"
-    report.line(f"kiln: training a byte-level BPE tokenizer (vocab {data_cfg.vocab_size}) on {on} ...")
+    job.report.line(f"kiln: training a byte-level BPE tokenizer (vocab {cfg.vocab_size}) on {on} ...")
     started = time.monotonic()
-    tok = load_or_train_tokenizer(text, data_cfg, root)
-    report.line(f"kiln: trained the tokenizer in {time.monotonic() - started:.1f}s")
-    return tok
+
+    def train() -> str | None:
+        return load_or_train_tokenizer(text, cfg, root).to_str() if team.rank == 0 else None
+
+    trained = team.each(train, "training the tokenizer")[0]
+    assert trained is not None  # rank 0's
+    job.report.line(f"kiln: trained the tokenizer in {time.monotonic() - started:.1f}s")
+    path = bpe_cache_path(text, cfg, root)
+    if not path.is_file():  # a node of its own, without a shared file system
+        write_atomic(path, trained)
+    return Tokenizer.from_str(trained)
 
 
-def _prepare(corpus: Corpus, tok: Tokenizer, data_cfg, report: _Reporter) -> PreparedData:
-    """``corpus`` tokenized with ``tok`` into the cache, or found there."""
-    root, fingerprint = cache_root(data_cfg), corpus.fingerprint
+def _prepare(job: _Job, corpus: Corpus, tok: Tokenizer) -> PreparedData:
+    """``corpus`` tokenized with ``tok`` into the cache, or found there.
+
+    With several ranks: the ranks that see one directory as the cache (a shared file system, or
+    each node's own disk) form a site. Every rank tokenizes its share of the files (a contiguous
+    run, :func:`kiln.data.team.share_of`) into a part file of its own; where there are several
+    sites, each part is sent to the sites that lack it; then each site cuts the parts, joined in
+    rank order, into the shards one process would have written (its ranks sharing the work), and
+    its first rank writes the manifest and renames the directory into place. So the token streams
+    and the manifest do not depend on the number of ranks or nodes.
+    """
+    cfg, team = job.cfg, job.team
+    root, fingerprint = cache_root(cfg), corpus.fingerprint
     tok_hash = tokenizer_hash(tok)
-    shard_bytes = data_cfg.shard_bytes
-    key = hashlib.sha256(f"{fingerprint}\0{tok_hash}\0{shard_bytes}\0{FORMAT_VERSION}".encode()).hexdigest()
+    key = hashlib.sha256(f"{fingerprint}\0{tok_hash}\0{cfg.shard_bytes}\0{FORMAT_VERSION}".encode()).hexdigest()
     final = root / "prepared" / key[:32]
 
-    if (final / "manifest.json").is_file():
-        prepared = open_prepared(final)
-        problem = _size_problem(prepared)
-        if problem is None:
-            report.line(f"kiln: using prepared data in {final} ({describe_split(prepared.manifest)})")
-            return prepared
-        report.line(f"kiln: {problem}; preparing again")
-        shutil.rmtree(final)
-    elif final.exists():  # no manifest: left by something other than prepare; never complete
-        shutil.rmtree(final)
+    def look() -> str | None:
+        if not (final / "manifest.json").is_file():
+            return "missing"
+        return _size_problem(open_prepared(final))
 
+    problems = team.each(look, "finding the prepared data")
+    if not any(problems):
+        prepared = open_prepared(final)
+        job.report.line(f"kiln: using prepared data in {final} ({describe_split(prepared.manifest)})")
+        return prepared
+    if problems[0] and problems[0] != "missing":
+        job.report.line(f"kiln: {problems[0]}; preparing again")
+
+    corpus.plan_with(team)
     final.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(dir=final.parent, prefix=f".tmp-{key[:8]}-"))
+    nonce = team.share(secrets.token_hex(6) if team.rank == 0 else "", 0)
+    tmp = final.parent / f".tmp-{key[:8]}-{nonce}"
+    site = _site(job, tmp)
     try:
-        manifest = _build(corpus, tok, tok_hash, data_cfg, tmp, report)
-        try:
-            os.rename(tmp, final)
-        except OSError:
-            if not (final / "manifest.json").is_file():
-                raise
-            # Another process finished the same preparation first; theirs is identical.
-            shutil.rmtree(tmp)
+        manifest = _build(job, corpus, tok, tok_hash, tmp, site)
+
+        def publish() -> None:
+            if team.rank != site[0]:
+                return
+            damaged = not (final / "manifest.json").is_file() or _size_problem(open_prepared(final))
+            if final.exists() and damaged:
+                shutil.rmtree(final)  # incomplete or damaged: never a complete preparation
+            try:
+                os.rename(tmp, final)
+            except OSError:
+                if not (final / "manifest.json").is_file():
+                    raise
+                # Another process finished the same preparation first; theirs is identical.
+                shutil.rmtree(tmp)
+
+        team.each(publish, "publishing the prepared data")
     except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
+        if team.rank == site[0]:
+            shutil.rmtree(tmp, ignore_errors=True)
         raise
     splits = manifest["splits"]
-    report.line(
+    job.report.line(
         f"kiln: prepared {splits['train']['tokens']:,} train and {splits['val']['tokens']:,} val tokens "
         f"({len(shard_files(manifest))} shards) in {final} ({describe_split(manifest)})"
     )
     return dataclasses.replace(open_prepared(final), tokenized=True)
+
+
+def _site(job: _Job, tmp: Path) -> list[int]:
+    """The ranks that see ``tmp`` (this rank's view of the shared temporary directory) as this
+    rank does: each leaves a mark there, then each says whose marks it sees."""
+    team = job.team
+    tmp.mkdir(parents=True, exist_ok=True)
+    mark = tmp / f"rank-{team.rank:05d}.here"
+    job.here(mark.touch, "marking the cache")
+    sites = team.each(lambda: sorted(int(p.name[5:10]) for p in tmp.glob("rank-*.here")), "finding the cache")
+    job.here(mark.unlink, "marking the cache")
+    return sites[team.rank]
 
 
 def describe_split(manifest: dict) -> str:
@@ -252,37 +374,40 @@ def _size_problem(prepared: PreparedData) -> str | None:
     return None
 
 
-def _build(corpus: Corpus, tok: Tokenizer, tok_hash: str, data_cfg, out: Path, report: _Reporter) -> dict:
+def _build(job: _Job, corpus: Corpus, tok: Tokenizer, tok_hash: str, out: Path, site: list[int]) -> dict:
+    cfg, team = job.cfg, job.team
     vocab_size = tok.get_vocab_size()
     # Token ids run from 0 to vocab_size - 1.
     dtype = np.dtype(np.uint16 if vocab_size <= 2**16 else np.uint32)
     eot = eot_id(tok)
-    workers = data_cfg.prepare_workers or os.cpu_count() or 1
+    # The cores of a host are shared by the ranks on it.
+    workers = cfg.prepare_workers or max(1, (os.cpu_count() or 1) // job.hosts.count(job.hosts[team.rank]))
+    sites = sorted({tuple(s) for s in team.each(lambda: site, "finding the cache")})
+    on = f" on each of {team.size} ranks" if team.size > 1 else ""
     splits = {}
     for split in SPLITS:
-        total = corpus.count(split)
-        report.line(f"kiln: tokenizing {total} {split} documents with {workers} worker{'s' * (workers > 1)} ...")
-        started = time.monotonic()
-        chunks = _chunks(text for _, text in corpus.documents(split))
-        nbytes = documents = 0
-        with (
-            _ShardWriter(out, split, dtype, data_cfg.shard_bytes) as writer,
-            report.bar(f"tokenizing {split}", total) as advance,
-        ):
-            for ids, chunk_bytes, docs in _encode_all(chunks, tok.to_str(), eot, dtype, workers):
-                writer.write(ids)
-                nbytes += chunk_bytes
-                documents += docs
-                advance(docs)
-        seconds = time.monotonic() - started
-        report.line(
-            f"kiln: tokenized {split}: {documents:,} documents, {nbytes:,} bytes, {writer.tokens:,} tokens "
-            f"in {seconds:.1f}s ({nbytes / 1e6 / max(seconds, 1e-9):.2f} MB/s, "
-            f"{writer.tokens / max(seconds, 1e-9):,.0f} tokens/s), {len(writer.shards)} "
-            f"shard{'s' * (len(writer.shards) > 1)}"
+        mine = share_of(corpus.pieces(split), team.size, team.rank)
+        part = out / f"rank-{team.rank:05d}.{split}.bin"
+        job.report.line(
+            f"kiln: tokenizing {corpus.count(split)} {split} documents "
+            f"with {workers} worker{'s' * (workers > 1)}{on} ..."
         )
-        splits[split] = {"documents": documents, "tokens": writer.tokens, "bytes": nbytes, "shards": writer.shards}
-    (out / "tokenizer.json").write_text(tok.to_str(), encoding="utf-8")
+        started = time.monotonic()
+
+        tokenize = functools.partial(_tokenize, job, corpus, split, mine, tok.to_str(), eot, dtype, workers, part)
+        counts = team.each(tokenize, f"tokenizing {split}")
+        documents, nbytes, tokens = (sum(c[k] for c in counts) for k in range(3))
+        seconds = time.monotonic() - started
+        parts = [c[2] for c in counts]
+        if len(sites) > 1:
+            _exchange(job, out, split, parts, dtype, site)
+        shards = _assemble(job, out, split, parts, dtype, site)
+        job.report.line(
+            f"kiln: tokenized {split}: {documents:,} documents, {nbytes:,} bytes, {tokens:,} tokens "
+            f"in {seconds:.1f}s ({nbytes / 1e6 / max(seconds, 1e-9):.2f} MB/s, "
+            f"{tokens / max(seconds, 1e-9):,.0f} tokens/s), {len(shards)} shard{'s' * (len(shards) > 1)}"
+        )
+        splits[split] = {"documents": documents, "tokens": tokens, "bytes": nbytes, "shards": shards}
     manifest = {
         "format_version": FORMAT_VERSION,
         "source": corpus.source,
@@ -295,68 +420,112 @@ def _build(corpus: Corpus, tok: Tokenizer, tok_hash: str, data_cfg, out: Path, r
         "vocab_size": vocab_size,
         "eot_id": eot,
         "dtype": dtype.name,
-        "shard_bytes": data_cfg.shard_bytes,
+        "shard_bytes": cfg.shard_bytes,
         "splits": splits,
     }
-    # Written last: its presence marks the directory complete.
-    (out / "manifest.json").write_text(json.dumps(manifest, indent=2) + "\n", encoding="utf-8")
+
+    def finish() -> None:
+        if team.rank == site[0]:
+            for leftover in out.glob("rank-*"):
+                leftover.unlink()
+            (out / "tokenizer.json").write_text(tok.to_str(), encoding="utf-8")
+            # Written last: its presence marks the directory complete.
+            (out / "manifest.json").write_text(json.dumps(manifest, indent=2) + "\n", encoding="utf-8")
+
+    team.each(finish, "writing the manifest")
     return manifest
 
 
-class _ShardWriter:
-    """A split's token stream written to ``SPLIT-00000.bin``, ``SPLIT-00001.bin``, ..., each of
-    ``shard_bytes`` (rounded down to whole tokens) but the last; ``shards`` lists them for the
-    manifest. A split always has one file, perhaps empty."""
+def _tokenize(
+    job: _Job,
+    corpus: Corpus,
+    split: str,
+    pieces: range,
+    tok_json: str,
+    eot: int,
+    dtype: np.dtype,
+    workers: int,
+    out: Path,
+) -> tuple[int, int, int]:
+    """This rank's ``pieces`` of ``split`` tokenized into ``out``: (documents, bytes, tokens)."""
+    if job.team.rank == 0 and job.slow_seconds and split == SPLITS[0]:
+        time.sleep(job.slow_seconds)
+    chunks = _chunks(text for _, text in corpus.documents(split, pieces))
+    documents = nbytes = tokens = 0
+    with open(out, "wb") as f, job.report.bar(f"tokenizing {split}", corpus.count(split, pieces)) as advance:
+        for ids, chunk_bytes, docs in _encode_all(chunks, tok_json, eot, dtype, workers):
+            f.write(ids.data)
+            nbytes += chunk_bytes
+            documents += docs
+            tokens += len(ids)
+            advance(docs)
+    return documents, nbytes, tokens
 
-    def __init__(self, out: Path, split: str, dtype: np.dtype, shard_bytes: int):
-        self.out, self.split = out, split
-        self.per_shard = max(1, shard_bytes // dtype.itemsize)
-        self.shards: list[dict] = []
-        self.tokens = 0
-        self._file: BinaryIO | None = None
-        self._name = ""
-        self._sha = hashlib.sha256()
-        self._count = 0  # tokens in the open file
 
-    def __enter__(self) -> _ShardWriter:
-        return self
+def _exchange(job: _Job, out: Path, split: str, parts: list[int], dtype: np.dtype, site: list[int]) -> None:
+    """Every rank's part of ``split`` copied to the sites that do not see it, in pieces of
+    _SEND_BYTES from its rank to all; the first rank of each such site writes it."""
+    team = job.team
+    for rank, tokens in enumerate(parts):
+        path, size = out / f"rank-{rank:05d}.{split}.bin", tokens * dtype.itemsize
+        with contextlib.ExitStack() as files:
+            source = files.enter_context(open(path, "rb")) if team.rank == rank else None
+            writes = team.rank == site[0] and rank not in site
+            sink = files.enter_context(open(path, "wb")) if writes else None
+            for _ in range(0, size, _SEND_BYTES):
+                piece = team.share(source.read(_SEND_BYTES) if source else b"", rank)
+                if sink:
+                    sink.write(piece)
 
-    def __exit__(self, kind, value, tb) -> None:
-        if kind is not None:
-            if self._file is not None:
-                self._file.close()
-            return
-        if self._file is None and not self.shards:
-            self._open()
-        if self._file is not None:
-            self._finish()
 
-    def write(self, ids: np.ndarray) -> None:
-        pos = 0
-        while pos < len(ids):
-            if self._file is None:
-                self._open()
-            assert self._file is not None
-            take = min(len(ids) - pos, self.per_shard - self._count)
-            data = np.ascontiguousarray(ids[pos : pos + take]).data
-            self._file.write(data)
-            self._sha.update(data)
-            self._count += take
-            self.tokens += take
-            pos += take
-            if self._count == self.per_shard:
-                self._finish()
+def _assemble(job: _Job, out: Path, split: str, parts: list[int], dtype: np.dtype, site: list[int]) -> list[dict]:
+    """The parts of ``split`` (token counts by rank), joined in rank order, cut every
+    data.shard_bytes (rounded down to whole tokens) into ``SPLIT-00000.bin``, ...; each site's
+    ranks write its shards in turn. Their manifest entries; a split always has one shard,
+    perhaps empty."""
+    team = job.team
+    per = max(1, job.cfg.shard_bytes // dtype.itemsize)
+    total = sum(parts)
+    cuts = [(k, start, min(start + per, total)) for k, start in enumerate(range(0, total, per))] or [(0, 0, 0)]
+    mine = [cut for cut in cuts if site[cut[0] % len(site)] == team.rank]
+    written = team.each(
+        lambda: [_write_shard(out, split, cut, parts, dtype) for cut in mine], f"writing {split} shards"
+    )
+    shards: dict[int, dict] = {}
+    for k, entry in (item for rank in written for item in rank):
+        if shards.setdefault(k, entry) != entry:
+            raise DataError(f"{out}: shard {entry['file']} came out different on two nodes; prepare again")
+    return [shards[k] for k in range(len(cuts))]
 
-    def _open(self) -> None:
-        self._name = f"{self.split}-{len(self.shards):05d}.bin"
-        self._file = open(self.out / self._name, "wb")  # noqa: SIM115 (closed by _finish or __exit__)
-        self._sha, self._count = hashlib.sha256(), 0
 
-    def _finish(self) -> None:
-        assert self._file is not None
-        self._file.close()
-        self._file = None
-        self.shards.append({"file": self._name, "tokens": self._count, "sha256": self._sha.hexdigest()})
+def _write_shard(
+    out: Path, split: str, cut: tuple[int, int, int], parts: list[int], dtype: np.dtype
+) -> tuple[int, dict]:
+    """Shard ``cut`` = (index, first token, end) of ``split``, from the parts that hold its
+    tokens (a part that is exactly the shard is renamed, not copied)."""
+    k, start, end = cut
+    name = f"{split}-{k:05d}.bin"
+    size = dtype.itemsize
+    bounds = np.concatenate([[0], np.cumsum(parts, dtype=np.int64)])
+    whole = [r for r in range(len(parts)) if bounds[r] == start and bounds[r + 1] == end and parts[r]]
+    if whole:
+        (out / f"rank-{whole[0]:05d}.{split}.bin").rename(out / name)
+        return k, {"file": name, "tokens": end - start, "sha256": _sha256_file(out / name)}
+    sha = hashlib.sha256()
+    with open(out / name, "wb") as f:
+        for r in range(len(parts)):
+            a, b = max(start, int(bounds[r])), min(end, int(bounds[r + 1]))
+            if a >= b:
+                continue
+            with open(out / f"rank-{r:05d}.{split}.bin", "rb") as part:
+                part.seek((a - int(bounds[r])) * size)
+                left = (b - a) * size
+                while left:
+                    data = part.read(min(left, _COPY_BYTES))
+                    f.write(data)
+                    sha.update(data)
+                    left -= len(data)
+    return k, {"file": name, "tokens": end - start, "sha256": sha.hexdigest()}
 
 
 def _chunks(texts: Iterable[str]) -> Iterator[list[str]]:

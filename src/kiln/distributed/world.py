@@ -160,54 +160,69 @@ class World:
             self.mesh = init_device_mesh(self.device.type, (1, 1, 1), mesh_dim_names=MESH_DIMS)
         return self.mesh
 
-    def main_first(self, work: Callable[[], T], what: str) -> T:
-        """``work()`` run by rank 0 first (e.g. filling a shared cache), then by the others.
+    def each(self, work: Callable[[], T], what: str) -> list[T]:
+        """Every rank runs its own ``work()`` (which must not use the process group); every rank's
+        result, in rank order, once all are done (kiln.data.team.Team).
 
-        However long rank 0 takes, no collective waits long: every ``HEARTBEAT_S`` rank 0 (from
-        a thread beside its work) and the others meet in a small host-side agreement that says
-        whether it is done, so the process group's timeout never runs out. A waiting node's first
-        rank says every minute how long it has waited for ``what``; if rank 0's work fails, the
-        others stop with an error that says so."""
+        However long one rank takes (preparing its share of the data, say), no collective waits
+        long: every ``HEARTBEAT_S`` each rank, from a thread beside its work, meets the others in a
+        small host-side agreement that says who is still working and whether one failed, so the
+        process group's timeout never runs out. A node's first rank, once done, says every minute
+        how long it has waited; if any rank's work fails, the others stop with an error naming it.
+        """
         if not self.distributed:
-            return work()
-        if not self.is_main:
-            started, said = time.monotonic(), 0.0
-            while True:
-                done, failed = self.agree(False, False)
-                if done or failed:
-                    break
-                if self.local_rank == 0 and time.monotonic() - said >= 60:
-                    waited = time.monotonic() - started
-                    if waited > 1:
-                        print(f"kiln: rank {self.rank} waiting for rank 0 ({what}): {waited:.0f}s", file=sys.stderr)
-                    said = time.monotonic()
-            if failed:
-                raise RuntimeError(f"rank 0 failed while it prepared {what}; its own error says why")
-            return work()
+            return [work()]
         finished = threading.Event()
         outcome: list[bool] = []
+        others_failed: list[int] = []
 
         def heartbeat() -> None:
+            started = said = 0.0
             while True:
                 finished.wait(HEARTBEAT_S)
                 done = finished.is_set()
-                self.agree(done and outcome == [True], done and outcome != [True])
-                if done:
+                failed = done and outcome != [True]
+                # The highest working rank + 1 (0: all done) and the highest failed rank + 1.
+                working, failing = self.largest(0 if done else self.rank + 1, self.rank + 1 if failed else 0)
+                if failing:
+                    others_failed.append(int(failing) - 1)
                     return
+                if not working:
+                    return
+                if done and self.local_rank == 0:
+                    now = time.monotonic()
+                    if not started:
+                        started = said = now
+                    elif now - said >= 60:
+                        waited = f"{now - started:.0f}s"
+                        print(f"kiln: rank {self.rank} waiting for other ranks ({what}): {waited}", file=sys.stderr)
+                        said = now
 
-        beats = threading.Thread(target=heartbeat, name="kiln-main-first", daemon=True)
+        beats = threading.Thread(target=heartbeat, name="kiln-each", daemon=True)
         beats.start()
         try:
             result = work()
             outcome.append(True)
-            return result
         finally:
             finished.set()
             beats.join()
+        if others_failed:
+            raise RuntimeError(f"rank {others_failed[0]} failed while {what}; its own error says why")
+        return self.gather(result)
+
+    def share(self, value: T, src: int) -> T:
+        """Rank ``src``'s host-side ``value`` (anything picklable) on every rank (over the gloo group)."""
+        if not self.distributed:
+            return value
+        import torch.distributed as dist
+
+        box: list[Any] = [value if self.rank == src else None]
+        dist.broadcast_object_list(box, src=src, group=self.control_group)
+        return box[0]
 
 
 T = TypeVar("T")
-# How often rank 0, busy in World.main_first, tells the waiting ranks whether it is done.
+# How often the ranks in World.each tell each other who is still working.
 HEARTBEAT_S = 2.0
 MESH_DIMS = ("pp", "dp", "tp")
 EXPERT_MESH_DIMS = ("pp", "dp_rep", "ep", "tp")

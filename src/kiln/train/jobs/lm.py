@@ -12,7 +12,6 @@ import dataclasses
 import json
 import math
 import shutil
-import time
 from pathlib import Path
 from typing import Any
 
@@ -69,18 +68,12 @@ class LMJob(Job):
         self.loss_fn = family.loss
 
     def prepare_data(self, world: World, console: bool) -> dict[str, PreparedData]:
-        """The corpus (by the name "") or each source of the mixture, tokenized into the cache:
-        rank 0 fills it (tokenizer, shards), then the others find it there."""
-        data_cfg, delay = self._data_config(), self.cfg.debug.slow_prepare_seconds
-
-        def work() -> dict[str, PreparedData]:
-            if delay and world.is_main:
-                time.sleep(delay)
-            if data_cfg.mix:
-                return prepare_mix(data_cfg, progress=console)
-            return {"": prepare(data_cfg, progress=console)}
-
-        return world.main_first(work, "the data")
+        """The corpus (by the name "") or each source of the mixture, tokenized into the cache, each
+        rank tokenizing its share of the files (or found there)."""
+        data_cfg, slow = self._data_config(), self.cfg.debug.slow_prepare_seconds
+        if data_cfg.mix:
+            return prepare_mix(data_cfg, console, world, slow)
+        return {"": prepare(data_cfg, console, world, slow)}
 
     def model(self) -> nn.Module:
         return self.family_model(self.args)
