@@ -56,9 +56,88 @@ def in_process(*args: Any, check: bool = True) -> subprocess.CompletedProcess:
     return proc
 
 
-def launch(nproc: int, *args: Any, launch_args: tuple[str, ...] = (), **kw: Any):
-    """``kiln launch --nproc-per-node NPROC [LAUNCH_ARGS] -- ARGS...`` (torchrun, gloo ranks)."""
-    return kiln("launch", "--nproc-per-node", nproc, *launch_args, "--", *args, **kw)
+def launch(
+    nproc: int,
+    *args: Any,
+    launch_args: tuple[str, ...] = (),
+    env: dict[str, str] | None = None,
+    check: bool = True,
+    timeout: float = 300,
+) -> subprocess.CompletedProcess:
+    """``kiln launch --nproc-per-node NPROC [LAUNCH_ARGS] -- ARGS...`` (torchrun, gloo ranks) run
+    to the end; with ``check``, fail the test unless it exits 0.
+
+    The launcher is ``kiln.cli.main`` in this process: torchrun's agent runs here and starts the
+    ranks as the command does, as processes of this interpreter with this environment (``env``
+    on top), without the launcher's own interpreter start (importing torch and kiln: seconds a
+    launch). What the ranks and the agent print is read from this process's file descriptors;
+    the environment and the signal handlers torchrun sets are put back afterwards. Past
+    ``timeout`` seconds the ranks are killed and the test fails. (Tests that signal the
+    launcher's process start it with ``start``.)"""
+    import contextlib
+    import signal
+    import tempfile
+    import threading
+
+    from kiln.cli import main
+
+    argv = ["launch", "--nproc-per-node", str(nproc), *map(str, launch_args), "--", *map(str, args)]
+    saved_env = dict(os.environ)
+    handled = [signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT]
+    saved_handlers = {sig: signal.getsignal(sig) for sig in handled}
+    expired = threading.Event()
+
+    def kill_ranks() -> None:
+        expired.set()
+        for pid in _children("kiln"):
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+
+    timer = threading.Timer(timeout, kill_ranks)
+    with tempfile.TemporaryFile() as out, tempfile.TemporaryFile() as err:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        saved_fds = os.dup(1), os.dup(2)
+        os.dup2(out.fileno(), 1)
+        os.dup2(err.fileno(), 2)
+        os.environ.update(environment(env))
+        timer.start()
+        try:
+            with (
+                open(1, "w", closefd=False) as py_out,
+                open(2, "w", closefd=False) as py_err,
+                contextlib.redirect_stdout(py_out),
+                contextlib.redirect_stderr(py_err),
+            ):
+                code = main(argv)
+        finally:
+            timer.cancel()
+            os.dup2(saved_fds[0], 1)
+            os.dup2(saved_fds[1], 2)
+            for fd in saved_fds:
+                os.close(fd)
+            os.environ.clear()
+            os.environ.update(saved_env)
+            for sig, handler in saved_handlers.items():
+                signal.signal(sig, handler)
+        out.seek(0)
+        err.seek(0)
+        proc = subprocess.CompletedProcess(
+            command(*argv), code, out.read().decode(errors="replace"), err.read().decode(errors="replace")
+        )
+    if expired.is_set():
+        raise AssertionError(
+            f"kiln {' '.join(argv)} ran past {timeout} s\n{proc.stdout[-3000:]}\n{proc.stderr[-4000:]}"
+        )
+    if check and code != 0:
+        raise AssertionError(f"kiln {' '.join(argv)} exited {code}\n{proc.stdout[-3000:]}\n{proc.stderr[-4000:]}")
+    return proc
+
+
+def _children(word: str) -> list[int]:
+    """The processes this one started whose command line holds ``word``."""
+    out = subprocess.run(["ps", "-o", "pid=,args=", "--ppid", str(os.getpid())], capture_output=True, text=True).stdout
+    return [int(line.split()[0]) for line in out.splitlines() if word in line]
 
 
 def start(*args: Any, env: dict[str, str] | None = None, **kw: Any) -> subprocess.Popen:
