@@ -28,7 +28,7 @@ from kiln.train.trainer import Trainer, train
 from conftest import sft_records, write_jsonl
 from grad_probe import step_gradients
 from hf_models import learnable_classes
-from kilnrun import in_process, kiln, losses, start
+from kilnrun import in_process, launch, losses, start
 
 pytestmark = pytest.mark.e2e
 
@@ -319,11 +319,8 @@ def single(tmp_path_factory, sft, hf_llama) -> Path:
 @pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
 def test_two_ranks_equal_one_process(tmp_path, sft, hf_llama, single, strategy):
     run = tmp_path / strategy
-    kiln(
-        "launch",
-        "--nproc-per-node",
-        "2",
-        "--",
+    launch(
+        2,
         "train",
         *as_args(ft_sets(run, sft, hf_llama, train__micro_batch_size=1, parallel__strategy=strategy)),
     )
@@ -404,11 +401,8 @@ def test_bf16_fine_tuning_runs(tmp_path, sft, hf_llama):
 @pytest.mark.dist
 def test_llama_class_models_split_over_two_tensor_parallel_ranks(tmp_path, sft, hf_llama, single):
     run = tmp_path / "tp"
-    kiln(
-        "launch",
-        "--nproc-per-node",
-        "2",
-        "--",
+    launch(
+        2,
         "train",
         *as_args(ft_sets(run, sft, hf_llama, train__micro_batch_size=2, parallel__tp=2)),
     )

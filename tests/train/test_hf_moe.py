@@ -18,7 +18,7 @@ from kiln.train.run import load_run
 
 from conftest import sft_records, write_jsonl
 from hf_models import tiny_mixtral, tiny_qwen3_moe
-from kilnrun import in_process, kiln, losses, records, sets
+from kilnrun import in_process, launch, losses, records, sets
 
 transformers = pytest.importorskip("transformers")
 peft = pytest.importorskip("peft")
@@ -162,7 +162,7 @@ def test_mixtral_fine_tunes(tmp_path, sft):
 def test_fsdp_two_ranks_equal_one_process_and_export(tmp_path, sft, qwen_moe, lora_run):
     run = tmp_path / "fsdp"
     items = ft_sets(run, sft, qwen_moe, **LORA, **{"train.micro_batch_size": 1, "parallel.strategy": "fsdp"})
-    kiln("launch", "--nproc-per-node", "2", "--", "train", *sets(items))
+    launch(2, "train", *sets(items))
     got, want = losses(run), losses(lora_run)
     assert got.keys() == want.keys()
     for step in want:
