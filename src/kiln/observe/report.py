@@ -1,5 +1,7 @@
 """``kiln report``: a run's curves in one PNG and its numbers in a short text summary; for a
-mixture of experts, a second PNG: the heat map of its experts' load.
+mixture of experts, a second PNG: the heat map of its experts' load; for a run that logged
+benchmark task scores (``tasks/<task>/<metric>``), one more panel of them over the steps. Given
+several runs, a comparison table of their final numbers instead.
 
 Everything comes from the run directory (``metrics.jsonl``, and ``env.json`` when present), so a
 finished, running or interrupted run can be reported from any machine that has its directory.
@@ -11,6 +13,7 @@ import io
 import json
 import math
 from collections import Counter
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -26,6 +29,12 @@ MEMORY_PREFIX = "memory/"
 EVENT_COLORS = ["tab:red", "tab:gray", "tab:olive", "tab:pink"]
 MOE_LOAD = "moe/load"
 SOURCE_TOKENS = "data/tokens/"
+# Benchmark task scores, ``tasks/<task>/<metric>`` (lm-eval's metric names: ``acc``, ``acc_norm``,
+# ``bits_per_byte``...); ``<metric>_stderr`` is the standard error of ``<metric>``.
+TASKS_PREFIX = "tasks/"
+STDERR = "_stderr"
+# How many task metrics the figure's summary panel lists (all are in the text and the table).
+PANEL_TASKS = 6
 
 
 # -- reading the run ----------------------------------------------------------------------------
@@ -99,13 +108,57 @@ def _best(records: list[dict[str, Any]], key: str, higher: bool = False) -> floa
     return (max if higher else min)(values) if values else None
 
 
+def _is_task_key(key: str) -> bool:
+    return key.startswith(TASKS_PREFIX)
+
+
+def _is_stderr(name: str) -> bool:
+    """Whether ``name`` is a standard error (``hellaswag/acc_stderr``; lm-eval's filtered
+    ``gsm8k/exact_match_stderr,strict-match``), not a metric of its own."""
+    return name.rpartition("/")[2].partition(",")[0].endswith(STDERR)
+
+
+def _stderr_name(name: str) -> str:
+    """``hellaswag/acc`` -> ``hellaswag/acc_stderr``; ``gsm8k/exact_match,strict-match`` ->
+    ``gsm8k/exact_match_stderr,strict-match``."""
+    task, _, metric = name.rpartition("/")
+    head, comma, tail = metric.partition(",")
+    return f"{task}/{head}{STDERR}{comma}{tail}"
+
+
 def split_records(records: list[dict[str, Any]]) -> tuple[list, list, list]:
     """(training, evaluation, event) records: events have an ``event`` key, training records a
-    ``loss``, evaluations a ``val_loss`` or ``val_bpb`` (both are logged at the same step)."""
+    ``loss``, evaluations a ``val_loss`` or ``val_bpb`` (both are logged at the same step) or
+    benchmark task scores (``tasks/<task>/<metric>``, alone or with the validation loss)."""
     events = [r for r in records if "event" in r]
     train = [r for r in records if "loss" in r and "event" not in r]
-    evals = [r for r in records if ("val_loss" in r or "val_bpb" in r) and "event" not in r]
+    evals = [
+        r for r in records if "event" not in r and ("val_loss" in r or "val_bpb" in r or any(map(_is_task_key, r)))
+    ]
     return train, evals, events
+
+
+def task_scores(evals: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    """Each task metric's last logged value, keyed ``<task>/<metric>`` in name order: ``last``,
+    the ``step`` it was measured at, its ``stderr`` where logged with it (else None) and the
+    number of ``points``. A standard error is not a metric of its own."""
+    series: dict[str, list[tuple[int, float]]] = {}
+    for r in evals:
+        for key, value in r.items():
+            if _is_task_key(key) and isinstance(value, (int, float)) and isinstance(r.get("step"), int):
+                series.setdefault(key[len(TASKS_PREFIX) :], []).append((r["step"], value))
+    scores = {}
+    for name in sorted(n for n in series if not _is_stderr(n)):
+        step, last = series[name][-1]
+        # The standard error measured with the last value, not an older one.
+        stderr = [v for s, v in series.get(_stderr_name(name), []) if s == step]
+        scores[name] = {
+            "last": last,
+            "step": step,
+            "stderr": stderr[-1] if stderr else None,
+            "points": len(series[name]),
+        }
+    return scores
 
 
 def summarize(records: list[dict[str, Any]], env: dict[str, Any] | None = None) -> dict[str, Any]:
@@ -158,6 +211,8 @@ def summarize(records: list[dict[str, Any]], env: dict[str, Any] | None = None) 
         "moe_router_entropy_last": _last(train, "moe/router_entropy"),
         # An interval that dropped nothing logs no ``moe/dropped``: its last value may be stale.
         "moe_dropped_max": _best(train, "moe/dropped", higher=True),
+        # Benchmark task scores, where the run logged them: the last value of each metric.
+        "tasks": task_scores(evals),
         # A data mixture's sources: tokens and epochs drawn, and the last validation of each.
         "sources": {
             name: {
@@ -178,6 +233,12 @@ def _num(value: Any, fmt: str = ".4g") -> str:
     if value is None:
         return "-"
     return format(value, fmt) if isinstance(value, float) else f"{value:,}"
+
+
+def _task_value(score: dict[str, Any]) -> str:
+    """``0.3125 ± 0.0146``, or the value alone where no standard error was logged."""
+    stderr = f" ± {_num(score['stderr'], '.3g')}" if score["stderr"] is not None else ""
+    return f"{_num(score['last'])}{stderr}"
 
 
 def _count(n: float) -> str:
@@ -218,6 +279,9 @@ def format_summary(run_dir: Path, s: dict[str, Any]) -> str:
     if s["val_accuracy_last"] is not None:
         lines.append(f"val accuracy last {_num(s['val_accuracy_last'])}  best {_num(s['val_accuracy_best'])}")
         lines.append(f"val macro-F1 last {_num(s['val_macro_f1_last'])}  best {_num(s['val_macro_f1_best'])}")
+    width = max(map(len, s["tasks"]), default=0)
+    for i, (name, score) in enumerate(s["tasks"].items()):
+        lines.append(f"{'tasks' if i == 0 else '':<13}{name:<{width}}  {_task_value(score)}  (step {score['step']:,})")
     if s["tokens_per_s_mean"] is not None:
         lines.append(f"tokens/s     {s['tokens_per_s_mean']:,.0f} mean (first interval of each invocation left out)")
     if s["peak_memory_gib"]:
@@ -328,6 +392,73 @@ def _plot_memory(ax, train) -> None:
     ax.legend(fontsize=9)
 
 
+def _plot_tasks(ax, evals, names: list[str]) -> None:
+    """Each task metric over the steps, a colour per task and a line style per metric, its
+    standard error shaded where logged. Scores within [0, 1] (accuracies) share the left axis;
+    the rest (bits per byte, perplexities) go on a right one, dashed, on a log scale when they
+    span more than 50x, so neither squashes the other."""
+    from matplotlib import colormaps
+
+    def points(name: str) -> tuple[list[int], list[float]]:
+        return _series([r for r in evals if "step" in r], TASKS_PREFIX + name)
+
+    def bounded(name: str) -> bool:
+        return all(0.0 <= v <= 1.0 for v in points(name)[1] if math.isfinite(v))
+
+    scores = [n for n in names if bounded(n)]
+    others = [n for n in names if not bounded(n)]
+    axes = [(ax, scores or others, "-")]
+    if scores and others:
+        axes.append((ax.twinx(), others, "--"))
+    tasks = list(dict.fromkeys(n.rpartition("/")[0] for n in names))
+    metrics = list(dict.fromkeys(n.rpartition("/")[2] for n in names))
+    colors = colormaps["tab10" if len(tasks) <= 10 else "tab20"]
+    markers = ["o", "s", "^", "D", "v", "P", "X", "*"]
+    for axis, group, style in axes:
+        for name in group:
+            task, _, metric = name.rpartition("/")
+            steps, values = points(name)
+            color = colors(tasks.index(task) % colors.N)
+            axis.plot(
+                steps,
+                values,
+                ls=style,
+                marker=markers[metrics.index(metric) % len(markers)],
+                ms=4,
+                lw=1.2,
+                color=color,
+                label=name,
+            )
+            err = dict(zip(*points(_stderr_name(name)), strict=True))
+            if err:
+                band = [(s, v, err[s]) for s, v in zip(steps, values, strict=True) if s in err]
+                axis.fill_between(
+                    [s for s, _, _ in band],
+                    [v - e for _, v, e in band],
+                    [v + e for _, v, e in band],
+                    color=color,
+                    alpha=0.15,
+                    lw=0,
+                )
+        positive = [v for n in group for v in points(n)[1] if math.isfinite(v) and v > 0]
+        if group is others and positive and max(positive) / min(positive) > 50:
+            axis.set_yscale("log")
+        label = ", ".join(dict.fromkeys(n.rpartition("/")[2] for n in group))
+        axis.set_ylabel(label if len(label) <= 40 else ("score" if group is scores else "value"))
+    _panel(ax, "Benchmark tasks", ax.get_ylabel())
+    handles = [h for axis, _, _ in axes for h in axis.get_legend_handles_labels()[0]]
+    # Beside the panel, in as many columns as a long task list needs (the right axis's labels
+    # are between them when there is one).
+    ax.legend(
+        handles=handles,
+        fontsize=8 if len(handles) <= 12 else 7,
+        loc="upper left",
+        bbox_to_anchor=(1.07 if len(axes) > 1 else 1.01, 1.0),
+        ncol=math.ceil(len(handles) / 14),
+        borderaxespad=0,
+    )
+
+
 def _figure(width: float, height: float):
     # The object API with the Agg canvas, not pyplot: no display needed and no global backend
     # switched under a caller (a notebook, say) that imported kiln.
@@ -347,8 +478,15 @@ def _saved(fig, fmt: str) -> bytes:
 
 def render_figure(run_dir: Path, records: list[dict[str, Any]], summary: dict[str, Any], fmt: str = "png") -> bytes:
     train, evals, events = split_records(records)
-    fig = _figure(16, 9)
-    axes = fig.subplots(2, 3)
+    if summary["tasks"]:
+        # The six panels as always, and the task scores across the width below them.
+        fig = _figure(16, 13.5)
+        grid = fig.add_gridspec(3, 3)
+        axes = grid[:2, :].subgridspec(2, 3).subplots()
+        _plot_tasks(fig.add_subplot(grid[2, :]), evals, list(summary["tasks"]))
+    else:
+        fig = _figure(16, 9)
+        axes = fig.subplots(2, 3)
     _plot_loss(axes[0, 0], train, evals, events)
     _plot_lr(axes[0, 1], train)
     _plot_throughput(axes[0, 2], train, summary["tokens_per_s_mean"])
@@ -445,6 +583,10 @@ def _panel_text(s: dict[str, Any]) -> str:
         ("tokens/s mean", _num(s["tokens_per_s_mean"], ",.0f")),
     ]
     rows += [(f"{k.replace('_', ' ')} (max)", f"{_num(v, '.2f')} GiB") for k, v in s["peak_memory_gib"].items()]
+    tasks = list(s["tasks"].items())
+    rows += [(name, _num(score["last"])) for name, score in tasks[:PANEL_TASKS]]
+    if len(tasks) > PANEL_TASKS:
+        rows.append((f"+{len(tasks) - PANEL_TASKS} task metrics", "(report.txt)"))
     if s["moe_layers"] is not None:
         rows += [
             ("moe imbalance last", _num(s["moe_imbalance_last"])),
@@ -499,11 +641,120 @@ def _json_safe(value: Any) -> Any:
         return None
     if isinstance(value, dict):
         return {k: _json_safe(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_json_safe(v) for v in value]
     return value
 
 
-def report_command(run_dir: str, out: str | None, as_json: bool) -> int:
-    """``kiln report RUN_DIR [--out PATH] [--json]``: print the summary (or its numbers as JSON)."""
+# -- several runs: the comparison table --------------------------------------------------------
+
+# The table's columns before the task metrics: (JSON key, heading).
+COMPARE_COLUMNS = (
+    ("steps", "steps"),
+    ("loss_last", "final train loss"),
+    ("val_loss_best", "best val loss"),
+    ("val_bpb_best", "best val bpb"),
+)
+TABLE_FORMATS = ("md",)
+
+
+def _run_names(run_dirs: list[Path]) -> list[str]:
+    """Each run's directory name, or the path as given where two runs share a name."""
+    names = [d.name or d.resolve().name for d in run_dirs]
+    return [name if names.count(name) == 1 else str(d) for name, d in zip(names, run_dirs, strict=True)]
+
+
+def compare_runs(run_dirs: Sequence[str | Path]) -> dict[str, Any]:
+    """The comparison of several runs: ``columns``, the task metrics any of them logged (name
+    order), and ``runs``, one row each in the order given: its name, directory, steps, last train
+    loss, best validation loss and bits per byte, and ``tasks``, the last value of every column
+    (None where the run lacks it). Every run is read before any row is made; the runs that are
+    not run directories are named together in one error."""
+    dirs = [Path(d) for d in run_dirs]
+    summaries, errors = [], []
+    for run_dir in dirs:
+        try:
+            summaries.append(summarize(read_metrics(run_dir), _read_env(run_dir)))
+        except CheckpointError as e:
+            errors.append(str(e))
+    if errors:
+        raise CheckpointError("; ".join(errors))
+    columns = sorted({name for s in summaries for name in s["tasks"]})
+    rows = [
+        {
+            "run": name,
+            "run_dir": str(run_dir),
+            **{key: s[key] for key, _ in COMPARE_COLUMNS},
+            "tasks": {c: s["tasks"][c]["last"] if c in s["tasks"] else None for c in columns},
+        }
+        for name, run_dir, s in zip(_run_names(dirs), dirs, summaries, strict=True)
+    ]
+    return {"columns": columns, "runs": rows}
+
+
+def _table_cells(table: dict[str, Any]) -> tuple[list[str], list[list[str]]]:
+    """Headings and rows of text cells; blank where a run lacks the number."""
+    headings = ["run", *(h for _, h in COMPARE_COLUMNS), *table["columns"]]
+
+    def cell(value: Any) -> str:
+        return "" if value is None else _num(value)
+
+    rows = [
+        [row["run"], *(cell(row[k]) for k, _ in COMPARE_COLUMNS), *(cell(row["tasks"][c]) for c in table["columns"])]
+        for row in table["runs"]
+    ]
+    return headings, rows
+
+
+def format_comparison(table: dict[str, Any]) -> str:
+    """The table as aligned text: the run's name left, the numbers right."""
+    headings, rows = _table_cells(table)
+    widths = [max(len(r[i]) for r in [headings, *rows]) for i in range(len(headings))]
+
+    def line(cells: list[str]) -> str:
+        first, *rest = cells
+        return "  ".join([first.ljust(widths[0]), *(c.rjust(w) for c, w in zip(rest, widths[1:], strict=True))])
+
+    return "\n".join(line(r).rstrip() for r in [headings, *rows]) + "\n"
+
+
+def comparison_markdown(table: dict[str, Any]) -> str:
+    """The table in GitHub markdown, the numbers right-aligned."""
+    headings, rows = _table_cells(table)
+
+    def line(cells: list[str]) -> str:
+        return "| " + " | ".join(c.replace("|", "\\|") for c in cells) + " |"
+
+    rule = "|" + "|".join([" --- ", *[" ---: "] * (len(headings) - 1)]) + "|"
+    return "\n".join([line(headings), rule, *map(line, rows)]) + "\n"
+
+
+def write_comparison(run_dirs: Sequence[str | Path], out: str | Path | None = None) -> dict[str, Any]:
+    """Compare several runs (compare_runs) and, with ``out``, write the table there as markdown
+    (atomically); return the table, with ``markdown``, where it went (or None). Nothing is
+    written into the runs' directories."""
+    if out is not None and Path(out).suffix[1:].lower() not in TABLE_FORMATS:
+        raise ConfigError([f"--out {out}: with several runs it names the comparison table, written as markdown (.md)"])
+    table = compare_runs(run_dirs)
+    if out is not None:
+        write_atomic(Path(out), comparison_markdown(table))
+    return {**table, "markdown": str(out) if out is not None else None}
+
+
+def report_command(run_dirs: str | Sequence[str], out: str | None, as_json: bool) -> int:
+    """``kiln report RUN_DIR [--out PATH] [--json]``: print the summary (or its numbers as JSON).
+    ``kiln report RUN_DIR RUN_DIR... [--out TABLE.md] [--json]``: print the comparison table of
+    the runs (or it as JSON), and with ``--out`` write it as markdown."""
+    if not isinstance(run_dirs, str) and len(run_dirs) > 1:
+        table = write_comparison(run_dirs, out)
+        if as_json:
+            print(json.dumps(_json_safe(table), indent=2))
+        else:
+            print(format_comparison(table), end="")
+            if table["markdown"]:
+                print(f"wrote {table['markdown']}")
+        return 0
+    run_dir = run_dirs if isinstance(run_dirs, str) else run_dirs[0]
     summary = write_report(run_dir, out)
     if as_json:
         print(json.dumps(_json_safe(summary), indent=2))
