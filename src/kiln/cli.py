@@ -151,12 +151,17 @@ def _parser() -> argparse.ArgumentParser:
     _add_config_args(d)
     d.add_argument("--json", action="store_true", help="print the report as one JSON object")
 
-    r = sub.add_parser("report", help="plot a run's curves into a PNG and summarise it (no server needed)")
-    r.add_argument("run_dir", help="run directory")
-    r.add_argument(
-        "--out", help="figure path (.png, .svg or .pdf; default RUN_DIR/report.png); the summary goes beside it"
+    r = sub.add_parser(
+        "report",
+        help="plot a run's curves into a PNG and summarise it, or compare several runs in a table (no server needed)",
     )
-    r.add_argument("--json", action="store_true", help="print the summary as one JSON object")
+    r.add_argument("run_dirs", nargs="+", metavar="RUN_DIR", help="run directory; several: a comparison table")
+    r.add_argument(
+        "--out",
+        help="figure path (.png, .svg or .pdf; default RUN_DIR/report.png); the summary goes beside it. "
+        "With several runs: the comparison table as markdown (.md)",
+    )
+    r.add_argument("--json", action="store_true", help="print the summary (or the comparison) as one JSON object")
 
     x = sub.add_parser(
         "export",
@@ -403,7 +408,7 @@ def cmd_doctor(args) -> int:
 def cmd_report(args) -> int:
     from kiln.observe.report import report_command
 
-    return report_command(args.run_dir, args.out, args.json)
+    return report_command(args.run_dirs, args.out, args.json)
 
 
 def cmd_export(args) -> int:
