@@ -5,14 +5,12 @@ bad requests and failures get OpenAI's error JSON and leave the server serving, 
 the model's chat template, and ``serve`` says where it listens and stops cleanly on Ctrl-C."""
 
 import concurrent.futures
-import contextlib
 import dataclasses
 import json
 import signal
 import socket
 import subprocess
 import sys
-import threading
 import time
 
 import pytest
@@ -22,45 +20,24 @@ from kiln.cli import main
 from kiln.serve.engine import TextStream
 from kiln.train.run import load_run
 
-from conftest import sft_records, tiny_overrides, write_jsonl
+from conftest import sft_records, write_jsonl
 
 pytest.importorskip("fastapi")
 uvicorn = pytest.importorskip("uvicorn")
 openai = pytest.importorskip("openai")
 httpx = pytest.importorskip("httpx")
-from kiln.serve import create_app, listen  # noqa: E402  (needs fastapi, skipped above without the extra)
+from serving import running, tiny_run  # noqa: E402
+
+from kiln.serve import create_app  # noqa: E402  (needs fastapi, skipped above without the extra)
 
 pytestmark = pytest.mark.e2e
 
 PROMPTS = ["def ", "import os\n", "class A", "return x", "# the", "for i in", "if not", "print("]
 
 
-@contextlib.contextmanager
-def running(app):
-    """The app served by uvicorn in a thread on a free loopback port: its base URL."""
-    sock = listen("127.0.0.1", 0)
-    server = uvicorn.Server(uvicorn.Config(app, log_level="warning"))
-    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
-    thread.start()
-    url = f"http://127.0.0.1:{sock.getsockname()[1]}"
-    deadline = time.monotonic() + 30
-    while not server.started:
-        assert time.monotonic() < deadline and thread.is_alive(), "the server did not start"
-        time.sleep(0.02)
-    assert httpx.get(f"{url}/health").json() == {"status": "ok"}
-    try:
-        yield url
-    finally:
-        server.should_exit = True
-        thread.join(timeout=30)
-
-
 @pytest.fixture(scope="module")
 def gpt_run(tmp_path_factory, corpus_dir):
-    run = tmp_path_factory.mktemp("gpt") / "run"
-    sets = tiny_overrides(run, corpus_dir, train__max_steps=4, eval__sample_tokens=0)
-    assert main(["train", *[a for item in sets for a in ("--set", item)]]) == 0
-    return run
+    return tiny_run(tmp_path_factory, corpus_dir)
 
 
 @pytest.fixture(scope="module")

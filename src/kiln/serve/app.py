@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import json
 import logging
@@ -18,8 +19,18 @@ try:
 except ImportError as e:
     raise ImportError(f"kiln serve needs fastapi and uvicorn ({e}): pip install 'kiln[serve]'") from None
 
-from kiln.serve.engine import Engine, Job
-from kiln.serve.protocol import ApiError, Reply, chat_job, completion_job, parse_body, streaming, usage
+from kiln.serve.engine import Engine, Job, Score
+from kiln.serve.protocol import (
+    ApiError,
+    Completion,
+    Reply,
+    chat_job,
+    completion_request,
+    logprobs_json,
+    parse_body,
+    streaming,
+    usage,
+)
 from kiln.train.run import LoadedRun
 
 log = logging.getLogger("kiln.serve")
@@ -68,7 +79,12 @@ def create_app(run: LoadedRun, model_name: str, *, parallel: int = 8) -> FastAPI
     @app.post("/v1/completions")
     async def completions(request: Request):
         body = parse_body(await request.body())
-        return await _answer(engine, completion_job(body, engine.codec, engine.context), body, Reply(model_name, False))
+        completion = completion_request(body, engine.codec, engine.context)
+        if completion.plain:
+            return await _answer(engine, completion.jobs[0], body, Reply(model_name, False))
+        if streaming(body)[0]:
+            raise ApiError("stream=true takes one prompt, without echo or logprobs, in kiln serve", "stream")
+        return await _complete(engine, completion, Reply(model_name, False))
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request):
@@ -99,6 +115,43 @@ async def _answer(engine: Engine, job: Job, body: dict, reply: Reply):
         pieces.append(last.text)
     assert last is not None  # generate yields up to an update with a finish_reason, or raises
     return reply.whole("".join(pieces), last.finish_reason, usage(len(job.prompt), last.completion_tokens))
+
+
+async def _complete(engine: Engine, completion: Completion, reply: Reply) -> dict:
+    """The answer to several prompts, or with the prompt echoed or log-probabilities: each prompt
+    generated as alone, then, for log-probabilities, every prompt with what it generated scored
+    in one turn of the worker."""
+
+    async def generate(job: Job) -> tuple[str, str, list[int]]:
+        if job.max_tokens == 0:  # echo=true, max_tokens=0: the prompt scored, nothing generated
+            return "", "length", []
+        pieces, last = [], None
+        async for last in engine.generate(job):
+            pieces.append(last.text)
+        assert last is not None and last.finish_reason is not None
+        return "".join(pieces), last.finish_reason, list(last.token_ids)
+
+    jobs = completion.jobs
+    answers = await asyncio.gather(*(generate(job) for job in jobs))
+    scored = []
+    if completion.logprobs is not None:
+        scores = [
+            Score(job.prompt + ids, 1 if completion.echo else len(job.prompt), completion.logprobs)
+            for job, (_, _, ids) in zip(jobs, answers, strict=True)
+        ]
+        scored = await engine.score(scores)
+    decode = engine.codec.decode
+    choices = []
+    for i, (job, (text, finish, ids)) in enumerate(zip(jobs, answers, strict=True)):
+        echoed = "" if not completion.echo else completion.texts[i] or decode(job.prompt)
+        logprobs = None
+        if scored:
+            logprobs = await asyncio.to_thread(
+                logprobs_json, decode, job.prompt, ids, completion.echo, scored[i], len(echoed), completion.token_ids
+            )
+        choices.append({"index": i, "text": echoed + text, "logprobs": logprobs, "finish_reason": finish})
+    counts = usage(sum(len(job.prompt) for job in jobs), sum(len(ids) for _, _, ids in answers))
+    return reply.choices(choices, counts)
 
 
 async def _events(engine: Engine, job: Job, reply: Reply, include_usage: bool) -> AsyncIterator[str]:

@@ -4,6 +4,10 @@ Up to ``parallel`` requests are decoded at once, one token of each in turn (each
 cache and random generator, so a request's tokens do not depend on what else is running); the
 rest wait in a queue. Each request's text goes back to its HTTP handler through its own asyncio
 queue, so the event loop never runs the model.
+
+Scoring (the log-probabilities of given tokens, for ``echo`` and ``logprobs``) is one more kind of
+work for the same worker: a request's sequences go through the model in as few forward passes as
+fit (padded on the right, which a causal model's real positions never see), each a single turn.
 """
 
 from __future__ import annotations
@@ -16,6 +20,7 @@ from collections.abc import AsyncIterator, Callable, Generator
 from dataclasses import dataclass, field
 
 import torch
+from torch import nn
 
 from kiln.data.tokenizer import Codec
 from kiln.train.run import LoadedRun
@@ -99,14 +104,41 @@ class Job:
 @dataclass(frozen=True)
 class Update:
     """Text released by one step; the last update has the finish_reason (``stop``: end-of-text
-    or a stop string, ``length``: max_tokens) and the count of generated tokens."""
+    or a stop string, ``length``: max_tokens), the count of generated tokens and their ids
+    (an end-of-text token that ended the answer among them)."""
 
     text: str
     finish_reason: str | None = None
     completion_tokens: int = 0
+    token_ids: tuple[int, ...] = ()
 
 
-Emit = Callable[[Update | Exception], None]
+@dataclass
+class Score:
+    """Log-probabilities of a sequence's tokens from ``first`` on (``first`` >= 1: the first token
+    has nothing before it to be predicted from), and the ``top`` most likely tokens at each of
+    those positions, each token's log-probability given the tokens before it."""
+
+    tokens: list[int]
+    first: int
+    top: int = 0
+
+
+@dataclass(frozen=True)
+class Scored:
+    """What ``Engine.score`` found for one ``Score``: per position from ``first``, the token's
+    log-probability and the ids and log-probabilities of the most likely tokens, most likely first."""
+
+    logprobs: list[float]
+    top_ids: list[list[int]]
+    top_logprobs: list[list[float]]
+
+
+# A forward pass for scoring holds at most about this many bytes of float32 log-probabilities;
+# sequences that would pass it go through the model in further passes (a long one alone).
+SCORE_BYTES = 256 * 2**20
+
+Emit = Callable[[Update | list[Scored] | Exception], None]
 
 
 class Engine:
@@ -124,7 +156,10 @@ class Engine:
         if probe is None:
             raise ServeError(f"model family {run.cfg.model.family} ({run.cfg.model.task}) cannot generate text")
         probe.close()
-        self._inbox: queue.SimpleQueue[tuple[Job, Emit] | None] = queue.SimpleQueue()
+        self._inbox: queue.SimpleQueue[tuple[Job | list[Score], Emit] | None] = queue.SimpleQueue()
+        # A mixture of experts whose experts take a limited share of a pass's tokens routes a
+        # token differently beside others: such a model scores one sequence per pass, unpadded.
+        self.score_alone = any(getattr(m, "capacity", 0) for m in run.model.modules() if type(m).__name__ == "MoE")
         self._thread = threading.Thread(target=self._work, name="kiln-serve-engine", daemon=True)
 
     def start(self) -> None:
@@ -138,29 +173,46 @@ class Engine:
     async def generate(self, job: Job) -> AsyncIterator[Update]:
         """Queue the job and yield its updates up to the last; a failure in the worker is raised
         here. Leaving early (the client disconnected) cancels the job."""
-        loop = asyncio.get_running_loop()
-        updates: asyncio.Queue[Update | Exception] = asyncio.Queue()
-
-        def emit(update: Update | Exception) -> None:
-            try:
-                loop.call_soon_threadsafe(updates.put_nowait, update)
-            except RuntimeError:  # the event loop has closed: nobody is listening any more
-                job.cancelled = True
-
-        self._inbox.put((job, emit))
+        updates = self._submit(job)
         try:
             while True:
                 update = await updates.get()
                 if isinstance(update, Exception):
                     raise RuntimeError(f"generation failed: {update}") from update
+                assert isinstance(update, Update)
                 yield update
                 if update.finish_reason:
                     return
         finally:
             job.cancelled = True
 
+    async def score(self, scores: list[Score]) -> list[Scored]:
+        """The log-probabilities that ``scores`` ask for, computed by the worker in its turn."""
+        if not scores:
+            return []
+        answer = await self._submit(scores).get()
+        if isinstance(answer, Exception):
+            raise RuntimeError(f"scoring failed: {answer}") from answer
+        assert isinstance(answer, list)
+        return answer
+
+    def _submit(self, work: Job | list[Score]) -> asyncio.Queue[Update | list[Scored] | Exception]:
+        """Queue work for the worker: what it sends back arrives in the returned queue."""
+        loop = asyncio.get_running_loop()
+        answers: asyncio.Queue[Update | list[Scored] | Exception] = asyncio.Queue()
+
+        def emit(answer: Update | list[Scored] | Exception) -> None:
+            try:
+                loop.call_soon_threadsafe(answers.put_nowait, answer)
+            except RuntimeError:  # the event loop has closed: nobody is listening any more
+                if isinstance(work, Job):
+                    work.cancelled = True
+
+        self._inbox.put((work, emit))
+        return answers
+
     def _work(self) -> None:
-        active: list[_Decoding] = []
+        active: list[_Decoding | _Scoring] = []
         while True:
             while len(active) < self.parallel:
                 try:
@@ -170,10 +222,11 @@ class Engine:
                 if item is None:
                     self._drop(active)
                     return
-                active.append(_Decoding(self, *item))
+                work, emit = item
+                active.append(_Decoding(self, work, emit) if isinstance(work, Job) else _Scoring(self, work, emit))
             active = [decoding for decoding in active if decoding.step()]
 
-    def _drop(self, active: list[_Decoding]) -> None:
+    def _drop(self, active: list[_Decoding | _Scoring]) -> None:
         """At shutdown: tell every request still running or waiting that it will get no answer."""
         gone = RuntimeError("the server is shutting down")
         for decoding in active:
@@ -194,7 +247,7 @@ class _Decoding:
         self.emit = emit
         self.tokens: Generator[torch.Tensor, None, None] | None = None
         self.text: TextStream  # made with the stream, where a failure is this request's alone
-        self.count = 0
+        self.ids: list[int] = []
 
     def step(self) -> bool:
         """Decode one token and send what it releases; False once the job is over."""
@@ -208,12 +261,12 @@ class _Decoding:
                 self.tokens = self._open()
             token = next(self.tokens, None)  # None: the family's stream ended by itself
             if token is not None:
-                self.count += 1
-            if token is None or int(token[0]) == self.engine.codec.eos_id:
+                self.ids.append(int(token[0]))
+            if token is None or self.ids[-1] == self.engine.codec.eos_id:
                 finish, piece = "stop", self.text.rest()
             else:
-                piece, stopped = self.text.add(int(token[0]))
-                finish = "stop" if stopped else "length" if self.count == job.max_tokens else None
+                piece, stopped = self.text.add(self.ids[-1])
+                finish = "stop" if stopped else "length" if len(self.ids) == job.max_tokens else None
                 if finish == "length":
                     piece += self.text.rest()
         except Exception as e:  # the failure belongs to this request; the worker goes on with the others
@@ -222,7 +275,7 @@ class _Decoding:
             self.close()
             return False
         if piece or finish:
-            self.emit(Update(piece, finish, self.count))
+            self.emit(Update(piece, finish, len(self.ids), tuple(self.ids) if finish else ()))
         if finish:
             self.close()
         return finish is None
@@ -251,3 +304,80 @@ class _Decoding:
         """Close the token stream, which gives the model its own train/eval mode back."""
         if self.tokens is not None:
             self.tokens.close()
+
+
+class _Scoring:
+    """One request's scoring, done in a single turn of the worker (see ``Engine.score``)."""
+
+    def __init__(self, engine: Engine, scores: list[Score], emit: Emit):
+        self.engine = engine
+        self.scores = scores
+        self.emit = emit
+
+    def step(self) -> bool:
+        try:
+            model = self.engine.run.model
+            was_training = model.training
+            model.eval()
+            try:
+                with torch.no_grad():  # not inference_mode, as in generation (float8 layers refuse it)
+                    scored = [s for group in self._groups() for s in score(model, group, self.engine.device)]
+            finally:
+                model.train(was_training)
+        except Exception as e:  # the failure belongs to this request; the worker goes on with the others
+            log.exception("scoring failed")
+            self.emit(e)
+            return False
+        self.emit(scored)
+        return False
+
+    def _groups(self) -> list[list[Score]]:
+        """The scores in order, cut into forward passes of about ``SCORE_BYTES`` of
+        log-probabilities each (one sequence per pass for a model that must see each alone)."""
+        vocab = max(1, self.engine.codec.vocab_size)
+        groups: list[list[Score]] = []
+        longest = 0
+        for s in self.scores:
+            length = len(s.tokens) - 1
+            if groups and not self.engine.score_alone:
+                wider = max(longest, length)
+                if (len(groups[-1]) + 1) * wider * vocab * 4 <= SCORE_BYTES:
+                    groups[-1].append(s)
+                    longest = wider
+                    continue
+            groups.append([s])
+            longest = length
+        return groups
+
+    def close(self) -> None:
+        pass
+
+
+def score(model: nn.Module, scores: list[Score], device: torch.device) -> list[Scored]:
+    """The log-probabilities ``scores`` ask for, from one forward pass of their sequences (all but
+    each one's last token) padded on the right: the model's log-softmax in float32 over its whole
+    vocabulary at each position. The answer comes to the host in one copy of each kind at the end."""
+    starts = [s.first - 1 for s in scores]  # the position that predicts each one's first scored token
+    start, width = min(starts), max(len(s.tokens) for s in scores) - 1
+    if width <= start:  # nothing to score (one-token prompts, echoed)
+        return [Scored([], [], []) for _ in scores]
+    rows = torch.tensor([s.tokens + [0] * (width + 1 - len(s.tokens)) for s in scores]).to(device, non_blocking=True)
+    logits = model(rows[:, :-1])
+    if not isinstance(logits, torch.Tensor) or logits.shape[:2] != (len(scores), width):
+        raise RuntimeError("this model gives no next-token logits [batch, positions, vocabulary] to score with")
+    logprobs = logits[:, start:].float().log_softmax(dim=-1)
+    top = min(max(s.top for s in scores), logprobs.size(-1))
+    values, ids = logprobs.topk(top, dim=-1)  # top 0: empty
+    picked = logprobs.gather(-1, rows[:, start + 1 :, None])
+    floats, ints = torch.cat([picked, values], dim=-1).tolist(), ids.tolist()
+    out = []
+    for i, s in enumerate(scores):
+        kept = range(starts[i] - start, len(s.tokens) - 1 - start)
+        out.append(
+            Scored(
+                [floats[i][p][0] for p in kept],
+                [ints[i][p][: s.top] for p in kept],
+                [floats[i][p][1 : 1 + s.top] for p in kept],
+            )
+        )
+    return out
