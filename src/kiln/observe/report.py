@@ -12,6 +12,7 @@ from __future__ import annotations
 import io
 import json
 import math
+import re
 from collections import Counter
 from collections.abc import Sequence
 from pathlib import Path
@@ -138,6 +139,11 @@ def split_records(records: list[dict[str, Any]]) -> tuple[list, list, list]:
     return train, evals, events
 
 
+def _natural(name: str) -> list[Any]:
+    """A sort key that puts ``mmlu_2`` before ``mmlu_10``."""
+    return [(0, int(part), "") if part.isdigit() else (1, 0, part) for part in re.split(r"(\d+)", name)]
+
+
 def task_scores(evals: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
     """Each task metric's last logged value, keyed ``<task>/<metric>`` in name order: ``last``,
     the ``step`` it was measured at, its ``stderr`` where logged with it (else None) and the
@@ -148,7 +154,7 @@ def task_scores(evals: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
             if _is_task_key(key) and isinstance(value, (int, float)) and isinstance(r.get("step"), int):
                 series.setdefault(key[len(TASKS_PREFIX) :], []).append((r["step"], value))
     scores = {}
-    for name in sorted(n for n in series if not _is_stderr(n)):
+    for name in sorted((n for n in series if not _is_stderr(n)), key=_natural):
         step, last = series[name][-1]
         # The standard error measured with the last value, not an older one.
         stderr = [v for s, v in series.get(_stderr_name(name), []) if s == step]
@@ -497,7 +503,7 @@ def render_figure(run_dir: Path, records: list[dict[str, Any]], summary: dict[st
         axes[1, 1].remove()
     # One step axis for every panel, from the start of training, so panels line up by eye; the
     # margin keeps the final evaluation's marker off the frame.
-    last_step = max(r["step"] for r in records)
+    last_step = max(r["step"] for r in records if "step" in r)
     for ax in fig.axes:
         ax.set_xlim(0, last_step * 1.02)
     text_ax = axes[1, 2]
@@ -679,7 +685,7 @@ def compare_runs(run_dirs: Sequence[str | Path]) -> dict[str, Any]:
             errors.append(str(e))
     if errors:
         raise CheckpointError("; ".join(errors))
-    columns = sorted({name for s in summaries for name in s["tasks"]})
+    columns = sorted({name for s in summaries for name in s["tasks"]}, key=_natural)
     rows = [
         {
             "run": name,
