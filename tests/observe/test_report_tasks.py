@@ -158,7 +158,7 @@ def test_many_task_metrics_fit_and_the_json_stays_strict(tmp_path, capsys):
     metric name with its standard error, a non-numeric value and a record without a step."""
     records = [_step(s, 5.0 - s / 100) for s in range(1, 101)]
     for s in (25, 50, 75, 100):
-        scores = {f"tasks/mmlu_{i}/acc": 0.25 + i / 100 for i in range(30)}
+        scores: dict[str, float | str] = {f"tasks/mmlu_{i}/acc": 0.25 + i / 100 for i in range(30)}
         scores["tasks/gsm8k/exact_match,strict-match"] = math.nan if s == 100 else s / 1000
         scores["tasks/gsm8k/exact_match_stderr,strict-match"] = 0.01
         scores["tasks/wiki/word_perplexity"] = 1e6 / s**2
