@@ -19,6 +19,7 @@ LAYERS = {
     "models": 3,
     "distributed": 4,
     "observe": 5,
+    "harness": 5,
     "train": 6,
     "doctor": 7,
     "plan": 7,

@@ -53,10 +53,18 @@ def _parser() -> argparse.ArgumentParser:
         "eval",
         help="validation metrics of a run's checkpoint (loss, perplexity, bits per byte; a classifier's accuracy)",
     )
-    e.add_argument("run_dir", help="run directory")
+    e.add_argument("run_dir", help="run directory, checkpoint directory or kiln export directory")
     e.add_argument(
         "--data", help="evaluate on every token of every document of this source instead of the run's val split"
     )
+    e.add_argument(
+        "--tasks",
+        help="lm-evaluation-harness tasks to score, comma-separated (needs kiln[eval]); results in RUN_DIR/eval/",
+    )
+    e.add_argument("--include-path", help="a directory of lm-eval task YAML files (beside lm-eval's own tasks)")
+    e.add_argument("--num-fewshot", type=int, help="examples in each prompt (default: each task's own)")
+    e.add_argument("--limit", type=float, help="at most this many documents of each task (a fraction if below 1)")
+    e.add_argument("--log-samples", action="store_true", help="also write each task's scored samples")
     e.add_argument("--checkpoint", help="checkpoint directory (default: the newest complete one)")
     e.add_argument(
         "--max-batches", type=int, help="at most this many batches (default: 100 of the val split; all of --data)"
@@ -284,9 +292,38 @@ def cmd_prepare(args) -> int:
 def cmd_eval(args) -> int:
     from kiln.train.run import load_run
 
+    if args.tasks:
+        return _eval_tasks(args)
     run = load_run(args.run_dir, args.checkpoint, args.device)
     metrics = run.job.evaluate_saved(run, source=args.data, max_batches=args.max_batches, batch_size=args.batch_size)
     print(json.dumps(metrics))
+    return 0
+
+
+def _eval_tasks(args) -> int:
+    from kiln.harness import TaskError, check_tasks, run_tasks, table, task_manager, write_results
+    from kiln.train.run import load_run
+
+    names = [name.strip() for name in args.tasks.split(",") if name.strip()]
+    try:
+        manager = task_manager(args.include_path)
+        check_tasks(names, manager)
+    except TaskError as e:
+        print(f"kiln: error: {e}", file=sys.stderr)
+        return USAGE_ERROR
+    except ImportError as e:
+        print(f"kiln: error: --tasks needs lm-evaluation-harness ({e}); pip install 'kiln[eval]'", file=sys.stderr)
+        return USAGE_ERROR
+    from kiln.harness.model import KilnLM
+
+    run = load_run(args.run_dir, args.checkpoint, args.device)
+    context = run.family.context_length(run.args) or run.cfg.data.seq_len
+    lm = KilnLM(run.model, run.family, run.tokenizer, context, batch_size=args.batch_size or 8)
+    limit = None if args.limit is None else (int(args.limit) if args.limit >= 1 else args.limit)
+    results = run_tasks(lm, names, manager, num_fewshot=args.num_fewshot, limit=limit, log_samples=args.log_samples)
+    written = write_results(results, run.directory / "eval")
+    print(table(results))
+    print(f"kiln: wrote {', '.join(str(p) for p in written)}", file=sys.stderr)
     return 0
 
 

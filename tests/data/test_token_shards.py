@@ -11,7 +11,7 @@ import torch
 
 from kiln.config import DataConfig
 from kiln.data.corpus import DataError
-from kiln.data.loader import TokenSequences, TokenShards, covering_batches, make_train_loader, val_batches
+from kiln.data.loader import TokenSequences, TokenShards, document_windows, make_train_loader, val_batches
 from kiln.data.shards import FORMAT_VERSION, _assemble, _Job, _Reporter, open_prepared, prepare, shard_files, verify
 from kiln.data.team import ALONE
 from kiln.doctor.data import _document_spans
@@ -108,7 +108,7 @@ def test_token_sequences_windows_across_shards(both):
     val_flat, val_sharded = TokenSequences(one.tokens("val"), 7), TokenSequences(many.tokens("val"), 7)
     for got_batches, want in [
         (val_batches(val_sharded, 4, 3), val_batches(val_flat, 4, 3)),
-        (covering_batches(val_sharded, 4), covering_batches(val_flat, 4)),
+        (document_windows(many.tokens("val"), 0, 7, 4), document_windows(one.tokens("val"), 0, 7, 4)),
     ]:
         assert len(got_batches) == len(want)
         for (x0, y0), (x1, y1) in zip(got_batches, want, strict=True):

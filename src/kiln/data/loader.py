@@ -16,7 +16,7 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader, Dataset, Sampler, default_collate
 
-from kiln.data.batch import collate
+from kiln.data.batch import IGNORE_INDEX, collate
 from kiln.data.batch_schedule import BatchSchedule
 from kiln.data.corpus import DataError
 
@@ -363,12 +363,40 @@ def val_batches(
     return batches
 
 
-def covering_batches(dataset: TokenSequences, micro_batch_size: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """Every target of the token stream once: its whole windows in order, then what is left
-    after them as one shorter sequence."""
-    batches = val_batches(dataset, micro_batch_size, len(dataset)) if len(dataset) else []
-    rest = dataset.tokens[len(dataset) * dataset.seq_len :]
-    if len(rest) >= 2:
-        window = torch.from_numpy(rest.astype(np.int64))
-        batches.append((window[None, :-1], window[None, 1:]))
+def document_windows(
+    tokens: np.ndarray | TokenShards, eot: int, seq_len: int, micro_batch_size: int
+) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Every token of every document of a token stream (documents each followed by ``eot``) as a
+    target once, each document scored on its own from its start, conditioned on the end-of-text
+    token before it, in windows of ``seq_len`` inputs; a document's last window, if shorter, takes
+    the ``seq_len`` tokens before its end as context and keeps only its new targets. These are
+    lm-evaluation-harness's rolling windows (``loglikelihood_rolling``), so a document's total loss
+    is the one lm-eval computes. Batches of up to ``micro_batch_size`` windows, padded on the
+    right; targets are -100 where none is wanted."""
+    tokens = np.asarray(tokens)
+    windows: list[tuple[np.ndarray, np.ndarray]] = []
+    start = 0
+    for end in [*np.flatnonzero(tokens == eot).tolist(), len(tokens)]:
+        doc, start = tokens[start:end], end + 1
+        if not len(doc):
+            continue
+        s = np.concatenate([[eot], doc]).astype(np.int64)
+        n = len(doc)
+        for p in range(0, n, seq_len):
+            b = min(p + seq_len, n)
+            if p == 0 or b - p == seq_len:
+                windows.append((s[p:b], s[p + 1 : b + 1]))
+            else:  # the last, shorter window: full context, only the tokens not yet scored
+                y = s[b - seq_len + 1 : b + 1].copy()
+                y[: seq_len - (b - p)] = IGNORE_INDEX
+                windows.append((s[b - seq_len : b], y))
+    batches = []
+    for at in range(0, len(windows), micro_batch_size):
+        group = windows[at : at + micro_batch_size]
+        width = max(len(x) for x, _ in group)
+        x = torch.full((len(group), width), eot, dtype=torch.long)
+        y = torch.full((len(group), width), IGNORE_INDEX, dtype=torch.long)
+        for row, (xs, ys) in enumerate(group):
+            x[row, : len(xs)], y[row, : len(ys)] = torch.from_numpy(xs), torch.from_numpy(ys)
+        batches.append((x, y))
     return batches

@@ -20,8 +20,8 @@ from torch import nn
 
 from kiln.config import ConfigError, DataConfig
 from kiln.data import PreparedData, TokenSequences, prepare, prepare_mix, val_batches
-from kiln.data.batch import split_batch
-from kiln.data.loader import covering_batches
+from kiln.data.batch import IGNORE_INDEX, split_batch
+from kiln.data.loader import document_windows
 from kiln.data.mixture import Mixture
 from kiln.data.tokenizer import Codec
 from kiln.distributed.world import World
@@ -136,7 +136,8 @@ class LMJob(Job):
     ) -> dict[str, Any]:
         """On the run's own val split (at most ``max_batches`` batches, 100 by default, spread
         over it), or on every token of every document of ``source``, tokenized with the run's
-        tokenizer (the first ``max_batches`` if given)."""
+        tokenizer, each document scored on its own as lm-evaluation-harness's rolling
+        log-likelihood scores it (``document_windows``; the first ``max_batches`` if given)."""
         cfg = self.cfg
         data_cfg = dataclasses.replace(cfg.data, tokenizer=str(run.directory / "tokenizer.json"))
         if source:  # no training source: every document of ``source`` is val
@@ -146,16 +147,15 @@ class LMJob(Job):
         device = next(run.model.parameters()).device
         scores, tokens = {}, 0
         for name, prepared in sources.items():
-            val = TokenSequences(prepared.tokens("val"), cfg.data.seq_len)
             if source:
-                batches = covering_batches(val, batch)[:max_batches]
-                if not batches:
-                    raise ConfigError([f"--data: {source} holds fewer than 2 tokens"])
+                batches = document_windows(prepared.tokens("val"), prepared.eot_id, cfg.data.seq_len, batch)
+                batches = batches[:max_batches]
             else:
+                val = TokenSequences(prepared.tokens("val"), cfg.data.seq_len)
                 batches = val_batches(val, batch, max_batches or 100)
             token_bytes = torch.from_numpy(prepared.token_bytes())
             scores[name] = self.family.evaluate(run.model, batches, token_bytes, device)
-            tokens += sum(y.numel() for _, y in batches)
+            tokens += sum(int((y != IGNORE_INDEX).sum()) for _, y in batches)
         metrics = by_source(scores, {m.label: m.weight for m in data_cfg.mix})
         return {**metrics, "step": run.step, "tokens": tokens}
 

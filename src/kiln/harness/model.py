@@ -1,0 +1,135 @@
+"""kiln's model as a language model of EleutherAI's lm-evaluation-harness.
+
+``KilnLM`` answers lm-eval's three kinds of request with any kiln model that returns next-token
+logits from ``model(tokens)`` (kiln's GPT, a Hugging Face causal LM, either with LoRA adapters,
+a sharded run gathered by ``load_run`` or sharded over ranks that all run the same requests):
+
+* ``loglikelihood``: lm-eval's own ``TemplateLM`` splits context and continuation into tokens
+  exactly as its ``hf`` model does; the pairs are scored longest first, in batches padded on the
+  right (a causal model's earlier logits do not see the padding), each in one forward pass.
+* ``loglikelihood_rolling``: each text in lm-eval's rolling windows of the model's context,
+  the first conditioned on the end-of-text token, as ``kiln eval --data`` scores a document.
+* ``generate_until``: one request at a time, decoded with the family's KV cache (greedy unless
+  the task asks to sample), stopped and cut at the task's stop strings or end-of-text.
+
+lm-eval imports slowly and is an optional extra (``kiln[eval]``): import this module only when
+tasks are asked for.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from lm_eval.api.model import TemplateLM
+from lm_eval.models.utils import handle_stop_sequences, normalize_gen_kwargs, postprocess_generated_text
+from lm_eval.utils import get_rolling_token_windows, make_disjoint_window
+from torch import nn
+
+from kiln.data.tokenizer import eot_id
+
+
+class KilnLM(TemplateLM):
+    def __init__(
+        self,
+        model: nn.Module,
+        family: Any,
+        tokenizer: Any,
+        max_length: int,
+        batch_size: int = 8,
+        max_gen_toks: int = 256,
+    ):
+        super().__init__()
+        self.model, self.family, self.tokenizer = model, family, tokenizer
+        self.hf = hasattr(tokenizer, "eos_token_id")  # a transformers tokenizer, else kiln's own
+        self._eot = tokenizer.eos_token_id if self.hf else eot_id(tokenizer)
+        self.max_length, self.batch_size, self.max_gen_toks = max_length, batch_size, max_gen_toks
+        self._device = next(model.parameters()).device
+
+    @property
+    def eot_token_id(self) -> int:
+        return self._eot
+
+    def tok_encode(self, string: str, **kwargs: Any) -> list[int]:
+        # No special tokens: lm-eval's hf model adds none to a causal LM's text either.
+        if self.hf:
+            return self.tokenizer(string, add_special_tokens=False)["input_ids"]
+        return self.tokenizer.encode(string, add_special_tokens=False).ids
+
+    def tok_decode(self, tokens: list[int]) -> str:
+        if self.hf:
+            return self.tokenizer.decode(tokens, skip_special_tokens=True)
+        return self.tokenizer.decode(tokens)
+
+    def _loglikelihood_tokens(self, requests, disable_tqdm: bool = False, **kwargs: Any) -> list[tuple[float, bool]]:
+        """(sum of the continuation's log-probabilities, whether each of its tokens is the
+        greedy choice) for each ``(key, context tokens, continuation tokens)``, in order."""
+        order = sorted(range(len(requests)), key=lambda i: -len(requests[i][1]) - len(requests[i][2]))
+        results: list[tuple[float, bool]] = [(0.0, False)] * len(requests)
+        for at in range(0, len(order), self.batch_size):
+            batch = [requests[i] for i in order[at : at + self.batch_size]]
+            # The last max_length tokens before each continuation token; the final token is
+            # only ever a target.
+            inputs = [(context + continuation)[-(self.max_length + 1) : -1] for _, context, continuation in batch]
+            width = max(len(x) for x in inputs)
+            tokens = torch.full((len(batch), width), self._eot, dtype=torch.long)
+            for row, x in enumerate(inputs):
+                tokens[row, : len(x)] = torch.tensor(x, dtype=torch.long)
+            with torch.no_grad():
+                logprobs = F.log_softmax(self._logits(tokens.to(self._device)).float(), dim=-1).cpu()
+            for row, (_, _, continuation) in enumerate(batch):
+                end = len(inputs[row])
+                scores = logprobs[row, end - len(continuation) : end]
+                wanted = torch.tensor(continuation, dtype=torch.long)
+                total = float(scores.gather(-1, wanted[:, None]).sum())
+                results[order[at + row]] = (total, bool((scores.argmax(-1) == wanted).all()))
+        return results
+
+    def loglikelihood_rolling(self, requests, disable_tqdm: bool = False) -> list[float]:
+        windows, owners = [], []
+        for i, (text,) in enumerate(request.args for request in requests):
+            for context, continuation in map(
+                make_disjoint_window,
+                get_rolling_token_windows(self.tok_encode(text), self._eot, self.max_length, context_len=1),
+            ):
+                windows.append(((text, ""), context, continuation))
+                owners.append(i)
+        totals = [0.0] * len(requests)
+        for owner, (logprob, _) in zip(owners, self._loglikelihood_tokens(windows), strict=True):
+            totals[owner] += logprob
+        return totals
+
+    def generate_until(self, requests, disable_tqdm: bool = False) -> list[str]:
+        out = []
+        for context, gen_kwargs in (request.args for request in requests):
+            kwargs = normalize_gen_kwargs(dict(gen_kwargs), self.max_gen_toks)
+            # No end-of-text string among the stops: decoding stops at the token itself.
+            until = handle_stop_sequences(kwargs.pop("until", None), eos=None)
+            max_gen_toks = int(kwargs.pop("max_gen_toks"))
+            # As lm-eval's hf model: the context cut on the left to leave room for the answer.
+            room = self.max_length - max_gen_toks if max_gen_toks < self.max_length else self.max_length
+            prompt = torch.tensor([self.tok_encode(context)[-room:] or [self._eot]], device=self._device)
+            sampling = {"temperature": float(kwargs.get("temperature", 0.0)) if kwargs.get("do_sample") else 0.0}
+            steps = self.family.stream(self.model, prompt, max_gen_toks, eos_id=self._eot, **sampling)
+            if steps is None:
+                raise ValueError(f"this model ({type(self.model).__name__}) cannot generate text")
+            tokens: list[int] = []
+            for token in steps:
+                value = int(token[0])
+                if value == self._eot:
+                    break
+                tokens.append(value)
+                if until and any(stop in self.tok_decode(tokens) for stop in until):
+                    break
+            steps.close()
+            out.append(postprocess_generated_text(self.tok_decode(tokens), stop=until, think_end_token=None))
+        return out
+
+    def _logits(self, tokens: torch.Tensor) -> torch.Tensor:
+        was_training = self.model.training
+        self.model.eval()
+        try:
+            return self.model(tokens)
+        finally:
+            self.model.train(was_training)

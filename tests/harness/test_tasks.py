@@ -1,0 +1,137 @@
+"""Benchmark tasks through lm-evaluation-harness: kiln's model scores them as lm-eval's own hf
+model scores the run's Hugging Face export, its rolling log-likelihood is ``kiln eval --data``,
+and ``kiln eval --tasks`` writes lm-eval's results (or a one-line error)."""
+
+from __future__ import annotations
+
+import json
+import random
+from pathlib import Path
+
+import pytest
+
+from conftest import tiny_overrides, write_jsonl
+from kilnrun import in_process, sets
+
+lm_eval = pytest.importorskip("lm_eval")
+
+SEQ_LEN = 64
+
+
+def write_tasks(out: Path) -> Path:
+    """Three local tasks: multiple choice (kiln_mc), generation (kiln_gen) and perplexity
+    (kiln_ppl), each a YAML beside the jsonl it reads."""
+    out.mkdir(parents=True, exist_ok=True)
+    rng = random.Random(0)
+    mc = []
+    for _ in range(20):
+        a, b = rng.randint(1, 50), rng.randint(1, 50)
+        choices = [str(a + b), str(a + b + 1), str(a * 2), str(b)]
+        rng.shuffle(choices)
+        mc.append({"question": f"x = {a} + {b}  # x is", "choices": choices, "answer": choices.index(str(a + b))})
+    write_jsonl(out / "mc.jsonl", mc)
+    write_jsonl(out / "gen.jsonl", [{"prompt": f"def f{i}(x):\n    return", "target": " x"} for i in range(4)])
+    texts = [{"text": f"import os\n\n\ndef main{i}():\n    print('{i}' * {i})\n" * (1 + i % 5)} for i in range(6)]
+    write_jsonl(out / "ppl.jsonl", texts)
+    data = "dataset_path: json\ndataset_kwargs:\n  data_files:\n    test: {}\ntest_split: test\n"
+    (out / "mc.yaml").write_text(
+        "task: kiln_mc\n" + data.format(out / "mc.jsonl") + "output_type: multiple_choice\n"
+        'doc_to_text: "{{question}}"\ndoc_to_choice: "{{choices}}"\ndoc_to_target: answer\n'
+        "metric_list:\n  - metric: acc\n    aggregation: mean\n    higher_is_better: true\n"
+        "  - metric: acc_norm\n    aggregation: mean\n    higher_is_better: true\n"
+    )
+    (out / "gen.yaml").write_text(
+        "task: kiln_gen\n" + data.format(out / "gen.jsonl") + "output_type: generate_until\n"
+        'doc_to_text: "{{prompt}}"\ndoc_to_target: "{{target}}"\n'
+        'generation_kwargs:\n  until: ["\\n"]\n  max_gen_toks: 8\n  do_sample: false\n'
+        "metric_list:\n  - metric: exact_match\n    aggregation: mean\n    higher_is_better: true\n"
+    )
+    (out / "ppl.yaml").write_text(
+        "task: kiln_ppl\n" + data.format(out / "ppl.jsonl") + "output_type: loglikelihood_rolling\n"
+        'doc_to_text: ""\ndoc_to_target: "{{text}}"\n'
+        "metric_list:\n  - metric: word_perplexity\n  - metric: byte_perplexity\n  - metric: bits_per_byte\n"
+    )
+    return out
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory, corpus_dir) -> tuple[Path, Path, Path]:
+    """A tiny run trained on Python sources, its Hugging Face export and the tasks' directory."""
+    base = tmp_path_factory.mktemp("harness")
+    run = base / "run"
+    in_process("train", *sets(tiny_overrides(run, corpus_dir, data__seq_len=SEQ_LEN, train__max_steps=20)))
+    in_process("export", run, "--format", "hf", "--out", base / "export")
+    return run, base / "export", write_tasks(base / "tasks")
+
+
+def kiln_results(run: Path, tasks: Path, names: list[str]) -> dict:
+    from kiln.harness import check_tasks, run_tasks, task_manager
+    from kiln.harness.model import KilnLM
+    from kiln.train.run import load_run
+
+    manager = task_manager(tasks)
+    check_tasks(names, manager)
+    saved = load_run(run, device="cpu")
+    lm = KilnLM(saved.model, saved.family, saved.tokenizer, SEQ_LEN, batch_size=4)
+    return run_tasks(lm, names, manager, log_samples=True, bootstrap_iters=0)
+
+
+def test_kiln_scores_tasks_as_lm_eval_scores_the_hf_export(trained):
+    run, export, tasks = trained
+    from kiln.harness import task_manager
+
+    ours = kiln_results(run, tasks, ["kiln_mc", "kiln_gen"])
+    theirs = lm_eval.simple_evaluate(
+        model="hf",
+        model_args=f"pretrained={export},dtype=float32,device=cpu",
+        tasks=["kiln_mc", "kiln_gen"],
+        task_manager=task_manager(tasks),
+        batch_size=4,
+        log_samples=True,
+        bootstrap_iters=0,
+    )
+    for task in ("kiln_mc", "kiln_gen"):
+        assert ours["results"][task] == theirs["results"][task]
+    mine, hf = ours["samples"]["kiln_mc"], theirs["samples"]["kiln_mc"]
+    assert len(mine) == len(hf) == 20
+    for a, b in zip(mine, hf, strict=True):
+        got = [r[0] for r in a["resps"]]
+        want = [r[0] for r in b["resps"]]
+        assert [g for _, g in got] == [g for _, g in want]
+        assert [ll for ll, _ in got] == pytest.approx([ll for ll, _ in want], abs=1e-4)
+    assert [s["resps"] for s in ours["samples"]["kiln_gen"]] == [s["resps"] for s in theirs["samples"]["kiln_gen"]]
+
+
+def test_rolling_log_likelihood_is_kiln_eval_data(trained):
+    """lm-eval's bits per byte of a perplexity task equals ``kiln eval --data`` on its file."""
+    run, _, tasks = trained
+    bpb = kiln_results(run, tasks, ["kiln_ppl"])["results"]["kiln_ppl"]["bits_per_byte,none"]
+    ours = json.loads(in_process("eval", run, "--data", tasks / "ppl.jsonl", "--batch-size", "3").stdout)
+    assert ours["val_bpb"] == pytest.approx(bpb, abs=1e-4)
+
+
+def test_kiln_eval_tasks_writes_lm_eval_results(trained):
+    run, _, tasks = trained
+    out = in_process("eval", run, "--tasks", "kiln_mc,kiln_ppl", "--include-path", tasks, "--limit", "5")
+    assert "kiln_mc" in out.stdout and "acc" in out.stdout
+    written = json.loads((run / "eval" / "kiln_mc.json").read_text())
+    assert written["results"]["kiln_mc"]["acc,none"] >= 0 and written["n-samples"]["kiln_mc"]["effective"] == 5
+    assert "bits_per_byte,none" in json.loads((run / "eval" / "kiln_ppl.json").read_text())["results"]["kiln_ppl"]
+
+
+def test_bad_tasks_are_one_line_errors(trained, tmp_path):
+    run, _, tasks = trained
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    broken = tmp_path / "broken"
+    broken.mkdir()
+    yaml = (tasks / "mc.yaml").read_text().replace("kiln_mc", "kiln_broken")
+    (broken / "broken.yaml").write_text(yaml.replace(str(tasks / "mc.jsonl"), str(broken / "gone.jsonl")))
+    for args, fragments in [
+        (["--tasks", "no_such_task", "--include-path", tasks], ["task 'no_such_task': no such task"]),
+        (["--tasks", "kiln_mc", "--include-path", empty], [f"--include-path {empty}: no task YAML files"]),
+        (["--tasks", "kiln_broken", "--include-path", broken], ["task 'kiln_broken': its data cannot be read", "gone"]),
+    ]:
+        proc = in_process("eval", run, *args, check=False)
+        assert proc.returncode == 2 and all(f in proc.stderr for f in fragments), proc.stderr
+        assert len(proc.stderr.strip().splitlines()) == 1
