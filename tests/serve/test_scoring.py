@@ -217,20 +217,23 @@ def loglikelihoods(results) -> list[float]:
     return [ll for sample in results["samples"]["kiln_code_mc"] for ll, _ in sample["filtered_resps"]]
 
 
-@pytest.mark.slow
 def test_lm_eval_local_completions_scores_as_lm_evals_hf_model_on_the_export(gpt_run, url, task_dir, offline, tmp_path):
     lm_eval = pytest.importorskip("lm_eval")
     pytest.importorskip("tenacity")  # lm-eval's API models need it (lm-eval[api])
     export = tmp_path / "hf"
     assert main(["export", str(gpt_run), "--format", "hf", "--out", str(export)]) == 0
     context = httpx.get(f"{url}/v1/models").json()["data"][0]["max_model_len"]
+    # Only the task written here: indexing lm-eval's own thousands of tasks takes a minute.
+    from lm_eval.tasks import TaskManager
+
+    tasks = TaskManager(include_path=str(task_dir), include_defaults=False)
 
     def evaluate(model, model_args):
         return lm_eval.simple_evaluate(
             model=model,
             model_args=model_args,
             tasks=["kiln_code_mc"],
-            task_manager=lm_eval.tasks.TaskManager(include_path=str(task_dir)),
+            task_manager=tasks,
             device="cpu",
             log_samples=True,
         )

@@ -23,6 +23,7 @@ import torch
 from torch import nn
 
 from kiln.data.tokenizer import Codec
+from kiln.models.gpt.moe import MoE
 from kiln.train.run import LoadedRun
 
 log = logging.getLogger("kiln.serve")
@@ -159,7 +160,7 @@ class Engine:
         self._inbox: queue.SimpleQueue[tuple[Job | list[Score], Emit] | None] = queue.SimpleQueue()
         # A mixture of experts whose experts take a limited share of a pass's tokens routes a
         # token differently beside others: such a model scores one sequence per pass, unpadded.
-        self.score_alone = any(getattr(m, "capacity", 0) for m in run.model.modules() if type(m).__name__ == "MoE")
+        self.score_alone = any(isinstance(m, MoE) and m.capacity for m in run.model.modules())
         self._thread = threading.Thread(target=self._work, name="kiln-serve-engine", daemon=True)
 
     def start(self) -> None:
