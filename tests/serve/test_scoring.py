@@ -198,6 +198,16 @@ def task_dir(tmp_path_factory):
         "doc_to_target: answer\n"
         "metric_list:\n  - metric: acc\n"
     )
+    (out / "kiln_code_ppl.yaml").write_text(  # perplexity: lm-eval's rolling windows, from end-of-text
+        "task: kiln_code_ppl\n"
+        "dataset_path: json\n"
+        f"dataset_kwargs:\n  data_files:\n    test: {data}\n"
+        "output_type: loglikelihood_rolling\n"
+        "test_split: test\n"
+        'doc_to_text: ""\n'
+        'doc_to_target: "{{q}}{{choices[answer]}}"\n'
+        "metric_list:\n  - metric: word_perplexity\n"
+    )
     return out
 
 
@@ -232,7 +242,7 @@ def test_lm_eval_local_completions_scores_as_lm_evals_hf_model_on_the_export(gpt
         return lm_eval.simple_evaluate(
             model=model,
             model_args=model_args,
-            tasks=["kiln_code_mc"],
+            tasks=["kiln_code_mc", "kiln_code_ppl"],
             task_manager=tasks,
             device="cpu",
             log_samples=True,
@@ -251,3 +261,5 @@ def test_lm_eval_local_completions_scores_as_lm_evals_hf_model_on_the_export(gpt
     torch.testing.assert_close(torch.tensor(ours), torch.tensor(theirs), rtol=0, atol=1e-4)
     greedy = [[g for _, g in s["filtered_resps"]] for s in served["samples"]["kiln_code_mc"]]
     assert greedy == [[g for _, g in s["filtered_resps"]] for s in hf["samples"]["kiln_code_mc"]]
+    ppl = served["results"]["kiln_code_ppl"]["word_perplexity,none"]
+    assert ppl == pytest.approx(hf["results"]["kiln_code_ppl"]["word_perplexity,none"], rel=1e-4)
