@@ -237,6 +237,19 @@ def test_chat_renders_the_chat_template_and_streams_the_same(chat_run):
     assert all(c.object == "chat.completion.chunk" and c.id == chunks[0].id for c in chunks)
 
 
+def test_a_hugging_face_model_scores_with_its_own_log_softmax(chat_run):
+    run = load_run(chat_run, device="cpu")
+    prompts = [[5, 17, 3, 42, 8, 99], [7, 1, 2]]
+    with running(create_app(run, "tiny-llama")) as url:
+        body = {"prompt": prompts, "echo": True, "logprobs": 2, "max_tokens": 0}
+        choices = httpx.post(f"{url}/v1/completions", json=body).json()["choices"]
+    for ids, choice in zip(prompts, choices, strict=True):
+        with torch.no_grad():
+            own = run.model(torch.tensor([ids[:-1]]))[0].float().log_softmax(-1)
+        got = torch.tensor(choice["logprobs"]["token_logprobs"][1:])
+        torch.testing.assert_close(got, own[torch.arange(len(ids) - 1), ids[1:]], rtol=0, atol=1e-5)
+
+
 # -- serve(): what `kiln serve` runs ---------------------------------------------------------
 
 
