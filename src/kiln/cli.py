@@ -301,19 +301,12 @@ def cmd_eval(args) -> int:
 
 
 def _eval_tasks(args) -> int:
-    from kiln.harness import TaskError, check_tasks, run_tasks, table, task_manager, write_results
+    from kiln.harness import check_tasks, run_tasks, table, task_manager, write_results
     from kiln.train.run import load_run
 
     names = [name.strip() for name in args.tasks.split(",") if name.strip()]
-    try:
-        manager = task_manager(args.include_path)
-        check_tasks(names, manager)
-    except TaskError as e:
-        print(f"kiln: error: {e}", file=sys.stderr)
-        return USAGE_ERROR
-    except ImportError as e:
-        print(f"kiln: error: --tasks needs lm-evaluation-harness ({e}); pip install 'kiln[eval]'", file=sys.stderr)
-        return USAGE_ERROR
+    manager = task_manager(args.include_path)
+    check_tasks(names, manager)
     from kiln.harness.model import KilnLM
 
     run = load_run(args.run_dir, args.checkpoint, args.device)
@@ -321,6 +314,8 @@ def _eval_tasks(args) -> int:
     lm = KilnLM(run.model, run.family, run.tokenizer, context, batch_size=args.batch_size or 8)
     limit = None if args.limit is None else (int(args.limit) if args.limit >= 1 else args.limit)
     results = run_tasks(lm, names, manager, num_fewshot=args.num_fewshot, limit=limit, log_samples=args.log_samples)
+    if results is None:  # a process of a launched job other than the first: rank 0 reports
+        return 0
     written = write_results(results, run.directory / "eval")
     print(table(results))
     print(f"kiln: wrote {', '.join(str(p) for p in written)}", file=sys.stderr)
@@ -549,6 +544,7 @@ def _run(args) -> int:
     from kiln.data import DataError
     from kiln.distributed import in_torchrun
     from kiln.export.check import ExportError
+    from kiln.harness import TaskError
     from kiln.train.guard import TrainingDiverged
     from kiln.train.memory_ladder import OutOfMemoryExhausted, RestartForRung
 
@@ -564,7 +560,7 @@ def _run(args) -> int:
         for line in e.errors:
             print(f"{who}: config error: {line}", file=sys.stderr)
         return USAGE_ERROR
-    except (DataError, CheckpointError, ExportError, FileExistsError, FileNotFoundError) as e:
+    except (DataError, CheckpointError, ExportError, TaskError, FileExistsError, FileNotFoundError) as e:
         print(f"{who}: error: {e}", file=sys.stderr)
         return USAGE_ERROR
     except (OutOfMemoryExhausted, RestartForRung) as e:

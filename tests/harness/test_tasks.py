@@ -5,53 +5,17 @@ and ``kiln eval --tasks`` writes lm-eval's results (or a one-line error)."""
 from __future__ import annotations
 
 import json
-import random
 from pathlib import Path
 
 import pytest
+from tasksets import write_tasks
 
-from conftest import tiny_overrides, write_jsonl
+from conftest import tiny_overrides
 from kilnrun import in_process, sets
 
 lm_eval = pytest.importorskip("lm_eval")
 
 SEQ_LEN = 64
-
-
-def write_tasks(out: Path) -> Path:
-    """Three local tasks: multiple choice (kiln_mc), generation (kiln_gen) and perplexity
-    (kiln_ppl), each a YAML beside the jsonl it reads."""
-    out.mkdir(parents=True, exist_ok=True)
-    rng = random.Random(0)
-    mc = []
-    for _ in range(20):
-        a, b = rng.randint(1, 50), rng.randint(1, 50)
-        choices = [str(a + b), str(a + b + 1), str(a * 2), str(b)]
-        rng.shuffle(choices)
-        mc.append({"question": f"x = {a} + {b}  # x is", "choices": choices, "answer": choices.index(str(a + b))})
-    write_jsonl(out / "mc.jsonl", mc)
-    write_jsonl(out / "gen.jsonl", [{"prompt": f"def f{i}(x):\n    return", "target": " x"} for i in range(4)])
-    texts = [{"text": f"import os\n\n\ndef main{i}():\n    print('{i}' * {i})\n" * (1 + i % 5)} for i in range(6)]
-    write_jsonl(out / "ppl.jsonl", texts)
-    data = "dataset_path: json\ndataset_kwargs:\n  data_files:\n    test: {}\ntest_split: test\n"
-    (out / "mc.yaml").write_text(
-        "task: kiln_mc\n" + data.format(out / "mc.jsonl") + "output_type: multiple_choice\n"
-        'doc_to_text: "{{question}}"\ndoc_to_choice: "{{choices}}"\ndoc_to_target: answer\n'
-        "metric_list:\n  - metric: acc\n    aggregation: mean\n    higher_is_better: true\n"
-        "  - metric: acc_norm\n    aggregation: mean\n    higher_is_better: true\n"
-    )
-    (out / "gen.yaml").write_text(
-        "task: kiln_gen\n" + data.format(out / "gen.jsonl") + "output_type: generate_until\n"
-        'doc_to_text: "{{prompt}}"\ndoc_to_target: "{{target}}"\n'
-        'generation_kwargs:\n  until: ["\\n"]\n  max_gen_toks: 8\n  do_sample: false\n'
-        "metric_list:\n  - metric: exact_match\n    aggregation: mean\n    higher_is_better: true\n"
-    )
-    (out / "ppl.yaml").write_text(
-        "task: kiln_ppl\n" + data.format(out / "ppl.jsonl") + "output_type: loglikelihood_rolling\n"
-        'doc_to_text: ""\ndoc_to_target: "{{text}}"\n'
-        "metric_list:\n  - metric: word_perplexity\n  - metric: byte_perplexity\n  - metric: bits_per_byte\n"
-    )
-    return out
 
 
 @pytest.fixture(scope="module")
@@ -73,7 +37,9 @@ def kiln_results(run: Path, tasks: Path, names: list[str]) -> dict:
     check_tasks(names, manager)
     saved = load_run(run, device="cpu")
     lm = KilnLM(saved.model, saved.family, saved.tokenizer, SEQ_LEN, batch_size=4)
-    return run_tasks(lm, names, manager, log_samples=True, bootstrap_iters=0)
+    results = run_tasks(lm, names, manager, log_samples=True, bootstrap_iters=0)
+    assert results is not None
+    return results
 
 
 def test_kiln_scores_tasks_as_lm_eval_scores_the_hf_export(trained):

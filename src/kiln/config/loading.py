@@ -42,6 +42,8 @@ def _coerce(key: str, tp: Any, value: Any, from_text: bool) -> Any:
     """Turn ``value`` into type ``tp`` or raise ConfigError naming ``key``."""
     if get_origin(tp) is tuple and dataclasses.is_dataclass(get_args(tp)[0]):
         return _tables(key, get_args(tp)[0], value, from_text)
+    if get_origin(tp) is tuple and get_args(tp) == (str, Ellipsis):
+        return _strings(key, value, from_text)
     if get_origin(tp) in _UNIONS:
         for option in get_args(tp):
             try:
@@ -81,6 +83,21 @@ def _coerce(key: str, tp: Any, value: Any, from_text: bool) -> Any:
         if from_text:
             return str(value)
     raise ConfigError([f"{key}: expected {_type_name(tp)}, got {value!r}"])
+
+
+def _strings(key: str, value: Any, from_text: bool) -> tuple[str, ...]:
+    """A list of strings: a TOML array, or on the command line also ``a,b,c``."""
+    if from_text and isinstance(value, str):
+        if value.strip().startswith("["):
+            try:
+                value = tomllib.loads(f"value = {value}")["value"]
+            except tomllib.TOMLDecodeError as e:
+                raise ConfigError([f"{key}: not a TOML array of strings ({e}): {value!r}"]) from None
+        else:
+            value = [part.strip() for part in value.split(",") if part.strip()]
+    if isinstance(value, list | tuple) and all(isinstance(v, str) for v in value):
+        return tuple(value)
+    raise ConfigError([f"{key}: expected a list of strings, got {value!r}"])
 
 
 def _tables(key: str, cls: Any, value: Any, from_text: bool) -> tuple:

@@ -449,12 +449,27 @@ class EvalConfig:
     """Tokens to generate as a sample at each evaluation; 0 turns samples off."""
     prompt: str = "def "
     """Prompt for the generated sample."""
+    tasks: tuple[str, ...] = ()
+    """lm-evaluation-harness tasks scored during training (needs kiln[eval]), logged as
+    tasks/<task>/<metric>; e.g. ["hellaswag", "my_task"]. Their data must be on this machine."""
+    tasks_every: int = 0
+    """Score eval.tasks every N steps (and at the end); 0 only at the end."""
+    tasks_limit: int = 0
+    """At most this many documents of each task at each scoring; 0 all of them."""
+    tasks_include: str = ""
+    """A directory of lm-eval task YAML files, beside lm-eval's own tasks."""
 
     def errors(self) -> list[str]:
         return _failed(
             (self.every >= 0, f"eval.every: must be >= 0 (0 evaluates only at the end), got {self.every}"),
             (self.batches >= 1, f"eval.batches: must be >= 1, got {self.batches}"),
             (self.sample_tokens >= 0, f"eval.sample_tokens: must be >= 0, got {self.sample_tokens}"),
+            (
+                self.tasks_every >= 0,
+                f"eval.tasks_every: must be >= 0 (0 scores only at the end), got {self.tasks_every}",
+            ),
+            (self.tasks_limit >= 0, f"eval.tasks_limit: must be >= 0 (0 is every document), got {self.tasks_limit}"),
+            (all(t.strip() for t in self.tasks), f"eval.tasks: a task name is empty in {list(self.tasks)}"),
         )
 
 
@@ -814,6 +829,11 @@ class Config:
                 cp == 1 or micro != "auto",
                 "train.micro_batch_size: auto is not probed under context parallelism (parallel.cp > 1), whose "
                 "forward passes wait for one another; give a number",
+            ),
+            (
+                not self.eval.tasks or (pp == 1 and cp == 1 and self.parallel.tp == 1),
+                "eval.tasks: tasks are scored in the loop where every rank holds the whole model or an FSDP shard "
+                "of it (parallel.tp, pp and cp of 1); score this run's checkpoints with kiln eval RUN --tasks",
             ),
             (
                 not (self.lora.rank and self.parallel.tp > 1),

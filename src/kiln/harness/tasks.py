@@ -41,6 +41,10 @@ def task_manager(include_path: str | os.PathLike | None = None):
             raise TaskError(f"--include-path {path}: not a directory")
         if not any(path.rglob("*.yaml")) and not any(path.rglob("*.yml")):
             raise TaskError(f"--include-path {path}: no task YAML files (*.yaml) in it")
+    try:
+        import lm_eval  # noqa: F401
+    except ImportError as e:
+        raise TaskError(f"benchmark tasks need lm-evaluation-harness ({e}); pip install 'kiln[eval]'") from None
     offline()
     from lm_eval.tasks import TaskManager
 
@@ -73,8 +77,10 @@ def run_tasks(
     limit: int | float | None = None,
     log_samples: bool = False,
     bootstrap_iters: int = 100_000,
-) -> dict[str, Any]:
-    """lm-eval's ``simple_evaluate`` of ``lm`` on the tasks: its own result dictionary."""
+) -> dict[str, Any] | None:
+    """lm-eval's ``simple_evaluate`` of ``lm`` on the tasks: its own result dictionary; None in a
+    launched job's processes other than its node's first (lm-eval reads LOCAL_RANK), which score
+    the same requests but report nothing."""
     from lm_eval.evaluator import simple_evaluate
 
     results = simple_evaluate(
@@ -86,7 +92,6 @@ def run_tasks(
         log_samples=log_samples,
         bootstrap_iters=bootstrap_iters,
     )
-    assert results is not None  # None only on ranks other than lm's rank 0, and KilnLM is rank 0
     return results
 
 

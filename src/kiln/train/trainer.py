@@ -44,6 +44,7 @@ from kiln.train.setup import SetupTimes, start_model
 from kiln.train.sources import SourceUse
 from kiln.train.step import LossFn, TrainStep
 from kiln.train.straggler import Stragglers
+from kiln.train.tasks import TaskScores
 from kiln.train.time_plan import TimePlan
 
 # ``on_evaluate(step, metrics, max_steps)``, on rank 0 after each evaluation: True stops the run.
@@ -111,7 +112,7 @@ class Trainer:
         self.setup = SetupTimes(self._say)
         self.model = start_model(job, world, pcfg, self.precision, self.faults, self.setup)
         self.optimizer = build_optimizer(self.model, t, self.device)
-        self.stragglers = Stragglers(world, cfg.observe)
+        self.stragglers, self.tasks = Stragglers(world, cfg.observe), TaskScores(cfg, job)
         self.train_step = TrainStep(
             self.model,
             job.loss_fn,
@@ -219,6 +220,8 @@ class Trainer:
                         result.eval_metrics = metrics or result.eval_metrics
                         if self._halt_after(metrics) and not final:
                             stop.requested = True  # set, never cleared: a signal may have set it meanwhile
+                    if self.tasks.due(self.step, final):
+                        self.tasks.score(self.model.module, self.step, self.micro_batch_size, logger, self.precision)
                     if self.checkpointer.due(self.step, final or stop.requested):
                         self.save()
                 if out_of_time and self.step < plan.steps:

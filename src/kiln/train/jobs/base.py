@@ -56,6 +56,9 @@ class Job:
     tokens_per_sample: int = 1
     flops_per_token: float | None = None
     plan: ParallelPlan
+    # The tokenizer the job's text is encoded with: a tokenizers.Tokenizer (kiln's own) or the
+    # model's transformers tokenizer; None where the job has no text.
+    tokenizer: Any = None
     # Set by ``model`` when it returns a model on ``meta``: its initial values, which each rank
     # writes into the shards it holds once the layout is applied.
     initial: Values | None = None

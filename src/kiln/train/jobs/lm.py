@@ -37,6 +37,7 @@ class LMJob(Job):
         cfg, family = self.cfg, self.family
         self.sources = self.prepare_data(world, console)
         prepared = self.prepared = next(iter(self.sources.values()))  # the sources share one tokenizer
+        self.tokenizer = prepared.tokenizer
         seq_len = cfg.data.seq_len
         self.args = family.resolve(cfg.model, vocab_size=prepared.vocab_size, seq_len=seq_len)
         train = {name: TokenSequences(p.tokens("train"), seq_len) for name, p in self.sources.items()}
@@ -89,7 +90,7 @@ class LMJob(Job):
         e = self.cfg.eval
         if not e.sample_tokens or not ctx.generates:
             return None
-        tokenizer = self.prepared.tokenizer
+        tokenizer = self.tokenizer
         return sample_text(
             self.family, model, tokenizer, e.prompt, e.sample_tokens, seed=self.cfg.train.seed + ctx.step
         )

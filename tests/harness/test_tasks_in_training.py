@@ -1,0 +1,76 @@
+"""Benchmark tasks scored during training (eval.tasks): the scores at the asked steps, and the
+run itself unchanged by them."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from tasksets import write_tasks
+
+from conftest import tiny_overrides
+from kilnrun import in_process, records, sets
+from layouts import train_on
+
+pytest.importorskip("lm_eval")
+
+
+def train(run_dir, corpus_dir, *extra: str) -> None:
+    items = tiny_overrides(run_dir, corpus_dir, data__seq_len=64, train__max_steps=10, eval__every=5)
+    in_process("train", *sets([*items, *extra]))
+
+
+def final_weights(run_dir) -> dict[str, torch.Tensor]:
+    from kiln.train.run import load_run
+
+    return load_run(run_dir, device="cpu").model.state_dict()
+
+
+def test_task_scores_are_logged_and_change_nothing_of_the_run(tmp_path, corpus_dir):
+    tasks = write_tasks(tmp_path / "tasks")
+    scored, plain = tmp_path / "scored", tmp_path / "plain"
+    asked = ["eval.tasks=kiln_mc,kiln_gen", "eval.tasks_every=4", f"eval.tasks_include={tasks}", "eval.tasks_limit=6"]
+    train(scored, corpus_dir, *asked)
+    train(plain, corpus_dir)
+    losses = [{r["step"]: r["loss"] for r in records(run) if "loss" in r} for run in (scored, plain)]
+    assert losses[0] == losses[1] and len(losses[0]) == 10  # bitwise: the same floats
+    vals = [[r["val_loss"] for r in records(run) if "val_loss" in r] for run in (scored, plain)]
+    assert vals[0] == vals[1]
+    got, want = final_weights(scored), final_weights(plain)
+    assert all(torch.equal(got[k], want[k]) for k in want)
+    scores = [r for r in records(scored) if any(k.startswith("tasks/") for k in r)]
+    assert [r["step"] for r in scores] == [4, 8, 10]  # every 4 steps and at the end
+    for r in scores:
+        assert {"tasks/kiln_mc/acc", "tasks/kiln_mc/acc_norm", "tasks/kiln_gen/exact_match"} <= set(r)
+        assert 0 <= r["tasks/kiln_mc/acc"] <= 1
+
+
+@pytest.mark.slow
+def test_task_scores_under_fsdp_are_those_of_the_saved_model(tmp_path, corpus_dir):
+    """Two FSDP ranks score the tasks through the sharded model; the scores at the end are those
+    ``kiln eval --tasks`` gives the run's last checkpoint."""
+    tasks = write_tasks(tmp_path / "tasks")
+    run = tmp_path / "run"
+    items = tiny_overrides(run, corpus_dir, data__seq_len=64, train__max_steps=6, parallel__strategy="fsdp")
+    items += ["eval.tasks=kiln_mc", f"eval.tasks_include={tasks}", "eval.tasks_limit=8"]
+    train_on(2, sets(items))
+    [logged] = [r for r in records(run) if "tasks/kiln_mc/acc" in r]
+    assert logged["step"] == 6
+    in_process("eval", run, "--tasks", "kiln_mc", "--include-path", tasks, "--limit", "8")
+    saved = json.loads((run / "eval" / "kiln_mc.json").read_text())["results"]["kiln_mc"]
+    assert logged["tasks/kiln_mc/acc"] == saved["acc,none"]
+    assert logged["tasks/kiln_mc/acc_norm"] == saved["acc_norm,none"]
+
+
+def test_tasks_in_the_loop_need_the_whole_model_or_fsdp(tmp_path, corpus_dir):
+    items = tiny_overrides(tmp_path / "run", corpus_dir, parallel__tp=2, eval__tasks="kiln_mc")
+    proc = in_process("train", *sets(items), check=False)
+    assert proc.returncode == 2 and "eval.tasks: tasks are scored in the loop" in proc.stderr
+
+
+def test_an_unknown_task_stops_the_run_before_it_trains(tmp_path, corpus_dir):
+    run = tmp_path / "run"
+    proc = in_process("train", *sets(tiny_overrides(run, corpus_dir, eval__tasks="no_such_task")), check=False)
+    assert proc.returncode == 2 and "task 'no_such_task': no such task" in proc.stderr
+    assert not (run / "checkpoints").exists()
