@@ -101,3 +101,49 @@ def test_bad_tasks_are_one_line_errors(trained, tmp_path):
         proc = in_process("eval", run, *args, check=False)
         assert proc.returncode == 2 and all(f in proc.stderr for f in fragments), proc.stderr
         assert len(proc.stderr.strip().splitlines()) == 1
+
+
+@pytest.mark.slow
+def test_a_hugging_face_lora_run_unmerged_scores_as_its_merged_export(tmp_path, hf_llama):
+    """A LoRA fine-tune of a Hugging Face Llama, scored with its adapters in place, gives what
+    lm-eval's hf model gives on its export (the adapters folded in)."""
+    from kiln.harness import run_tasks, task_manager
+    from kiln.harness.model import KilnLM
+    from kiln.train.run import load_run
+
+    from conftest import sft_records, write_jsonl
+
+    sft = write_jsonl(tmp_path / "sft.jsonl", sft_records(32))
+    run, export, tasks = tmp_path / "run", tmp_path / "export", write_tasks(tmp_path / "tasks")
+    items = {
+        "run.dir": run,
+        "model.source": f"hf:{hf_llama}",
+        "data.source": sft,
+        "data.seq_len": 64,
+        "train.max_steps": 4,
+        "train.micro_batch_size": 2,
+        "train.global_batch_size": 4,
+        "eval.every": 0,
+        "lora.rank": 4,
+        "lora.alpha": 8,
+        "lora.dropout": 0.0,
+    }
+    in_process("train", *sets([f"{k}={v}" for k, v in items.items()]))
+    in_process("export", run, "--format", "hf", "--out", export)
+    saved = load_run(run, device="cpu")
+    assert any("lora_" in name for name in saved.model.state_dict())  # scored unmerged
+    manager = task_manager(tasks)
+    lm = KilnLM(saved.model, saved.family, saved.tokenizer, saved.family.context_length(saved.args) or 64)
+    ours = run_tasks(lm, ["kiln_mc"], manager, log_samples=True, bootstrap_iters=0)
+    theirs = lm_eval.simple_evaluate(
+        model="hf",
+        model_args=f"pretrained={export},dtype=float32,device=cpu",
+        tasks=["kiln_mc"],
+        task_manager=manager,
+        batch_size=8,
+        log_samples=True,
+        bootstrap_iters=0,
+    )
+    assert ours is not None and ours["results"]["kiln_mc"]["acc,none"] == theirs["results"]["kiln_mc"]["acc,none"]
+    for a, b in zip(ours["samples"]["kiln_mc"], theirs["samples"]["kiln_mc"], strict=True):
+        assert [r[0][0] for r in a["resps"]] == pytest.approx([r[0][0] for r in b["resps"]], abs=1e-4)

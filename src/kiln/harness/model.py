@@ -64,26 +64,33 @@ class KilnLM(TemplateLM):
 
     def _loglikelihood_tokens(self, requests, disable_tqdm: bool = False, **kwargs: Any) -> list[tuple[float, bool]]:
         """(sum of the continuation's log-probabilities, whether each of its tokens is the
-        greedy choice) for each ``(key, context tokens, continuation tokens)``, in order."""
-        order = sorted(range(len(requests)), key=lambda i: -len(requests[i][1]) - len(requests[i][2]))
+        greedy choice) for each ``(key, context tokens, continuation tokens)``, in order.
+
+        Requests whose model inputs are the same tokens (the choices of a multiple-choice
+        question that are one token each) share one row of one forward pass, as lm-eval's hf
+        model shares them; the rows run longest first, in batches padded on the right."""
+        # The last max_length tokens before each continuation token; the final token is only
+        # ever a target.
+        inputs = [tuple((context + continuation)[-(self.max_length + 1) : -1]) for _, context, continuation in requests]
+        users: dict[tuple[int, ...], list[int]] = {}
+        for index, x in enumerate(inputs):
+            users.setdefault(x, []).append(index)
+        rows = sorted(users, key=lambda x: (-len(x), x))
         results: list[tuple[float, bool]] = [(0.0, False)] * len(requests)
-        for at in range(0, len(order), self.batch_size):
-            batch = [requests[i] for i in order[at : at + self.batch_size]]
-            # The last max_length tokens before each continuation token; the final token is
-            # only ever a target.
-            inputs = [(context + continuation)[-(self.max_length + 1) : -1] for _, context, continuation in batch]
-            width = max(len(x) for x in inputs)
-            tokens = torch.full((len(batch), width), self._eot, dtype=torch.long)
-            for row, x in enumerate(inputs):
-                tokens[row, : len(x)] = torch.tensor(x, dtype=torch.long)
+        for at in range(0, len(rows), self.batch_size):
+            batch = rows[at : at + self.batch_size]
+            tokens = torch.full((len(batch), len(batch[0])), self._eot, dtype=torch.long)
+            for i, x in enumerate(batch):
+                tokens[i, : len(x)] = torch.tensor(x, dtype=torch.long)
             with torch.no_grad():
                 logprobs = F.log_softmax(self._logits(tokens.to(self._device)).float(), dim=-1).cpu()
-            for row, (_, _, continuation) in enumerate(batch):
-                end = len(inputs[row])
-                scores = logprobs[row, end - len(continuation) : end]
-                wanted = torch.tensor(continuation, dtype=torch.long)
-                total = float(scores.gather(-1, wanted[:, None]).sum())
-                results[order[at + row]] = (total, bool((scores.argmax(-1) == wanted).all()))
+            for i, x in enumerate(batch):
+                for index in users[x]:
+                    continuation = requests[index][2]
+                    scores = logprobs[i, len(x) - len(continuation) : len(x)]
+                    wanted = torch.tensor(continuation, dtype=torch.long)
+                    total = float(scores.gather(-1, wanted[:, None]).sum())
+                    results[index] = (total, bool((scores.argmax(-1) == wanted).all()))
         return results
 
     def loglikelihood_rolling(self, requests, disable_tqdm: bool = False) -> list[float]:
