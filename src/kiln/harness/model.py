@@ -51,10 +51,19 @@ class KilnLM(TemplateLM):
     def eot_token_id(self) -> int:
         return self._eot
 
+    @property
+    def prefix_token_id(self) -> int:
+        """What an empty context, and each rolling text, starts from: as in lm-eval's hf model,
+        the tokenizer's beginning-of-sequence token if it has one, else end-of-text."""
+        bos = self.tokenizer.bos_token_id if self.hf else None
+        return self._eot if bos is None else bos
+
     def tok_encode(self, string: str, **kwargs: Any) -> list[int]:
-        # No special tokens: lm-eval's hf model adds none to a causal LM's text either.
         if self.hf:
-            return self.tokenizer(string, add_special_tokens=False)["input_ids"]
+            # As lm-eval's hf model: the tokenizer's own special tokens (a Llama's BOS), unless
+            # the text already starts with the prefix token.
+            starts = string.startswith(self.tokenizer.decode([self.prefix_token_id]))
+            return self.tokenizer.encode(string, add_special_tokens=not starts)
         return self.tokenizer.encode(string, add_special_tokens=False).ids
 
     def tok_decode(self, tokens: list[int]) -> str:
@@ -98,7 +107,7 @@ class KilnLM(TemplateLM):
         for i, (text,) in enumerate(request.args for request in requests):
             for context, continuation in map(
                 make_disjoint_window,
-                get_rolling_token_windows(self.tok_encode(text), self._eot, self.max_length, context_len=1),
+                get_rolling_token_windows(self.tok_encode(text), self.prefix_token_id, self.max_length, context_len=1),
             ):
                 windows.append(((text, ""), context, continuation))
                 owners.append(i)
@@ -116,7 +125,7 @@ class KilnLM(TemplateLM):
             max_gen_toks = int(kwargs.pop("max_gen_toks"))
             # As lm-eval's hf model: the context cut on the left to leave room for the answer.
             room = self.max_length - max_gen_toks if max_gen_toks < self.max_length else self.max_length
-            prompt = torch.tensor([self.tok_encode(context)[-room:] or [self._eot]], device=self._device)
+            prompt = torch.tensor([self.tok_encode(context)[-room:] or [self.prefix_token_id]], device=self._device)
             sampling = {"temperature": float(kwargs.get("temperature", 0.0)) if kwargs.get("do_sample") else 0.0}
             steps = self.family.stream(self.model, prompt, max_gen_toks, eos_id=self._eot, **sampling)
             if steps is None:
