@@ -117,30 +117,48 @@ class KilnLM(TemplateLM):
         return totals
 
     def generate_until(self, requests, disable_tqdm: bool = False) -> list[str]:
-        out = []
-        for context, gen_kwargs in (request.args for request in requests):
+        """Each request's continuation: prompts of the same length and settings decoded together,
+        up to batch_size at a time, each row stopped at end-of-text or a stop string."""
+        out = [""] * len(requests)
+        groups: dict[tuple, list[tuple[int, list[int]]]] = {}
+        for index, (context, gen_kwargs) in enumerate(request.args for request in requests):
             kwargs = normalize_gen_kwargs(dict(gen_kwargs), self.max_gen_toks)
             # No end-of-text string among the stops: decoding stops at the token itself.
-            until = handle_stop_sequences(kwargs.pop("until", None), eos=None)
+            until = tuple(handle_stop_sequences(kwargs.pop("until", None), eos=None))
             max_gen_toks = int(kwargs.pop("max_gen_toks"))
             # As lm-eval's hf model: the context cut on the left to leave room for the answer.
             room = self.max_length - max_gen_toks if max_gen_toks < self.max_length else self.max_length
-            prompt = torch.tensor([self.tok_encode(context)[-room:] or [self.prefix_token_id]], device=self._device)
-            sampling = {"temperature": float(kwargs.get("temperature", 0.0)) if kwargs.get("do_sample") else 0.0}
-            steps = self.family.stream(self.model, prompt, max_gen_toks, eos_id=self._eot, **sampling)
-            if steps is None:
-                raise ValueError(f"this model ({type(self.model).__name__}) cannot generate text")
-            tokens: list[int] = []
-            for token in steps:
-                value = int(token[0])
-                if value == self._eot:
-                    break
-                tokens.append(value)
-                if until and any(stop in self.tok_decode(tokens) for stop in until):
-                    break
-            steps.close()
-            out.append(postprocess_generated_text(self.tok_decode(tokens), stop=until, think_end_token=None))
+            prompt = self.tok_encode(context)[-room:] or [self.prefix_token_id]
+            temperature = float(kwargs.get("temperature", 0.0)) if kwargs.get("do_sample") else 0.0
+            groups.setdefault((len(prompt), until, max_gen_toks, temperature), []).append((index, prompt))
+        for (_, until, max_gen_toks, temperature), members in groups.items():
+            for at in range(0, len(members), self.batch_size):
+                batch = members[at : at + self.batch_size]
+                prompts = torch.tensor([prompt for _, prompt in batch], device=self._device)
+                texts = self._decode(prompts, list(until), max_gen_toks, temperature)
+                for (index, _), text in zip(batch, texts, strict=True):
+                    out[index] = postprocess_generated_text(text, stop=list(until), think_end_token=None)
         return out
+
+    def _decode(self, prompts: torch.Tensor, until: list[str], max_gen_toks: int, temperature: float) -> list[str]:
+        steps = self.family.stream(self.model, prompts, max_gen_toks, eos_id=self._eot, temperature=temperature)
+        if steps is None:
+            raise ValueError(f"this model ({type(self.model).__name__}) cannot generate text")
+        tokens: list[list[int]] = [[] for _ in range(len(prompts))]
+        done = [False] * len(prompts)
+        for step in steps:
+            for row, value in enumerate(step.tolist()):
+                if done[row]:
+                    continue
+                if value == self._eot:
+                    done[row] = True
+                    continue
+                tokens[row].append(value)
+                done[row] = bool(until) and any(stop in self.tok_decode(tokens[row]) for stop in until)
+            if all(done):
+                break
+        steps.close()
+        return [self.tok_decode(row) for row in tokens]
 
     def _logits(self, tokens: torch.Tensor) -> torch.Tensor:
         was_training = self.model.training
