@@ -12,6 +12,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 from PIL import Image
+from test_report import _step as step_record
 
 from kiln.cli import main as kiln
 from kiln.observe.report import (
@@ -38,17 +39,7 @@ def _write_metrics(run: Path, records: list[dict]) -> Path:
 
 
 def _step(step: int, loss: float) -> dict:
-    return {
-        "step": step,
-        "loss": loss,
-        "lr": 1e-3,
-        "grad_norm": 1.0,
-        "tokens_per_s": 100.0 * step,
-        "elapsed_s": float(step),
-        "global_batch": 4,
-        "tokens": 64 * step,
-        "memory/rss_gib": 0.5,
-    }
+    return step_record(step, loss, **{"memory/rss_gib": 0.5})
 
 
 def _plain(run: Path, steps: int = 20, loss0: float = 5.0) -> Path:
