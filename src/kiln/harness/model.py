@@ -146,6 +146,9 @@ class KilnLM(TemplateLM):
             raise ValueError(f"this model ({type(self.model).__name__}) cannot generate text")
         tokens: list[list[int]] = [[] for _ in range(len(prompts))]
         done = [False] * len(prompts)
+        # A stop string that has just been completed lies in the last tokens: each token is at
+        # least one character (a few more for a character split over byte tokens).
+        tail = max((len(stop) for stop in until), default=0) + 4
         for step in steps:
             for row, value in enumerate(step.tolist()):
                 if done[row]:
@@ -154,7 +157,7 @@ class KilnLM(TemplateLM):
                     done[row] = True
                     continue
                 tokens[row].append(value)
-                done[row] = bool(until) and any(stop in self.tok_decode(tokens[row]) for stop in until)
+                done[row] = bool(until) and any(stop in self.tok_decode(tokens[row][-tail:]) for stop in until)
             if all(done):
                 break
         steps.close()
