@@ -329,6 +329,15 @@ class TrainConfig:
     """AdamW beta2."""
     eps: float = 1e-8
     """AdamW epsilon."""
+    optimizer: Literal["adamw", "muon"] = "adamw"
+    """adamw, or muon: Muon (momentum orthogonalised by Newton-Schulz iterations) for the hidden
+    weight matrices, AdamW (train.lr, betas, eps) for embeddings, the output layer, norms and
+    biases; both with train.weight_decay, both following the schedule."""
+    muon_lr: float = 0.02
+    """Muon's peak learning rate (the schedule scales it as it scales train.lr), before the
+    per-matrix factor sqrt(max(1, rows / columns))."""
+    muon_momentum: float = 0.95
+    """Muon's momentum (Nesterov)."""
     grad_clip: float = 1.0
     """Clip gradients to this global L2 norm; 0 turns clipping off."""
     seed: int = 1337
@@ -369,6 +378,8 @@ class TrainConfig:
                 "train.max_steps: auto plans the steps that fit train.time_budget; set that too (e.g. 10m)",
             ),
             (micro == "auto" or micro >= 1, f"train.micro_batch_size: must be >= 1 or auto, got {micro}"),
+            (self.muon_lr > 0, f"train.muon_lr: must be > 0, got {self.muon_lr}"),
+            (0 <= self.muon_momentum < 1, f"train.muon_momentum: must be in [0, 1), got {self.muon_momentum}"),
             (batch >= 1, f"train.global_batch_size: must be >= 1, got {batch}"),
             (
                 whole,

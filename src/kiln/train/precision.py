@@ -103,7 +103,7 @@ class Precision:
         leaves parameters and optimizer state (step count included) untouched when it is set:
         no host sync. Other optimizers make the host read the flag first."""
         if not self.scaler.is_enabled():  # fp16's scaler has its own inf check and skip
-            if not optimizer.defaults.get("fused"):
+            if not (optimizer.defaults.get("fused") or getattr(optimizer, "skips_on_device", False)):
                 if finite.item():
                     optimizer.step()
                 return
