@@ -68,10 +68,16 @@ def test_a_skipped_step_changes_nothing():
     assert all(torch.equal(state[id(p)][k], v) for p, s in opt.state.items() for k, v in s.items())
 
 
-@pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
-def test_muon_on_two_ranks_trains_as_one_process(tmp_path, corpus_dir, one_process, strategy):
+@pytest.mark.parametrize(
+    "layout",
+    [{"parallel__strategy": "ddp"}, {"parallel__strategy": "fsdp"}, {"parallel__tp": 2}],
+    ids=["ddp", "fsdp", "tp"],
+)
+def test_muon_on_two_ranks_trains_as_one_process(tmp_path, corpus_dir, one_process, layout):
+    """DDP replicas, FSDP shards and tensor-parallel halves (each update matrix gathered whole)."""
     run_dir = tmp_path / "run"
-    train_on(2, muon_sets(run_dir, corpus_dir, micro=2, parallel__strategy=strategy))
+    micro = 4 if "parallel__tp" in layout else 2  # tensor-parallel ranks read the same batch
+    train_on(2, muon_sets(run_dir, corpus_dir, micro=micro, **layout))
     assert_same_training(run_dir, one_process)
 
 
