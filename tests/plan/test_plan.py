@@ -154,6 +154,8 @@ def _stepped(items: list[str]):
         ("fp32", []),
         ("bf16", []),
         ("bf16", ["model.tie_embeddings=false", "model.n_kv_head=2"]),  # untied output layer, grouped-query attention
+        ("fp32", ["train.optimizer=muon"]),  # one momentum buffer for each hidden matrix
+        ("fp32", ["train.optimizer=muon", "model.tie_embeddings=false"]),
     ],
 )
 def test_model_state_bytes_are_exact(precision, model):

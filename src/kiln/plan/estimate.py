@@ -309,6 +309,7 @@ class Setup:
     pp_virtual_stages: int = 1
     ep: int = 1  # data-parallel ranks that split a mixture of experts' experts
     cp: int = 1  # data-parallel ranks that split each sequence
+    optimizer: str = "adamw"  # or "muon": one momentum buffer for the hidden matrices
 
     @property
     def dp(self) -> int:
@@ -530,10 +531,11 @@ def _gathered_bytes(params: tuple[Param, ...], s: Setup) -> int:
 
 
 def model_state(shape: ModelShape, s: Setup, stage: Stage | None = None) -> dict[str, int]:
-    """Bytes of parameters, gradients and AdamW state on each device of ``stage`` (the whole
+    """Bytes of parameters, gradients and optimizer state on each device of ``stage`` (the whole
     model by default; on the host with CPU offload): the fp32 parameters that train, their fp32
     gradients, AdamW's exp_avg and exp_avg_sq like each of them and one fp32 step count per
-    parameter tensor; and a LoRA run's frozen base (``frozen_parameters``), which has neither."""
+    parameter tensor (with train.optimizer=muon, one momentum buffer for each hidden matrix
+    instead); and a LoRA run's frozen base (``frozen_parameters``), which has neither."""
     if stage is None:  # the whole model: each kind of block as many times as it is there
         small = shape.small_blocks
         counted = [(p, 1) for p in shape.root] + [(p, shape.n_layer - small) for p in shape.block]
@@ -543,12 +545,22 @@ def model_state(shape: ModelShape, s: Setup, stage: Stage | None = None) -> dict
     numel = sum(n * _local_numel(p, s) for p, n in counted if p.kind == "trained")
     tensors = sum(n for p, n in counted if p.kind == "trained")
     frozen = sum(n * int(_stored_bytes(p, s) * _local_numel(p, s)) for p, n in counted if p.kind != "trained")
+    # Muon keeps one fp32 momentum buffer for each hidden matrix (2-D, no vocabulary-sized side:
+    # kiln.train.optim.muon_groups) and no step count; AdamW's two moments for the rest.
+    vocab = getattr(shape.args, "vocab_size", None)
+    muon = [(p, n) for p, n in counted if s.optimizer == "muon" and p.kind == "trained" and _hidden(p, vocab)]
+    hidden, hidden_tensors = sum(n * _local_numel(p, s) for p, n in muon), sum(n for _, n in muon)
     return {
         "parameters": 4 * numel,
         "frozen_parameters": frozen,
         "gradients": 4 * numel,
-        "optimizer_state": 8 * numel + 4 * tensors,
+        "optimizer_state": 8 * (numel - hidden) + 4 * hidden + 4 * (tensors - hidden_tensors),
     }
+
+
+def _hidden(p: Param, vocab: int | None) -> bool:
+    """A matrix Muon updates (see ``model_state``): 2-D, neither side the vocabulary."""
+    return len(p.shape) == 2 and vocab not in p.shape
 
 
 def _casts_weights(s: Setup) -> bool:

@@ -269,6 +269,7 @@ def _base_setup(cfg: Config, world_size: int, world_flag: str) -> Setup:
         p.pp_virtual_stages,
         ep=p.ep,
         cp=p.cp,
+        optimizer=t.optimizer,
     )
 
 
