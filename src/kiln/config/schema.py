@@ -90,6 +90,9 @@ class ModelConfig:
     """Share input embedding and output projection: true, false or preset."""
     rope_theta: float = 0.0
     """RoPE base frequency; 0 keeps the preset's."""
+    qk_norm: str = "preset"
+    """RMSNorm over each head's queries and keys before the rotary embedding (QK-norm, as Qwen3
+    and the GPT-2 speedruns use): true, false or preset. A dense model with it exports as Qwen3."""
     n_experts: int = 0
     """Mixture of experts: routed experts per MoE layer; 0 keeps the preset's (none for the dense
     presets: every layer has one MLP). tiny-moe is the small MoE preset."""
@@ -845,6 +848,11 @@ class Config:
                 not self.eval.tasks or (pp == 1 and cp == 1 and self.parallel.tp == 1),
                 "eval.tasks: tasks are scored in the loop where every rank holds the whole model or an FSDP shard "
                 "of it (parallel.tp, pp and cp of 1); score this run's checkpoints with kiln eval RUN --tasks",
+            ),
+            (
+                not (self.model.qk_norm == "true" and self.parallel.tp > 1),
+                "model.qk_norm: the per-head query and key norms are not laid out over tensor-parallel ranks yet "
+                "(their gradients would stay partial); set parallel.tp=1",
             ),
             (
                 not (self.lora.rank and self.parallel.tp > 1),

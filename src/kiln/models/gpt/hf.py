@@ -1,6 +1,6 @@
 """kiln's GPT under Hugging Face names.
 
-A dense GPT is a Llama (``LlamaForCausalLM``) weight for weight. Both rotate the pairs
+A dense GPT is a Llama (``LlamaForCausalLM``) weight for weight (a Qwen3 with model.qk_norm). Both rotate the pairs
 (x[i], x[i + head_dim / 2]) of each head ("rotate half") with the same frequencies, so no q/k
 permutation is needed; grouped-query heads are shared the same way (each key/value head serves
 consecutive query heads); a tied output layer is not stored twice, the config's
@@ -37,6 +37,8 @@ BLOCK_NAMES = {
     "mlp.w1": "mlp.gate_proj",
     "mlp.w3": "mlp.up_proj",
     "mlp.w2": "mlp.down_proj",
+    "attn.q_norm": "self_attn.q_norm",  # with model.qk_norm (Qwen3)
+    "attn.k_norm": "self_attn.k_norm",
 }
 ROOT_NAMES = {"tok_emb": "model.embed_tokens", "norm": "model.norm", "lm_head": "lm_head"}
 # The Hugging Face names of the query and key projections.
@@ -57,6 +59,13 @@ def _rename(name: str, block: Mapping[str, str], root: Mapping[str, str], blocks
 def hf_adapter(cfg: GPTConfig) -> LlamaAdapter:
     """The names and config of the ``transformers`` architecture that computes ``cfg``'s model;
     ExportError, naming the setting, where none does."""
+    if cfg.qk_norm:
+        if cfg.n_experts:
+            raise ExportError(
+                "model.qk_norm with a mixture of experts: the transformers architectures kiln exports a mixture "
+                "of experts as (GLM-4.5, Mixtral, ERNIE 4.5) normalise no queries and keys"
+            )
+        return Qwen3Adapter(cfg)
     if not cfg.n_experts:
         return LlamaAdapter(cfg)
     if cfg.expert_capacity:
@@ -133,6 +142,20 @@ class LlamaAdapter(StateDictAdapter):
             "initializer_range": cfg.init_std,
             "tie_word_embeddings": cfg.tie_embeddings,
             "torch_dtype": "float32",
+        }
+
+
+class Qwen3Adapter(LlamaAdapter):
+    """A dense GPT with model.qk_norm is a Qwen3 (``Qwen3ForCausalLM``): Llama's layers with an
+    RMSNorm over each head's queries and keys before the rotary embedding, as kiln's."""
+
+    def hf_config(self) -> dict[str, Any]:
+        return {
+            **super().hf_config(),
+            "architectures": ["Qwen3ForCausalLM"],
+            "model_type": "qwen3",
+            "use_sliding_window": False,
+            "max_window_layers": self.cfg.n_layer,
         }
 
 

@@ -35,6 +35,7 @@ class GPTConfig:
     tie_embeddings: bool
     rope_theta: float = 10000.0
     norm_eps: float = 1e-5
+    qk_norm: bool = False  # RMSNorm over each head's queries and keys (Qwen3's q_norm, k_norm)
     init_std: float = 0.02
     # Mixture of experts (moe.py); n_experts 0: every block dense.
     n_experts: int = 0
@@ -97,12 +98,18 @@ class Attention(nn.Module):
         self.wk = nn.Linear(cfg.d_model, cfg.n_kv_head * cfg.head_dim, bias=False)
         self.wv = nn.Linear(cfg.d_model, cfg.n_kv_head * cfg.head_dim, bias=False)
         self.wo = nn.Linear(cfg.n_head * cfg.head_dim, cfg.d_model, bias=False)
+        if cfg.qk_norm:  # one gain per head dimension, shared by the heads
+            self.q_norm = nn.RMSNorm(cfg.head_dim, eps=cfg.norm_eps)
+            self.k_norm = nn.RMSNorm(cfg.head_dim, eps=cfg.norm_eps)
 
     def forward(self, x, rope_cos, rope_sin, cache=None, start_pos=0):
         B, T, _ = x.shape  # noqa: N806
         # Head counts are inferred (-1): under tensor parallelism a rank holds only some heads.
-        q = self.wq(x).view(B, T, -1, self.head_dim).transpose(1, 2)
-        k = self.wk(x).view(B, T, -1, self.head_dim).transpose(1, 2)
+        q = self.wq(x).view(B, T, -1, self.head_dim)
+        k = self.wk(x).view(B, T, -1, self.head_dim)
+        if hasattr(self, "q_norm"):
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = q.transpose(1, 2), k.transpose(1, 2)
         v = self.wv(x).view(B, T, -1, self.head_dim).transpose(1, 2)
         q, k = apply_rope(q, rope_cos, rope_sin), apply_rope(k, rope_cos, rope_sin)
 

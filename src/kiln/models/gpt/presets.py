@@ -55,6 +55,10 @@ def build_gpt_config(model_cfg: ModelConfig, vocab_size: int, max_seq_len: int) 
         dims["tie_embeddings"] = tie == "true"
     elif tie != "preset":
         errors.append(f"model.tie_embeddings: {tie!r} is not one of true, false, preset")
+    if model_cfg.qk_norm in ("true", "false"):
+        dims["qk_norm"] = model_cfg.qk_norm == "true"
+    elif model_cfg.qk_norm != "preset":
+        errors.append(f"model.qk_norm: {model_cfg.qk_norm!r} is not one of true, false, preset")
     dims["max_seq_len"] = max(dims["max_seq_len"], max_seq_len)
 
     d_model, n_head, n_kv_head = dims["d_model"], dims["n_head"], dims["n_kv_head"]
