@@ -42,6 +42,7 @@ def kiln_results(run: Path, tasks: Path, names: list[str]) -> dict:
     return results
 
 
+@pytest.mark.slow
 def test_kiln_scores_tasks_as_lm_eval_scores_the_hf_export(trained):
     run, export, tasks = trained
     from kiln.harness import task_manager
@@ -68,6 +69,7 @@ def test_kiln_scores_tasks_as_lm_eval_scores_the_hf_export(trained):
     assert [s["resps"] for s in ours["samples"]["kiln_gen"]] == [s["resps"] for s in theirs["samples"]["kiln_gen"]]
 
 
+@pytest.mark.slow
 def test_rolling_log_likelihood_is_kiln_eval_data(trained):
     """lm-eval's bits per byte of a perplexity task equals ``kiln eval --data`` on its file."""
     run, _, tasks = trained
@@ -85,6 +87,7 @@ def test_kiln_eval_tasks_writes_lm_eval_results(trained):
     assert "bits_per_byte,none" in json.loads((run / "eval" / "kiln_ppl.json").read_text())["results"]["kiln_ppl"]
 
 
+@pytest.mark.slow
 def test_bad_tasks_are_one_line_errors(trained, tmp_path):
     run, _, tasks = trained
     empty = tmp_path / "empty"

@@ -27,6 +27,7 @@ def final_weights(run_dir) -> dict[str, torch.Tensor]:
     return load_run(run_dir, device="cpu").model.state_dict()
 
 
+@pytest.mark.slow
 def test_task_scores_are_logged_and_change_nothing_of_the_run(tmp_path, corpus_dir):
     tasks = write_tasks(tmp_path / "tasks")
     scored, plain = tmp_path / "scored", tmp_path / "plain"
