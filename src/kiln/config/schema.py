@@ -90,6 +90,10 @@ class ModelConfig:
     """Share input embedding and output projection: true, false or preset."""
     rope_theta: float = 0.0
     """RoPE base frequency; 0 keeps the preset's."""
+    zero_init: str = "preset"
+    """Start the output layer and the projections back into the residual stream (attention's wo,
+    the MLP's w2) at zero, as the GPT-2 speedruns do: true, false or preset (off). Needs an
+    untied output layer (model.tie_embeddings=false)."""
     qk_norm: str = "preset"
     """RMSNorm over each head's queries and keys before the rotary embedding (QK-norm, as Qwen3
     and the GPT-2 speedruns use): true, false or preset. A dense model with it exports as Qwen3."""

@@ -36,6 +36,7 @@ class GPTConfig:
     rope_theta: float = 10000.0
     norm_eps: float = 1e-5
     qk_norm: bool = False  # RMSNorm over each head's queries and keys (Qwen3's q_norm, k_norm)
+    zero_init: bool = False  # the output layer and the residual projections start at zero
     init_std: float = 0.02
     # Mixture of experts (moe.py); n_experts 0: every block dense.
     n_experts: int = 0
@@ -237,7 +238,8 @@ class GPT(nn.Module):
         """The whole initial value of the parameter or buffer ``name``, drawn from ``generator``:
         normal(0, init_std) for linear and embedding weights, with the projections back into the
         residual stream scaled down (2 * n_layer branches add into it, so shrinking each keeps its
-        variance at init independent of depth), ones for the norms, the rotary tables computed."""
+        variance at init independent of depth; zero with ``zero_init``, as the output layer), ones
+        for the norms, the rotary tables computed."""
         cfg = self.config
         if name in ("rope_cos", "rope_sin"):
             return rope_tables(cfg.head_dim, cfg.max_seq_len, cfg.rope_theta)[name == "rope_sin"]
@@ -246,6 +248,8 @@ class GPT(nn.Module):
         if name.endswith(("expert_bias", "expert_load", "dropped", "entropy")):
             return torch.zeros(shape)
         residual = name.endswith(("attn.wo.weight", "mlp.w2.weight", "mlp.shared.w2.weight", "mlp.experts.w2"))
+        if cfg.zero_init and (residual or name == "lm_head.weight"):
+            return torch.zeros(shape)
         std = cfg.init_std / math.sqrt(2 * cfg.n_layer) if residual else cfg.init_std
         return torch.empty(shape).normal_(0.0, std, generator=generator)
 

@@ -55,10 +55,17 @@ def build_gpt_config(model_cfg: ModelConfig, vocab_size: int, max_seq_len: int) 
         dims["tie_embeddings"] = tie == "true"
     elif tie != "preset":
         errors.append(f"model.tie_embeddings: {tie!r} is not one of true, false, preset")
-    if model_cfg.qk_norm in ("true", "false"):
-        dims["qk_norm"] = model_cfg.qk_norm == "true"
-    elif model_cfg.qk_norm != "preset":
-        errors.append(f"model.qk_norm: {model_cfg.qk_norm!r} is not one of true, false, preset")
+    for key in ("qk_norm", "zero_init"):
+        value = getattr(model_cfg, key)
+        if value in ("true", "false"):
+            dims[key] = value == "true"
+        elif value != "preset":
+            errors.append(f"model.{key}: {value!r} is not one of true, false, preset")
+    if dims.get("zero_init") and dims["tie_embeddings"]:
+        errors.append(
+            "model.zero_init: a tied output layer is the embedding table, which cannot start at zero; "
+            "set model.tie_embeddings=false"
+        )
     dims["max_seq_len"] = max(dims["max_seq_len"], max_seq_len)
 
     d_model, n_head, n_kv_head = dims["d_model"], dims["n_head"], dims["n_kv_head"]
