@@ -68,3 +68,47 @@ def test_gpt_with_targets_returns_the_loss_of_its_logits_with_tied_gradients():
     torch.testing.assert_close(fused, plain)
     for a, b in zip(got, want, strict=True):
         torch.testing.assert_close(a, b)
+
+
+@pytest.mark.parametrize("chunk_size", [64, 1000])
+def test_soft_capped_loss_and_gradients_equal_plain_cross_entropy_of_capped_logits(chunk_size):
+    hidden, weight, targets = _inputs()
+    cap = 2.5  # below the logits' spread here, so the cap bends them
+    logits = hidden @ weight.t()
+    assert logits.abs().max() > 2 * cap
+    expected = F.cross_entropy(cap * torch.tanh(logits / cap), targets)
+    want = torch.autograd.grad(expected * 3.0, (hidden, weight))
+    loss = linear_cross_entropy(hidden, weight, targets, chunk_size, softcap=cap)
+    got = torch.autograd.grad(loss * 3.0, (hidden, weight))
+    torch.testing.assert_close(loss, expected)
+    for a, b in zip(got, want, strict=True):
+        torch.testing.assert_close(a, b)
+    with torch.no_grad():
+        torch.testing.assert_close(linear_cross_entropy(hidden, weight, targets, chunk_size, softcap=cap), expected)
+
+
+def test_a_soft_capped_gpt_caps_its_logits_and_refuses_hugging_face_export():
+    from kiln.models.family import ExportError
+    from kiln.models.gpt.hf import hf_adapter
+
+    cfg = GPTConfig(
+        vocab_size=97,
+        n_layer=1,
+        d_model=32,
+        n_head=4,
+        n_kv_head=2,
+        d_ff=64,
+        max_seq_len=16,
+        tie_embeddings=False,
+        logit_softcap=0.5,
+    )
+    model = GPT(cfg)
+    model.init_weights()
+    with torch.no_grad():
+        model.lm_head.weight.mul_(100)  # logits far past the cap
+        x = torch.randint(0, 97, (2, 16))
+        logits = model(x)
+        assert logits.abs().max() <= 0.5 and logits.abs().max() > 0.45
+        torch.testing.assert_close(model(x, x), F.cross_entropy(logits.flatten(0, 1), x.flatten()))
+    with pytest.raises(ExportError, match="model.logit_softcap=0.5"):
+        hf_adapter(cfg)

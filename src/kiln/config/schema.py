@@ -94,6 +94,9 @@ class ModelConfig:
     """Start the output layer and the projections back into the residual stream (attention's wo,
     the MLP's w2) at zero, as the GPT-2 speedruns do: true, false or preset (off). Needs an
     untied output layer (model.tie_embeddings=false)."""
+    logit_softcap: float = 0.0
+    """Soft-cap the output logits to logit_softcap * tanh(logits / logit_softcap) (Gemma 2, the
+    GPT-2 speedruns use 15-30); 0 is off. Not exportable to Hugging Face (Llama and Qwen3 do not cap)."""
     qk_norm: str = "preset"
     """RMSNorm over each head's queries and keys before the rotary embedding (QK-norm, as Qwen3
     and the GPT-2 speedruns use): true, false or preset. A dense model with it exports as Qwen3."""

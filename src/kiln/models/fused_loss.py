@@ -15,9 +15,15 @@ import torch
 IGNORE_INDEX = -100
 
 
-def _chunk_loss_and_grad(h, weight, targets, keep, want_grad):
-    """Summed loss of one chunk, and the gradient of that sum with respect to its logits (or None)."""
+def _chunk_loss_and_grad(h, weight, targets, keep, want_grad, softcap=0.0):
+    """Summed loss of one chunk, and the gradient of that sum with respect to its logits (or None).
+    With ``softcap`` the logits are ``softcap * tanh(logits / softcap)``, and the gradient is
+    taken through that too."""
     logits = (h @ weight.t()).to(torch.promote_types(weight.dtype, torch.float32))
+    squashed = None
+    if softcap:
+        squashed = torch.tanh(logits / softcap)
+        logits = squashed * softcap
     safe = targets.clamp(min=0)
     picked = logits.gather(1, safe[:, None]).squeeze(1)
     # One exp pass serves both the log-sum-exp and the softmax, in place in the logits' buffer.
@@ -30,12 +36,14 @@ def _chunk_loss_and_grad(h, weight, targets, keep, want_grad):
         return loss, None
     grad = probs.mul_(keep[:, None] / sums)
     grad.scatter_add_(1, safe[:, None], -keep[:, None])
+    if squashed is not None:
+        grad.mul_(1 - squashed * squashed)
     return loss, grad
 
 
 class _LinearCrossEntropy(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, hidden, weight, targets, chunk_size):
+    def forward(ctx, hidden, weight, targets, chunk_size, softcap):
         acc = torch.promote_types(weight.dtype, torch.float32)
         keep_all = (targets != IGNORE_INDEX).to(acc)
         count = keep_all.sum()
@@ -47,7 +55,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
         for start in range(0, hidden.size(0), chunk_size):
             end = start + chunk_size
             h = hidden[start:end].to(weight.dtype)
-            loss, grad = _chunk_loss_and_grad(h, weight, targets[start:end], keep_all[start:end], True)
+            loss, grad = _chunk_loss_and_grad(h, weight, targets[start:end], keep_all[start:end], True, softcap)
             total += loss
             grad = grad.to(weight.dtype)
             grad_h[start:end] = grad @ weight
@@ -64,7 +72,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
         grad_h, grad_w, count = ctx.saved_tensors
         scale = grad_out / count.clamp(min=1)
         h_dtype, w_dtype = ctx.dtypes
-        return (grad_h * scale).to(h_dtype), (grad_w * scale).to(w_dtype), None, None
+        return (grad_h * scale).to(h_dtype), (grad_w * scale).to(w_dtype), None, None, None
 
 
 def default_chunk_size(vocab_size: int) -> int:
@@ -74,18 +82,23 @@ def default_chunk_size(vocab_size: int) -> int:
 
 
 def linear_cross_entropy(
-    hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, chunk_size: int | None = None
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    targets: torch.Tensor,
+    chunk_size: int | None = None,
+    softcap: float = 0.0,
 ) -> torch.Tensor:
-    """Mean cross-entropy of ``hidden [N, D] @ weight[V, D].T`` against ``targets [N]``, computed
-    in fp32 chunk by chunk; targets equal to -100 are left out of the mean."""
+    """Mean cross-entropy of ``hidden [N, D] @ weight[V, D].T`` (soft-capped to
+    ``softcap * tanh(logits / softcap)`` if ``softcap``) against ``targets [N]``, computed in fp32
+    chunk by chunk; targets equal to -100 are left out of the mean."""
     chunk_size = chunk_size or default_chunk_size(weight.size(0))
     if torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad):
-        return _LinearCrossEntropy.apply(hidden, weight, targets, chunk_size)
+        return _LinearCrossEntropy.apply(hidden, weight, targets, chunk_size, softcap)
     keep = (targets != IGNORE_INDEX).to(torch.promote_types(weight.dtype, torch.float32))
     hidden = hidden.to(weight.dtype)
     total = sum(
         _chunk_loss_and_grad(
-            hidden[s : s + chunk_size], weight, targets[s : s + chunk_size], keep[s : s + chunk_size], False
+            hidden[s : s + chunk_size], weight, targets[s : s + chunk_size], keep[s : s + chunk_size], False, softcap
         )[0]
         for s in range(0, hidden.size(0), chunk_size)
     )

@@ -59,6 +59,11 @@ def _rename(name: str, block: Mapping[str, str], root: Mapping[str, str], blocks
 def hf_adapter(cfg: GPTConfig) -> LlamaAdapter:
     """The names and config of the ``transformers`` architecture that computes ``cfg``'s model;
     ExportError, naming the setting, where none does."""
+    if cfg.logit_softcap:
+        raise ExportError(
+            f"model.logit_softcap={cfg.logit_softcap}: the transformers architectures kiln's GPT exports as "
+            "(Llama, Qwen3 and the mixtures of experts) do not soft-cap their logits"
+        )
     if cfg.qk_norm:
         if cfg.n_experts:
             raise ExportError(

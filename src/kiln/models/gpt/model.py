@@ -37,6 +37,7 @@ class GPTConfig:
     norm_eps: float = 1e-5
     qk_norm: bool = False  # RMSNorm over each head's queries and keys (Qwen3's q_norm, k_norm)
     zero_init: bool = False  # the output layer and the residual projections start at zero
+    logit_softcap: float = 0.0  # logits -> cap * tanh(logits / cap); 0: off
     init_std: float = 0.02
     # Mixture of experts (moe.py); n_experts 0: every block dense.
     n_experts: int = 0
@@ -304,7 +305,9 @@ class GPT(nn.Module):
         if self.norm is None:
             return x
         x = self.norm(x)
+        cap = self.config.logit_softcap
         if targets is None:
-            return self.lm_head(x)
-        loss = linear_cross_entropy(x.flatten(0, 1), self.lm_head.weight, targets.flatten())
+            logits = self.lm_head(x)
+            return cap * torch.tanh(logits / cap) if cap else logits
+        loss = linear_cross_entropy(x.flatten(0, 1), self.lm_head.weight, targets.flatten(), softcap=cap)
         return loss + sum(losses) if losses else loss

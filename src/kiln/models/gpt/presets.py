@@ -55,6 +55,10 @@ def build_gpt_config(model_cfg: ModelConfig, vocab_size: int, max_seq_len: int) 
         dims["tie_embeddings"] = tie == "true"
     elif tie != "preset":
         errors.append(f"model.tie_embeddings: {tie!r} is not one of true, false, preset")
+    if model_cfg.logit_softcap < 0:
+        errors.append(f"model.logit_softcap: must be >= 0 (0 is off), got {model_cfg.logit_softcap}")
+    elif model_cfg.logit_softcap:
+        dims["logit_softcap"] = model_cfg.logit_softcap
     for key in ("qk_norm", "zero_init"):
         value = getattr(model_cfg, key)
         if value in ("true", "false"):
