@@ -309,9 +309,9 @@ def _prepare(job: _Job, corpus: Corpus, tok: Tokenizer) -> PreparedData:
     final.parent.mkdir(parents=True, exist_ok=True)
     nonce = team.share(secrets.token_hex(6) if team.rank == 0 else "", 0)
     tmp = final.parent / f".tmp-{key[:8]}-{nonce}"
-    site = _site(job, tmp)
+    site, sites = _site(job, tmp)
     try:
-        manifest = _build(job, corpus, tok, tok_hash, tmp, site)
+        manifest = _build(job, corpus, tok, tok_hash, tmp, site, sites)
 
         def publish() -> None:
             if team.rank != site[0]:
@@ -340,16 +340,17 @@ def _prepare(job: _Job, corpus: Corpus, tok: Tokenizer) -> PreparedData:
     return dataclasses.replace(open_prepared(final), tokenized=True)
 
 
-def _site(job: _Job, tmp: Path) -> list[int]:
+def _site(job: _Job, tmp: Path) -> tuple[list[int], int]:
     """The ranks that see ``tmp`` (this rank's view of the shared temporary directory) as this
-    rank does: each leaves a mark there, then each says whose marks it sees."""
+    rank does, and how many such sites there are: each rank leaves a mark there, then each says
+    whose marks it sees."""
     team = job.team
     tmp.mkdir(parents=True, exist_ok=True)
     mark = tmp / f"rank-{team.rank:05d}.here"
     job.here(mark.touch, "marking the cache")
     sites = team.each(lambda: sorted(int(p.name[5:10]) for p in tmp.glob("rank-*.here")), "finding the cache")
     job.here(mark.unlink, "marking the cache")
-    return sites[team.rank]
+    return sites[team.rank], len({tuple(site) for site in sites})
 
 
 def describe_split(manifest: dict) -> str:
@@ -374,7 +375,7 @@ def _size_problem(prepared: PreparedData) -> str | None:
     return None
 
 
-def _build(job: _Job, corpus: Corpus, tok: Tokenizer, tok_hash: str, out: Path, site: list[int]) -> dict:
+def _build(job: _Job, corpus: Corpus, tok: Tokenizer, tok_hash: str, out: Path, site: list[int], sites: int) -> dict:
     cfg, team = job.cfg, job.team
     vocab_size = tok.get_vocab_size()
     # Token ids run from 0 to vocab_size - 1.
@@ -382,7 +383,6 @@ def _build(job: _Job, corpus: Corpus, tok: Tokenizer, tok_hash: str, out: Path, 
     eot = eot_id(tok)
     # The cores of a host are shared by the ranks on it.
     workers = cfg.prepare_workers or max(1, (os.cpu_count() or 1) // job.hosts.count(job.hosts[team.rank]))
-    sites = sorted({tuple(s) for s in team.each(lambda: site, "finding the cache")})
     on = f" on each of {team.size} ranks" if team.size > 1 else ""
     splits = {}
     for split in SPLITS:
@@ -399,7 +399,7 @@ def _build(job: _Job, corpus: Corpus, tok: Tokenizer, tok_hash: str, out: Path, 
         documents, nbytes, tokens = (sum(c[k] for c in counts) for k in range(3))
         seconds = time.monotonic() - started
         parts = [c[2] for c in counts]
-        if len(sites) > 1:
+        if sites > 1:
             _exchange(job, out, split, parts, dtype, site)
         shards = _assemble(job, out, split, parts, dtype, site)
         job.report.line(
