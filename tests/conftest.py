@@ -82,13 +82,15 @@ def token_sequences(tmp_path, n=20000, vocab=97, seed=0):
     return TokenSequences(np.memmap(path, dtype=np.uint16, mode="r"), 16)
 
 
+def tiny_gpt_config(**extra) -> GPTConfig:
+    """The dimensions of ``tiny_gpt``, with ``extra`` fields set."""
+    dims = dict(vocab_size=97, n_layer=2, d_model=32, n_head=4, n_kv_head=2, d_ff=64, max_seq_len=16)
+    return GPTConfig(**{**dims, "tie_embeddings": True, **extra})
+
+
 def tiny_gpt(seed=0):
     torch.manual_seed(seed)
-    return GPT(
-        GPTConfig(
-            vocab_size=97, n_layer=2, d_model=32, n_head=4, n_kv_head=2, d_ff=64, max_seq_len=16, tie_embeddings=True
-        )
-    )
+    return GPT(tiny_gpt_config())
 
 
 def train_tiny_gpt(run_dir, data, micro, global_, steps=4, **extra):

@@ -7,6 +7,8 @@ import torch.nn.functional as F
 from kiln.models import GPT, GPTConfig
 from kiln.models.fused_loss import linear_cross_entropy
 
+from conftest import tiny_gpt_config
+
 
 def _inputs(n=300, d=16, v=50, seed=0):
     g = torch.Generator().manual_seed(seed)
@@ -91,17 +93,7 @@ def test_a_soft_capped_gpt_caps_its_logits_and_refuses_hugging_face_export():
     from kiln.models.family import ExportError
     from kiln.models.gpt.hf import hf_adapter
 
-    cfg = GPTConfig(
-        vocab_size=97,
-        n_layer=1,
-        d_model=32,
-        n_head=4,
-        n_kv_head=2,
-        d_ff=64,
-        max_seq_len=16,
-        tie_embeddings=False,
-        logit_softcap=0.5,
-    )
+    cfg = tiny_gpt_config(n_layer=1, tie_embeddings=False, logit_softcap=0.5)
     model = GPT(cfg)
     model.init_weights()
     with torch.no_grad():

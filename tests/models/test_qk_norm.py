@@ -14,7 +14,7 @@ from kiln.models import GPT, GPTConfig
 from kiln.models.family import ExportError
 from kiln.models.gpt.hf import hf_adapter
 
-from conftest import tiny_overrides
+from conftest import tiny_gpt_config, tiny_overrides
 from kilnrun import in_process, sets
 from layouts import assert_same_training, layout_sets, train_on
 
@@ -22,17 +22,7 @@ transformers = pytest.importorskip("transformers")
 
 
 def test_the_norms_are_there_and_start_at_one():
-    cfg = GPTConfig(
-        vocab_size=97,
-        n_layer=2,
-        d_model=32,
-        n_head=4,
-        n_kv_head=2,
-        d_ff=64,
-        max_seq_len=16,
-        tie_embeddings=True,
-        qk_norm=True,
-    )
+    cfg = tiny_gpt_config(qk_norm=True)
     model = GPT(cfg)
     model.init_weights()
     norms = {n: p for n, p in model.named_parameters() if n.endswith(("q_norm.weight", "k_norm.weight"))}
@@ -69,19 +59,6 @@ def test_qk_norm_with_tensor_parallelism_is_refused(tmp_path, corpus_dir):
 
 
 def test_a_mixture_of_experts_with_qk_norm_is_refused_at_export():
-    cfg = GPTConfig(
-        vocab_size=97,
-        n_layer=2,
-        d_model=32,
-        n_head=4,
-        n_kv_head=2,
-        d_ff=64,
-        max_seq_len=16,
-        tie_embeddings=True,
-        qk_norm=True,
-        n_experts=4,
-        experts_per_token=2,
-        d_expert=32,
-    )
+    cfg = tiny_gpt_config(qk_norm=True, n_experts=4, experts_per_token=2, d_expert=32)
     with pytest.raises(ExportError, match="model.qk_norm with a mixture of experts"):
         hf_adapter(cfg)
