@@ -27,7 +27,7 @@ from lm_eval.models.utils import handle_stop_sequences, normalize_gen_kwargs, po
 from lm_eval.utils import get_rolling_token_windows, make_disjoint_window
 from torch import nn
 
-from kiln.data.tokenizer import eot_id
+from kiln.data.tokenizer import Codec
 
 
 class KilnLM(TemplateLM):
@@ -42,10 +42,12 @@ class KilnLM(TemplateLM):
     ):
         super().__init__()
         self.model, self.family, self.tokenizer = model, family, tokenizer
-        self.hf = hasattr(tokenizer, "eos_token_id")  # a transformers tokenizer, else kiln's own
-        self._eot = tokenizer.eos_token_id if self.hf else eot_id(tokenizer)
+        # A transformers tokenizer or kiln's own, told apart and decoded as kiln generate does.
+        self.codec = Codec(tokenizer)
+        self.hf, self._eot = self.codec.hf, self.codec.eos_id
         self.max_length, self.batch_size, self.max_gen_toks = max_length, batch_size, max_gen_toks
         self._device = next(model.parameters()).device
+        self._prefix_text = tokenizer.decode([self.prefix_token_id]) if self.hf else ""
 
     @property
     def eot_token_id(self) -> int:
@@ -62,14 +64,12 @@ class KilnLM(TemplateLM):
         if self.hf:
             # As lm-eval's hf model: the tokenizer's own special tokens (a Llama's BOS), unless
             # the text already starts with the prefix token.
-            starts = string.startswith(self.tokenizer.decode([self.prefix_token_id]))
+            starts = string.startswith(self._prefix_text)
             return self.tokenizer.encode(string, add_special_tokens=not starts)
         return self.tokenizer.encode(string, add_special_tokens=False).ids
 
     def tok_decode(self, tokens: list[int]) -> str:
-        if self.hf:
-            return self.tokenizer.decode(tokens, skip_special_tokens=True)
-        return self.tokenizer.decode(tokens)
+        return self.codec.decode(tokens)
 
     def _loglikelihood_tokens(self, requests, disable_tqdm: bool = False, **kwargs: Any) -> list[tuple[float, bool]]:
         """(sum of the continuation's log-probabilities, whether each of its tokens is the
