@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import shutil
 import statistics
 import tempfile
 import time
@@ -115,11 +116,14 @@ def kiln_run(cfg, data: TokenSequences, after: int) -> dict:
     # The loop resets the device's peak at each log: the run's peak is the largest interval's.
     records = [json.loads(line) for line in (Path(cfg.run.dir) / "metrics.jsonl").read_text().splitlines()]
     peaks = [r["memory/peak_allocated_gib"] for r in records if "memory/peak_allocated_gib" in r]
+    # The last tenth of the run's logged losses: one interval's loss is a few batches' noise.
+    logged = [r["loss"] for r in records if "loss" in r and r.get("step", 0) > 0.9 * cfg.train.max_steps]
     return {
         "tokens_per_s": rate,
         "mfu_datasheet": rate * flops / peak if peak else None,
         "flops_per_token": flops,
         "loss": result.metrics["loss"],
+        "loss_last_tenth": statistics.fmean(logged) if logged else None,
         "peak_allocated_gib": max(peaks, default=None),
         "plan_allocated_gib": plan.memory.allocated / 2**30,
     }
@@ -235,9 +239,11 @@ def main() -> None:
                     **over,
                 )
                 out = kiln_run(cfg, text, after)
+                shutil.copy(Path(cfg.run.dir) / "metrics.jsonl", args.out / f"loss-{precision}.metrics.jsonl")
                 record(
                     f"loss {args.large} {precision}, {args.loss_steps} steps",
                     loss=out["loss"],
+                    loss_last_tenth=out["loss_last_tenth"],
                     tokens_per_s=out["tokens_per_s"],
                 )
     print("\n| stage | tokens/s | MFU (datasheet) | peak GiB | plan GiB | loss |")

@@ -14,19 +14,19 @@ pytestmark = pytest.mark.gpu
 
 
 def _data(tmp_path, vocab=256, n=100_000):
+    tmp_path.mkdir(parents=True, exist_ok=True)
     path = tmp_path / "tokens.bin"
     base = np.tile(np.arange(vocab, dtype=np.uint16), n // vocab + 1)[:n]
     base.tofile(path)
     return TokenSequences(np.memmap(path, dtype=np.uint16, mode="r"), 64)
 
 
-def _fit(tmp_path, precision, **extra):
+TINY = dict(vocab_size=256, n_layer=2, d_model=128, n_head=4, n_kv_head=2, d_ff=256, max_seq_len=64)
+
+
+def _fit(tmp_path, precision, shape=None, **extra):
     torch.manual_seed(0)
-    model = GPT(
-        GPTConfig(
-            vocab_size=256, n_layer=2, d_model=128, n_head=4, n_kv_head=2, d_ff=256, max_seq_len=64, tie_embeddings=True
-        )
-    )
+    model = GPT(GPTConfig(**{**TINY, "tie_embeddings": True, **(shape or {})}))
     sets = [
         f"run.dir={tmp_path / precision}",
         "run.device=cuda",
@@ -167,3 +167,118 @@ def test_auto_micro_batch_probes_the_card(tmp_path):
     assert result.step == 2 and 1 <= trainer.micro_batch_size < 65536
     total = torch.cuda.get_device_properties(0).total_memory
     assert result.metrics["memory/peak_reserved_gib"] * 2**30 <= total
+
+
+def _relative(got: torch.Tensor, want: torch.Tensor) -> float:
+    return ((got.float() - want.float()).norm() / want.float().norm()).item()
+
+
+def test_muon_trains_on_cuda_with_newton_schulz_in_bf16(tmp_path):
+    from kiln.train.optim import orthogonalize
+
+    g = torch.randn(256, 96, device="cuda")
+    s = torch.linalg.svdvals(orthogonalize(g).float())
+    assert s.min() > 0.5 and s.max() < 1.5
+    _, result = _fit(tmp_path, "bf16", **{"train.optimizer": "muon", "train.compile": "true"})
+    assert result.metrics["loss"] < 3.0
+
+
+hopper = pytest.mark.skipif(
+    not torch.cuda.is_available() or torch.cuda.get_device_capability() < (9, 0), reason="grouped GEMM needs sm_90"
+)
+
+
+@hopper
+def test_grouped_mm_on_hopper_equals_a_loop_over_the_experts():
+    from kiln.models.gpt.moe import _native_grouped_mm, grouped_mm
+
+    x = torch.randn(1000, 64, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    w = torch.randn(4, 96, 64, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    ends = torch.tensor([100, 100, 700, 1000], device="cuda", dtype=torch.int32)  # expert 1 gets no rows
+    assert _native_grouped_mm(x)
+    native = grouped_mm(x, w, ends)
+    native.float().square().sum().backward()
+    grads = x.grad, w.grad
+    x.grad = w.grad = None
+    loop = grouped_mm(x, w, ends, native=False)
+    loop.float().square().sum().backward()
+    assert _relative(native, loop) < 1e-2
+    assert _relative(grads[0], x.grad) < 1e-2 and _relative(grads[1], w.grad) < 1e-2
+
+
+@hopper
+def test_a_mixture_of_experts_trains_compiled_on_cuda(tmp_path):
+    moe = {"n_experts": 4, "experts_per_token": 2, "d_expert": 128}
+    _, result = _fit(tmp_path, "bf16", shape=moe, **{"train.compile": "true"})
+    assert result.metrics["loss"] < 3.0
+
+
+def test_context_parallel_attention_runs_the_flash_kernel_lower_right(tmp_path):
+    """A context-parallel group of one on one GPU: each chunk's queries attend to the keys up to
+    its end through SDPA's lower-right causal mask, which must reach the flash kernel (it is the
+    only kernel allowed here) and equal the whole model's plain causal attention."""
+    import copy
+
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    from kiln.distributed.context import apply_cp
+
+    # An earlier test's trainer may have left the process's one-rank group (kiln keeps it).
+    own = not dist.is_initialized()
+    if own:
+        dist.init_process_group("nccl", init_method=f"file://{tmp_path / 'init'}", rank=0, world_size=1)
+    try:
+        torch.manual_seed(0)
+        whole = GPT(GPTConfig(**{**TINY, "max_seq_len": 256}, tie_embeddings=True)).cuda()
+        split = copy.deepcopy(whole)
+        apply_cp(split, [b.attn for b in split.blocks], init_device_mesh("cuda", (1,), mesh_dim_names=("cp",))["cp"])
+        idx = torch.randint(0, 256, (2, 256), device="cuda")
+        with sdpa_kernel(SDPBackend.FLASH_ATTENTION), torch.autocast("cuda", dtype=torch.bfloat16):
+            want, got = whole(idx, idx), split(idx, idx)
+            want.backward()
+            got.backward()
+        assert abs(got.item() - want.item()) / want.item() < 1e-3
+        for p, q in zip(split.parameters(), whole.parameters(), strict=True):
+            assert _relative(p.grad, q.grad) < 2e-2
+    finally:
+        if own:
+            dist.destroy_process_group()
+
+
+def test_flash_lower_right_attention_with_grouped_keys_equals_repeated_keys():
+    """Whether SDPA's lower-right causal mask reaches the flash kernel with ``enable_gqa`` (keys
+    and values not repeated for the query heads): what context parallelism would save by it."""
+    import torch.nn.functional as F
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    from torch.nn.attention.bias import causal_lower_right
+
+    q = torch.randn(2, 8, 128, 64, device="cuda", dtype=torch.bfloat16)
+    k, v = (torch.randn(2, 2, 384, 64, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+    mask = causal_lower_right(128, 384)
+    with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
+        repeated = F.scaled_dot_product_attention(q, k.repeat_interleave(4, 1), v.repeat_interleave(4, 1), mask)
+        try:
+            grouped = F.scaled_dot_product_attention(q, k, v, mask, enable_gqa=True)
+        except RuntimeError as e:
+            pytest.xfail(f"flash lower-right with enable_gqa: {str(e).splitlines()[0]}")
+    assert _relative(grouped, repeated) < 1e-2
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="torch 2.11 (H200, 2026-11-26): torch.export of the CUDA model fails on a guard it cannot prove, "
+    "min(32*seq, 64*seq) == 32*seq; kiln export runs on the CPU, so no kiln command takes this path yet",
+)
+def test_aoti_package_compiled_for_cuda_equals_the_model(tmp_path):
+    from kiln.export.pt2 import write_pt2
+
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(**TINY, tie_embeddings=True)).cuda().eval()
+    loaded = write_pt2(model, torch.randint(0, 256, (2, 16), device="cuda"), 64, tmp_path)
+    idx = torch.randint(0, 256, (3, 40), device="cuda")
+    with torch.no_grad():
+        want = model(idx)
+        for kind, program in loaded.items():
+            assert _relative(program(idx), want) < 1e-3, kind

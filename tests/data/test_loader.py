@@ -1,9 +1,12 @@
+import gc
 import itertools
+import os
 import pickle
 
 import numpy as np
 import pytest
 import torch
+from torch.utils.data import default_collate
 
 from kiln.data.corpus import DataError
 from kiln.data.loader import StepSampler, TokenSequences, make_train_loader, val_batches
@@ -106,3 +109,37 @@ def test_val_batches_are_fixed_and_spread(tmp_path):
     assert [len(x) for x, _ in small] == [4, 2]
     with pytest.raises(DataError, match="validation split has 5 tokens"):
         val_batches(TokenSequences(token_file(tmp_path, 5), seq_len=10), 4, 5)
+
+
+class _Watched:
+    """Writes the pid of the process that frees it (a CUDA tensor freed in a forked worker aborts it)."""
+
+    def __init__(self, path):
+        self.path, self.me = path, self
+
+    def __del__(self):
+        with open(self.path, "a") as f:
+            f.write(f"{os.getpid()}\n")
+
+
+def test_workers_never_free_the_parents_garbage(tmp_path):
+    gc.disable()  # the cycle stays uncollected in the parent until the loader has forked
+    try:
+        _Watched(tmp_path / "freed")  # unreachable at once: garbage only a collection frees
+        ds = TokenSequences(np.arange(10_000, dtype=np.uint16), 16)
+
+        def collecting(rows):  # runs in the workers
+            gc.collect()
+            return default_collate(rows)
+
+        loader = make_train_loader(
+            ds, schedule=8, seed=0, start_step=0, num_workers=2, pin_memory=False, collate_fn=collecting
+        )
+        batches = iter(loader)
+        for _ in range(3):
+            next(batches)
+        del batches
+    finally:
+        gc.enable()
+    gc.collect()
+    assert (tmp_path / "freed").read_text().split() == [str(os.getpid())]

@@ -6,6 +6,7 @@ exactly what an uninterrupted run would have yielded from step k on.
 
 from __future__ import annotations
 
+import gc
 import hashlib
 import os
 import sys
@@ -261,7 +262,7 @@ def make_train_loader(
         )
     sampler = StepSampler(data_order(dataset, seed), schedule, seed, start_step, rank, world_size)
     workers = num_workers > 0
-    return DataLoader(
+    return _ForkingLoader(
         dataset,
         batch_sampler=sampler,
         collate_fn=collate_fn,
@@ -276,6 +277,20 @@ def make_train_loader(
         # default); workers only slice a memmap and never touch CUDA, so forking is safe.
         multiprocessing_context="fork" if workers and sys.platform == "linux" else None,
     )
+
+
+class _ForkingLoader(DataLoader):
+    """A DataLoader whose forked workers never collect the parent's garbage: a cycle holding a
+    CUDA tensor (an exception's traceback, say) freed in a worker aborts it, since a forked
+    process cannot use CUDA. The objects alive at the fork are frozen for the children and
+    unfrozen again for the parent."""
+
+    def __iter__(self):
+        gc.freeze()
+        try:
+            return super().__iter__()
+        finally:
+            gc.unfreeze()
 
 
 class StepBatches:

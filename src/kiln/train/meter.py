@@ -85,7 +85,8 @@ class StepMeter:
 
     def end_step(self, loss: torch.Tensor, grad_norm: torch.Tensor, batch: Any) -> None:
         self.losses.append(loss)
-        self.grad_norms.append(grad_norm.detach().float())
+        # On the loss's device: with parameters offloaded to the CPU the norm is computed there.
+        self.grad_norms.append(grad_norm.detach().float().to(loss.device))
         rows = batch_rows(batch)
         self.tokens += batch.tokens if isinstance(batch, TokenBatch) else rows * self.tokens_per_sample
 
