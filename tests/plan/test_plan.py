@@ -412,7 +412,10 @@ def test_tokenizer_file_is_not_read_and_the_output_says_so(capsys):
         (["--gpu", "h900"], "--gpu: 'h900' is not a GPU"),
         (["--device-memory", "80XB"], "--device-memory: '80XB' is not a memory size"),
         (["--world-size", "3", "--set", "parallel.tp=2"], "--world-size: 3 is not a multiple of parallel.tp = 2"),
-        (["--world-size", "3"], "train.global_batch_size: 32 is not divisible by the 3 data-parallel ranks"),
+        (
+            ["--world-size", "3", "--set", "train.global_batch_size=32"],
+            "train.global_batch_size: 32 is not divisible by the 3 data-parallel ranks",
+        ),
         (["--set", "train.lrr=1"], "train.lrr: unknown config key"),
         (
             [

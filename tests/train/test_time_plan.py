@@ -4,6 +4,7 @@ leaves no trace, recorded in the run and kept on resume."""
 from __future__ import annotations
 
 import json
+import shutil
 import signal
 import time
 
@@ -11,7 +12,8 @@ import pytest
 from safetensors.torch import load_file
 
 from kiln.config import ConfigError, load_config, tomllib
-from kiln.train.time_plan import Costs, TimePlan
+from kiln.data.batch_schedule import BatchSchedule
+from kiln.train.time_plan import REFERENCE_RUN_TOKENS, Costs, TimePlan, choose_batch
 
 from conftest import tiny_overrides
 from kilnrun import in_process, kiln, sets, start
@@ -19,7 +21,7 @@ from kilnrun import in_process, kiln, sets, start
 
 def _plan(budget_s, **sets):
     cfg = load_config(None, ["train.max_steps=auto", f"train.time_budget={budget_s}s", *sets.values()])
-    return TimePlan(cfg)
+    return TimePlan(cfg, BatchSchedule(32), lambda: None, 128)
 
 
 def test_the_plan_is_the_most_steps_that_fit():
@@ -62,9 +64,43 @@ def test_a_budget_too_short_still_plans_one_step():
     assert plan.fix(Costs(step_s=5.0, eval_s=5.0, save_s=5.0, start_s=0.0), elapsed_s=0.5) == 1
 
 
-def test_auto_needs_a_budget():
-    with pytest.raises(ConfigError, match="train.max_steps: auto plans the steps that fit train.time_budget"):
-        load_config(None, ["train.max_steps=auto"])
+def test_the_default_plan_fills_five_minutes_and_a_number_of_steps_has_no_budget():
+    assert load_config(None, []).train.max_steps == "auto"
+    assert _plan(300).budget_s == 300
+    assert TimePlan(load_config(None, []), BatchSchedule(32), lambda: None, 128).budget_s == 300
+    fixed = load_config(None, ["train.max_steps=1050"])
+    assert fixed.train.budget == "" and TimePlan(fixed, BatchSchedule(32), lambda: None, 128).budget_s == float("inf")
+
+
+def test_the_auto_batch_grows_as_the_square_root_of_the_run_s_tokens():
+    # kiln's default recipe: 32 sequences of 128 tokens for a run of the reference's tokens.
+    assert choose_batch(REFERENCE_RUN_TOKENS, 128, micro=32, data_ranks=1) == 32
+    assert choose_batch(REFERENCE_RUN_TOKENS / 16, 128, micro=32, data_ranks=1) == 8  # a smaller micro-batch
+    assert (
+        choose_batch(REFERENCE_RUN_TOKENS / 10, 128, micro=32, data_ranks=1) == 8
+    )  # 10.1 per rank: nearest power of 2
+    assert choose_batch(REFERENCE_RUN_TOKENS * 16, 128, micro=32, data_ranks=1) == 128  # accumulation of 4
+    assert choose_batch(REFERENCE_RUN_TOKENS * 16, 128, micro=32, data_ranks=2) == 128  # 2 ranks x 64
+    assert choose_batch(REFERENCE_RUN_TOKENS * 16, 128, micro=16, data_ranks=2) == 128  # 2 ranks x 4 x 16
+    assert choose_batch(1.0, 128, micro=32, data_ranks=4) == 4  # never below a sequence a rank
+
+
+@pytest.mark.parametrize(
+    "sets, message",
+    [
+        (["train.micro_batch_size=auto"], "auto needs a number for train.micro_batch_size"),
+        (["train.batch_ramp_start=8", "train.batch_ramp_steps=10"], "set train.batch_ramp_start = 0"),
+    ],
+)
+def test_auto_batch_refuses_what_it_cannot_choose_with(sets, message):
+    with pytest.raises(ConfigError, match=message):
+        load_config(None, ["train.global_batch_size=auto", *sets])
+
+
+def test_with_a_number_of_steps_the_auto_batch_is_the_recipe_s_32():
+    cfg = load_config(None, ["train.max_steps=100"])
+    assert cfg.train.global_batch_size == "auto" and not cfg.train.chooses_batch and cfg.train.global_batch(2) == 32
+    assert cfg.grad_accum_steps() == 1
 
 
 def _records(run):
@@ -155,3 +191,52 @@ def test_a_thirty_second_budget_ends_within_ten_percent(tmp_path, corpus_dir):
     # The interpreter's start comes on top of the loop's time.
     assert abs(last["elapsed_s"] - budget) <= 0.1 * budget and wall < budget * 1.1 + 15
     assert last["step"] == tomllib.loads((run / "config.toml").read_text())["train"]["max_steps"]
+
+
+def test_an_auto_batch_is_chosen_recorded_and_kept_on_resume(tmp_path, corpus_dir):
+    """global_batch_size = "auto": the probe chooses the batch and leaves no trace (the same steps
+    and batch given as numbers train the same weights); a resumed run keeps the batch."""
+    common = dict(
+        train__max_steps="auto",
+        train__global_batch_size="auto",
+        train__micro_batch_size=64,  # the probe's batch; a short run chooses a smaller one
+        train__time_budget="6s",
+        train__log_every=5,
+        checkpoint__every=10,
+        eval__sample_tokens=0,
+    )
+    auto = tmp_path / "auto"
+    in_process("train", *sets(tiny_overrides(auto, corpus_dir, **common)))
+    train = tomllib.loads((auto / "config.toml").read_text())["train"]
+    steps, batch = train["max_steps"], train["global_batch_size"]
+    [plan] = [r for r in _records(auto) if r.get("event") == "time_plan"]
+    assert isinstance(batch, int) and plan["global_batch"] == batch and f"of {batch} sequences" in plan["message"]
+    assert {r["global_batch"] for r in _records(auto) if "loss" in r} == {batch}
+
+    fixed = tmp_path / "fixed"
+    assert batch < 64
+    micro = min(64, batch)  # a batch below the micro-batch is one micro-batch
+    numbers = {"train__max_steps": steps, "train__global_batch_size": batch, "train__time_budget": ""}
+    in_process(
+        "train", *sets(tiny_overrides(fixed, corpus_dir, **{**common, **numbers, "train__micro_batch_size": micro}))
+    )
+    final = f"checkpoints/step-{steps:08d}/model.safetensors"
+    a = load_file(auto / final)
+    assert all((a[k] == v).all() for k, v in load_file(fixed / final).items())
+
+    # Resume from the first checkpoint: the planned batch comes back with the plan.
+    for later in sorted((auto / "checkpoints").glob("step-*"))[1:]:
+        shutil.rmtree(later)
+    in_process("train", *sets(tiny_overrides(auto, corpus_dir, **common)))
+    assert {r["global_batch"] for r in _records(auto) if "loss" in r} == {batch}
+    # It keeps the steps planned by step 10 (the first run corrected them later with its pace).
+    train = tomllib.loads((auto / "config.toml").read_text())["train"]
+    assert train["global_batch_size"] == batch
+    again = tmp_path / "fixed-again"
+    numbers["train__max_steps"] = train["max_steps"]
+    in_process(
+        "train", *sets(tiny_overrides(again, corpus_dir, **{**common, **numbers, "train__micro_batch_size": micro}))
+    )
+    final = f"checkpoints/step-{train['max_steps']:08d}/model.safetensors"
+    a = load_file(auto / final)
+    assert all((a[k] == v).all() for k, v in load_file(again / final).items())

@@ -296,22 +296,33 @@ class DataConfig:
         return errors
 
 
+# What max_steps = "auto" fills when train.time_budget is not set: the default run's length.
+DEFAULT_BUDGET = "5m"
+# global_batch_size = "auto" with a number of steps: the default recipe's batch.
+FIXED_STEPS_BATCH = 32
+
+
 @dataclass(frozen=True)
 class TrainConfig:
-    max_steps: int | Literal["auto"] = 1050
-    """Optimizer steps to train for (the default run takes about five minutes on 2 CPU cores), or
-    "auto" with train.time_budget: as many as fit the budget, measured at the start of the run
-    (a few timed steps, an evaluation and a checkpoint) and corrected at 1/2 and 3/4 of the run
-    with the pace kept (wsd and constant schedules, whose rate so far does not depend on it), so
-    that the schedule ends, and the run evaluates and saves, when the budget does. The planned
-    steps are recorded in the run's config.toml and kept on resume."""
+    max_steps: int | Literal["auto"] = "auto"
+    """Optimizer steps to train for, or "auto" (the default): as many as fit train.time_budget
+    (five minutes when that is not set), measured at the start of the run (a few timed steps, an
+    evaluation and a checkpoint) and corrected at 1/2 and 3/4 of the run with the pace kept (wsd
+    and constant schedules, whose rate so far does not depend on it), so that the schedule ends,
+    and the run evaluates and saves, when the budget does. The planned steps are printed at the
+    start, recorded in the run's config.toml and kept on resume. A number makes runs comparable
+    across machines: the default recipe took 1050 steps in five minutes on a 2-core Xeon."""
     micro_batch_size: int | Literal["auto"] = 32
     """Sequences per forward/backward pass on each rank, or "auto": before training, find the
     largest that fits in device memory by probing real steps (accumulation then makes up the
     global batch). A run that meets an out-of-memory error lowers it by itself (see docs/memory.md)."""
-    global_batch_size: int = 32
+    global_batch_size: int | Literal["auto"] = "auto"
     """Sequences per optimizer step over all ranks; a multiple of micro_batch_size times the
-    data-parallel degree (the ratio is the number of gradient accumulation steps)."""
+    data-parallel degree (the ratio is the number of gradient accumulation steps). Or "auto" (the
+    default): with max_steps = "auto", chosen at the start of the run from the tokens the time
+    budget buys (docs/time_plan.md: the batch grows as the square root of those tokens, so a
+    short run takes many small steps), printed, recorded in config.toml and kept on resume; with
+    a number of steps, 32."""
     batch_ramp_start: int = 0
     """Global batch size at the first step of a batch-size ramp, which grows it in equal
     increments to global_batch_size; 0 turns the ramp off."""
@@ -369,27 +380,19 @@ class TrainConfig:
     log_every: int = 10
     """Log metrics every N steps (the only points where the loop waits for the device)."""
     time_budget: str = ""
-    """Wall-clock limit of the training loop, e.g. "300s", "5m", "1h30m" (empty: none). The run
-    stops at the step boundary that would cross it, then evaluates and checkpoints; running the
-    same command again resumes and trains for another budget. The schedule follows max_steps:
-    set max_steps = "auto" to fit the schedule to the budget."""
+    """Wall-clock limit of the training loop, e.g. "300s", "5m", "1h30m" (empty: five minutes
+    with max_steps = "auto", none with a number of steps). The run stops at the step boundary
+    that would cross it, then evaluates and checkpoints; running the same command again resumes
+    and trains for another budget. The schedule follows max_steps: "auto" fits it to the budget."""
 
     def errors(self) -> list[str]:
-        micro, batch = self.micro_batch_size, self.global_batch_size
+        if self.chooses_batch:
+            return self._auto_batch_errors() + self._common_errors()
+        micro, batch = self.micro_batch_size, self.global_batch(1)
         # Divisibility means something only once both sizes are valid; the checks before it report them if not.
         whole = micro == "auto" or micro < 1 or batch < 1 or batch % micro == 0
         errors = _failed(
-            (
-                self.max_steps == "auto" or self.max_steps >= 1,
-                f"train.max_steps: must be >= 1 or auto, got {self.max_steps}",
-            ),
-            (
-                self.max_steps != "auto" or bool(self.time_budget),
-                "train.max_steps: auto plans the steps that fit train.time_budget; set that too (e.g. 10m)",
-            ),
             (micro == "auto" or micro >= 1, f"train.micro_batch_size: must be >= 1 or auto, got {micro}"),
-            (self.muon_lr > 0, f"train.muon_lr: must be > 0, got {self.muon_lr}"),
-            (0 <= self.muon_momentum < 1, f"train.muon_momentum: must be in [0, 1), got {self.muon_momentum}"),
             (batch >= 1, f"train.global_batch_size: must be >= 1, got {batch}"),
             (
                 whole,
@@ -399,8 +402,28 @@ class TrainConfig:
                 ),
             ),
         )
-        errors += self._ramp_errors()
-        errors += _failed(
+        return errors + self._ramp_errors() + self._common_errors()
+
+    def _auto_batch_errors(self) -> list[str]:
+        micro = self.micro_batch_size
+        why = "the batch is chosen from the budget's tokens"
+        return _failed(
+            (micro != "auto", f"train.global_batch_size: auto needs a number for train.micro_batch_size ({why})"),
+            (micro == "auto" or micro >= 1, f"train.micro_batch_size: must be >= 1 or auto, got {micro}"),
+            (
+                not self.batch_ramp_start,
+                "train.global_batch_size: auto chooses one batch size; set train.batch_ramp_start = 0",
+            ),
+        )
+
+    def _common_errors(self) -> list[str]:
+        errors = _failed(
+            (
+                self.max_steps == "auto" or self.max_steps >= 1,
+                f"train.max_steps: must be >= 1 or auto, got {self.max_steps}",
+            ),
+            (self.muon_lr > 0, f"train.muon_lr: must be > 0, got {self.muon_lr}"),
+            (0 <= self.muon_momentum < 1, f"train.muon_momentum: must be in [0, 1), got {self.muon_momentum}"),
             (self.lr > 0, f"train.lr: must be > 0, got {self.lr}"),
             (0 <= self.min_lr_ratio <= 1, f"train.min_lr_ratio: must be in [0, 1], got {self.min_lr_ratio}"),
             (self.warmup_steps >= 0, f"train.warmup_steps: must be >= 0, got {self.warmup_steps}"),
@@ -422,6 +445,24 @@ class TrainConfig:
         return errors
 
     @property
+    def budget(self) -> str:
+        """The time budget in force: train.time_budget, or the default plan's five minutes."""
+        return self.time_budget or (DEFAULT_BUDGET if self.max_steps == "auto" else "")
+
+    @property
+    def chooses_batch(self) -> bool:
+        """Whether the run chooses its global batch from its time budget (see global_batch_size)."""
+        return self.global_batch_size == "auto" and self.max_steps == "auto"
+
+    def global_batch(self, data_ranks: int) -> int:
+        """Sequences per step: global_batch_size; for "auto" with a number of steps, 32; for one
+        the run chooses, until it has, one micro-batch on each of the ``data_ranks`` ranks that
+        read different batches."""
+        if self.global_batch_size != "auto":
+            return self.global_batch_size
+        return self.nominal_micro_batch * data_ranks if self.chooses_batch else FIXED_STEPS_BATCH
+
+    @property
     def nominal_micro_batch(self) -> int:
         """The micro-batch size, or 8 for "auto" where the size the run found is not at hand
         (its fixed validation sample, evaluating a saved run, the doctor's checks)."""
@@ -431,7 +472,7 @@ class TrainConfig:
         if self.batch_ramp_start == 0:
             unused = [k for k in ("batch_ramp_increment", "batch_ramp_steps", "batch_ramp_tokens") if getattr(self, k)]
             return [f"train.{k}: set, but the ramp is off; set train.batch_ramp_start too" for k in unused]
-        start, end = self.batch_ramp_start, self.global_batch_size
+        start, end = self.batch_ramp_start, self.global_batch(1)
         inc = self.batch_ramp_increment or start
         if start < 0 or inc < 0:
             got = f"{start} / {self.batch_ramp_increment}"
@@ -806,7 +847,7 @@ class Config:
         """Micro-batches per rank per optimizer step (at the full global batch, with a fixed micro-batch)."""
         if self.train.micro_batch_size == "auto":
             raise ValueError("train.micro_batch_size is 'auto': the accumulation is known only once it is probed")
-        return self.train.global_batch_size // (self.train.micro_batch_size * data_parallel)
+        return self.train.global_batch(data_parallel) // (self.train.micro_batch_size * data_parallel)
 
     def errors(self) -> list[str]:
         """Every problem in every section, then the combinations of sections that cannot work."""

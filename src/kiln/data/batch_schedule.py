@@ -30,11 +30,12 @@ class BatchSchedule:
             self._consumed.append(consumed)
 
     @classmethod
-    def from_config(cls, t: TrainConfig, seq_len: int) -> BatchSchedule:
+    def from_config(cls, t: TrainConfig, seq_len: int, data_ranks: int = 1) -> BatchSchedule:
         if not t.batch_ramp_start:
-            return cls(t.global_batch_size)
+            return cls(t.global_batch(data_ranks))
         inc = t.batch_ramp_increment or t.batch_ramp_start
-        sizes = list(range(t.batch_ramp_start, t.global_batch_size, inc))
+        final = t.global_batch(data_ranks)
+        sizes = list(range(t.batch_ramp_start, final, inc))
         k = len(sizes)
         if t.batch_ramp_steps:
             # Stage i covers steps [i*S//k, (i+1)*S//k): equal lengths, the ramp ends at step S.
@@ -42,7 +43,12 @@ class BatchSchedule:
         else:
             # Each stage trains on an equal share of the ramp's tokens, rounded up to whole steps.
             steps = [math.ceil(t.batch_ramp_tokens / (k * size * seq_len)) for size in sizes]
-        return cls(t.global_batch_size, list(zip(sizes, steps, strict=True)))
+        return cls(final, list(zip(sizes, steps, strict=True)))
+
+    def resize(self, final: int) -> None:
+        """Train every step at ``final`` sequences (train.global_batch_size = "auto", chosen)."""
+        assert not self._ends, "a ramp's sizes are configured, not chosen"
+        self.final = final
 
     @property
     def ramp_steps(self) -> int:

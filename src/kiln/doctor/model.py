@@ -21,6 +21,7 @@ import torch
 from torch import nn
 from torch.utils.data import Dataset
 
+from kiln.config import TrainConfig
 from kiln.data.batch import collate, to_device
 from kiln.data.loader import dataset_len, make_train_loader
 from kiln.distributed.parallelize import parallelize
@@ -45,6 +46,12 @@ PIPELINE_WAIT_WARN = 0.20  # share of a step spent waiting for data
 LOAD_NEGLIGIBLE = 0.05  # loading a batch in-process costs under this share of a step: no workers needed
 DETERMINISM_STEPS = 3
 DETERMINISM_NOISE = 1e-4  # relative loss difference still blamed on reduction order, not a bug
+
+
+def _rate(step: int, t: TrainConfig) -> float:
+    """The run's learning rate at ``step``; with max_steps = "auto", whose steps only the run
+    plans, as in a long run (its first steps warm up, then hold the peak)."""
+    return lr_at(step, t, 10**6 if t.max_steps == "auto" else None)
 
 
 class _Run:
@@ -99,7 +106,7 @@ class GradientProbe:
         self.names = [n for n, p in run.model.named_parameters() if p.requires_grad]
         self.norms: dict[str, float | None] = {}
         self.reached: set[str] = set()
-        self.losses = [run.step(batch, lr_at(s, job.cfg.train), self._inspect) for s in range(2)]
+        self.losses = [run.step(batch, _rate(s, job.cfg.train), self._inspect) for s in range(2)]
 
     def _inspect(self, model: nn.Module) -> None:
         first = not self.norms
@@ -315,7 +322,7 @@ def check_input_pipeline(job: DoctorJob):
         t0 = time.perf_counter()
         batch = to_device(next(batches), job.device)
         t1 = time.perf_counter()
-        run.step(batch, lr_at(step, cfg.train))  # reading the loss waits for the device
+        run.step(batch, _rate(step, cfg.train))  # reading the loss waits for the device
         waits.append(t1 - t0)
         computes.append(time.perf_counter() - t1)
     del batches  # stops the workers
@@ -410,7 +417,7 @@ def _short_run(job: DoctorJob) -> tuple[list[float], str]:
     run = _Run(job)
     size = min(SMALL_BATCH, job.micro_batch_size, dataset_len(_train_data(job)))
     batches = iter(_loader(job, size, job.cfg.data.num_workers))
-    losses = [run.step(to_device(next(batches), job.device), lr_at(s, t)) for s in range(DETERMINISM_STEPS)]
+    losses = [run.step(to_device(next(batches), job.device), _rate(s, t)) for s in range(DETERMINISM_STEPS)]
     del batches
     digest = hashlib.blake2b(digest_size=16)
     # The state dict's plain tensors: a QLoRA base is quantized, and gives its values there.

@@ -235,22 +235,23 @@ def _base_setup(cfg: Config, world_size: int, world_flag: str) -> Setup:
     t, p = cfg.train, cfg.parallel
     dp = world_size // (p.tp * p.pp)
     data = dp // p.cp  # the ranks that read different batches
-    if t.global_batch_size % data:
+    batch = t.global_batch(data)  # "auto": the batch the run starts with
+    if batch % data:
         split = f" / parallel.cp {p.cp}" if p.cp > 1 else ""
         raise ConfigError(
             [
-                f"train.global_batch_size: {t.global_batch_size} is not divisible by the {data} data-parallel ranks "
+                f"train.global_batch_size: {batch} is not divisible by the {data} data-parallel ranks "
                 f"({world_flag} {world_size} / parallel.pp {p.pp} / parallel.tp {p.tp}{split}); use a multiple of "
                 f"{data}, or larger parallel.tp, parallel.pp or parallel.cp"
             ]
         )
     micro = t.micro_batch_size
-    if micro != "auto" and (t.global_batch_size // data) % micro:
+    if micro != "auto" and (batch // data) % micro:
         raise ConfigError(
             [
                 f"train.micro_batch_size: {micro} does not divide each rank's share of the global "
-                f"batch, {t.global_batch_size} / {data} data-parallel ranks; use a divisor of "
-                f"{t.global_batch_size // data}, or auto (kiln plan shows the largest that fits)"
+                f"batch, {batch} / {data} data-parallel ranks; use a divisor of "
+                f"{batch // data}, or auto (kiln plan shows the largest that fits)"
             ]
         )
     # The config has checked the pipeline's micro-batches (they divide a fixed micro-batch);
@@ -301,7 +302,8 @@ def make_plan(
     shape = ModelShape.of(family, args, cfg)
     _check_layout(cfg, shape, target, world, world_flag)
     base = _base_setup(cfg, world, world_flag)
-    job = Job(shape, cfg.data.seq_len, cfg.train.global_batch_size, target, cluster)
+    p = cfg.parallel  # global_batch_size = "auto" is planned at the batch the run starts with
+    job = Job(shape, cfg.data.seq_len, cfg.train.global_batch(world // (p.tp * p.pp * p.cp)), target, cluster)
     auto_micro = cfg.train.micro_batch_size == "auto"
     if auto_micro:
         base = largest_fitting_micro_batch(job, base) or base

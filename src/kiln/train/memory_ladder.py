@@ -185,10 +185,10 @@ class MemoryLadder:
     # -- the configured rung --------------------------------------------------------------------
 
     def _micro_batch_options(self) -> list[int]:
-        t, dp = self.cfg.train, self.world.data_ranks
+        dp = self.world.data_ranks
         uneven = [b for b in self.schedule.sizes() if b % dp]
         if uneven:
-            key = "train.global_batch_size" if uneven[0] == t.global_batch_size else "train.batch_ramp_start/increment"
+            key = "train.global_batch_size" if uneven[0] == self.schedule.final else "train.batch_ramp_start/increment"
             raise ConfigError(
                 [f"{key}: global batch {uneven[0]} is not a multiple of the {dp} data-parallel ranks (over cp)"]
             )
@@ -229,6 +229,15 @@ class MemoryLadder:
                 f"({self.run_dir / RUNG_FILE}; delete it to start from the config's settings)"
             )
         return rung, micro == "auto" and saved is None
+
+    def batch_chosen(self) -> None:
+        """The schedule's batch was chosen (global_batch_size = "auto"): micro-batches that split
+        each rank's share of it, and none larger than that share."""
+        self.options = self._micro_batch_options()
+        if self.rung.micro_batch_size not in self.options:
+            self._apply(
+                replace(self.rung, micro_batch_size=max(m for m in self.options if m <= self.rung.micro_batch_size))
+            )
 
     def _apply(self, rung: Rung) -> None:
         if rung.activation_checkpointing:
@@ -320,7 +329,7 @@ class MemoryLadder:
         self.rung = replace(self.rung, micro_batch_size=best)
         if self.world.is_main:
             write_rung_file(self.run_dir, self.rung)
-        accum = self.cfg.train.global_batch_size // self.world.data_ranks // best
+        accum = self.schedule.final // self.world.data_ranks // best
         logger.event(
             done,
             "micro_batch_size",

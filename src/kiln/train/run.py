@@ -33,15 +33,13 @@ def seed_everything(seed: int) -> None:
     torch.manual_seed(seed)
 
 
-def write_run_files(run_dir: Path, cfg: Config, world: World, model: nn.Module, max_steps: int) -> None:
-    """``config.toml`` (the resolved config, with the steps the run trains for: those its time
-    plan found for "auto") and ``env.json`` (software, device, parallel layout)."""
+def write_run_files(run_dir: Path, cfg: Config, world: World, model: nn.Module) -> None:
+    """``config.toml`` (the resolved config: with the steps and batch the run trains with, those
+    its time plan found for "auto") and ``env.json`` (software, device, parallel layout)."""
     if not world.is_main:
         return
     device = world.device
     run_dir.mkdir(parents=True, exist_ok=True)
-    if max_steps != cfg.train.max_steps:
-        cfg = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, max_steps=max_steps))
     (run_dir / "config.toml").write_text(cfg.to_toml())
     env = {
         "python": platform.python_version(),

@@ -29,6 +29,7 @@ from typing import Any
 import torch
 
 from kiln.config import Config, parse_duration
+from kiln.data.batch_schedule import BatchSchedule
 from kiln.distributed.world import World
 
 # Steps whose time is not counted, at least (see TimePlan.warmup_seconds): the first runs
@@ -40,6 +41,11 @@ MARGIN = 0.04
 OVERRUN = 0.05
 # Corrections of the plan with the pace kept (see above): at 1/2 and 3/4 of the run.
 CORRECTIONS = 2
+# global_batch_size = "auto" (see choose_batch): the batch, in tokens, grows as the square root of
+# the tokens the budget buys, through this point: kiln's default recipe, whose 32 x 128 tokens a
+# step won the five-minute sweeps (BENCHMARKS.md) on runs of about 4.3M tokens.
+REFERENCE_BATCH_TOKENS = 4096
+REFERENCE_RUN_TOKENS = 4.3e6
 
 
 @dataclasses.dataclass
@@ -53,13 +59,37 @@ class Costs:
     start_s: float
 
 
+def choose_batch(run_tokens: float, tokens_per_sample: int, micro: int, data_ranks: int) -> int:
+    """The global batch (sequences) for a run that can train on about ``run_tokens`` tokens.
+
+    Below the critical batch size a step's worth grows with its batch, above it barely, and that
+    size grows as training goes on (the gradient's noise scale rises as the loss falls): a short
+    run is best spent on many small steps, a long one on larger ones. kiln's rule: the batch in
+    tokens is REFERENCE_BATCH_TOKENS x sqrt(run_tokens / REFERENCE_RUN_TOKENS), as sequences per
+    rank a power of two up to the micro-batch (a smaller micro-batch), and beyond it a whole
+    number of micro-batches (accumulation)."""
+    target = REFERENCE_BATCH_TOKENS * math.sqrt(max(run_tokens, 1.0) / REFERENCE_RUN_TOKENS)
+    per_rank = target / (tokens_per_sample * data_ranks)
+    if per_rank <= micro:
+        per_rank = min(micro, 2 ** max(0, round(math.log2(max(per_rank, 1.0)))))
+    else:
+        per_rank = micro * round(per_rank / micro)
+    return int(per_rank) * data_ranks
+
+
 class TimePlan:
-    def __init__(self, cfg: Config):
+    def __init__(self, cfg: Config, schedule: BatchSchedule, batch_chosen: Callable[[], None], tokens_per_sample: int):
         t = cfg.train
         self.auto = t.max_steps == "auto"
         self.max_steps: int | None = None if t.max_steps == "auto" else t.max_steps
+        # global_batch_size = "auto": the schedule's batch is chosen in the probe (None: not yet).
+        self.auto_batch = t.chooses_batch
+        self.batch: int | None = None
+        self.batch_schedule, self.batch_chosen, self.tokens_per_sample = schedule, batch_chosen, tokens_per_sample
+        self.micro = t.nominal_micro_batch
         self.costs: Costs | None = None
-        self.budget_s = parse_duration(t.time_budget) if t.time_budget else math.inf
+        self.budget_s = parse_duration(t.budget) if t.budget else math.inf
+        self.budget = t.budget
         self.eval_every, self.save_every = cfg.eval.every, cfg.checkpoint.every
         self.schedule, self.decay_fraction = t.schedule, t.decay_fraction
         self.correct_at: int | None = None  # the step of the next correction (set by fix)
@@ -91,12 +121,26 @@ class TimePlan:
         return 0.25 * self.probe_seconds()
 
     def state_dict(self) -> dict:
-        return {"max_steps": self.max_steps, "costs": dataclasses.asdict(self.costs) if self.costs else None}
+        costs = dataclasses.asdict(self.costs) if self.costs else None
+        return {"max_steps": self.max_steps, "costs": costs, "global_batch": self.batch}
 
     def load_state_dict(self, state: dict) -> None:
         if self.auto and state.get("max_steps") is not None:
             self.max_steps = state["max_steps"]
             self.costs = Costs(**state["costs"]) if state.get("costs") else None
+        if self.auto_batch and state.get("global_batch"):
+            self._resize(state["global_batch"])
+
+    def _resize(self, batch: int) -> None:
+        self.batch = batch
+        self.batch_schedule.resize(batch)
+        self.batch_chosen()
+
+    def resolved(self, cfg: Config) -> Config:
+        """``cfg`` with what this plan decided in place of "auto": the steps, the global batch."""
+        batch = self.batch if self.auto_batch and self.batch else cfg.train.global_batch(1)
+        train = dataclasses.replace(cfg.train, max_steps=self.steps, global_batch_size=batch)
+        return dataclasses.replace(cfg, train=train)
 
     def cost_s(self, steps: int, costs: Costs) -> float:
         """Seconds that ``steps`` steps take from the first: training, every evaluation and
@@ -165,6 +209,38 @@ class TimePlan:
         resumed_at = checkpointer.latest()
         save_s = self._warm_seconds(world, save)
         path = checkpointer.latest()
+        step_s, start_s = self._step_seconds(world, batches, train, device)
+        eval_s = self._warm_seconds(world, evaluate)
+        if self.auto_batch:
+            # The tokens the budget buys at the probe's batch (one micro-batch a rank) choose the
+            # batch; its steps are then timed again.
+            probe = Costs(*world.largest(step_s, eval_s, save_s, start_s))
+            run_tokens = self._most_steps(self.budget_s - elapsed(), probe, least=1) * self.batch_schedule.final
+            batch = choose_batch(
+                run_tokens * self.tokens_per_sample, self.tokens_per_sample, self.micro, world.data_ranks
+            )
+            self._resize(batch)
+            # Warm already: a few steps to settle the new shapes, and half the timing.
+            step_s, start_s = self._step_seconds(world, batches, train, device, warm=True)
+        checkpointer.put_back(held)
+        if path != resumed_at:
+            checkpointer.discard(path)
+        *costs, elapsed_s = world.largest(step_s, eval_s, save_s, start_s, elapsed())
+        self.fix(Costs(*costs), elapsed_s)
+        logger.event(
+            step,
+            "time_plan",
+            self.describe(),
+            max_steps=self.max_steps,
+            global_batch=self.batch_schedule.final,
+            **vars(self.costs),
+        )
+
+    def _step_seconds(
+        self, world: World, batches: Callable[[], Iterator[Any]], train, device, warm: bool = False
+    ) -> tuple[float, float]:
+        """Seconds a training step takes once warm, and the loader's start before its first batch."""
+        warmup_s, probe_s = (0.0, 0.5 * self.probe_seconds()) if warm else (self.warmup_seconds(), self.probe_seconds())
         started = time.perf_counter()
         loader = batches()
         start_s, timed_from, steps = 0.0, None, 0
@@ -177,23 +253,16 @@ class TimePlan:
             now = time.perf_counter()
             if timed_from is not None:
                 steps += 1
-            elif i + 1 >= WARMUP_STEPS and now - started >= self.warmup_seconds():
+            elif i + 1 >= WARMUP_STEPS and now - started >= warmup_s:
                 timed_from = now  # warm: the compile, the allocator's growth and the caches are behind
             # Every rank runs the same number of probe steps, or one would wait in a collective.
             # Steps are counted once timed_from is set.
-            (done,) = world.agree(timed_from is not None and steps >= 3 and now - timed_from >= self.probe_seconds())
+            (done,) = world.agree(timed_from is not None and steps >= 3 and now - timed_from >= probe_s)
             if done:
                 break
         del loader  # its workers stop
         assert timed_from is not None  # the loop ends only after timed steps
-        step_s = (now - timed_from) / steps
-        eval_s = self._warm_seconds(world, evaluate)
-        checkpointer.put_back(held)
-        if path != resumed_at:
-            checkpointer.discard(path)
-        *costs, elapsed_s = world.largest(step_s, eval_s, save_s, start_s, elapsed())
-        self.fix(Costs(*costs), elapsed_s)
-        logger.event(step, "time_plan", self.describe(), max_steps=self.max_steps, **vars(self.costs))
+        return (now - timed_from) / steps, start_s
 
     def correct_pace(self, world: World, step: int, loop_started: tuple[int, float], elapsed_s: float, logger) -> None:
         """Plan again with the pace this run has kept since the loop started (``loop_started``:
@@ -233,7 +302,9 @@ class TimePlan:
     def describe(self) -> str:
         c = self.costs
         assert c is not None  # described once planned (fix)
+        batch = f" of {self.batch} sequences (global_batch_size=auto)" if self.auto_batch else ""
         return (
-            f"planned {self.max_steps} steps to fill the time budget: a step takes {c.step_s:.3g}s, "
+            f"planned {self.max_steps} steps{batch} to fill the {self.budget} time budget: "
+            f"a step takes {c.step_s:.3g}s, "
             f"an evaluation {c.eval_s:.3g}s, a checkpoint {c.save_s:.3g}s (measured at the start)"
         )

@@ -93,7 +93,7 @@ class Trainer:
         seed_everything(t.seed)
         job.prepare(world, self.console)
         self.precision = Precision(t.precision, self.device, t.fp8_recipe)
-        schedule = BatchSchedule.from_config(t, job.tokens_per_sample)
+        schedule = BatchSchedule.from_config(t, job.tokens_per_sample, world.data_ranks)
         self.batches = StepBatches(
             job.train_data,
             schedule,
@@ -129,7 +129,7 @@ class Trainer:
         self.meter = StepMeter(
             world, t.log_every, schedule, tokens_per_sample=job.tokens_per_sample, flops_per_token=job.flops_per_token
         )
-        self.time_plan = TimePlan(cfg)
+        self.time_plan = TimePlan(cfg, schedule, self.ladder.batch_chosen, job.tokens_per_sample)
         parts: dict[str, Stateful] = {"precision": self.precision, "memory": self.ladder, "guard": self.guard}
         parts.update(meter=self.meter, time_plan=self.time_plan)
         self.checkpointer = Checkpointer(
@@ -171,7 +171,7 @@ class Trainer:
                 if plan.needs_probe:  # only the process that plans corrects its plan later
                     self._plan_steps(logger, clock)
                 logger.total_steps = plan.steps
-                write_run_files(self.run_dir, self.cfg, self.world, self.model.module, plan.steps)
+                write_run_files(self.run_dir, plan.resolved(self.cfg), self.world, self.model.module)
             if self.step >= plan.steps:
                 self._say(f"kiln: already trained to step {self.step} (train.max_steps={plan.steps}); nothing to do")
                 return result
@@ -200,7 +200,7 @@ class Trainer:
                 if self.step == plan.correct_at:  # with the pace kept so far (see TimePlan)
                     plan.correct_pace(self.world, self.step, loop_started, clock.elapsed(), logger)
                     logger.total_steps = plan.steps
-                    write_run_files(self.run_dir, self.cfg, self.world, self.model.module, plan.steps)
+                    write_run_files(self.run_dir, plan.resolved(self.cfg), self.world, self.model.module)
                 # The run ends at max_steps, or early when the next step would overrun the time
                 # budget; either way it ends with an evaluation and a checkpoint. Ranks decide
                 # together, or one would wait forever in a collective the others skipped.
@@ -227,7 +227,7 @@ class Trainer:
                 if out_of_time and self.step < plan.steps:
                     result.out_of_time = True
                     self._say(
-                        f"kiln: time budget {self.cfg.train.time_budget} reached at step {self.step}/"
+                        f"kiln: time budget {self.cfg.train.budget} reached at step {self.step}/"
                         f"{plan.steps}; run the same command again to continue"
                     )
                     break
