@@ -5,7 +5,8 @@
 
 Both sides train on the embedded corpus's train split, tokenized with the same byte-level BPE
 (the one ``kiln train`` trains), and neither sees the val split. kiln runs exactly as
-``kiln train`` does with ``train.time_budget`` set. The HF side is a ``LlamaForCausalLM`` of the
+``kiln train`` does with ``train.time_budget`` set (its steps and batch planned for the budget).
+The HF side is a ``LlamaForCausalLM`` of the
 same shape, batch 16 x 128 tokens (its reference setting), AdamW and cosine decay; its max_steps
 is calibrated by a short probe so that its schedule ends with the budget, and a callback stops it
 at the budget. Each model is then scored on every non-overlapping window of its own training

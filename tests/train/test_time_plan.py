@@ -21,7 +21,7 @@ from kilnrun import in_process, kiln, sets, start
 
 def _plan(budget_s, **sets):
     cfg = load_config(None, ["train.max_steps=auto", f"train.time_budget={budget_s}s", *sets.values()])
-    return TimePlan(cfg, BatchSchedule(32), lambda: None, 128)
+    return TimePlan(cfg, BatchSchedule(32), lambda: 32, 128)
 
 
 def test_the_plan_is_the_most_steps_that_fit():
@@ -67,9 +67,9 @@ def test_a_budget_too_short_still_plans_one_step():
 def test_the_default_plan_fills_five_minutes_and_a_number_of_steps_has_no_budget():
     assert load_config(None, []).train.max_steps == "auto"
     assert _plan(300).budget_s == 300
-    assert TimePlan(load_config(None, []), BatchSchedule(32), lambda: None, 128).budget_s == 300
+    assert TimePlan(load_config(None, []), BatchSchedule(32), lambda: 32, 128).budget_s == 300
     fixed = load_config(None, ["train.max_steps=1050"])
-    assert fixed.train.budget == "" and TimePlan(fixed, BatchSchedule(32), lambda: None, 128).budget_s == float("inf")
+    assert fixed.train.budget == "" and TimePlan(fixed, BatchSchedule(32), lambda: 32, 128).budget_s == float("inf")
 
 
 def test_the_auto_batch_grows_as_the_square_root_of_the_run_s_tokens():
@@ -212,6 +212,8 @@ def test_an_auto_batch_is_chosen_recorded_and_kept_on_resume(tmp_path, corpus_di
     [plan] = [r for r in _records(auto) if r.get("event") == "time_plan"]
     assert isinstance(batch, int) and plan["global_batch"] == batch and f"of {batch} sequences" in plan["message"]
     assert {r["global_batch"] for r in _records(auto) if "loss" in r} == {batch}
+    assert train["micro_batch_size"] == min(64, batch)  # the run's config loads again (kiln eval)
+    assert json.loads(in_process("eval", auto).stdout.strip().splitlines()[-1])["step"] == steps
 
     fixed = tmp_path / "fixed"
     assert batch < 64

@@ -100,6 +100,11 @@ class ModelConfig:
     qk_norm: str = "preset"
     """RMSNorm over each head's queries and keys before the rotary embedding (QK-norm, as Qwen3
     and the GPT-2 speedruns use): true, false or preset. A dense model with it exports as Qwen3."""
+    mlp: str = "preset"
+    """The dense blocks' MLP: swiglu (w2(silu(w1 x) * w3 x), Llama's), relu2 (w2(relu(w1 x)^2),
+    as the GPT-2 speedruns use: two matrices, so at one model.d_ff a third fewer MLP weights and
+    FLOPs), or preset (swiglu). relu2 is not exportable to Hugging Face (no Llama-like
+    architecture squares a ReLU); a mixture of experts' experts stay SwiGLU."""
     n_experts: int = 0
     """Mixture of experts: routed experts per MoE layer; 0 keeps the preset's (none for the dense
     presets: every layer has one MLP). tiny-moe is the small MoE preset."""

@@ -230,14 +230,14 @@ class MemoryLadder:
             )
         return rung, micro == "auto" and saved is None
 
-    def batch_chosen(self) -> None:
+    def batch_chosen(self) -> int:
         """The schedule's batch was chosen (global_batch_size = "auto"): micro-batches that split
-        each rank's share of it, and none larger than that share."""
+        each rank's share of it, and none larger than that share. Returns the micro-batch size."""
         self.options = self._micro_batch_options()
-        if self.rung.micro_batch_size not in self.options:
-            self._apply(
-                replace(self.rung, micro_batch_size=max(m for m in self.options if m <= self.rung.micro_batch_size))
-            )
+        micro = self.rung.micro_batch_size
+        if micro not in self.options:
+            self._apply(replace(self.rung, micro_batch_size=max(m for m in self.options if m <= micro)))
+        return self.rung.micro_batch_size
 
     def _apply(self, rung: Rung) -> None:
         if rung.activation_checkpointing:

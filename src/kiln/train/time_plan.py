@@ -78,7 +78,7 @@ def choose_batch(run_tokens: float, tokens_per_sample: int, micro: int, data_ran
 
 
 class TimePlan:
-    def __init__(self, cfg: Config, schedule: BatchSchedule, batch_chosen: Callable[[], None], tokens_per_sample: int):
+    def __init__(self, cfg: Config, schedule: BatchSchedule, batch_chosen: Callable[[], int], tokens_per_sample: int):
         t = cfg.train
         self.auto = t.max_steps == "auto"
         self.max_steps: int | None = None if t.max_steps == "auto" else t.max_steps
@@ -134,13 +134,15 @@ class TimePlan:
     def _resize(self, batch: int) -> None:
         self.batch = batch
         self.batch_schedule.resize(batch)
-        self.batch_chosen()
+        self.micro = self.batch_chosen()
 
     def resolved(self, cfg: Config) -> Config:
-        """``cfg`` with what this plan decided in place of "auto": the steps, the global batch."""
-        batch = self.batch if self.auto_batch and self.batch else cfg.train.global_batch(1)
-        train = dataclasses.replace(cfg.train, max_steps=self.steps, global_batch_size=batch)
-        return dataclasses.replace(cfg, train=train)
+        """``cfg`` with what this plan decided in place of "auto": the steps, the global batch
+        (and the micro-batch, where a rank's share of the batch is smaller)."""
+        t = cfg.train
+        if self.auto_batch and self.batch:
+            t = dataclasses.replace(t, global_batch_size=self.batch, micro_batch_size=self.micro)
+        return dataclasses.replace(cfg, train=dataclasses.replace(t, max_steps=self.steps))
 
     def cost_s(self, steps: int, costs: Costs) -> float:
         """Seconds that ``steps`` steps take from the first: training, every evaluation and

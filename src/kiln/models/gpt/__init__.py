@@ -77,7 +77,8 @@ class GPTFamily(ModelFamily):
         projections row-wise, so each block needs one all-reduce forward and one backward.
         Embedding, norms and output layer stay whole. The RoPE tables are derived buffers. A
         pipeline's first stage holds the embedding, its last the final norm and output layer."""
-        tp = dict.fromkeys(("attn.wq", "attn.wk", "attn.wv", "mlp.w1", "mlp.w3"), "colwise")
+        gated = ("mlp.w3",) if args.mlp == "swiglu" else ()
+        tp = dict.fromkeys(("attn.wq", "attn.wk", "attn.wv", "mlp.w1", *gated), "colwise")
         tp.update(dict.fromkeys(("attn.wo", "mlp.w2"), "rowwise"))
         divisors = {f"model.{key}": getattr(args, key) for key in ("n_head", "n_kv_head", "d_ff")}
         if args.n_experts:
@@ -120,7 +121,7 @@ class GPTFamily(ModelFamily):
         return args.max_seq_len
 
     def lora_targets(self, args: GPTConfig) -> list[str]:
-        return ["wq", "wk", "wv", "wo", "w1", "w2", "w3"]
+        return ["wq", "wk", "wv", "wo", "w1", "w2", *(["w3"] if args.mlp == "swiglu" else [])]
 
     def stream(self, model: nn.Module, prompt: torch.Tensor, max_new_tokens: int, **sampling: Any):
         return stream(model, prompt, max_new_tokens, **sampling)

@@ -64,6 +64,11 @@ def hf_adapter(cfg: GPTConfig) -> LlamaAdapter:
             f"model.logit_softcap={cfg.logit_softcap}: the transformers architectures kiln's GPT exports as "
             "(Llama, Qwen3 and the mixtures of experts) do not soft-cap their logits"
         )
+    if cfg.mlp != "swiglu":
+        raise ExportError(
+            f"model.mlp={cfg.mlp}: the transformers architectures kiln's GPT exports as (Llama, Qwen3 and the "
+            "mixtures of experts) have SwiGLU MLPs"
+        )
     if cfg.qk_norm:
         if cfg.n_experts:
             raise ExportError(

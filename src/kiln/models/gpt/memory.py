@@ -57,7 +57,8 @@ class GPTMemory(MemoryModel):
         the shared experts' SwiGLU tensors."""
         cfg, act = self.cfg, ctx.act_bytes
         if not cfg.n_experts:
-            return act * 4 * (cfg.d_ff // ctx.tp)
+            # SwiGLU: w1 x, w3 x, silu(w1 x), the product; relu2: relu(w1 x) and its square.
+            return act * (4 if cfg.mlp == "swiglu" else 2) * (cfg.d_ff // ctx.tp)
         k, shared = cfg.experts_per_token, cfg.n_shared_experts * cfg.d_expert
         return 8 * cfg.n_experts + k * (act * (2 * cfg.d_model + 4 * cfg.d_expert) + 4 + 16) + act * 4 * shared
 

@@ -36,6 +36,7 @@ class GPTConfig:
     rope_theta: float = 10000.0
     norm_eps: float = 1e-5
     qk_norm: bool = False  # RMSNorm over each head's queries and keys (Qwen3's q_norm, k_norm)
+    mlp: str = "swiglu"  # the dense blocks' MLP: swiglu or relu2 (see MLP)
     zero_init: bool = False  # the output layer and the residual projections start at zero
     logit_softcap: float = 0.0  # logits -> cap * tanh(logits / cap); 0: off
     init_std: float = 0.02
@@ -156,16 +157,22 @@ def _attend_cached(cache, k, v, start_pos):
     return k_cache, v_cache, None
 
 
-class MLP(nn.Module):
-    """SwiGLU: a SiLU-gated linear unit, w2(silu(w1 x) * w3 x)."""
+MLPS = ("swiglu", "relu2")
 
-    def __init__(self, d_model: int, d_ff: int):
+
+class MLP(nn.Module):
+    """SwiGLU, a SiLU-gated linear unit, w2(silu(w1 x) * w3 x); or ``kind="relu2"``, the squared
+    ReLU of the GPT-2 speedruns (Primer, So et al. 2021), w2(relu(w1 x)^2), with no w3."""
+
+    def __init__(self, d_model: int, d_ff: int, kind: str = "swiglu"):
         super().__init__()
         self.w1 = nn.Linear(d_model, d_ff, bias=False)
-        self.w3 = nn.Linear(d_model, d_ff, bias=False)
+        self.w3 = nn.Linear(d_model, d_ff, bias=False) if kind == "swiglu" else None
         self.w2 = nn.Linear(d_ff, d_model, bias=False)
 
     def forward(self, x, losses=None):
+        if self.w3 is None:
+            return self.w2(F.relu(self.w1(x)).square())
         return self.w2(F.silu(self.w1(x)) * self.w3(x))
 
 
@@ -191,7 +198,7 @@ class Block(nn.Module):
         self.attn_norm = nn.RMSNorm(cfg.d_model, eps=cfg.norm_eps)
         self.attn = Attention(cfg)
         self.mlp_norm = nn.RMSNorm(cfg.d_model, eps=cfg.norm_eps)
-        self.mlp = moe(cfg) if cfg.is_moe(layer) else MLP(cfg.d_model, cfg.d_ff)
+        self.mlp = moe(cfg) if cfg.is_moe(layer) else MLP(cfg.d_model, cfg.d_ff, cfg.mlp)
 
     def forward(self, x, rope_cos, rope_sin, cache=None, start_pos=0, losses=None):
         """``losses``: where a mixture of experts appends its balance loss, when it has one."""

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from kiln.config import ConfigError, ModelConfig
-from kiln.models.gpt.model import GPTConfig
+from kiln.models.gpt.model import MLPS, GPTConfig
 
 # Dimensions only: the vocabulary comes from the tokenizer. d_ff of the GPT-2-class sizes is
 # 8/3 * d_model (rounded up to a multiple of 256), which gives a SwiGLU MLP the parameter count
@@ -59,6 +59,10 @@ def build_gpt_config(model_cfg: ModelConfig, vocab_size: int, max_seq_len: int) 
         errors.append(f"model.logit_softcap: must be >= 0 (0 is off), got {model_cfg.logit_softcap}")
     elif model_cfg.logit_softcap:
         dims["logit_softcap"] = model_cfg.logit_softcap
+    if model_cfg.mlp in MLPS:
+        dims["mlp"] = model_cfg.mlp
+    elif model_cfg.mlp != "preset":
+        errors.append(f"model.mlp: {model_cfg.mlp!r} is not one of {', '.join(MLPS)}, preset")
     for key in ("qk_norm", "zero_init"):
         value = getattr(model_cfg, key)
         if value in ("true", "false"):
@@ -133,7 +137,7 @@ def param_count(cfg: GPTConfig, *, active: bool = False) -> int:
     ``experts_per_token`` of the others)."""
     d, hd = cfg.d_model, cfg.head_dim
     attention = d * cfg.n_head * hd + 2 * d * cfg.n_kv_head * hd + cfg.n_head * hd * d
-    dense = 3 * d * cfg.d_ff
+    dense = (3 if cfg.mlp == "swiglu" else 2) * d * cfg.d_ff
     experts = cfg.experts_per_token if active else cfg.n_experts
     moe = d * cfg.n_experts + 3 * d * cfg.d_expert * (experts + cfg.n_shared_experts)
     mlps = sum(moe if cfg.is_moe(layer) else dense for layer in range(cfg.n_layer))
