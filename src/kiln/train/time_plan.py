@@ -42,10 +42,11 @@ OVERRUN = 0.05
 # Corrections of the plan with the pace kept (see above): at 1/2 and 3/4 of the run.
 CORRECTIONS = 2
 # global_batch_size = "auto" (see choose_batch): the batch, in tokens, grows as the square root of
-# the tokens the budget buys, through this point: kiln's default recipe, whose 32 x 128 tokens a
-# step won the five-minute sweeps (BENCHMARKS.md) on runs of about 4.3M tokens.
-REFERENCE_BATCH_TOKENS = 4096
-REFERENCE_RUN_TOKENS = 4.3e6
+# the tokens the budget buys, through this point: five-minute runs of the default model on a
+# 2-core CPU, which trained on about 2.1M tokens, ended lower at 16 x 128 tokens a step than at
+# 32 x 128 (BENCHMARKS.md, "Small text, short budget", which also has the 45-second runs).
+REFERENCE_BATCH_TOKENS = 2048
+REFERENCE_RUN_TOKENS = 2.1e6
 
 
 @dataclasses.dataclass
@@ -113,7 +114,7 @@ class TimePlan:
     def probe_seconds(self) -> float:
         """How long to time training steps for: long enough to average out their jitter, a
         small share of the budget."""
-        return min(30.0, max(2.0, 0.03 * self.budget_s))
+        return min(30.0, max(2.0, 0.02 * self.budget_s))
 
     def warmup_seconds(self) -> float:
         """How long to run steps before timing them: the first few of a process are slower
@@ -211,7 +212,8 @@ class TimePlan:
         resumed_at = checkpointer.latest()
         save_s = self._warm_seconds(world, save)
         path = checkpointer.latest()
-        step_s, start_s = self._step_seconds(world, batches, train, device)
+        # With the batch to choose, this first timing only gauges the pace (a quarter as long).
+        step_s, start_s = self._step_seconds(world, batches, train, device, rough=self.auto_batch)
         eval_s = self._warm_seconds(world, evaluate)
         if self.auto_batch:
             # The tokens the budget buys at the probe's batch (one micro-batch a rank) choose the
@@ -222,7 +224,7 @@ class TimePlan:
                 run_tokens * self.tokens_per_sample, self.tokens_per_sample, self.micro, world.data_ranks
             )
             self._resize(batch)
-            # Warm already: a few steps to settle the new shapes, and half the timing.
+            # Warm already: a few steps settle the new shapes.
             step_s, start_s = self._step_seconds(world, batches, train, device, warm=True)
         checkpointer.put_back(held)
         if path != resumed_at:
@@ -239,10 +241,11 @@ class TimePlan:
         )
 
     def _step_seconds(
-        self, world: World, batches: Callable[[], Iterator[Any]], train, device, warm: bool = False
+        self, world: World, batches: Callable[[], Iterator[Any]], train, device, warm=False, rough=False
     ) -> tuple[float, float]:
         """Seconds a training step takes once warm, and the loader's start before its first batch."""
-        warmup_s, probe_s = (0.0, 0.5 * self.probe_seconds()) if warm else (self.warmup_seconds(), self.probe_seconds())
+        warmup_s = 0.0 if warm else self.warmup_seconds()
+        probe_s = self.probe_seconds() * (0.25 if rough else 1.0)
         started = time.perf_counter()
         loader = batches()
         start_s, timed_from, steps = 0.0, None, 0
