@@ -76,8 +76,10 @@ def test_the_auto_batch_grows_as_the_square_root_of_the_run_s_tokens():
     # The reference point: 16 sequences of 128 tokens for a run of the reference's tokens.
     assert choose_batch(REFERENCE_RUN_TOKENS, 128, micro=32, data_ranks=1) == 16
     assert choose_batch(REFERENCE_RUN_TOKENS / 16, 128, micro=32, data_ranks=1) == 4  # a smaller micro-batch
-    assert choose_batch(REFERENCE_RUN_TOKENS / 10, 128, micro=32, data_ranks=1) == 4  # 5.06 a rank: nearest power of 2
+    assert choose_batch(REFERENCE_RUN_TOKENS / 10, 128, micro=32, data_ranks=1) == 4  # 5.06 a rank: rounded down
+    assert choose_batch(REFERENCE_RUN_TOKENS / 1.1, 128, micro=32, data_ranks=1) == 8  # 15.3: rounded down
     assert choose_batch(REFERENCE_RUN_TOKENS * 16, 128, micro=32, data_ranks=1) == 64  # accumulation of 2
+    assert choose_batch(REFERENCE_RUN_TOKENS * 15, 128, micro=32, data_ranks=1) == 32  # 62: one micro-batch
     assert choose_batch(REFERENCE_RUN_TOKENS * 64, 128, micro=32, data_ranks=2) == 128  # 2 ranks x 2 x 32
     assert choose_batch(REFERENCE_RUN_TOKENS * 64, 128, micro=16, data_ranks=2) == 128  # 2 ranks x 4 x 16
     assert choose_batch(1.0, 128, micro=32, data_ranks=4) == 4  # never below a sequence a rank

@@ -66,16 +66,15 @@ def choose_batch(run_tokens: float, tokens_per_sample: int, micro: int, data_ran
     Below the critical batch size a step's worth grows with its batch, above it barely, and that
     size grows as training goes on (the gradient's noise scale rises as the loss falls): a short
     run is best spent on many small steps, a long one on larger ones. kiln's rule: the batch in
-    tokens is REFERENCE_BATCH_TOKENS x sqrt(run_tokens / REFERENCE_RUN_TOKENS), as sequences per
-    rank a power of two up to the micro-batch (a smaller micro-batch), and beyond it a whole
-    number of micro-batches (accumulation)."""
+    tokens is REFERENCE_BATCH_TOKENS x sqrt(run_tokens / REFERENCE_RUN_TOKENS); per rank, rounded
+    down to a power of two up to the micro-batch (a smaller micro-batch), and beyond it down to a
+    whole number of micro-batches (accumulation). Down, because a batch above the critical size
+    wastes tokens, while one below it only runs a little slower."""
     target = REFERENCE_BATCH_TOKENS * math.sqrt(max(run_tokens, 1.0) / REFERENCE_RUN_TOKENS)
     per_rank = target / (tokens_per_sample * data_ranks)
-    if per_rank <= micro:
-        per_rank = min(micro, 2 ** max(0, round(math.log2(max(per_rank, 1.0)))))
-    else:
-        per_rank = micro * round(per_rank / micro)
-    return int(per_rank) * data_ranks
+    if per_rank < micro:
+        return 2 ** int(math.log2(max(per_rank, 1.0))) * data_ranks
+    return micro * int(per_rank // micro) * data_ranks
 
 
 class TimePlan:
