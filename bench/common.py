@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -23,3 +24,22 @@ def kiln_tokens_per_s(run_dir: Path, after_step: int) -> float:
     lines = [json.loads(line) for line in (Path(run_dir) / "metrics.jsonl").read_text().splitlines()]
     rates = [record["tokens_per_s"] for record in lines if "tokens_per_s" in record and record["step"] > after_step]
     return len(rates) / sum(1 / r for r in rates)
+
+
+def alternating_rounds(
+    rounds: int, measure: Callable[[str, int], float], other: str, label: str
+) -> tuple[list[float], list[float], list[float]]:
+    """Tokens/s of "kiln" and of ``other`` (``measure(name, round)``), a warm-up round that is not
+    counted and then ``rounds`` rounds, alternating which goes first; each round is printed, the
+    other side called ``label``. Returns kiln's rates, the other's and their ratios."""
+    kiln_rates, other_rates, ratios = [], [], []
+    for r in range(rounds + 1):
+        rates = {name: measure(name, r) for name in (("kiln", other) if r % 2 else (other, "kiln"))}
+        k, o = rates["kiln"], rates[other]
+        title = "warm-up round (not counted)" if r == 0 else f"round {r}"
+        print(f"{title}: kiln {k:,.0f} tok/s, {label} {o:,.0f} tok/s, ratio {k / o:.3f}", flush=True)
+        if r:
+            kiln_rates.append(k)
+            other_rates.append(o)
+            ratios.append(k / o)
+    return kiln_rates, other_rates, ratios

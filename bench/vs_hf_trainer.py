@@ -30,7 +30,7 @@ from kiln.data.loader import StepSampler
 from kiln.models import GPT, build_gpt_config
 from kiln.models.lm import lm_loss
 
-from common import kiln_tokens_per_s, random_tokens
+from common import alternating_rounds, kiln_tokens_per_s, random_tokens
 
 
 class InKilnOrder(Dataset):
@@ -124,12 +124,15 @@ def main() -> None:
     args = ap.parse_args()
 
     gpt_cfg = build_gpt_config(ModelConfig(preset="tiny"), args.vocab, args.seq_len)
-    kiln_rates, hf_rates, ratios = [], [], []
     with tempfile.TemporaryDirectory() as tmp:
         tmp = Path(tmp)
         windows = random_tokens(tmp / "tokens.bin", args.vocab, 2_000_000, args.seq_len)
         hf_data = InKilnOrder(windows, args.micro_batch, 1337, args.steps)
-        for r in range(args.rounds + 1):
+
+        def measure(name: str, r: int) -> float:
+            torch.manual_seed(0)
+            if name == "hf":
+                return hf_tokens_per_s(hf_model(gpt_cfg), hf_data, args, tmp / f"hf{r}")
             cfg = load_config(
                 None,
                 [
@@ -149,21 +152,10 @@ def main() -> None:
                     f"train.compile={str(args.compile).lower()}",
                 ],
             )
-            rates = {}
-            for name in ("kiln", "hf") if r % 2 else ("hf", "kiln"):
-                torch.manual_seed(0)
-                if name == "kiln":
-                    Trainer(GPT(gpt_cfg), windows, lm_loss, cfg, tokens_per_sample=args.seq_len, console=False).fit()
-                    rates[name] = kiln_tokens_per_s(cfg.run.dir, args.warmup)
-                else:
-                    rates[name] = hf_tokens_per_s(hf_model(gpt_cfg), hf_data, args, tmp / f"hf{r}")
-            k, h = rates["kiln"], rates["hf"]
-            label = "warm-up round (not counted)" if r == 0 else f"round {r}"
-            print(f"{label}: kiln {k:,.0f} tok/s, HF Trainer {h:,.0f} tok/s, ratio {k / h:.3f}", flush=True)
-            if r:
-                kiln_rates.append(k)
-                hf_rates.append(h)
-                ratios.append(k / h)
+            Trainer(GPT(gpt_cfg), windows, lm_loss, cfg, tokens_per_sample=args.seq_len, console=False).fit()
+            return kiln_tokens_per_s(cfg.run.dir, args.warmup)
+
+        kiln_rates, hf_rates, ratios = alternating_rounds(args.rounds, measure, "hf", "HF Trainer")
     import transformers
 
     print(

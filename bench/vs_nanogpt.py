@@ -40,7 +40,7 @@ from kiln.config import load_config
 from kiln.models import GPT, GPTConfig
 from kiln.models.lm import lm_loss
 
-from common import kiln_tokens_per_s, random_tokens
+from common import alternating_rounds, kiln_tokens_per_s, random_tokens
 
 VOCAB, LAYERS, WIDTH, HEADS, CONTEXT, BATCH = 4096, 4, 128, 4, 128, 32
 WARMUP = 10
@@ -113,23 +113,15 @@ def main() -> None:
     windows = random_tokens(data / "train.bin", VOCAB, 2_000_000, CONTEXT)
     shutil.copy(data / "train.bin", data / "val.bin")
     (data / "meta.pkl").write_bytes(pickle.dumps({"vocab_size": VOCAB}))
-    kiln_rates, nano_rates, ratios = [], [], []
     with tempfile.TemporaryDirectory() as tmp:
-        for r in range(args.rounds + 1):
-            rates = {}
-            for name in ("kiln", "nanogpt") if r % 2 else ("nanogpt", "kiln"):
-                out = Path(tmp) / f"{name}{r}"
-                if name == "kiln":
-                    rates[name] = kiln_run(windows, out, args.iters)
-                else:
-                    rates[name] = nanogpt_tokens_per_s(args.nanogpt, out, args.iters)
-            k, n = rates["kiln"], rates["nanogpt"]
-            label = "warm-up round (not counted)" if r == 0 else f"round {r}"
-            print(f"{label}: kiln {k:,.0f} tok/s, nanoGPT {n:,.0f} tok/s, ratio {k / n:.3f}", flush=True)
-            if r:
-                kiln_rates.append(k)
-                nano_rates.append(n)
-                ratios.append(k / n)
+
+        def measure(name: str, r: int) -> float:
+            out = Path(tmp) / f"{name}{r}"
+            if name == "kiln":
+                return kiln_run(windows, out, args.iters)
+            return nanogpt_tokens_per_s(args.nanogpt, out, args.iters)
+
+        kiln_rates, nano_rates, ratios = alternating_rounds(args.rounds, measure, "nanogpt", "nanoGPT")
     summary = {
         "bench": "vs_nanogpt",
         "threads": torch.get_num_threads(),
