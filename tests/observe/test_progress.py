@@ -55,3 +55,16 @@ def test_the_bar_shows_on_a_terminal_only(monkeypatch):
     with counted("loading weights", 20) as advance:
         advance()
     assert plain.getvalue() == ""
+
+
+def test_the_eta_does_not_count_the_setup_before_the_first_step(tmp_path):
+    """A time plan's probe, loading or compiling before step 1 is not the steps' pace."""
+    import time
+
+    from kiln.observe.metrics import MetricsLogger
+
+    logger = MetricsLogger(tmp_path, total_steps=100, console=False, tensorboard=False)
+    time.sleep(1.2)  # the setup: at its pace the 90 steps left would take 10 s more
+    for step in range(1, 11):
+        logger.step_done(step)
+    assert "ETA 0s" in logger._console_line(10, {"loss": 1.0})

@@ -144,8 +144,10 @@ class MetricsLogger:
             from torch.utils.tensorboard import SummaryWriter
 
             self._tb = SummaryWriter(str(self.run_dir / "tensorboard"), purge_step=start_step or None)
+        # The ETA's clock: from the end of the loop's first step (set then), so that the setup
+        # before it (a time plan's probe, loading, compiling) does not count as a step's pace.
         self._start_step = start_step
-        self._t0 = time.perf_counter()
+        self._t0: float | None = None
 
     @property
     def total_steps(self) -> int:
@@ -159,7 +161,9 @@ class MetricsLogger:
             self._bar.set_total(steps)
 
     def step_done(self, step: int) -> None:
-        """Every step, for the progress bar: host-side, no sync."""
+        """Every step, for the progress bar and the ETA's clock: host-side, no sync."""
+        if self._t0 is None:
+            self._t0, self._start_step = time.perf_counter(), step
         if self._bar is not None:
             self._bar.advance(step)
 
@@ -211,7 +215,7 @@ class MetricsLogger:
             and (k != "skipped_steps" or v)
         ]
         done = step - self._start_step
-        if done > 0 and step < self.total_steps and "val_loss" not in values:
+        if self._t0 is not None and done > 0 and step < self.total_steps and "val_loss" not in values:
             elapsed = time.perf_counter() - self._t0
             parts.append(f"ETA {format_duration(elapsed / done * (self.total_steps - step))}")
         return " | ".join(parts)
