@@ -202,7 +202,8 @@ def test_an_auto_batch_is_chosen_recorded_and_kept_on_resume(tmp_path, corpus_di
         train__micro_batch_size=64,  # the probe's batch; a short run chooses a smaller one
         train__time_budget="6s",
         train__log_every=5,
-        checkpoint__every=10,
+        checkpoint__every=4,  # resumed from step 4: before any decay of a plan of 6 steps or more
+        checkpoint__keep=1000,
         eval__sample_tokens=0,
     )
     auto = tmp_path / "auto"
@@ -231,7 +232,7 @@ def test_an_auto_batch_is_chosen_recorded_and_kept_on_resume(tmp_path, corpus_di
         shutil.rmtree(later)
     in_process("train", *sets(tiny_overrides(auto, corpus_dir, **common)))
     assert {r["global_batch"] for r in _records(auto) if "loss" in r} == {batch}
-    # It keeps the steps planned by step 10 (the first run corrected them later with its pace).
+    # It keeps the steps planned by step 4 (the first run may correct them later with its pace).
     train = tomllib.loads((auto / "config.toml").read_text())["train"]
     assert train["global_batch_size"] == batch
     again = tmp_path / "fixed-again"
