@@ -394,10 +394,9 @@ class TrainConfig:
         if self.chooses_batch:
             return self._auto_batch_errors() + self._common_errors()
         micro, batch = self.micro_batch_size, self.global_batch(1)
-        # Divisibility means something only once both sizes are valid; the checks before it report them if not.
+        # Divisibility means something only once both sizes are valid; the other checks report them if not.
         whole = micro == "auto" or micro < 1 or batch < 1 or batch % micro == 0
         errors = _failed(
-            (micro == "auto" or micro >= 1, f"train.micro_batch_size: must be >= 1 or auto, got {micro}"),
             (batch >= 1, f"train.global_batch_size: must be >= 1, got {batch}"),
             (
                 whole,
@@ -414,7 +413,6 @@ class TrainConfig:
         why = "the batch is chosen from the budget's tokens"
         return _failed(
             (micro != "auto", f"train.global_batch_size: auto needs a number for train.micro_batch_size ({why})"),
-            (micro == "auto" or micro >= 1, f"train.micro_batch_size: must be >= 1 or auto, got {micro}"),
             (
                 not self.batch_ramp_start,
                 "train.global_batch_size: auto chooses one batch size; set train.batch_ramp_start = 0",
@@ -422,7 +420,9 @@ class TrainConfig:
         )
 
     def _common_errors(self) -> list[str]:
+        micro = self.micro_batch_size
         errors = _failed(
+            (micro == "auto" or micro >= 1, f"train.micro_batch_size: must be >= 1 or auto, got {micro}"),
             (
                 self.max_steps == "auto" or self.max_steps >= 1,
                 f"train.max_steps: must be >= 1 or auto, got {self.max_steps}",

@@ -302,8 +302,8 @@ def make_plan(
     shape = ModelShape.of(family, args, cfg)
     _check_layout(cfg, shape, target, world, world_flag)
     base = _base_setup(cfg, world, world_flag)
-    p = cfg.parallel  # global_batch_size = "auto" is planned at the batch the run starts with
-    job = Job(shape, cfg.data.seq_len, cfg.train.global_batch(world // (p.tp * p.pp * p.cp)), target, cluster)
+    # global_batch_size = "auto" is planned at the batch the run starts with.
+    job = Job(shape, cfg.data.seq_len, cfg.train.global_batch(base.data_ranks), target, cluster)
     auto_micro = cfg.train.micro_batch_size == "auto"
     if auto_micro:
         base = largest_fitting_micro_batch(job, base) or base

@@ -218,10 +218,9 @@ class TimePlan:
             # The tokens the budget buys at the probe's batch (one micro-batch a rank) choose the
             # batch; its steps are then timed again.
             probe = Costs(*world.largest(step_s, eval_s, save_s, start_s))
-            run_tokens = self._most_steps(self.budget_s - elapsed(), probe, least=1) * self.batch_schedule.final
-            batch = choose_batch(
-                run_tokens * self.tokens_per_sample, self.tokens_per_sample, self.micro, world.data_ranks
-            )
+            sequences = self._most_steps(self.budget_s - elapsed(), probe, least=1) * self.batch_schedule.final
+            tokens = sequences * self.tokens_per_sample
+            batch = choose_batch(tokens, self.tokens_per_sample, self.micro, world.data_ranks)
             self._resize(batch)
             # Warm already: a few steps settle the new shapes.
             step_s, start_s = self._step_seconds(world, batches, train, device, warm=True)
