@@ -3,6 +3,10 @@ kiln's ratio (target >= 1.15 on 2 CPU cores).
 
     pip install -e ".[bench]" && python bench/vs_hf_trainer.py [--steps 80] [--rounds 2]
 
+On a GPU: ``--device cuda --precision bf16 --preset gpt2-124m --seq-len 1024 --vocab 50304``
+(both sides bf16 autocast over fp32 weights and fused AdamW; ``--compile`` compiles kiln,
+``--hf-compile`` sets the Trainer's ``torch_compile``).
+
 The model is the same architecture on both sides: kiln's ``tiny`` preset (4 layers, width 128,
 4 heads, SwiGLU 384, tied embeddings, RoPE, RMSNorm) and a ``LlamaForCausalLM`` with the same
 config, both initialised normal(0, 0.02). Both see the same windows of the same token stream in
@@ -98,7 +102,10 @@ def hf_tokens_per_s(model, data, args, out_dir: Path) -> float:
         save_strategy="no",
         eval_strategy="no",
         report_to=[],
-        use_cpu=True,
+        use_cpu=args.device == "cpu",
+        bf16=args.precision == "bf16",
+        optim="adamw_torch_fused" if args.device == "cuda" else "adamw_torch",
+        torch_compile=args.hf_compile,
         seed=1337,
         dataloader_num_workers=0,
         disable_tqdm=True,
@@ -121,9 +128,13 @@ def main() -> None:
     ap.add_argument("--micro-batch", type=int, default=16)
     ap.add_argument("--vocab", type=int, default=4096)
     ap.add_argument("--compile", action="store_true", help="kiln with train.compile=true")
+    ap.add_argument("--hf-compile", action="store_true", help="the Trainer with torch_compile=True")
+    ap.add_argument("--preset", default="tiny", help="kiln model preset; the HF side is a Llama of its shape")
+    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--precision", choices=["fp32", "bf16"], default="fp32")
     args = ap.parse_args()
 
-    gpt_cfg = build_gpt_config(ModelConfig(preset="tiny"), args.vocab, args.seq_len)
+    gpt_cfg = build_gpt_config(ModelConfig(preset=args.preset), args.vocab, args.seq_len)
     with tempfile.TemporaryDirectory() as tmp:
         tmp = Path(tmp)
         windows = random_tokens(tmp / "tokens.bin", args.vocab, 2_000_000, args.seq_len)
@@ -137,7 +148,8 @@ def main() -> None:
                 None,
                 [
                     f"run.dir={tmp / f'kiln{r}'}",
-                    "run.device=cpu",
+                    f"run.device={args.device}",
+                    f"train.precision={args.precision}",
                     f"train.max_steps={args.steps}",
                     f"train.micro_batch_size={args.micro_batch}",
                     f"train.global_batch_size={args.micro_batch}",
@@ -167,6 +179,10 @@ def main() -> None:
                 "vocab": args.vocab,
                 "threads": torch.get_num_threads(),
                 "kiln_compile": args.compile,
+                "hf_compile": args.hf_compile,
+                "preset": args.preset,
+                "precision": args.precision,
+                "device": torch.cuda.get_device_name() if args.device == "cuda" else args.device,
                 "torch": torch.__version__,
                 "transformers": transformers.__version__,
                 "processor": platform.processor() or platform.machine(),
