@@ -219,3 +219,27 @@ def fsdp_run(tmp_path_factory, corpus_dir) -> Path:
     run_dir = tmp_path_factory.mktemp("fsdp") / "run"
     train_on(2, layout_sets(run_dir, corpus_dir, micro=2, parallel__strategy="fsdp"))
     return run_dir
+
+
+def ft_sets(run_dir, source, model_dir, **extra) -> list[str]:
+    """KEY=VALUE items of a short fine-tuning run of the model in ``model_dir`` on ``source``;
+    ``extra`` overrides them (``train__lr=...`` for ``train.lr``)."""
+    items = {
+        "run.dir": run_dir,
+        "run.device": "cpu",
+        "model.source": f"hf:{model_dir}",
+        "data.source": source,
+        "data.num_workers": 0,
+        "data.seq_len": 64,
+        "train.max_steps": 8,
+        "train.micro_batch_size": 2,
+        "train.global_batch_size": 4,
+        "train.lr": 3e-3,
+        "train.warmup_steps": 2,
+        "train.log_every": 1,
+        "eval.every": 0,
+        "checkpoint.every": 4,
+        "checkpoint.keep": 10,
+    }
+    items.update({k.replace("__", "."): v for k, v in extra.items()})
+    return [f"{k}={v}" for k, v in items.items()]

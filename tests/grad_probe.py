@@ -6,7 +6,10 @@ accumulation, data-parallel reduction). Run directly, or under torchrun, where r
 
 from __future__ import annotations
 
+import subprocess
 import sys
+from collections.abc import Callable
+from pathlib import Path
 
 import torch
 
@@ -21,6 +24,38 @@ def step_gradients(sets: list[str]) -> dict[str, torch.Tensor]:
     batch = to_device(next(trainer.batches.loader(0)), trainer.device)
     trainer.train_step.forward_backward(split_batch(batch, trainer.micro_batch_size), 1)
     return {n: p.grad.detach().clone() for n, p in trainer.model.module.named_parameters() if p.grad is not None}
+
+
+def assert_same_gradients_three_ways(sets: Callable[..., list[str]], tmp_path: Path) -> None:
+    """Step 1's gradients with micro-batch 4, with micro-batch 1 accumulated 4 times, and over 2
+    gloo ranks under torchrun with micro-batch 1 accumulated twice are equal (1e-6, fp32) and not
+    zero. ``sets(micro, **overrides)`` gives the run's KEY=VALUE items at that micro-batch."""
+    one = step_gradients(sets(4))
+    accumulated = step_gradients(sets(1))
+    out = tmp_path / "ranks.pt"
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc-per-node",
+            "2",
+            __file__,
+            str(out),
+            *sets(1, run__dir=tmp_path / "ddp"),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    ranks = torch.load(out)
+    assert one.keys() == accumulated.keys() == ranks.keys()
+    for name in one:
+        assert one[name].abs().max() > 0, name
+        torch.testing.assert_close(accumulated[name], one[name], rtol=0, atol=1e-6, msg=name)
+        torch.testing.assert_close(ranks[name], one[name], rtol=0, atol=1e-6, msg=name)
 
 
 if __name__ == "__main__":

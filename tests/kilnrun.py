@@ -5,8 +5,10 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -188,3 +190,29 @@ def assert_equal(a: Any, b: Any, where: str = "") -> None:
         assert np.array_equal(a, b), where
     else:
         assert a == b, where
+
+
+def kill_and_resume(tmp_path: Path, items: list[str], kill_after: int) -> None:
+    """A run of ``items`` (``KEY=VALUE``, train.max_steps among them) killed with SIGKILL once
+    it has logged step ``kill_after``, then resumed, ends with the losses and the weights of the
+    same run left alone, bit for bit."""
+    full = tmp_path / "full"
+    in_process("train", *sets(items), "--set", f"run.dir={full}")
+    killed = tmp_path / "killed"
+    proc = start("train", *sets(items), "--set", f"run.dir={killed}")
+    deadline, seen = time.time() + 120, []
+    while time.time() < deadline:
+        seen = list(losses(killed)) if (killed / "metrics.jsonl").exists() else []
+        if seen and seen[-1] >= kill_after:
+            break
+        time.sleep(0.02)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    steps = int(next(s.split("=")[1] for s in items if s.startswith("train.max_steps=")))
+    assert seen and seen[-1] < steps, "the run finished before it could be killed"
+    in_process("train", *sets(items), "--set", f"run.dir={killed}")
+    assert losses(killed) == losses(full)
+    from kiln.train.run import load_run
+
+    a, b = load_run(full, device="cpu").model.state_dict(), load_run(killed, device="cpu").model.state_dict()
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)

@@ -5,10 +5,6 @@ bad input refused before anything is written."""
 
 import json
 import random
-import signal
-import subprocess
-import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -25,37 +21,15 @@ from kiln.train.jobs import job_for
 from kiln.train.run import load_run
 from kiln.train.trainer import Trainer, train
 
-from conftest import sft_records, write_jsonl
-from grad_probe import step_gradients
+from conftest import ft_sets, sft_records, write_jsonl
+from grad_probe import assert_same_gradients_three_ways, step_gradients
 from hf_models import learnable_classes
-from kilnrun import in_process, launch, losses, start
+from kilnrun import in_process, kill_and_resume, launch, losses
 
 pytestmark = pytest.mark.e2e
 
 transformers = pytest.importorskip("transformers")
 TESTS = Path(__file__).parents[1]
-
-
-def ft_sets(run_dir, source, model_dir, **extra) -> list[str]:
-    items = {
-        "run.dir": run_dir,
-        "run.device": "cpu",
-        "model.source": f"hf:{model_dir}",
-        "data.source": source,
-        "data.num_workers": 0,
-        "data.seq_len": 64,
-        "train.max_steps": 8,
-        "train.micro_batch_size": 2,
-        "train.global_batch_size": 4,
-        "train.lr": 3e-3,
-        "train.warmup_steps": 2,
-        "train.log_every": 1,
-        "eval.every": 0,
-        "checkpoint.every": 4,
-        "checkpoint.keep": 10,
-    }
-    items.update({k.replace("__", "."): v for k, v in extra.items()})
-    return [f"{k}={v}" for k, v in items.items()]
 
 
 def as_args(sets: list[str]) -> list[str]:
@@ -76,31 +50,7 @@ def test_gradients_are_equal_whatever_the_accumulation_and_world_size(tmp_path, 
     def sets(micro, **kw):
         return ft_sets(tmp_path / f"r{micro}", sft, hf_llama, train__micro_batch_size=micro, **kw)
 
-    one = step_gradients(sets(4))
-    accumulated = step_gradients(sets(1))
-    out = tmp_path / "ranks.pt"
-    proc = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "torch.distributed.run",
-            "--standalone",
-            "--nproc-per-node",
-            "2",
-            str(TESTS / "grad_probe.py"),
-            str(out),
-            *sets(1, run__dir=tmp_path / "ddp"),
-        ],
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    ranks = torch.load(out)
-    assert one.keys() == accumulated.keys() == ranks.keys()
-    for name in one:
-        torch.testing.assert_close(accumulated[name], one[name], rtol=0, atol=1e-6, msg=name)
-        torch.testing.assert_close(ranks[name], one[name], rtol=0, atol=1e-6, msg=name)
+    assert_same_gradients_three_ways(sets, tmp_path)
     # The batch really is padded with rows of different lengths and loss tokens.
     data = prepare_finetune(
         DataConfig(source=str(sft), seq_len=64), "causal_lm", transformers.AutoTokenizer.from_pretrained(hf_llama), 64
@@ -258,30 +208,9 @@ def test_lora_trains_only_adapters_and_its_adapter_loads_in_peft(tmp_path, sft, 
 # -- resume, data parallelism ------------------------------------------------------------------
 
 
-def _kill_and_resume(tmp_path, sets: list[str], kill_after: int):
-    full = tmp_path / "full"
-    in_process("train", *as_args(sets), "--set", f"run.dir={full}")
-    killed = tmp_path / "killed"
-    proc = start("train", *as_args(sets), "--set", f"run.dir={killed}")
-    deadline, seen = time.time() + 120, []
-    while time.time() < deadline:
-        seen = list(losses(killed)) if (killed / "metrics.jsonl").exists() else []
-        if seen and seen[-1] >= kill_after:
-            break
-        time.sleep(0.02)
-    proc.send_signal(signal.SIGKILL)
-    proc.wait()
-    steps = int(next(s.split("=")[1] for s in sets if s.startswith("train.max_steps=")))
-    assert seen and seen[-1] < steps, "the run finished before it could be killed"
-    in_process("train", *as_args(sets), "--set", f"run.dir={killed}")
-    assert losses(killed) == losses(full)
-    a, b = load_run(full, device="cpu").model.state_dict(), load_run(killed, device="cpu").model.state_dict()
-    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
-
-
 @pytest.mark.slow
 def test_sigkill_and_resume_is_bitwise_for_causal_lm(tmp_path, sft, hf_llama):
-    _kill_and_resume(
+    kill_and_resume(
         tmp_path,
         ft_sets(tmp_path, sft, hf_llama, train__max_steps=24, checkpoint__every=3, data__packing="true"),
         kill_after=7,
@@ -291,7 +220,7 @@ def test_sigkill_and_resume_is_bitwise_for_causal_lm(tmp_path, sft, hf_llama):
 @pytest.mark.slow
 def test_sigkill_and_resume_is_bitwise_for_classification(tmp_path, hf_bert):
     source = write_jsonl(tmp_path / "cls.jsonl", learnable_classes(120))
-    _kill_and_resume(
+    kill_and_resume(
         tmp_path,
         ft_sets(
             tmp_path,

@@ -364,6 +364,14 @@ class TrainConfig:
     per-matrix factor sqrt(max(1, rows / columns))."""
     muon_momentum: float = 0.95
     """Muon's momentum (Nesterov)."""
+    objective: Literal["sft", "dpo", "ipo", "simpo", "orpo"] = "sft"
+    """What a fine-tuning run on records optimises: sft (the completions' likelihood), or a
+    preference objective on {prompt, chosen, rejected} records ([preference] holds its settings):
+    dpo (Rafailov et al. 2023, with preference.loss_type), ipo (Azar et al. 2023), simpo (Meng et
+    al. 2024: length-normalised, no reference model), orpo (Hong et al. 2024: the chosen
+    completion's likelihood plus an odds-ratio term, no reference model). dpo and ipo compare
+    with a reference model: the base with its adapters off under LoRA, else log-probabilities of
+    the initial model computed once before the first step (preference.precompute_reference)."""
     grad_clip: float = 1.0
     """Clip gradients to this global L2 norm; 0 turns clipping off."""
     seed: int = 1337
@@ -778,6 +786,37 @@ class LoraConfig:
 
 
 @dataclass(frozen=True)
+class PreferenceConfig:
+    beta: float = 0.1
+    """dpo: the strength of the pull towards the reference model (the rewards are beta times the
+    log-ratio to it); ipo: its regularisation tau (the margin aimed for is 1 / (2 beta)); simpo:
+    the reward scale (the paper uses 2-2.5); orpo: the weight lambda of the odds-ratio term."""
+    loss_type: Literal["sigmoid", "hinge", "robust"] = "sigmoid"
+    """dpo's loss of the reward margin m: sigmoid (-log sigmoid(m), the paper's; with
+    label_smoothing, conservative DPO), hinge (relu(1 - m), SLiC) or robust (Chowdhury et al.
+    2024: unbiased for preferences flipped with probability label_smoothing)."""
+    label_smoothing: float = 0.0
+    """dpo and simpo: the probability that a pair's preference is flipped, in [0, 0.5)."""
+    gamma: float = 0.5
+    """simpo: the target reward margin over beta (TRL's simpo_gamma)."""
+    precompute_reference: bool = True
+    """dpo and ipo without LoRA: the reference model's log-probabilities of every train and val
+    pair, computed with the initial model once before the first step (on every rank, in the
+    run's layout) and kept in the run directory (reference_logps.pt) for resuming, so no second
+    copy of the model is held. With LoRA the reference is the same model with its adapters off."""
+
+    def errors(self) -> list[str]:
+        return _failed(
+            (self.beta > 0, f"preference.beta: must be > 0, got {self.beta}"),
+            (
+                0 <= self.label_smoothing < 0.5,
+                f"preference.label_smoothing: must be in [0, 0.5), got {self.label_smoothing}",
+            ),
+            (self.gamma >= 0, f"preference.gamma: must be >= 0, got {self.gamma}"),
+        )
+
+
+@dataclass(frozen=True)
 class DebugConfig:
     """Test-only fault injection (``kiln.train.faults``): every fault is off by default, and a
     real run never sets one."""
@@ -846,6 +885,7 @@ class Config:
     observe: ObserveConfig = field(default_factory=ObserveConfig)
     profile: ProfileConfig = field(default_factory=ProfileConfig)
     lora: LoraConfig = field(default_factory=LoraConfig)
+    preference: PreferenceConfig = field(default_factory=PreferenceConfig)
     debug: DebugConfig = field(default_factory=DebugConfig)
 
     def grad_accum_steps(self, data_parallel: int = 1) -> int:
@@ -869,6 +909,7 @@ class Config:
             self.profile,
             self.run,
             self.lora,
+            self.preference,
             self.debug,
         )
         pp, cp, micro = self.parallel.pp, self.parallel.cp, self.train.micro_batch_size
@@ -929,6 +970,16 @@ class Config:
             (
                 self.train.precision != "fp8" or not self.lora.rank,
                 "train.precision: fp8 trains full linear layers; LoRA adapters (lora.rank) train in bf16",
+            ),
+            (
+                self.train.objective == "sft" or (pp == 1 and cp == 1),
+                f"train.objective: {self.train.objective} scores whole sequences of each pair, which pipeline stages "
+                "and context-parallel chunks (parallel.pp, parallel.cp > 1) do not hold; use FSDP, DDP or TP",
+            ),
+            (
+                self.train.objective == "sft" or not self.train.compile,
+                f"train.objective: {self.train.objective} is not compiled yet (its reference pass and metrics run in "
+                "the loss); set train.compile=false",
             ),
             (
                 pp == 1 or self.train.precision != "fp16",

@@ -1,9 +1,11 @@
 """Batches as the loop handles them: moved to the device, built from dataset items outside a
 DataLoader, and cut into micro-batches. A batch is a tensor, a tuple, list or dict of them, or a
-``TokenBatch`` (variable-length token rows that know their real lengths and loss tokens)."""
+``RowBatch``: a ``TokenBatch`` (variable-length token rows that know their real lengths and loss
+tokens) or a ``PairBatch`` (preference pairs, a chosen and a rejected row each)."""
 
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -14,8 +16,37 @@ from torch.utils.data import Dataset, default_collate
 IGNORE_INDEX = -100
 
 
+class RowBatch(ABC):
+    """A batch that moves, pins and cuts itself, and knows on the host what its loss averages over
+    and how many real tokens it holds; the helpers below treat every kind alike through it."""
+
+    @abstractmethod
+    def __len__(self) -> int:
+        """Rows: what a micro-batch size counts."""
+
+    @property
+    @abstractmethod
+    def count(self) -> int:
+        """What the batch's mean loss averages over."""
+
+    @property
+    @abstractmethod
+    def tokens(self) -> int:
+        """Real (not padding) tokens of the batch."""
+
+    @abstractmethod
+    def to(self, device: torch.device, non_blocking: bool = True) -> RowBatch: ...
+
+    @abstractmethod
+    def pin_memory(self) -> RowBatch: ...
+
+    @abstractmethod
+    def split_rows(self, size: int) -> Sequence[RowBatch]:
+        """Micro-batches of ``size`` rows each (the last may have fewer)."""
+
+
 @dataclass
-class TokenBatch:
+class TokenBatch(RowBatch):
     """Rows of token ids, padded on the right to the longest row. ``labels`` are the targets of
     the loss (IGNORE_INDEX where none is wanted, e.g. prompt and padding); ``attention_mask``
     marks real tokens (None when packed rows carry ``position_ids`` that restart at each
@@ -74,9 +105,46 @@ class TokenBatch:
         return out
 
 
+@dataclass
+class PairBatch(RowBatch):
+    """Preference pairs: row i of ``chosen`` and of ``rejected`` answer the same prompt, and
+    ``index`` (host-side) is each pair's index in its dataset. A row of this batch is a pair, so
+    micro-batches never part a pair's two halves, and the loss (one term a pair) averages over pairs."""
+
+    chosen: TokenBatch
+    rejected: TokenBatch
+    index: list[int] = field(default_factory=list)
+
+    def __len__(self) -> int:
+        return len(self.chosen)
+
+    @property
+    def count(self) -> int:
+        return len(self)
+
+    @property
+    def tokens(self) -> int:
+        return self.chosen.tokens + self.rejected.tokens
+
+    def to(self, device: torch.device, non_blocking: bool = True) -> PairBatch:
+        return PairBatch(self.chosen.to(device, non_blocking), self.rejected.to(device, non_blocking), self.index)
+
+    def pin_memory(self) -> PairBatch:
+        return PairBatch(self.chosen.pin_memory(), self.rejected.pin_memory(), self.index)
+
+    def split_rows(self, size: int) -> list[PairBatch]:
+        """Micro-batches of ``size`` pairs, each half cut to its own longest row."""
+        return [
+            PairBatch(chosen, rejected, self.index[start : start + size])
+            for start, chosen, rejected in zip(
+                range(0, len(self), size), self.chosen.split_rows(size), self.rejected.split_rows(size), strict=True
+            )
+        ]
+
+
 def to_device(batch: Any, device: torch.device) -> Any:
     """Move a (nested) batch; non_blocking overlaps the copy from pinned memory with compute."""
-    if isinstance(batch, (torch.Tensor, TokenBatch)):
+    if isinstance(batch, (torch.Tensor, RowBatch)):
         return batch.to(device, non_blocking=True)
     if isinstance(batch, (list, tuple)):
         return type(batch)(to_device(b, device) for b in batch)
@@ -94,8 +162,8 @@ def collate(
 
 def split_batch(batch: Any, size: int) -> list[Any]:
     """Cut a (nested) batch into micro-batches of ``size`` rows (views, no copies)."""
-    if isinstance(batch, TokenBatch):
-        return batch.split_rows(size)
+    if isinstance(batch, RowBatch):
+        return list(batch.split_rows(size))
     if isinstance(batch, torch.Tensor):
         return list(batch.split(size))
     if isinstance(batch, (list, tuple)):
@@ -113,15 +181,15 @@ def split_batch(batch: Any, size: int) -> list[Any]:
 
 def batch_rows(batch: Any) -> int:
     """Rows (sequences, samples) of a batch: the length of its first tensor."""
-    if isinstance(batch, (torch.Tensor, TokenBatch)):
+    if isinstance(batch, (torch.Tensor, RowBatch)):
         return len(batch)
     return batch_rows(next(iter(batch.values() if isinstance(batch, dict) else batch)))
 
 
 def loss_count(batch: Any) -> int | None:
-    """What a batch's mean loss averages over, where the batch knows it (a ``TokenBatch``); None
+    """What a batch's mean loss averages over, where the batch knows it (a ``RowBatch``); None
     for batches whose micro-batches weigh the same."""
-    return batch.count if isinstance(batch, TokenBatch) else None
+    return batch.count if isinstance(batch, RowBatch) else None
 
 
 def pad_rows(rows: Sequence[Sequence[int]], value: int) -> torch.Tensor:

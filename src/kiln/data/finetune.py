@@ -60,22 +60,33 @@ def prepare_finetune(data_cfg, task: str, tokenizer, max_len: int) -> FineTuneDa
     bad record, naming its file, line and field."""
     if task not in TASKS:
         raise DataError(f"model.task: {task!r} has no fine-tuning records; choose one of {', '.join(TASKS)}")
-    records, is_val, split = _split(data_cfg)
+    records, is_val, split = split_records(data_cfg)
     labels: tuple[str, ...] = ()
     if task == "sequence_classification":
         labels = _label_set([r for r, v in zip(records, is_val, strict=True) if not v], data_cfg.label_field)
     # Rows are made in file order, so an error names the first bad record whatever its split.
     made = _rows(records, task, tokenizer, data_cfg, max_len, labels)
-    rows = {
-        name: [row for (row, _), v in zip(made, is_val, strict=True) if v == (name == "val")]
-        for name in ("train", "val")
-    }
-    truncated = {
-        name: sum(cut for (_, cut), v in zip(made, is_val, strict=True) if v == (name == "val"))
-        for name in ("train", "val")
-    }
+    rows, manifest = split_rows(made, is_val, task, split, data_cfg, max_len)
     packed = task == "causal_lm" and data_cfg.packing
     train_rows = pack(rows["train"], data_cfg.seq_len) if packed else rows["train"]
+    manifest["loss_tokens"] = {name: sum(_loss_tokens(r, task) for r in rs) for name, rs in rows.items()}
+    manifest["packing"] = {"rows": len(train_rows), "fill": _fill(train_rows, data_cfg.seq_len)} if packed else None
+    if labels:
+        counts = Counter(r["labels"] for r in rows["train"])
+        manifest["labels"] = {name: counts[i] for i, name in enumerate(labels)}
+    return FineTuneData(task, Examples(train_rows), Examples(rows["val"]), Collate(task, tokenizer), labels, manifest)
+
+
+def split_rows(
+    made: list[tuple[dict[str, Any], bool]], is_val: list[bool], task: str, split: str, data_cfg, max_len: int
+) -> tuple[dict[str, list[dict[str, Any]]], dict[str, Any]]:
+    """Each record's (row, truncated), in file order, into the train and val rows, and the start
+    of the data's manifest (what data.json records)."""
+    rows: dict[str, list[dict[str, Any]]] = {"train": [], "val": []}
+    truncated = {"train": 0, "val": 0}
+    for (row, cut), val in zip(made, is_val, strict=True):
+        rows["val" if val else "train"].append(row)
+        truncated["val" if val else "train"] += cut
     manifest = {
         "task": task,
         "source": data_cfg.source,
@@ -84,13 +95,8 @@ def prepare_finetune(data_cfg, task: str, tokenizer, max_len: int) -> FineTuneDa
         "records": {name: len(r) for name, r in rows.items()},
         "truncated": truncated,
         "max_len": max_len,
-        "loss_tokens": {name: sum(_loss_tokens(r, task) for r in rs) for name, rs in rows.items()},
-        "packing": {"rows": len(train_rows), "fill": _fill(train_rows, data_cfg.seq_len)} if packed else None,
     }
-    if labels:
-        counts = Counter(r["labels"] for r in rows["train"])
-        manifest["labels"] = {name: counts[i] for i, name in enumerate(labels)}
-    return FineTuneData(task, Examples(train_rows), Examples(rows["val"]), Collate(task, tokenizer), labels, manifest)
+    return rows, manifest
 
 
 def prepare_eval(source: str, data_cfg, task: str, tokenizer, max_len: int, labels: tuple[str, ...]) -> FineTuneData:
@@ -210,7 +216,7 @@ def _label_set(records: Sequence[Record], field_name: str) -> tuple[str, ...]:
 # -- the split ---------------------------------------------------------------------------------------
 
 
-def _split(data_cfg) -> tuple[list[Record], list[bool], str]:
+def split_records(data_cfg) -> tuple[list[Record], list[bool], str]:
     """(records, which are val, how): val from data.val_source (training records with the same
     content left out), else the records whose content hash falls below data.val_fraction, so
     copies of one record always land on the same side."""

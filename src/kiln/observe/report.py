@@ -203,6 +203,11 @@ def summarize(records: list[dict[str, Any]], env: dict[str, Any] | None = None) 
         "val_accuracy_best": _best(evals, "val_accuracy", higher=True),
         "val_macro_f1_last": _last(evals, "val_macro_f1"),
         "val_macro_f1_best": _best(evals, "val_macro_f1", higher=True),
+        # A preference objective's rewards (TRL's names), where the run logged them.
+        "rewards_accuracy_last": _last(train, "rewards/accuracies"),
+        "rewards_margin_last": _last(train, "rewards/margins"),
+        "val_rewards_accuracy_last": _last(evals, "val_rewards/accuracies"),
+        "val_rewards_margin_last": _last(evals, "val_rewards/margins"),
         "tokens_per_s_mean": sum(steady) / len(steady) if steady else None,
         "peak_memory_gib": {
             _memory_name(k): max(_finite([r[k] for r in train if k in r]), default=None) for k in memory_keys
@@ -285,6 +290,14 @@ def format_summary(run_dir: Path, s: dict[str, Any]) -> str:
     if s["val_accuracy_last"] is not None:
         lines.append(f"val accuracy last {_num(s['val_accuracy_last'])}  best {_num(s['val_accuracy_best'])}")
         lines.append(f"val macro-F1 last {_num(s['val_macro_f1_last'])}  best {_num(s['val_macro_f1_best'])}")
+    if s["rewards_accuracy_last"] is not None:
+        val = ""
+        if s["val_rewards_accuracy_last"] is not None:
+            val = f"  val {_num(s['val_rewards_accuracy_last'])} (margin {_num(s['val_rewards_margin_last'])})"
+        lines.append(
+            f"rewards      accuracy last {_num(s['rewards_accuracy_last'])}"
+            f" (margin {_num(s['rewards_margin_last'])}){val}"
+        )
     width = max(map(len, s["tasks"]), default=0)
     for i, (name, score) in enumerate(s["tasks"].items()):
         lines.append(f"{'tasks' if i == 0 else '':<13}{name:<{width}}  {_task_value(score)}  (step {score['step']:,})")

@@ -12,7 +12,7 @@ from typing import Any
 
 import torch
 
-from kiln.data.batch import TokenBatch, batch_rows
+from kiln.data.batch import RowBatch, batch_rows
 from kiln.data.batch_schedule import BatchSchedule
 from kiln.device import peak_flops
 from kiln.distributed.world import World
@@ -20,7 +20,7 @@ from kiln.observe.memory import memory_stats
 
 
 class StepMeter:
-    """``tokens_per_sample`` turns the rows of plain batches into tokens (a ``TokenBatch`` counts
+    """``tokens_per_sample`` turns the rows of plain batches into tokens (a ``RowBatch`` counts
     its real, unpadded tokens itself); ``flops_per_token`` gives MFU where the device's peak is
     known. The tokens trained on so far are its state, saved with checkpoints."""
 
@@ -88,7 +88,7 @@ class StepMeter:
         # On the loss's device: with parameters offloaded to the CPU the norm is computed there.
         self.grad_norms.append(grad_norm.detach().float().to(loss.device))
         rows = batch_rows(batch)
-        self.tokens += batch.tokens if isinstance(batch, TokenBatch) else rows * self.tokens_per_sample
+        self.tokens += batch.tokens if isinstance(batch, RowBatch) else rows * self.tokens_per_sample
 
     def flush(self) -> dict[str, Any]:
         """Per-step losses (averaged over ranks) and gradient norms of the interval, read in one go;

@@ -283,8 +283,8 @@ class Trainer:
         record = self.meter.record(
             values, step=self.step, lr=lr, elapsed_s=elapsed_s, micro_batch_size=self.micro_batch_size
         )
-        record.update(self.precision.metrics())
-        record.update(self.guard.metrics() | self.expert_load.metrics() | self.sources.metrics(self.step, logger))
+        record.update(self.precision.metrics() | self.guard.metrics() | self.expert_load.metrics())
+        record.update(self.sources.metrics(self.step, logger) | self.job.metrics(self.world))
         logger.log(self.step, record)
         self.stragglers.review(self.step, len(values["losses"]), logger)
         return record, review.rollback

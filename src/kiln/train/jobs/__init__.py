@@ -1,7 +1,8 @@
 """Jobs: the kinds of run kiln knows (``base.Job``), and ``job_for``, the one function every
 command gets its job from.
 
-``lm``: a language model trained on text; ``finetune``: a Hugging Face model trained on records;
+``lm``: a language model trained on text; ``finetune``: a Hugging Face model trained on records
+(supervised, or on preference pairs when ``train.objective`` says so: ``PreferenceJob``);
 ``module``: your own ``nn.Module`` through ``kiln.Trainer``. A config's ``run.job`` says which
 (``auto`` is resolved here, once, and recorded in the run's config.toml).
 """
@@ -17,10 +18,21 @@ from kiln.train.jobs.base import EvalContext, Job, LoadedRun
 from kiln.train.jobs.finetune import FineTuneJob, uses_records
 from kiln.train.jobs.lm import LMJob
 from kiln.train.jobs.module import ModuleJob
+from kiln.train.jobs.preference import PreferenceJob
 
 JOBS: dict[str, type[Job]] = {"lm": LMJob, "finetune": FineTuneJob}
 
-__all__ = ["EvalContext", "FineTuneJob", "Job", "LMJob", "LoadedRun", "ModuleJob", "job_for", "resolve_config"]
+__all__ = [
+    "EvalContext",
+    "FineTuneJob",
+    "Job",
+    "LMJob",
+    "LoadedRun",
+    "ModuleJob",
+    "PreferenceJob",
+    "job_for",
+    "resolve_config",
+]
 
 
 def resolve_config(cfg: Config, job: Literal["lm", "finetune", "module"] | None = None) -> Config:
@@ -47,4 +59,14 @@ def job_for(cfg: Config) -> Job:
                 f"command cannot rebuild; choose one of {', '.join(JOBS)} or auto"
             ]
         )
+    if cfg.train.objective != "sft":
+        if cfg.run.job != "finetune":
+            raise ConfigError(
+                [
+                    f"train.objective: {cfg.train.objective} trains on preference records ({{prompt, chosen, "
+                    "rejected}} in .jsonl, .csv or .parquet) with a model that has its own tokenizer (model.source = "
+                    f"hf:PATH); this config makes a {cfg.run.job} run"
+                ]
+            )
+        return PreferenceJob(cfg)
     return JOBS[cfg.run.job](cfg)

@@ -108,6 +108,11 @@ class Job:
         """Validation metrics (None: the job has none)."""
         return None
 
+    def metrics(self, world: World) -> dict[str, float]:
+        """The job's own training metrics of the log interval ending now (on every rank: it may
+        reduce over them), e.g. a preference objective's rewards; a new interval starts."""
+        return {}
+
     def sample(self, model: nn.Module, ctx: EvalContext) -> str | None:
         """Text to show at an evaluation (a generated sample), or None."""
         return None

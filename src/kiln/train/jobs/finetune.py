@@ -43,9 +43,24 @@ def uses_records(cfg: Config) -> bool:
 
 class FineTuneJob(Job):
     kind = "finetune"
+    args: Any
+    data: FineTuneData
 
     def prepare(self, world: World, console: bool) -> None:
         """Resolve the model and tokenize its records (every rank: they are held in memory)."""
+        cfg, family = self.cfg, self.family
+        self.resolve_model()
+        self.data = data = prepare_finetune(cfg.data, cfg.model.task, self.tokenizer, cfg.data.seq_len)
+        if data.labels:
+            self.args = dataclasses.replace(self.args, labels=data.labels)
+        self.train_data, self.collate_fn = data.train, data.collate
+        self.tokens_per_sample = cfg.data.seq_len
+        self.flops_per_token = family.flops_per_token(self.args, cfg.data.seq_len)
+        self.plan = family.parallel_plan(self.args)
+        self.loss_fn = family.loss
+
+    def resolve_model(self) -> None:
+        """The model's arguments and its tokenizer (ConfigError if it has none)."""
         cfg, family = self.cfg, self.family
         self.args = family.resolve(cfg.model, vocab_size=0, seq_len=cfg.data.seq_len)
         if cfg.data.packing and cfg.model.task == "causal_lm" and not family.keeps_packed_records_apart(self.args):
@@ -63,14 +78,6 @@ class FineTuneJob(Job):
                     "(model.source = hf:PATH)"
                 ]
             )
-        self.data = data = prepare_finetune(cfg.data, cfg.model.task, self.tokenizer, cfg.data.seq_len)
-        if data.labels:
-            self.args = dataclasses.replace(self.args, labels=data.labels)
-        self.train_data, self.collate_fn = data.train, data.collate
-        self.tokens_per_sample = cfg.data.seq_len
-        self.flops_per_token = family.flops_per_token(self.args, cfg.data.seq_len)
-        self.plan = family.parallel_plan(self.args)
-        self.loss_fn = family.loss
 
     def model(self) -> nn.Module:
         """Pretrained (or random) weights, with LoRA adapters if asked for."""
@@ -94,9 +101,14 @@ class FineTuneJob(Job):
             f"{self.data.task} data: " + "; ".join(parts),
         ]
 
+    @property
+    def manifest(self) -> dict[str, Any]:
+        """What data.json records of the prepared data."""
+        return self.data.manifest
+
     def write_files(self, run_dir: Path) -> None:
         write_atomic(run_dir / "model.json", json.dumps(self.family.args_to_dict(self.args), indent=2))
-        write_atomic(run_dir / "data.json", json.dumps(self.data.manifest, indent=2))
+        write_atomic(run_dir / "data.json", json.dumps(self.manifest, indent=2))
         self.tokenizer.save_pretrained(run_dir / "tokenizer")
 
     # -- a saved run -----------------------------------------------------------------------------

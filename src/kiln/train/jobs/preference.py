@@ -1,0 +1,110 @@
+"""The preference job: a fine-tuning run (a model with its own tokenizer, records) whose objective
+is DPO, IPO or SimPO on ``{prompt, chosen, rejected}`` records (``kiln.data.preference``), the
+loss and the reference model from ``kiln.train.preference``."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from torch import nn
+
+from kiln.config import ConfigError
+from kiln.data.preference import PreferenceData, prepare_preference
+from kiln.distributed.world import World
+from kiln.train.jobs.base import EvalContext, LoadedRun
+from kiln.train.jobs.finetune import FineTuneJob
+from kiln.train.preference import WITH_REFERENCE, AdaptersOff, Precomputed, PreferenceLoss
+
+
+class PreferenceJob(FineTuneJob):
+    pairs: PreferenceData
+
+    @property
+    def manifest(self) -> dict[str, Any]:
+        return self.pairs.manifest
+
+    def prepare(self, world: World, console: bool) -> None:
+        cfg = self.cfg
+        if cfg.data.packing:
+            raise ConfigError(["data.packing: preference pairs are padded, not packed; set data.packing=false"])
+        if cfg.model.task != "causal_lm":
+            raise ConfigError([f"model.task: train.objective={cfg.train.objective} trains a causal_lm"])
+        self.resolve_model()
+        self.pairs = data = prepare_preference(cfg.data, self.tokenizer, cfg.data.seq_len)
+        self.train_data, self.collate_fn = data.train, data.collate
+        # A pair is two sequences.
+        self.tokens_per_sample = 2 * cfg.data.seq_len
+        self.flops_per_token = self.family.flops_per_token(self.args, cfg.data.seq_len)
+        self.plan = self.family.parallel_plan(self.args)
+        self.objective = PreferenceLoss(cfg, self._reference(world))
+        self.loss_fn = self.objective
+
+    def _reference(self, world: World, computes: bool = True) -> AdaptersOff | Precomputed | None:
+        cfg = self.cfg
+        if cfg.train.objective not in WITH_REFERENCE:
+            return None
+        if cfg.lora.rank:
+            return AdaptersOff()
+        if not cfg.preference.precompute_reference:
+            raise ConfigError(
+                [
+                    f"preference.precompute_reference: {cfg.train.objective} without LoRA compares with the initial "
+                    "model's log-probabilities, computed once before the first step; set it to true (a frozen "
+                    "second copy of the model is not kept), or train LoRA adapters (lora.rank)"
+                ]
+            )
+        fingerprint = {
+            "model": cfg.model.source,
+            "seed": cfg.train.seed,
+            "precision": cfg.train.precision,
+            "data": self.pairs.manifest,
+        }
+        reference = Precomputed(
+            Path(cfg.run.dir),
+            fingerprint,
+            {"train": self.pairs.train, "val": self.pairs.val},
+            self.pairs.collate,
+            cfg.train.nominal_micro_batch,
+            world,
+            computes=computes,
+        )
+        return reference
+
+    def metrics(self, world: World) -> dict[str, float]:
+        return self.objective.metrics(world)
+
+    def evaluate(self, model: nn.Module, ctx: EvalContext) -> dict[str, Any]:
+        return self.objective.evaluate(model, self._val_batches(ctx.micro_batch_size), ctx.device)
+
+    def _val_batches(self, size: int) -> list:
+        rows = self.pairs.val.rows
+        return [self.pairs.collate(rows[i : i + size]) for i in range(0, len(rows), size)]
+
+    def describe(self, model: nn.Module) -> list[str]:
+        m, cfg = self.pairs.manifest, self.cfg
+        parts = [f"{m['records']['train']:,} train / {m['records']['val']:,} val pairs ({m['split']})"]
+        reference = {AdaptersOff: "the model with its adapters off", Precomputed: "the initial model, precomputed"}
+        ref = self.objective.reference
+        said = f", reference: {reference[type(ref)]}" if ref is not None else ""
+        return [
+            f"model {self.family.describe(cfg.model, self.args, model)}",
+            f"{cfg.train.objective} (beta {cfg.preference.beta}{said}): " + "; ".join(parts),
+        ]
+
+    def evaluate_saved(
+        self, run: LoadedRun, *, source: str | None, max_batches: int | None, batch_size: int | None
+    ) -> dict[str, Any]:
+        """The objective's metrics on the run's own validation pairs."""
+        cfg = self.cfg
+        if source is not None:
+            raise ConfigError(
+                ["kiln eval --data: a preference run is scored on its own validation pairs; leave it out"]
+            )
+        self.tokenizer, self.args = run.tokenizer, run.args
+        self.pairs = prepare_preference(cfg.data, run.tokenizer, cfg.data.seq_len)
+        # The saved model has trained: a precomputed reference can only be read back, not redone.
+        self.objective = PreferenceLoss(cfg, self._reference(World(), computes=False))
+        device = next(run.model.parameters()).device
+        batches = self._val_batches(batch_size or cfg.train.nominal_micro_batch)
+        return {**self.objective.evaluate(run.model, batches[:max_batches], device), "step": run.step}

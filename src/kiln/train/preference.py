@@ -1,0 +1,260 @@
+"""Preference objectives: DPO (sigmoid, hinge, robust), IPO and SimPO on pairs of completions.
+
+A micro-batch is a ``PairBatch``: pair i's chosen and rejected completions sit in the same
+micro-batch, and the loss is the mean over its pairs, so the loop's token-exact weighing (by
+pairs here) makes accumulation and the number of ranks leave the gradient unchanged. A
+completion's log-probability is the sum over exactly its labelled tokens (prompt and padding are
+-100), computed in fp32.
+
+The reference model of DPO and IPO is either the trained model with its LoRA adapters off (no
+second copy), or the initial model's log-probabilities of every pair, computed once before the
+first step in the run's own layout (every rank computes all pairs in one order, so sharded
+forwards stay in step) and kept in the run directory for a resumed run. Formulas follow the
+papers as TRL 1.16 writes them (``DPOTrainer``; SimPO is its ``CPOTrainer`` with ``cpo_alpha=0``),
+and the logged metrics carry TRL's names.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import io
+import json
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from kiln.config import Config
+from kiln.data.batch import IGNORE_INDEX, PairBatch, TokenBatch
+from kiln.distributed.world import World
+from kiln.io import write_atomic
+
+REFERENCE_FILE = "reference_logps.pt"
+# The objectives that compare the policy with a reference model.
+WITH_REFERENCE = ("dpo", "ipo")
+METRICS = (
+    "rewards/chosen",
+    "rewards/rejected",
+    "rewards/accuracies",
+    "rewards/margins",
+    "logps/chosen",
+    "logps/rejected",
+)
+
+
+def completion_logps(model: nn.Module, half: TokenBatch) -> tuple[torch.Tensor, torch.Tensor]:
+    """Summed log-probabilities [rows] of each row's labelled tokens, and how many there are."""
+    logits = model(half.input_ids, attention_mask=half.attention_mask, position_ids=half.position_ids)
+    targets = half.labels[:, 1:]
+    nll = F.cross_entropy(
+        logits[:, :-1].flatten(0, 1).float(), targets.flatten(), ignore_index=IGNORE_INDEX, reduction="none"
+    )
+    counted = targets != IGNORE_INDEX
+    return -nll.view(targets.shape).sum(1), counted.sum(1)
+
+
+def pair_logps(model: nn.Module, batch: PairBatch) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(chosen, rejected) summed log-probabilities and their token counts, one forward for both:
+    the halves are padded to one width and stacked, as TRL does."""
+    width = max(batch.chosen.input_ids.size(1), batch.rejected.input_ids.size(1))
+    both = TokenBatch(
+        input_ids=torch.cat([_pad(batch.chosen.input_ids, width, 0), _pad(batch.rejected.input_ids, width, 0)]),
+        labels=torch.cat(
+            [_pad(batch.chosen.labels, width, IGNORE_INDEX), _pad(batch.rejected.labels, width, IGNORE_INDEX)]
+        ),
+        attention_mask=torch.cat(
+            [_pad(batch.chosen.attention_mask, width, 0), _pad(batch.rejected.attention_mask, width, 0)]
+        ),
+    )
+    logps, counts = completion_logps(model, both)
+    n = len(batch)
+    return logps[:n], logps[n:], counts[:n], counts[n:]
+
+
+def _pad(t: torch.Tensor | None, width: int, value: int) -> torch.Tensor:
+    assert t is not None  # preference rows are padded, never packed: they carry an attention mask
+    return F.pad(t, (0, width - t.size(1)), value=value)
+
+
+class PreferenceLoss:
+    """``loss(model, batch)``: the mean preference loss of a micro-batch's pairs. Also sums, on
+    the device, what the log reports (``metrics``), without a host sync."""
+
+    def __init__(self, cfg: Config, reference: AdaptersOff | Precomputed | None):
+        self.objective, self.p = cfg.train.objective, cfg.preference
+        self.reference = reference
+        self.sums: torch.Tensor | None = None  # [len(METRICS) + 1]: the metrics' sums and the pairs
+
+    def __call__(self, model: nn.Module, batch: PairBatch) -> torch.Tensor:
+        losses, stats = self.per_pair(model, batch)
+        sums = torch.cat([stats.sum(0), torch.tensor([len(batch)], device=stats.device, dtype=stats.dtype)])
+        self.sums = sums if self.sums is None else self.sums + sums
+        return losses.mean()
+
+    def per_pair(self, model: nn.Module, batch: PairBatch, split: str = "train") -> tuple[torch.Tensor, torch.Tensor]:
+        """Each pair's loss [pairs] and its metrics [pairs, len(METRICS)] (detached)."""
+        chosen, rejected, n_chosen, n_rejected = pair_logps(model, batch)
+        p = self.p
+        if self.objective == "simpo":
+            # Length-normalised log-probabilities are the rewards; no reference.
+            margin = chosen / n_chosen.clamp(min=1) - rejected / n_rejected.clamp(min=1) - p.gamma / p.beta
+            losses = _smoothed(p.beta * margin, p.label_smoothing)
+            reward_chosen, reward_rejected = (
+                p.beta * chosen / n_chosen.clamp(min=1),
+                p.beta * rejected / n_rejected.clamp(min=1),
+            )
+        else:
+            assert self.reference is not None  # dpo and ipo are given one
+            ref_chosen, ref_rejected = self.reference.logps(model, batch, split)
+            chosen_ratio, rejected_ratio = chosen - ref_chosen, rejected - ref_rejected
+            delta = chosen_ratio - rejected_ratio
+            if self.objective == "ipo":
+                # TRL's (and the IPO authors') normalisation: per completion token.
+                avg = chosen_ratio / n_chosen.clamp(min=1) - rejected_ratio / n_rejected.clamp(min=1)
+                losses = (avg - 1 / (2 * p.beta)) ** 2
+            elif p.loss_type == "hinge":
+                losses = torch.relu(1 - p.beta * delta)
+            elif p.loss_type == "robust":
+                ls = p.label_smoothing
+                losses = (-(1 - ls) * F.logsigmoid(p.beta * delta) + ls * F.logsigmoid(-p.beta * delta)) / (1 - 2 * ls)
+            else:
+                losses = _smoothed(p.beta * delta, p.label_smoothing)
+            reward_chosen, reward_rejected = p.beta * chosen_ratio, p.beta * rejected_ratio
+        reward_chosen, reward_rejected = reward_chosen.detach(), reward_rejected.detach()
+        stats = torch.stack(
+            [
+                reward_chosen,
+                reward_rejected,
+                (reward_chosen > reward_rejected).to(reward_chosen.dtype),
+                reward_chosen - reward_rejected,
+                chosen.detach(),
+                rejected.detach(),
+            ],
+            dim=1,
+        )
+        return losses, stats
+
+    def metrics(self, world: World) -> dict[str, float]:
+        """The interval's means (over its pairs, on every rank), and a new interval."""
+        if self.sums is None:
+            return {}
+        sums, self.sums = world.mean(self.sums), None
+        values = sums.tolist()
+        return {name: value / max(values[-1], 1e-12) for name, value in zip(METRICS, values, strict=False)}
+
+    @torch.no_grad()
+    def evaluate(self, model: nn.Module, batches: Sequence[PairBatch], device: torch.device) -> dict[str, float]:
+        """``val_loss`` (the objective's, over the validation pairs) and the metrics as ``val_``."""
+        total = torch.zeros(len(METRICS) + 1, device=device, dtype=torch.float64)
+        loss = torch.zeros((), device=device, dtype=torch.float64)
+        pairs = 0
+        for batch in batches:
+            batch = batch.to(device)
+            losses, stats = self.per_pair(model, batch, "val")
+            loss += losses.double().sum()
+            total[:-1] += stats.double().sum(0)
+            pairs += len(batch)
+        out = {"val_loss": loss.item() / max(pairs, 1)}
+        out.update({f"val_{name}": v / max(pairs, 1) for name, v in zip(METRICS, total.tolist(), strict=False)})
+        return out
+
+
+def _smoothed(logits: torch.Tensor, label_smoothing: float) -> torch.Tensor:
+    """-log sigmoid, with the preference flipped with probability ``label_smoothing`` (cDPO)."""
+    return -F.logsigmoid(logits) * (1 - label_smoothing) - F.logsigmoid(-logits) * label_smoothing
+
+
+class AdaptersOff:
+    """The reference is the trained model with its LoRA adapters switched off: at the start the
+    adapters add exactly nothing, so this is the initial model, without a copy of it."""
+
+    def logps(self, model: nn.Module, batch: PairBatch, split: str) -> tuple[torch.Tensor, torch.Tensor]:
+        with torch.no_grad(), adapters_disabled(model):
+            chosen, rejected, _, _ = pair_logps(model, batch)
+        return chosen, rejected
+
+
+@contextlib.contextmanager
+def adapters_disabled(model: nn.Module) -> Iterator[None]:
+    """Every PEFT adapter layer of ``model`` off for the block (PEFT's own switch, per layer, so it
+    works on a PEFT model and on layers injected into kiln's GPT alike)."""
+    from peft.tuners.tuners_utils import BaseTunerLayer
+
+    layers = [m for m in model.modules() if isinstance(m, BaseTunerLayer)]
+    for layer in layers:
+        layer.enable_adapters(False)
+    try:
+        yield
+    finally:
+        for layer in layers:
+            layer.enable_adapters(True)
+
+
+class Precomputed:
+    """The initial model's log-probabilities of every train and val pair, looked up by the pair's
+    index. Computed at the first use (before the first step: the probe of the micro-batch or the
+    first forward), by every rank over all pairs in one order, under the run's precision; rank 0
+    keeps them in the run directory with a fingerprint of what they depend on, and a resumed run
+    (whose model has moved on) reads them back from there."""
+
+    def __init__(
+        self,
+        run_dir: Path,
+        fingerprint: dict[str, Any],
+        splits: dict[str, Any],
+        collate,
+        batch_size: int,
+        world: World,
+        *,
+        computes: bool = True,
+    ):
+        self.path, self.world, self.computes = run_dir / REFERENCE_FILE, world, computes
+        self.fingerprint = hashlib.sha256(json.dumps(fingerprint, sort_keys=True).encode()).hexdigest()
+        self.splits, self.collate, self.batch_size = splits, collate, batch_size
+        self.table: dict[str, torch.Tensor] | None = None  # split -> [pairs, 2] (chosen, rejected)
+
+    def logps(self, model: nn.Module, batch: PairBatch, split: str) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.table is None:
+            self.table = self._load()
+        if self.table is None:
+            if not self.computes:
+                raise FileNotFoundError(
+                    f"{self.path}: the reference log-probabilities of this run are missing or belong to other data; "
+                    "they are computed only at the start of training"
+                )
+            self.table = self._compute(model)
+        rows = self.table[split][torch.as_tensor(batch.index)].to(batch.chosen.input_ids.device)
+        return rows[:, 0], rows[:, 1]
+
+    def _load(self) -> dict[str, torch.Tensor] | None:
+        if not self.path.exists():
+            return None
+        saved = torch.load(self.path, map_location="cpu", weights_only=True)
+        sizes = {split: len(data) for split, data in self.splits.items()}
+        if saved.get("fingerprint") != self.fingerprint or {k: len(v) for k, v in saved["logps"].items()} != sizes:
+            return None
+        return saved["logps"]
+
+    @torch.no_grad()
+    def _compute(self, model: nn.Module) -> dict[str, torch.Tensor]:
+        device = next(p.device for p in model.parameters())
+        training = model.training
+        model.eval()  # the reference is the model itself, not a draw of its dropout
+        table = {}
+        for split, data in self.splits.items():
+            parts = []
+            for start in range(0, len(data), self.batch_size):
+                batch = self.collate([data[i] for i in range(start, min(start + self.batch_size, len(data)))])
+                chosen, rejected, _, _ = pair_logps(model, batch.to(device))
+                parts.append(torch.stack([chosen, rejected], dim=1).float().cpu())
+            table[split] = torch.cat(parts) if parts else torch.zeros(0, 2)
+        model.train(training)
+        if self.world.is_main:
+            buffer = io.BytesIO()
+            torch.save({"fingerprint": self.fingerprint, "logps": table}, buffer)
+            write_atomic(self.path, buffer.getvalue())
+        return table

@@ -1,0 +1,317 @@
+"""Preference objectives: kiln's DPO, IPO and SimPO losses equal TRL's on the same model and
+pairs; DPO starts at exactly ln 2; the gradient is the same whatever the accumulation and the
+number of ranks; a tiny Llama learns a learnable preference, with LoRA's reference costing no
+second copy of the model."""
+
+import copy
+import json
+import math
+import random
+from pathlib import Path
+
+import pytest
+import torch
+
+from kiln.cli import main
+from kiln.config import load_config
+from kiln.data.preference import PairCollate, preference_row
+from kiln.data.records import Record
+from kiln.distributed.world import World
+from kiln.models.hf import CausalLM
+from kiln.train.preference import Precomputed, PreferenceLoss, pair_logps
+
+from conftest import ft_sets, write_jsonl
+from grad_probe import assert_same_gradients_three_ways
+from kilnrun import kill_and_resume, records, sets
+
+pytestmark = pytest.mark.e2e
+
+transformers = pytest.importorskip("transformers")
+TESTS = Path(__file__).parents[1]
+
+
+def preference_records(n: int, seed: int = 0) -> list[dict]:
+    """Sums: the chosen completion is the right total and ends with "ok", the rejected one a wrong
+    total, without it and of varying length: a rule a model can learn to prefer (its form at
+    once, its arithmetic slowly)."""
+    rng = random.Random(seed)
+    out = []
+    for _ in range(n):
+        terms = [rng.randint(0, 30) for _ in range(rng.randint(2, 4))]
+        right = sum(terms)
+        wrong = right + rng.choice([-11, -3, 2, 7, 13])
+        out.append(
+            {
+                "prompt": " + ".join(map(str, terms)) + " =",
+                "chosen": f" {right} ok",
+                "rejected": f" {wrong}" + " so" * rng.randint(0, 2),
+            }
+        )
+    return out
+
+
+def pref_sets(run_dir, source, model_dir, **extra) -> list[str]:
+    items = {"data__seq_len": 48, "train__objective": "dpo", "train__max_steps": 4, "train__lr": 1e-3}
+    items.update({"train__warmup_steps": 0, "checkpoint__every": 0})
+    return ft_sets(run_dir, source, model_dir, **(items | extra))
+
+
+@pytest.fixture(scope="module")
+def pairs(tmp_path_factory) -> Path:
+    return write_jsonl(tmp_path_factory.mktemp("pref") / "pairs.jsonl", preference_records(64))
+
+
+# -- the losses against TRL's -------------------------------------------------------------------
+
+
+def _trl_loss(trainer_class, config_class, policy, ref, tokenizer, records, tmp_path, **config) -> torch.Tensor:
+    from datasets import Dataset
+
+    args = config_class(
+        output_dir=str(tmp_path / "trl"),
+        report_to=[],
+        use_cpu=True,
+        bf16=False,  # the default where bf16 runs, which would autocast TRL's reference model
+        per_device_train_batch_size=len(records),
+        max_length=48,
+        **config,
+    )
+    kwargs = {"ref_model": ref} if ref is not None else {}
+    trainer = trainer_class(
+        model=policy, args=args, processing_class=tokenizer, train_dataset=Dataset.from_list(records), **kwargs
+    )
+    trainer.model.eval()
+    batch = next(iter(trainer.get_train_dataloader()))
+    if hasattr(trainer, "get_batch_loss_metrics"):  # CPOTrainer
+        loss, _ = trainer.get_batch_loss_metrics(trainer.model, batch)
+        return loss.detach()
+    return trainer.compute_loss(trainer.model, batch).detach()
+
+
+def _kiln_loss(objective, policy, ref, tokenizer, records, tmp_path, **preference) -> torch.Tensor:
+    sets = [f"train.objective={objective}", *(f"preference.{k}={v}" for k, v in preference.items())]
+    cfg = load_config(None, sets)
+    rows = [
+        preference_row(Record(r, Path("pairs.jsonl"), i + 1), tokenizer, 48)[0] | {"index": i}
+        for i, r in enumerate(records)
+    ]
+    collate = PairCollate(tokenizer)
+    reference = None
+    if ref is not None:
+        reference = Precomputed(tmp_path / "ref", {}, {"train": rows}, collate, len(rows), World())
+        (tmp_path / "ref").mkdir()
+        reference.logps(CausalLM(ref).eval(), collate(rows), "train")  # the table, from the reference model
+    loss = PreferenceLoss(cfg, reference)
+    with torch.no_grad():
+        return loss(CausalLM(policy).eval(), collate(rows))
+
+
+@pytest.mark.parametrize(
+    ("objective", "trl_config", "preference"),
+    [
+        ("dpo", {"loss_type": ["sigmoid"], "beta": 0.1}, {"beta": 0.1}),
+        ("dpo", {"loss_type": ["hinge"], "beta": 0.3}, {"beta": 0.3, "loss_type": "hinge"}),
+        (
+            "dpo",
+            {"loss_type": ["robust"], "beta": 0.2, "label_smoothing": 0.1},
+            {"beta": 0.2, "loss_type": "robust", "label_smoothing": 0.1},
+        ),
+        ("ipo", {"loss_type": ["ipo"], "beta": 0.5}, {"beta": 0.5}),
+    ],
+)
+def test_dpo_and_ipo_equal_trl(tmp_path, hf_llama, objective, trl_config, preference):
+    from trl import DPOConfig, DPOTrainer
+
+    tokenizer = transformers.AutoTokenizer.from_pretrained(hf_llama)
+    ref = transformers.AutoModelForCausalLM.from_pretrained(hf_llama).eval()
+    policy = copy.deepcopy(ref)
+    with torch.no_grad():  # the policy has moved away from the reference
+        for p in policy.parameters():
+            p.add_(torch.randn_like(p) * 0.02, alpha=1.0)
+    records = preference_records(6, seed=1)
+    theirs = _trl_loss(
+        DPOTrainer, DPOConfig, copy.deepcopy(policy), copy.deepcopy(ref), tokenizer, records, tmp_path, **trl_config
+    )
+    ours = _kiln_loss(objective, policy, ref, tokenizer, records, tmp_path, **preference)
+    assert abs(theirs.item() - math.log(2)) > 1e-3  # not the trivial value
+    torch.testing.assert_close(ours, theirs.to(ours.dtype), rtol=0, atol=1e-5)
+
+
+def test_simpo_equals_trl_cpo_with_simpo_loss(tmp_path, hf_llama):
+    cpo = pytest.importorskip("trl.experimental.cpo")
+    tokenizer = transformers.AutoTokenizer.from_pretrained(hf_llama)
+    policy = transformers.AutoModelForCausalLM.from_pretrained(hf_llama).eval()
+    records = preference_records(6, seed=2)
+    theirs = _trl_loss(
+        cpo.CPOTrainer,
+        cpo.CPOConfig,
+        copy.deepcopy(policy),
+        None,
+        tokenizer,
+        records,
+        tmp_path,
+        loss_type="simpo",
+        cpo_alpha=0.0,
+        beta=2.0,
+        simpo_gamma=0.5,
+    )
+    ours = _kiln_loss("simpo", policy, None, tokenizer, records, tmp_path, beta=2.0, gamma=0.5)
+    torch.testing.assert_close(ours, theirs.to(ours.dtype), rtol=0, atol=1e-5)
+
+
+# -- the loop ------------------------------------------------------------------------------------
+
+
+def test_dpo_starts_at_ln2_with_lora_and_with_the_precomputed_reference(tmp_path, pairs, hf_llama):
+    from kiln.train.trainer import train
+
+    for name, extra in (("lora", {"lora.rank": 4}), ("full", {})):
+        run = tmp_path / name
+        train(
+            load_config(
+                None,
+                pref_sets(
+                    run, pairs, hf_llama, train__max_steps=1, **{k.replace(".", "__"): v for k, v in extra.items()}
+                ),
+            ),
+            console=False,
+        )
+        first = json.loads((run / "metrics.jsonl").read_text().splitlines()[0])
+        if name == "lora":  # the adapters start at exactly zero: ln 2 as float32 computes it, exactly
+            assert first["loss"] == torch.tensor(math.log(2)).item()
+        else:  # the precomputed pass batches the pairs differently
+            assert first["loss"] == pytest.approx(math.log(2), abs=1e-6)
+        assert first["rewards/margins"] == pytest.approx(0.0, abs=1e-5)
+        assert (run / "reference_logps.pt").exists() == (name == "full")
+
+
+@pytest.mark.slow
+@pytest.mark.dist
+def test_dpo_gradients_are_equal_whatever_the_accumulation_and_world_size(tmp_path, pairs, hf_llama):
+    def sets(micro, **kw):
+        return pref_sets(tmp_path / f"r{micro}", pairs, hf_llama, train__micro_batch_size=micro, **kw)
+
+    assert_same_gradients_three_ways(sets, tmp_path)
+
+
+def test_a_tiny_llama_learns_a_learnable_preference(tmp_path, hf_llama):
+    from kiln.train.trainer import train
+
+    source = write_jsonl(tmp_path / "pairs.jsonl", preference_records(160, seed=3))
+    run = tmp_path / "run"
+    sets = pref_sets(
+        run,
+        source,
+        hf_llama,
+        train__max_steps=60,
+        train__micro_batch_size=8,
+        train__global_batch_size=8,
+        train__lr=3e-3,
+        train__warmup_steps=5,
+        eval__every=60,
+        preference__beta=0.5,
+    )
+    train(load_config(None, sets), console=False)
+    records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    val = [r for r in records if "val_rewards/accuracies" in r][-1]
+    assert val["val_rewards/accuracies"] > 0.9, val
+    train_losses = [r["loss"] for r in records if "loss" in r]
+    assert train_losses[-1] < math.log(2) / 2, train_losses
+    assert records[0]["rewards/accuracies"] <= records[-2]["rewards/accuracies"]
+
+
+def test_the_pair_logps_cover_only_completion_tokens(hf_llama):
+    tokenizer = transformers.AutoTokenizer.from_pretrained(hf_llama)
+    model = CausalLM(transformers.AutoModelForCausalLM.from_pretrained(hf_llama)).eval()
+    rec = {"prompt": "1 + 2 =", "chosen": " 3", "rejected": " 4"}
+    row = preference_row(Record(rec, Path("p.jsonl"), 1), tokenizer, 48)[0] | {"index": 0}
+    long_prompt = preference_row(
+        Record(rec | {"rejected": " 4 and more words here"}, Path("p.jsonl"), 1), tokenizer, 48
+    )[0] | {"index": 1}
+    collate = PairCollate(tokenizer)
+    with torch.no_grad():
+        alone = pair_logps(model, collate([row]))
+        padded = pair_logps(model, collate([row, long_prompt]))
+    # Padding the pair to a longer neighbour changes nothing of its log-probabilities.
+    for a, b in zip(alone, padded, strict=True):
+        torch.testing.assert_close(a[0].float(), b[0].float(), rtol=0, atol=1e-5)
+    assert alone[2].item() == len(row["chosen_ids"])
+
+
+# -- as a user runs it ---------------------------------------------------------------------------
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("extra", [{}, {"lora__rank": 4}], ids=["precomputed", "lora"])
+def test_sigkill_and_resume_is_bitwise(tmp_path, pairs, hf_llama, extra):
+    # The resumed run reads the reference back from the run directory: recomputing it with the
+    # moved-on model would change every loss after the kill.
+    items = pref_sets(tmp_path, pairs, hf_llama, train__max_steps=16, checkpoint__every=3, **extra)
+    kill_and_resume(tmp_path, items, kill_after=7)
+
+
+def test_a_dpo_run_logs_trl_metric_names_and_kiln_eval_scores_it(tmp_path, pairs, hf_llama, capsys):
+    run = tmp_path / "run"
+    items = pref_sets(run, pairs, hf_llama, train__max_steps=4, eval__every=4, checkpoint__every=4, lora__rank=4)
+    assert main(["train", *sets(items)]) == 0
+    logged = records(run)
+    for name in ("rewards/chosen", "rewards/rejected", "rewards/accuracies", "rewards/margins", "logps/chosen"):
+        assert all(name in r for r in logged if "loss" in r), name
+    val = next(r for r in logged if "val_loss" in r)
+    assert {"val_rewards/accuracies", "val_rewards/margins", "val_logps/rejected"} <= val.keys()
+    capsys.readouterr()
+    assert main(["eval", str(run)]) == 0
+    scored = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert scored["val_loss"] == pytest.approx(val["val_loss"], abs=1e-6)
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = EventAccumulator(str(run / "tensorboard")).Reload()
+    assert "rewards/margins" in events.Tags()["scalars"]
+
+
+@pytest.mark.parametrize(
+    ("extra", "message"),
+    [
+        ({"parallel.pp": 2}, "train.objective: dpo scores whole sequences"),
+        ({"train.compile": "true"}, "train.objective: dpo is not compiled yet"),
+        ({"preference.beta": 0}, "preference.beta: must be > 0"),
+        ({"preference.precompute_reference": "false"}, "preference.precompute_reference: dpo without LoRA"),
+        ({"data.packing": "true"}, "data.packing: preference pairs are padded"),
+    ],
+)
+def test_bad_preference_settings_exit_2_and_write_nothing(tmp_path, pairs, hf_llama, capsys, extra, message):
+    run = tmp_path / "run"
+    items = pref_sets(run, pairs, hf_llama) + [f"{k}={v}" for k, v in extra.items()]
+    assert main(["train", *sets(items)]) == 2
+    err = capsys.readouterr().err
+    assert message in err, err
+    assert not run.exists()
+
+
+def test_a_preference_objective_on_text_is_refused(tmp_path, corpus_dir, capsys):
+    run = tmp_path / "run"
+    assert (
+        main(["train", "--set", f"run.dir={run}", "--set", f"data.source={corpus_dir}", "--set", "train.objective=dpo"])
+        == 2
+    )
+    assert "train.objective: dpo trains on preference records" in capsys.readouterr().err
+    assert not run.exists()
+
+
+def test_bad_pair_records_exit_2_naming_file_line_and_field(tmp_path, hf_llama, capsys):
+    source = write_jsonl(tmp_path / "bad.jsonl", [*preference_records(5), {"prompt": "1 + 1 =", "chosen": " 2"}])
+    run = tmp_path / "run"
+    assert main(["train", *sets(pref_sets(run, source, hf_llama))]) == 2
+    err = capsys.readouterr().err
+    assert f"{source}:6" in err and "rejected" in err, err
+    assert not run.exists()
+
+
+def test_kiln_report_shows_the_rewards(tmp_path, pairs, hf_llama, capsys):
+    run = tmp_path / "run"
+    items = pref_sets(run, pairs, hf_llama, train__max_steps=2, eval__every=2, lora__rank=4)
+    assert main(["train", *sets(items)]) == 0
+    capsys.readouterr()
+    assert main(["report", str(run)]) == 0
+    out = capsys.readouterr().out
+    assert "rewards      accuracy last" in out and "val " in out.split("rewards")[1], out
