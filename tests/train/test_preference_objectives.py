@@ -294,7 +294,7 @@ def test_a_preference_objective_on_text_is_refused(tmp_path, corpus_dir, capsys)
         main(["train", "--set", f"run.dir={run}", "--set", f"data.source={corpus_dir}", "--set", "train.objective=dpo"])
         == 2
     )
-    assert "train.objective: dpo trains on preference records" in capsys.readouterr().err
+    assert "train.objective: dpo trains on records" in capsys.readouterr().err
     assert not run.exists()
 
 

@@ -364,14 +364,15 @@ class TrainConfig:
     per-matrix factor sqrt(max(1, rows / columns))."""
     muon_momentum: float = 0.95
     """Muon's momentum (Nesterov)."""
-    objective: Literal["sft", "dpo", "ipo", "simpo", "orpo"] = "sft"
+    objective: Literal["sft", "dpo", "ipo", "simpo", "grpo"] = "sft"
     """What a fine-tuning run on records optimises: sft (the completions' likelihood), or a
     preference objective on {prompt, chosen, rejected} records ([preference] holds its settings):
     dpo (Rafailov et al. 2023, with preference.loss_type), ipo (Azar et al. 2023), simpo (Meng et
-    al. 2024: length-normalised, no reference model), orpo (Hong et al. 2024: the chosen
-    completion's likelihood plus an odds-ratio term, no reference model). dpo and ipo compare
-    with a reference model: the base with its adapters off under LoRA, else log-probabilities of
-    the initial model computed once before the first step (preference.precompute_reference)."""
+    al. 2024: length-normalised, no reference model); or grpo (Shao et al. 2024: reinforcement
+    learning with verifiable rewards on {prompt, ...} records, [grpo] holds its settings). dpo and
+    ipo compare with a reference model: the base with its adapters off under LoRA, else
+    log-probabilities of the initial model computed once before the first step
+    (preference.precompute_reference)."""
     grad_clip: float = 1.0
     """Clip gradients to this global L2 norm; 0 turns clipping off."""
     seed: int = 1337
@@ -817,6 +818,47 @@ class PreferenceConfig:
 
 
 @dataclass(frozen=True)
+class GRPOConfig:
+    reward: str = ""
+    """The reward function, "package.module:function" (importable where kiln runs): called as
+    TRL calls one, function(prompts=[...], completions=[...], **fields), each field a list of the
+    records' other values (e.g. answer=[...]), one entry per completion; returns a float per
+    completion (None counts as 0)."""
+    group_size: int = 8
+    """Completions sampled for each prompt; each one's advantage is its reward against its
+    group's (minus the group's mean, over its standard deviation with grpo.scale_rewards)."""
+    max_new_tokens: int = 64
+    """The longest completion sampled; one that reaches it without ending is cut there."""
+    temperature: float = 1.0
+    """Sampling temperature of the completions."""
+    top_p: float = 1.0
+    """Nucleus sampling: the smallest set of most likely tokens whose probabilities reach top_p."""
+    kl_coef: float = 0.0
+    """Weight of the per-token KL estimate (Schulman's k3) to the reference model, which is the
+    model with its LoRA adapters off (so a kl_coef > 0 needs lora.rank); 0 (TRL's default) leaves
+    the reference out."""
+    scale_rewards: bool = True
+    """Divide each advantage by its group's reward standard deviation (GRPO's); false leaves the
+    rewards unscaled, as Dr. GRPO does."""
+    length_norm: Literal["sequence", "dr_grpo"] = "sequence"
+    """How a completion's token losses become its loss: sequence (their mean, GRPO's), or dr_grpo
+    (their sum over grpo.max_new_tokens: no bias towards long wrong answers, Liu et al. 2025).
+    Completions then weigh the same in the batch's mean, whatever the accumulation and ranks."""
+
+    def errors(self) -> list[str]:
+        return _failed(
+            (
+                self.group_size >= 2,
+                f"grpo.group_size: must be >= 2 (a group's rewards are compared), got {self.group_size}",
+            ),
+            (self.max_new_tokens >= 1, f"grpo.max_new_tokens: must be >= 1, got {self.max_new_tokens}"),
+            (self.temperature > 0, f"grpo.temperature: must be > 0 (completions are sampled), got {self.temperature}"),
+            (0 < self.top_p <= 1, f"grpo.top_p: must be in (0, 1], got {self.top_p}"),
+            (self.kl_coef >= 0, f"grpo.kl_coef: must be >= 0, got {self.kl_coef}"),
+        )
+
+
+@dataclass(frozen=True)
 class DebugConfig:
     """Test-only fault injection (``kiln.train.faults``): every fault is off by default, and a
     real run never sets one."""
@@ -886,6 +928,7 @@ class Config:
     profile: ProfileConfig = field(default_factory=ProfileConfig)
     lora: LoraConfig = field(default_factory=LoraConfig)
     preference: PreferenceConfig = field(default_factory=PreferenceConfig)
+    grpo: GRPOConfig = field(default_factory=GRPOConfig)
     debug: DebugConfig = field(default_factory=DebugConfig)
 
     def grad_accum_steps(self, data_parallel: int = 1) -> int:
@@ -910,6 +953,7 @@ class Config:
             self.run,
             self.lora,
             self.preference,
+            self.grpo,
             self.debug,
         )
         pp, cp, micro = self.parallel.pp, self.parallel.cp, self.train.micro_batch_size
@@ -975,6 +1019,20 @@ class Config:
                 self.train.objective == "sft" or (pp == 1 and cp == 1),
                 f"train.objective: {self.train.objective} scores whole sequences of each pair, which pipeline stages "
                 "and context-parallel chunks (parallel.pp, parallel.cp > 1) do not hold; use FSDP, DDP or TP",
+            ),
+            (
+                self.train.objective != "grpo" or self.grpo.reward,
+                "grpo.reward: grpo needs a reward function, package.module:function",
+            ),
+            (
+                self.train.objective != "grpo" or not self.grpo.kl_coef or self.lora.rank,
+                "grpo.kl_coef: the KL term's reference is the model with its LoRA adapters off; set lora.rank, or "
+                "grpo.kl_coef=0",
+            ),
+            (
+                self.train.objective != "grpo" or (self.parallel.strategy == "ddp" and self.parallel.tp == 1),
+                "train.objective: grpo samples completions of its own length on each rank, which sharded layouts "
+                "(FSDP, TP) would have to keep in step; use one process or parallel.strategy=ddp",
             ),
             (
                 self.train.objective == "sft" or not self.train.compile,

@@ -32,6 +32,7 @@ from kiln.config import Config
 from kiln.data.batch import IGNORE_INDEX, PairBatch, TokenBatch
 from kiln.distributed.world import World
 from kiln.io import write_atomic
+from kiln.train.logps import completion_logps
 
 REFERENCE_FILE = "reference_logps.pt"
 # The objectives that compare the policy with a reference model.
@@ -44,17 +45,6 @@ METRICS = (
     "logps/chosen",
     "logps/rejected",
 )
-
-
-def completion_logps(model: nn.Module, half: TokenBatch) -> tuple[torch.Tensor, torch.Tensor]:
-    """Summed log-probabilities [rows] of each row's labelled tokens, and how many there are."""
-    logits = model(half.input_ids, attention_mask=half.attention_mask, position_ids=half.position_ids)
-    targets = half.labels[:, 1:]
-    nll = F.cross_entropy(
-        logits[:, :-1].flatten(0, 1).float(), targets.flatten(), ignore_index=IGNORE_INDEX, reduction="none"
-    )
-    counted = targets != IGNORE_INDEX
-    return -nll.view(targets.shape).sum(1), counted.sum(1)
 
 
 def pair_logps(model: nn.Module, batch: PairBatch) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:

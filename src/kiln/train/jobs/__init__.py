@@ -2,7 +2,8 @@
 command gets its job from.
 
 ``lm``: a language model trained on text; ``finetune``: a Hugging Face model trained on records
-(supervised, or on preference pairs when ``train.objective`` says so: ``PreferenceJob``);
+(supervised, or on preference pairs or with rewards when ``train.objective`` says so:
+``PreferenceJob``, ``GRPOJob``);
 ``module``: your own ``nn.Module`` through ``kiln.Trainer``. A config's ``run.job`` says which
 (``auto`` is resolved here, once, and recorded in the run's config.toml).
 """
@@ -16,6 +17,7 @@ from kiln.config import Config, ConfigError, validate
 from kiln.device import resolve_device, resolve_precision
 from kiln.train.jobs.base import EvalContext, Job, LoadedRun
 from kiln.train.jobs.finetune import FineTuneJob, uses_records
+from kiln.train.jobs.grpo import GRPOJob
 from kiln.train.jobs.lm import LMJob
 from kiln.train.jobs.module import ModuleJob
 from kiln.train.jobs.preference import PreferenceJob
@@ -25,6 +27,7 @@ JOBS: dict[str, type[Job]] = {"lm": LMJob, "finetune": FineTuneJob}
 __all__ = [
     "EvalContext",
     "FineTuneJob",
+    "GRPOJob",
     "Job",
     "LMJob",
     "LoadedRun",
@@ -63,10 +66,10 @@ def job_for(cfg: Config) -> Job:
         if cfg.run.job != "finetune":
             raise ConfigError(
                 [
-                    f"train.objective: {cfg.train.objective} trains on preference records ({{prompt, chosen, "
-                    "rejected}} in .jsonl, .csv or .parquet) with a model that has its own tokenizer (model.source = "
-                    f"hf:PATH); this config makes a {cfg.run.job} run"
+                    f"train.objective: {cfg.train.objective} trains on records ({{prompt, chosen, rejected}} pairs, "
+                    "or grpo's {prompt, ...}, in .jsonl, .csv or .parquet) with a model that has its own tokenizer "
+                    f"(model.source = hf:PATH); this config makes a {cfg.run.job} run"
                 ]
             )
-        return PreferenceJob(cfg)
+        return GRPOJob(cfg) if cfg.train.objective == "grpo" else PreferenceJob(cfg)
     return JOBS[cfg.run.job](cfg)

@@ -1,0 +1,177 @@
+"""GRPO (Shao et al. 2024): reinforcement learning with verifiable rewards. For each prompt of a
+micro-batch the model samples a group of completions with the family's KV-cache decoder, a reward
+function scores them, and each completion's advantage is its reward against its group's; the
+loss raises the log-probability of the completion's tokens in proportion to it (optionally minus
+a KL estimate to the reference model, the model with its LoRA adapters off).
+
+Each group of completions is sampled and trained on in one step (on-policy: the policy ratio of
+the clipped surrogate is exactly 1, as in TRL with one iteration per generation, so no clip
+constant is offered). Every completion weighs the same in the mean, whatever the accumulation
+and ranks. Sampling draws its seed from the global torch generator, which checkpoints keep, so a
+resumed run samples what the uninterrupted one did. Generation and training time are reported
+apart.
+"""
+
+from __future__ import annotations
+
+import importlib
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel
+
+from kiln.config import Config, ConfigError
+from kiln.data.batch import IGNORE_INDEX, TokenBatch, pad_rows
+from kiln.data.prompts import PromptBatch
+from kiln.distributed.world import World
+from kiln.models.family import ModelFamily
+from kiln.train.logps import token_logps
+from kiln.train.preference import adapters_disabled
+
+# Means over the log interval's completions; and the interval's generation time on this rank.
+METRICS = ("reward", "reward_std", "completions/mean_length", "completions/clipped_ratio", "kl")
+
+
+def load_reward(spec: str) -> Callable[..., list[float | None]]:
+    """The function ``package.module:function`` names (ConfigError naming grpo.reward if not)."""
+    module_name, _, name = spec.partition(":")
+    if not module_name or not name:
+        raise ConfigError([f"grpo.reward: {spec!r} is not package.module:function"])
+    try:
+        function = getattr(importlib.import_module(module_name), name)
+    except (ImportError, AttributeError) as e:
+        raise ConfigError([f"grpo.reward: cannot import {spec}: {e}"]) from None
+    if not callable(function):
+        raise ConfigError([f"grpo.reward: {spec} is not callable"])
+    return function
+
+
+class GRPOLoss:
+    """``loss(model, batch)``: the GRPO loss of a micro-batch of prompts (mean over its
+    completions); ``metrics`` reports the interval's rewards, lengths and generation time."""
+
+    def __init__(self, cfg: Config, family: ModelFamily, tokenizer: Any, reward: Callable, world: World):
+        self.g, self.family, self.tokenizer, self.reward, self.world = cfg.grpo, family, tokenizer, reward, world
+        self.kl = cfg.grpo.kl_coef > 0
+        # METRICS' sums, the generation seconds and the completions: host values (rewards are).
+        self.sums = torch.zeros(len(METRICS) + 2, dtype=torch.float64)
+
+    def __call__(self, model: nn.Module, batch: PromptBatch) -> torch.Tensor:
+        started = time.perf_counter()
+        rows, completions = self.sample(model, batch)
+        generation_s = time.perf_counter() - started
+        rewards = self.score(batch, completions)
+        g = self.g
+        grouped = rewards.view(len(batch), g.group_size)
+        advantages = grouped - grouped.mean(1, keepdim=True)
+        if g.scale_rewards:
+            advantages = advantages / (grouped.std(1, keepdim=True) + 1e-4)
+        device = next(p.device for p in model.parameters())
+        rows = rows.to(device)
+        logps, scored = token_logps(model, rows)
+        # The ratio to the policy that sampled (this one): 1, with the gradient of log p.
+        ratio = torch.exp(logps - logps.detach())
+        per_token = -ratio * advantages.flatten().to(device=device, dtype=logps.dtype)[:, None]
+        kl = torch.zeros((), device=device)
+        if self.kl:
+            with torch.no_grad(), adapters_disabled(model):
+                ref, _ = token_logps(model, rows)
+            log_ratio = ref - logps
+            k3 = torch.exp(log_ratio) - log_ratio - 1  # unbiased and never negative
+            per_token = per_token + g.kl_coef * k3
+            kl = (k3 * scored).sum() / scored.sum().clamp(min=1)
+        lengths = scored.sum(1)
+        norm = lengths.clamp(min=1) if g.length_norm == "sequence" else torch.full_like(lengths, g.max_new_tokens)
+        loss = ((per_token * scored).sum(1) / norm).mean()
+        ended = torch.tensor([c[-1] == self.tokenizer.eos_token_id for c in completions], dtype=torch.float64)
+        self.sums += torch.tensor(
+            [
+                rewards.sum().item(),
+                grouped.std(1).sum().item() * g.group_size,
+                float(lengths.sum().item()),
+                (1 - ended).sum().item(),
+                kl.item() * len(completions),
+                generation_s,
+                len(completions),
+            ],
+            dtype=torch.float64,
+        )
+        return loss
+
+    @torch.no_grad()
+    def sample(self, model: nn.Module, batch: PromptBatch, greedy: bool = False) -> tuple[TokenBatch, list[list[int]]]:
+        """Each prompt's group of completions (one greedy completion each with ``greedy``), as
+        training rows (prompt + completion, only the completion labelled) and as token lists (up
+        to and including the end-of-text token, when they reach one)."""
+        g, eos = self.g, self.tokenizer.eos_token_id
+        inner = model.module if isinstance(model, DistributedDataParallel) else model
+        device = next(p.device for p in inner.parameters())
+        # One draw from the global generator (identical on every rank, and in checkpoints) seeds
+        # this micro-batch's sampling; the rank makes the ranks' samples differ.
+        generator = torch.Generator(device).manual_seed(int(torch.randint(2**62, (1,)).item()) + self.world.rank)
+        group = 1 if greedy else g.group_size
+        sampling = {"temperature": 0.0} if greedy else {"temperature": g.temperature, "top_p": g.top_p}
+        ids, labels, completions = [], [], []
+        for prompt in batch.prompt_ids:
+            tokens = torch.tensor([prompt] * group, device=device)
+            out = self.family.generate(inner, tokens, g.max_new_tokens, eos_id=eos, generator=generator, **sampling)
+            if out is None:
+                raise ConfigError(
+                    [f"train.objective: grpo samples from the model, which {self.family.name} models cannot"]
+                )
+            for row in out[:, len(prompt) :].tolist():
+                completion = row[: row.index(eos) + 1] if eos in row else row
+                completions.append(completion)
+                ids.append(prompt + completion)
+                labels.append([IGNORE_INDEX] * len(prompt) + completion)
+        lengths = [len(r) for r in ids]
+        pad = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else eos
+        rows = TokenBatch(
+            input_ids=pad_rows(ids, pad),
+            labels=pad_rows(labels, IGNORE_INDEX),
+            attention_mask=pad_rows([[1] * n for n in lengths], 0),
+            lengths=lengths,
+            loss_tokens=[len(c) for c in completions],
+        )
+        return rows, completions
+
+    def score(self, batch: PromptBatch, completions: list[list[int]], group: int | None = None) -> torch.Tensor:
+        """The reward function's values [completions], float64 on the host."""
+        group = group or self.g.group_size
+        texts = [self.tokenizer.decode(c, skip_special_tokens=True) for c in completions]
+        prompts = [p for p in batch.prompts for _ in range(group)]
+        names = {k for f in batch.fields for k in f}
+        fields = {k: [f.get(k) for f in batch.fields for _ in range(group)] for k in names}
+        values = self.reward(prompts=prompts, completions=texts, **fields)
+        if len(values) != len(texts):
+            raise ValueError(f"grpo.reward: returned {len(values)} rewards for {len(texts)} completions")
+        return torch.tensor([0.0 if v is None else float(v) for v in values], dtype=torch.float64)
+
+    def metrics(self, world: World) -> dict[str, float]:
+        """The interval's means over its completions and its seconds of sampling (averaged over
+        the ranks), and a new interval. The rest of the interval's time is training."""
+        if not self.sums[-1]:
+            return {}
+        sums = world.mean(self.sums.to(world.device)).tolist()
+        self.sums = torch.zeros_like(self.sums)
+        out = {name: v / sums[-1] for name, v in zip(METRICS, sums, strict=False)}
+        out["time/generation_s"] = sums[-2]
+        return out
+
+    def evaluate(self, model: nn.Module, batches: list[PromptBatch]) -> dict[str, float]:
+        """``val_reward``: the mean reward of one greedy completion of each validation prompt, and
+        ``val_completions/mean_length``."""
+        rewards, lengths = [], []
+        for batch in batches:
+            _, completions = self.sample(model, batch, greedy=True)
+            rewards.append(self.score(batch, completions, group=1))
+            lengths += [len(c) for c in completions]
+        if not lengths:
+            return {}
+        return {
+            "val_reward": torch.cat(rewards).mean().item(),
+            "val_completions/mean_length": sum(lengths) / len(lengths),
+        }

@@ -1,0 +1,165 @@
+"""GRPO: a tiny Llama, started from a short SFT, learns to answer small sums from a verifiable
+reward; the loss and advantages are GRPO's; SIGKILL and resume is bitwise (the sampling seed
+comes from the checkpointed generator); bad settings are refused before anything is written."""
+
+import json
+import random
+from pathlib import Path
+
+import pytest
+import torch
+
+from kiln.cli import main
+from kiln.config import load_config
+from kiln.train.trainer import train
+
+from conftest import ft_sets, write_jsonl
+from kilnrun import kill_and_resume, records, sets
+
+pytestmark = pytest.mark.e2e
+
+transformers = pytest.importorskip("transformers")
+
+
+def sums(n: int, seed: int = 0) -> list[tuple[str, int]]:
+    rng = random.Random(seed)
+    out = []
+    for _ in range(n):
+        a, b = rng.randint(0, 4), rng.randint(0, 4)
+        out.append((f"{a} + {b} =", a + b))
+    return out
+
+
+def grpo_sets(run_dir, source, model_dir, **extra) -> list[str]:
+    items = {
+        "data__seq_len": 24,
+        "train__objective": "grpo",
+        "grpo__reward": "rewards:right_sum",
+        "grpo__group_size": 4,
+        "grpo__max_new_tokens": 4,
+        "train__max_steps": 4,
+        "train__micro_batch_size": 2,
+        "train__global_batch_size": 2,
+        "train__lr": 1e-3,
+        "train__warmup_steps": 0,
+        "checkpoint__every": 0,
+    }
+    return ft_sets(run_dir, source, model_dir, **(items | extra))
+
+
+@pytest.fixture(scope="module")
+def prompts(tmp_path_factory) -> Path:
+    rows = [{"prompt": p, "answer": a} for p, a in sums(200)]
+    return write_jsonl(tmp_path_factory.mktemp("grpo") / "prompts.jsonl", rows)
+
+
+@pytest.fixture(scope="module")
+def warm_llama(tmp_path_factory, hf_llama) -> Path:
+    """The tiny Llama after a short SFT on the sums (right about a third of the time), exported."""
+    work = tmp_path_factory.mktemp("sft")
+    source = write_jsonl(work / "sft.jsonl", [{"prompt": p, "completion": f" {a}"} for p, a in sums(400, seed=1)])
+    run = work / "run"
+    items = ft_sets(run, source, hf_llama, train__max_steps=60, train__micro_batch_size=16, train__global_batch_size=16)
+    train(load_config(None, items), console=False)
+    assert main(["export", str(run), "--format", "hf", "--out", str(work / "model")]) == 0
+    return work / "model"
+
+
+@pytest.mark.slow
+def test_grpo_raises_the_mean_reward_above_0_8(tmp_path, prompts, warm_llama):
+    run = tmp_path / "run"
+    items = grpo_sets(
+        run,
+        prompts,
+        warm_llama,
+        train__max_steps=150,
+        train__micro_batch_size=16,
+        train__global_batch_size=16,
+        train__lr=1e-3,
+        train__log_every=10,
+        grpo__group_size=16,
+        grpo__temperature=0.7,
+        eval__every=150,
+    )
+    train(load_config(None, items), console=False)
+    rewards = [r["reward"] for r in records(run) if "reward" in r]
+    # About half right at the start (the SFT), sampled at temperature 0.7.
+    assert rewards[0] < 0.7 and sum(rewards[-3:]) / 3 > 0.8, rewards
+    val = next(r for r in records(run) if "val_reward" in r)
+    assert val["val_reward"] > 0.8, val
+    assert all(r["time/generation_s"] > 0 and r["completions/mean_length"] >= 1 for r in records(run) if "reward" in r)
+
+
+def test_the_loss_is_grpos_on_the_sampled_completions(tmp_path, prompts, hf_llama):
+    from kiln.data.prompts import prompt_collate
+    from kiln.train.jobs import job_for
+    from kiln.train.logps import token_logps
+
+    cfg = load_config(None, grpo_sets(tmp_path / "run", prompts, hf_llama, grpo__max_new_tokens=6))
+    job = job_for(cfg)
+    from kiln.distributed.world import World
+
+    job.prepare(World(), console=False)
+    model = job.whole_model(torch.device("cpu")).eval()
+    batch = prompt_collate(job.prompts.train.rows[:3])
+    torch.manual_seed(7)
+    loss = job.loss_fn(model, batch)
+    loss.backward()
+    ours = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    model.zero_grad()
+    # By hand: the same draws, the advantages of each group, the mean over completions of each
+    # one's mean token log-probability times its advantage.
+    torch.manual_seed(7)
+    rows, completions = job.objective.sample(model, batch)
+    rewards = job.objective.score(batch, completions).view(3, 4)
+    advantages = ((rewards - rewards.mean(1, keepdim=True)) / (rewards.std(1, keepdim=True) + 1e-4)).flatten()
+    logps, scored = token_logps(model, rows)
+    mean_logp = (logps * scored).sum(1) / scored.sum(1)
+    by_hand = -(advantages.float() * mean_logp).mean()
+    torch.testing.assert_close(loss, by_hand, rtol=0, atol=1e-6)
+    by_hand.backward()
+    for name, grad in ours.items():
+        torch.testing.assert_close(grad, dict(model.named_parameters())[name].grad, rtol=0, atol=1e-6, msg=name)
+
+
+@pytest.mark.slow
+def test_sigkill_and_resume_is_bitwise(tmp_path, prompts, warm_llama):
+    # The completions are sampled again after the resume: bitwise only if the sampling seeds are.
+    items = grpo_sets(
+        tmp_path, prompts, warm_llama, train__max_steps=16, checkpoint__every=3, lora__rank=4, grpo__kl_coef=0.05
+    )
+    kill_and_resume(tmp_path, items, kill_after=7)
+    logged = [r for r in records(tmp_path / "killed") if "kl" in r]
+    assert logged and all(r["kl"] >= 0 for r in logged) and any(r["kl"] > 0 for r in logged)
+
+
+@pytest.mark.parametrize(
+    ("extra", "message"),
+    [
+        ({"grpo.reward": ""}, "grpo.reward: grpo needs a reward function"),
+        ({"grpo.reward": "rewards:nowhere"}, "grpo.reward: cannot import rewards:nowhere"),
+        ({"grpo.reward": "no_such_module_x:f"}, "grpo.reward: cannot import no_such_module_x:f"),
+        ({"grpo.kl_coef": 0.1}, "grpo.kl_coef: the KL term's reference is the model with its LoRA adapters off"),
+        ({"parallel.strategy": "fsdp"}, "train.objective: grpo samples completions of its own length"),
+        ({"grpo.max_new_tokens": 24}, "grpo.max_new_tokens: 24 leaves no room for the prompt"),
+        ({"grpo.group_size": 1}, "grpo.group_size: must be >= 2"),
+    ],
+)
+def test_bad_grpo_settings_exit_2_and_write_nothing(tmp_path, prompts, hf_llama, capsys, extra, message):
+    run = tmp_path / "run"
+    items = grpo_sets(run, prompts, hf_llama) + [f"{k}={v}" for k, v in extra.items()]
+    assert main(["train", *sets(items)]) == 2
+    err = capsys.readouterr().err
+    assert message in err, err
+    assert not run.exists()
+
+
+def test_a_grpo_run_is_scored_by_kiln_eval(tmp_path, prompts, hf_llama, capsys):
+    run = tmp_path / "run"
+    items = grpo_sets(run, prompts, hf_llama, train__max_steps=2, checkpoint__every=2, eval__every=2)
+    assert main(["train", *sets(items)]) == 0
+    val = next(r for r in records(run) if "val_reward" in r)
+    capsys.readouterr()
+    assert main(["eval", str(run)]) == 0
+    scored = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert scored["val_reward"] == pytest.approx(val["val_reward"])
