@@ -10,7 +10,8 @@ after it. Rows of up to 256 tokens, 8 pairs a step, lr 5e-6, beta 0.1, sigmoid l
 reference: both precompute the initial model's log-probabilities before training (kiln's default,
 TRL's ``precompute_ref_log_probs=True``), or with ``--lora`` (rank 16) both take the model with its
 adapters off. TRL sees the pairs in kiln's order; both are timed after warm-up steps, and rounds
-alternate which goes first.
+alternate which goes first. The first 400 records are used (``--pairs``): both sides compute the
+reference over all of them before the first step, which is not timed.
 """
 
 from __future__ import annotations
@@ -40,8 +41,9 @@ from kiln.train.trainer import Trainer  # noqa: E402
 from common import alternating_rounds, kiln_tokens_per_s  # noqa: E402
 
 
-def pairs(records: Path, out: Path) -> Path:
-    rows = [json.loads(line) for line in records.read_text().splitlines()]
+def pairs(records: Path, out: Path, n: int) -> Path:
+    """The first ``n`` records as pairs (both sides compute the reference on all of them first)."""
+    rows = [json.loads(line) for line in records.read_text().splitlines()][:n]
     pairs = [
         {"prompt": r["prompt"], "chosen": r["completion"], "rejected": rows[(i + 1) % len(rows)]["completion"]}
         for i, r in enumerate(rows)
@@ -148,12 +150,13 @@ def main() -> None:
     ap.add_argument("--warmup", type=int, default=5)
     ap.add_argument("--rounds", type=int, default=1)
     ap.add_argument("--lora", action="store_true")
+    ap.add_argument("--pairs", type=int, default=400, help="records used (kiln holds out its val split of them)")
     args = ap.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         tmp = Path(tmp)
         train, _ = causal_records(tmp / "records")
-        source = pairs(train, tmp / "pairs.jsonl")
-        model = tiny_llama(tmp / "model", minilm())
+        source = pairs(train, tmp / "pairs.jsonl", args.pairs)
+        model = tiny_llama(tmp / "model", minilm(tmp))
         from transformers import AutoTokenizer
 
         # TRL appends the tokenizer's eos_token to text completions: MiniLM's [SEP], as the model's config says.

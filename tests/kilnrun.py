@@ -16,6 +16,7 @@ import numpy as np
 import torch
 
 TESTS = Path(__file__).parent
+EXAMPLES = TESTS.parent / "examples"
 
 
 def command(*args: Any) -> list[str]:
@@ -24,9 +25,9 @@ def command(*args: Any) -> list[str]:
 
 
 def environment(env: dict[str, str] | None = None) -> dict[str, str]:
-    """This process's environment, ``env`` on top, with tests/ on the path (plug-in families
-    and helpers the runs import live there)."""
-    path = os.pathsep.join(filter(None, [str(TESTS), os.environ.get("PYTHONPATH")]))
+    """This process's environment, ``env`` on top, with tests/ and examples/ on the path (plug-in
+    families, helpers and the example reward functions the runs import live there)."""
+    path = os.pathsep.join(filter(None, [str(TESTS), str(EXAMPLES), os.environ.get("PYTHONPATH")]))
     return {**os.environ, "PYTHONPATH": path, **(env or {})}
 
 

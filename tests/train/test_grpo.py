@@ -4,6 +4,7 @@ comes from the checkpointed generator); bad settings are refused before anything
 
 import json
 import random
+import sys
 from pathlib import Path
 
 import pytest
@@ -14,7 +15,10 @@ from kiln.config import load_config
 from kiln.train.trainer import train
 
 from conftest import ft_sets, write_jsonl
-from kilnrun import kill_and_resume, records, sets
+from kilnrun import EXAMPLES, kill_and_resume, records, sets
+
+# grpo.reward = "rewards:right_sum" (examples/rewards.py), imported by the runs made in this process.
+sys.path.insert(0, str(EXAMPLES))
 
 pytestmark = pytest.mark.e2e
 

@@ -14,11 +14,12 @@ import torch
 
 from kiln.cli import main
 from kiln.config import load_config
-from kiln.data.preference import PairCollate, preference_row
+from kiln.data.preference import PairCollate, preference_row, prepare_preference
 from kiln.data.records import Record
 from kiln.distributed.world import World
 from kiln.models.hf import CausalLM
 from kiln.train.preference import Precomputed, PreferenceLoss, pair_logps
+from kiln.train.trainer import train
 
 from conftest import ft_sets, write_jsonl
 from grad_probe import assert_same_gradients_three_ways
@@ -159,11 +160,75 @@ def test_simpo_equals_trl_cpo_with_simpo_loss(tmp_path, hf_llama):
     torch.testing.assert_close(ours, theirs.to(ours.dtype), rtol=0, atol=1e-5)
 
 
+def test_orpo_is_the_chosen_likelihood_and_trls_odds_ratio_term(tmp_path, hf_llama):
+    # TRL's ORPOTrainer takes its likelihood term over the prompt's tokens too; kiln, as the paper,
+    # over the chosen completion's (per pair, so exact under accumulation). The odds-ratio term is
+    # TRL's own function, given the per-token mean log-probabilities (which equal TRL's).
+    orpo = pytest.importorskip("trl.experimental.orpo")
+    from datasets import Dataset
+
+    tokenizer = transformers.AutoTokenizer.from_pretrained(hf_llama)
+    policy = transformers.AutoModelForCausalLM.from_pretrained(hf_llama).eval()
+    records = preference_records(6, seed=4)
+    args = orpo.ORPOConfig(output_dir=str(tmp_path / "trl"), report_to=[], use_cpu=True, bf16=False, beta=0.25)
+    trainer = orpo.ORPOTrainer(
+        model=copy.deepcopy(policy), args=args, processing_class=tokenizer, train_dataset=Dataset.from_list(records)
+    )
+    ours = _kiln_loss("orpo", policy, None, tokenizer, records, tmp_path, beta=0.25)
+    rows = [
+        preference_row(Record(r, Path("p.jsonl"), i + 1), tokenizer, 48)[0] | {"index": i}
+        for i, r in enumerate(records)
+    ]
+    with torch.no_grad():
+        chosen, rejected, n_chosen, n_rejected = pair_logps(CausalLM(policy).eval(), PairCollate(tokenizer)(rows))
+    mean_chosen, mean_rejected = chosen / n_chosen, rejected / n_rejected
+    odds_term = trainer.odds_ratio_loss(mean_chosen, mean_rejected)[0]
+    torch.testing.assert_close(ours, (-mean_chosen - odds_term).mean(), rtol=0, atol=1e-6)
+
+
+def kto_records(n: int, seed: int = 0) -> list[dict]:
+    """The sums of ``preference_records``, each answer alone, labelled: right ones desirable."""
+    out = []
+    for i, r in enumerate(preference_records(n, seed)):
+        good = i % 3 != 0
+        out.append({"prompt": r["prompt"], "completion": r["chosen" if good else "rejected"], "label": good})
+    return out
+
+
+def test_kto_equals_trl(tmp_path, hf_llama):
+    from trl import KTOConfig, KTOTrainer
+
+    tokenizer = transformers.AutoTokenizer.from_pretrained(hf_llama)
+    ref = transformers.AutoModelForCausalLM.from_pretrained(hf_llama).eval()
+    policy = copy.deepcopy(ref)
+    with torch.no_grad():
+        for p in policy.parameters():
+            p.add_(torch.randn_like(p) * 0.02)
+    records = kto_records(6, seed=5)
+    config = {"beta": 0.3, "desirable_weight": 1.2, "undesirable_weight": 0.8}
+    theirs = _trl_loss(
+        KTOTrainer, KTOConfig, copy.deepcopy(policy), copy.deepcopy(ref), tokenizer, records, tmp_path, **config
+    )
+    # kiln's rows as its job makes them: the KL rows pair each prompt with the answer before it.
+    source = write_jsonl(tmp_path / "kto.jsonl", records)
+    val = write_jsonl(tmp_path / "val.jsonl", kto_records(2, seed=6))  # every record of source trains
+    cfg = load_config(None, [f"data.source={source}", f"data.val_source={val}", "train.objective=kto"])
+    data = prepare_preference(cfg.data, tokenizer, 48, kto=True)
+    rows = data.train.rows
+    assert [r["desirable"] for r in rows] == [r["label"] for r in records]
+    reference = Precomputed(tmp_path / "ref", {}, {"train": rows}, data.collate, len(rows), World())
+    (tmp_path / "ref").mkdir()
+    reference.logps(CausalLM(ref).eval(), data.collate(rows), "train")
+    sets = ["train.objective=kto", *(f"preference.{k}={v}" for k, v in config.items())]
+    with torch.no_grad():
+        ours = PreferenceLoss(load_config(None, sets), reference)(CausalLM(policy).eval(), data.collate(rows))
+    torch.testing.assert_close(ours, theirs.to(ours.dtype), rtol=0, atol=1e-5)
+
+
 # -- the loop ------------------------------------------------------------------------------------
 
 
 def test_dpo_starts_at_ln2_with_lora_and_with_the_precomputed_reference(tmp_path, pairs, hf_llama):
-    from kiln.train.trainer import train
 
     for name, extra in (("lora", {"lora.rank": 4}), ("full", {})):
         run = tmp_path / name
@@ -195,7 +260,6 @@ def test_dpo_gradients_are_equal_whatever_the_accumulation_and_world_size(tmp_pa
 
 
 def test_a_tiny_llama_learns_a_learnable_preference(tmp_path, hf_llama):
-    from kiln.train.trainer import train
 
     source = write_jsonl(tmp_path / "pairs.jsonl", preference_records(160, seed=3))
     run = tmp_path / "run"
@@ -315,3 +379,40 @@ def test_kiln_report_shows_the_rewards(tmp_path, pairs, hf_llama, capsys):
     assert main(["report", str(run)]) == 0
     out = capsys.readouterr().out
     assert "rewards      accuracy last" in out and "val " in out.split("rewards")[1], out
+
+
+@pytest.mark.parametrize("extra", [{"lora__rank": 4}, {}], ids=["lora", "precomputed"])
+def test_a_kto_run_learns_and_logs_kl_and_rewards(tmp_path, hf_llama, extra):
+    source = write_jsonl(tmp_path / "kto.jsonl", kto_records(120, seed=7))
+    run = tmp_path / "run"
+    items = pref_sets(
+        run,
+        source,
+        hf_llama,
+        train__objective="kto",
+        train__max_steps=30,
+        train__micro_batch_size=8,
+        train__global_batch_size=8,
+        train__lr=3e-3,
+        eval__every=30,
+        preference__beta=0.5,
+        **extra,
+    )
+    train(load_config(None, items), console=False)
+    logged = records(run)
+    trained = [r for r in logged if "loss" in r]
+    assert all({"kl", "rewards/chosen", "rewards/rejected", "logps/chosen"} <= r.keys() for r in trained)
+    assert trained[0]["loss"] == pytest.approx(0.5, abs=1e-3)  # 1 - sigmoid(0) at the start
+    val = next(r for r in logged if "val_loss" in r)
+    assert val["val_rewards/margins"] > 0 and val["val_loss"] < 0.5, val
+
+
+def test_a_kto_label_that_is_not_true_or_false_is_refused(tmp_path, hf_llama, capsys):
+    source = write_jsonl(
+        tmp_path / "kto.jsonl", [*kto_records(4), {"prompt": "1 + 1 =", "completion": " 2", "label": "yes"}]
+    )
+    run = tmp_path / "run"
+    assert main(["train", *sets(pref_sets(run, source, hf_llama, train__objective="kto"))]) == 2
+    err = capsys.readouterr().err
+    assert f"{source}:5: field 'label' must be true or false, got 'yes'" in err, err
+    assert not run.exists()

@@ -364,15 +364,18 @@ class TrainConfig:
     per-matrix factor sqrt(max(1, rows / columns))."""
     muon_momentum: float = 0.95
     """Muon's momentum (Nesterov)."""
-    objective: Literal["sft", "dpo", "ipo", "simpo", "grpo"] = "sft"
+    objective: Literal["sft", "dpo", "ipo", "simpo", "orpo", "kto", "grpo"] = "sft"
     """What a fine-tuning run on records optimises: sft (the completions' likelihood), or a
     preference objective on {prompt, chosen, rejected} records ([preference] holds its settings):
     dpo (Rafailov et al. 2023, with preference.loss_type), ipo (Azar et al. 2023), simpo (Meng et
-    al. 2024: length-normalised, no reference model); or grpo (Shao et al. 2024: reinforcement
-    learning with verifiable rewards on {prompt, ...} records, [grpo] holds its settings). dpo and
-    ipo compare with a reference model: the base with its adapters off under LoRA, else
-    log-probabilities of the initial model computed once before the first step
-    (preference.precompute_reference)."""
+    al. 2024: length-normalised, no reference model), orpo (Hong et al. 2024: the chosen
+    completion's likelihood plus beta times an odds-ratio term, no reference model), kto
+    (Ethayarajh et al. 2024, on {prompt, completion, label} records: an answer labelled desirable
+    or not, with a reference model); or grpo
+    (Shao et al. 2024: reinforcement learning with verifiable rewards on {prompt, ...} records,
+    [grpo] holds its settings). dpo and ipo compare with a reference model: the base with its
+    adapters off under LoRA, else log-probabilities of the initial model computed once before the
+    first step (preference.precompute_reference); kto likewise."""
     grad_clip: float = 1.0
     """Clip gradients to this global L2 norm; 0 turns clipping off."""
     seed: int = 1337
@@ -791,7 +794,8 @@ class PreferenceConfig:
     beta: float = 0.1
     """dpo: the strength of the pull towards the reference model (the rewards are beta times the
     log-ratio to it); ipo: its regularisation tau (the margin aimed for is 1 / (2 beta)); simpo:
-    the reward scale (the paper uses 2-2.5); orpo: the weight lambda of the odds-ratio term."""
+    the reward scale (the paper uses 2-2.5); orpo: the weight lambda of the odds-ratio term
+    (the paper's 0.1 is TRL's default)."""
     loss_type: Literal["sigmoid", "hinge", "robust"] = "sigmoid"
     """dpo's loss of the reward margin m: sigmoid (-log sigmoid(m), the paper's; with
     label_smoothing, conservative DPO), hinge (relu(1 - m), SLiC) or robust (Chowdhury et al.
@@ -800,6 +804,11 @@ class PreferenceConfig:
     """dpo and simpo: the probability that a pair's preference is flipped, in [0, 0.5)."""
     gamma: float = 0.5
     """simpo: the target reward margin over beta (TRL's simpo_gamma)."""
+    desirable_weight: float = 1.0
+    """kto: the weight of a desirable answer's loss (raise it when they are fewer: the paper
+    keeps desirable_weight x desirables / (undesirable_weight x undesirables) in [1, 4/3])."""
+    undesirable_weight: float = 1.0
+    """kto: the weight of an undesirable answer's loss."""
     precompute_reference: bool = True
     """dpo and ipo without LoRA: the reference model's log-probabilities of every train and val
     pair, computed with the initial model once before the first step (on every rank, in the
@@ -814,6 +823,8 @@ class PreferenceConfig:
                 f"preference.label_smoothing: must be in [0, 0.5), got {self.label_smoothing}",
             ),
             (self.gamma >= 0, f"preference.gamma: must be >= 0, got {self.gamma}"),
+            (self.desirable_weight > 0, f"preference.desirable_weight: must be > 0, got {self.desirable_weight}"),
+            (self.undesirable_weight > 0, f"preference.undesirable_weight: must be > 0, got {self.undesirable_weight}"),
         )
 
 

@@ -114,6 +114,9 @@ class PairBatch(RowBatch):
     chosen: TokenBatch
     rejected: TokenBatch
     index: list[int] = field(default_factory=list)
+    # KTO's: ``chosen`` holds each record's answer, labelled desirable or not here, and ``rejected``
+    # its prompt with another record's answer (the rows its KL baseline is estimated from).
+    desirable: list[bool] | None = None
 
     def __len__(self) -> int:
         return len(self.chosen)
@@ -127,15 +130,17 @@ class PairBatch(RowBatch):
         return self.chosen.tokens + self.rejected.tokens
 
     def to(self, device: torch.device, non_blocking: bool = True) -> PairBatch:
-        return PairBatch(self.chosen.to(device, non_blocking), self.rejected.to(device, non_blocking), self.index)
+        halves = self.chosen.to(device, non_blocking), self.rejected.to(device, non_blocking)
+        return PairBatch(*halves, self.index, self.desirable)
 
     def pin_memory(self) -> PairBatch:
-        return PairBatch(self.chosen.pin_memory(), self.rejected.pin_memory(), self.index)
+        return PairBatch(self.chosen.pin_memory(), self.rejected.pin_memory(), self.index, self.desirable)
 
     def split_rows(self, size: int) -> list[PairBatch]:
         """Micro-batches of ``size`` pairs, each half cut to its own longest row."""
+        labels = self.desirable
         return [
-            PairBatch(chosen, rejected, self.index[start : start + size])
+            PairBatch(chosen, rejected, self.index[start : start + size], labels and labels[start : start + size])
             for start, chosen, rejected in zip(
                 range(0, len(self), size), self.chosen.split_rows(size), self.rejected.split_rows(size), strict=True
             )

@@ -1,4 +1,5 @@
-"""Preference objectives: DPO (sigmoid, hinge, robust), IPO and SimPO on pairs of completions.
+"""Preference objectives: DPO (sigmoid, hinge, robust), IPO, SimPO and ORPO on pairs of completions,
+and KTO on answers labelled desirable or not.
 
 A micro-batch is a ``PairBatch``: pair i's chosen and rejected completions sit in the same
 micro-batch, and the loss is the mean over its pairs, so the loop's token-exact weighing (by
@@ -11,7 +12,9 @@ second copy), or the initial model's log-probabilities of every pair, computed o
 first step in the run's own layout (every rank computes all pairs in one order, so sharded
 forwards stay in step) and kept in the run directory for a resumed run. Formulas follow the
 papers as TRL 1.16 writes them (``DPOTrainer``; SimPO is its ``CPOTrainer`` with ``cpo_alpha=0``),
-and the logged metrics carry TRL's names.
+and the logged metrics carry TRL's names. ORPO's likelihood term is the paper's, over the chosen
+completion only (the mean over pairs of each one's per-token mean, exact under accumulation);
+TRL's ``ORPOTrainer`` takes it over the prompt's tokens too.
 """
 
 from __future__ import annotations
@@ -36,7 +39,7 @@ from kiln.train.logps import completion_logps
 
 REFERENCE_FILE = "reference_logps.pt"
 # The objectives that compare the policy with a reference model.
-WITH_REFERENCE = ("dpo", "ipo")
+WITH_REFERENCE = ("dpo", "ipo", "kto")
 METRICS = (
     "rewards/chosen",
     "rewards/rejected",
@@ -77,26 +80,32 @@ class PreferenceLoss:
     def __init__(self, cfg: Config, reference: AdaptersOff | Precomputed | None):
         self.objective, self.p = cfg.train.objective, cfg.preference
         self.reference = reference
-        self.sums: torch.Tensor | None = None  # [len(METRICS) + 1]: the metrics' sums and the pairs
+        self.sums: torch.Tensor | None = None  # the stats' sums over the interval, and its pairs
 
     def __call__(self, model: nn.Module, batch: PairBatch) -> torch.Tensor:
         losses, stats = self.per_pair(model, batch)
+        # Each column's sum over the micro-batch, and its size: summed over the interval.
         sums = torch.cat([stats.sum(0), torch.tensor([len(batch)], device=stats.device, dtype=stats.dtype)])
         self.sums = sums if self.sums is None else self.sums + sums
         return losses.mean()
 
     def per_pair(self, model: nn.Module, batch: PairBatch, split: str = "train") -> tuple[torch.Tensor, torch.Tensor]:
-        """Each pair's loss [pairs] and its metrics [pairs, len(METRICS)] (detached)."""
+        """Each pair's loss [pairs] and what the metrics sum [pairs, columns] (detached)."""
+        if self.objective == "kto":
+            return self._kto(model, batch, split)
         chosen, rejected, n_chosen, n_rejected = pair_logps(model, batch)
         p = self.p
-        if self.objective == "simpo":
-            # Length-normalised log-probabilities are the rewards; no reference.
-            margin = chosen / n_chosen.clamp(min=1) - rejected / n_rejected.clamp(min=1) - p.gamma / p.beta
-            losses = _smoothed(p.beta * margin, p.label_smoothing)
-            reward_chosen, reward_rejected = (
-                p.beta * chosen / n_chosen.clamp(min=1),
-                p.beta * rejected / n_rejected.clamp(min=1),
-            )
+        if self.objective in ("simpo", "orpo"):
+            # Per-token mean log-probabilities, and no reference.
+            mean_chosen, mean_rejected = chosen / n_chosen.clamp(min=1), rejected / n_rejected.clamp(min=1)
+            if self.objective == "simpo":
+                losses = _smoothed(p.beta * (mean_chosen - mean_rejected - p.gamma / p.beta), p.label_smoothing)
+            else:
+                # The chosen completion's likelihood, and the log odds ratio of chosen over rejected
+                # (odds p / (1 - p) of the mean token probability p), as TRL's ORPOTrainer writes it.
+                log_odds = (mean_chosen - mean_rejected) - (_log1mexp(mean_chosen) - _log1mexp(mean_rejected))
+                losses = -mean_chosen - p.beta * F.logsigmoid(log_odds)
+            reward_chosen, reward_rejected = p.beta * mean_chosen, p.beta * mean_rejected
         else:
             assert self.reference is not None  # dpo and ipo are given one
             ref_chosen, ref_rejected = self.reference.logps(model, batch, split)
@@ -128,29 +137,69 @@ class PreferenceLoss:
         )
         return losses, stats
 
+    def _kto(self, model: nn.Module, batch: PairBatch, split: str) -> tuple[torch.Tensor, torch.Tensor]:
+        """KTO (Ethayarajh et al. 2024), as TRL's KTOTrainer computes it: each answer's reward is
+        beta times its log-ratio to the reference; a desirable answer's loss is 1 - sigmoid(reward -
+        beta z), an undesirable one's 1 - sigmoid(beta z - reward), with z the micro-batch's mean
+        log-ratio of its mismatched prompt + answer rows (``batch.rejected``), clamped at 0 and not
+        differentiated."""
+        assert self.reference is not None and batch.desirable is not None  # kto is given both
+        p = self.p
+        logps, _ = completion_logps(model, batch.chosen)
+        with torch.no_grad():
+            kl_logps, _ = completion_logps(model, batch.rejected)
+        ref, ref_kl = self.reference.logps(model, batch, split)
+        kl = (kl_logps - ref_kl).mean().clamp(min=0)
+        ratio = logps - ref
+        good = torch.as_tensor(batch.desirable, device=ratio.device)
+        losses = torch.where(
+            good,
+            p.desirable_weight * (1 - torch.sigmoid(p.beta * (ratio - kl))),
+            p.undesirable_weight * (1 - torch.sigmoid(p.beta * (kl - ratio))),
+        )
+        reward, logps = p.beta * ratio.detach(), logps.detach()
+        d = good.to(reward.dtype)
+        stats = torch.stack([reward * d, reward * (1 - d), d, 1 - d, logps * d, logps * (1 - d), kl.expand_as(d)], 1)
+        return losses, stats
+
+    def _finish(self, sums: list[float], prefix: str = "") -> dict[str, float]:
+        """The metrics from their sums over examples (the last sum: how many)."""
+        n = max(sums[-1], 1e-12)
+        if self.objective != "kto":
+            return {f"{prefix}{name}": value / n for name, value in zip(METRICS, sums, strict=False)}
+        good, bad = max(sums[2], 1e-12), max(sums[3], 1e-12)
+        out = {"rewards/chosen": sums[0] / good, "rewards/rejected": sums[1] / bad}
+        out |= {"rewards/margins": out["rewards/chosen"] - out["rewards/rejected"]}
+        out |= {"logps/chosen": sums[4] / good, "logps/rejected": sums[5] / bad, "kl": sums[6] / n}
+        return {f"{prefix}{name}": value for name, value in out.items()}
+
     def metrics(self, world: World) -> dict[str, float]:
         """The interval's means (over its pairs, on every rank), and a new interval."""
         if self.sums is None:
             return {}
         sums, self.sums = world.mean(self.sums), None
-        values = sums.tolist()
-        return {name: value / max(values[-1], 1e-12) for name, value in zip(METRICS, values, strict=False)}
+        return self._finish(sums.tolist())
 
     @torch.no_grad()
     def evaluate(self, model: nn.Module, batches: Sequence[PairBatch], device: torch.device) -> dict[str, float]:
         """``val_loss`` (the objective's, over the validation pairs) and the metrics as ``val_``."""
-        total = torch.zeros(len(METRICS) + 1, device=device, dtype=torch.float64)
+        total: torch.Tensor | None = None
         loss = torch.zeros((), device=device, dtype=torch.float64)
         pairs = 0
         for batch in batches:
             batch = batch.to(device)
             losses, stats = self.per_pair(model, batch, "val")
             loss += losses.double().sum()
-            total[:-1] += stats.double().sum(0)
+            total = stats.double().sum(0) if total is None else total + stats.double().sum(0)
             pairs += len(batch)
-        out = {"val_loss": loss.item() / max(pairs, 1)}
-        out.update({f"val_{name}": v / max(pairs, 1) for name, v in zip(METRICS, total.tolist(), strict=False)})
-        return out
+        if total is None:
+            return {}
+        return {"val_loss": loss.item() / pairs, **self._finish([*total.tolist(), pairs], "val_")}
+
+
+def _log1mexp(x: torch.Tensor) -> torch.Tensor:
+    """log(1 - exp(x)) for x < 0, without cancellation on either side of -ln 2."""
+    return torch.where(x < -0.6931471805599453, torch.log1p(-torch.exp(x)), torch.log(-torch.expm1(x)))
 
 
 def _smoothed(logits: torch.Tensor, label_smoothing: float) -> torch.Tensor:

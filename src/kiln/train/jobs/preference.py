@@ -31,7 +31,9 @@ class PreferenceJob(FineTuneJob):
         if cfg.model.task != "causal_lm":
             raise ConfigError([f"model.task: train.objective={cfg.train.objective} trains a causal_lm"])
         self.resolve_model()
-        self.pairs = data = prepare_preference(cfg.data, self.tokenizer, cfg.data.seq_len)
+        self.pairs = data = prepare_preference(
+            cfg.data, self.tokenizer, cfg.data.seq_len, kto=cfg.train.objective == "kto"
+        )
         self.train_data, self.collate_fn = data.train, data.collate
         # A pair is two sequences.
         self.tokens_per_sample = 2 * cfg.data.seq_len
@@ -102,7 +104,7 @@ class PreferenceJob(FineTuneJob):
                 ["kiln eval --data: a preference run is scored on its own validation pairs; leave it out"]
             )
         self.tokenizer, self.args = run.tokenizer, run.args
-        self.pairs = prepare_preference(cfg.data, run.tokenizer, cfg.data.seq_len)
+        self.pairs = prepare_preference(cfg.data, run.tokenizer, cfg.data.seq_len, kto=cfg.train.objective == "kto")
         # The saved model has trained: a precomputed reference can only be read back, not redone.
         self.objective = PreferenceLoss(cfg, self._reference(World(), computes=False))
         device = next(run.model.parameters()).device

@@ -1,4 +1,9 @@
-"""Reward functions for the GRPO tests, called as TRL calls them (``grpo.reward = "rewards:NAME"``)."""
+"""A reward function for GRPO (``train.objective = "grpo"``), called as TRL calls one:
+``grpo.reward = "rewards:right_sum"`` with this folder importable (``PYTHONPATH=examples``).
+
+Records are ``{"prompt": "3 + 4 =", "answer": 7}``; every field besides the prompt reaches the
+function as a list, one entry per completion.
+"""
 
 from __future__ import annotations
 
