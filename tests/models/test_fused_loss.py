@@ -1,11 +1,12 @@
-"""The fused output projection + cross-entropy equals the plain two-step computation."""
+"""The fused output projection + cross-entropy (and the per-row log-probabilities) equal the plain
+two-step computation."""
 
 import pytest
 import torch
 import torch.nn.functional as F
 
 from kiln.models import GPT, GPTConfig
-from kiln.models.fused_loss import linear_cross_entropy
+from kiln.models.fused_loss import linear_cross_entropy, linear_log_probs
 
 from conftest import tiny_gpt_config
 
@@ -104,3 +105,25 @@ def test_a_soft_capped_gpt_caps_its_logits_and_refuses_hugging_face_export():
         torch.testing.assert_close(model(x, x), F.cross_entropy(logits.flatten(0, 1), x.flatten()))
     with pytest.raises(ExportError, match="model.logit_softcap=0.5"):
         hf_adapter(cfg)
+
+
+@pytest.mark.parametrize("chunk_size", [64, 1000])
+def test_log_probs_and_their_weighted_gradients_equal_log_softmax(chunk_size):
+    hidden, weight, targets = _inputs()
+    keep = targets != -100
+    plain = F.log_softmax(hidden @ weight.t(), -1).gather(1, targets.clamp(min=0)[:, None]).squeeze(1) * keep
+    row_weights = torch.randn(len(targets), dtype=torch.float64, generator=torch.Generator().manual_seed(1))
+    want = torch.autograd.grad((plain * row_weights).sum(), (hidden, weight))
+    fused = linear_log_probs(hidden, weight, targets, chunk_size)
+    got = torch.autograd.grad((fused * row_weights).sum(), (hidden, weight))
+    torch.testing.assert_close(fused, plain)
+    assert (fused[~keep] == 0).all()
+    for a, b in zip(got, want, strict=True):
+        torch.testing.assert_close(a, b)
+
+
+def test_log_probs_of_a_frozen_head_give_no_weight_gradient():
+    hidden, weight, targets = _inputs()
+    frozen = weight.detach()
+    (grad,) = torch.autograd.grad(linear_log_probs(hidden, frozen, targets, 64).sum(), (hidden,))
+    assert grad.abs().sum() > 0 and frozen.grad is None

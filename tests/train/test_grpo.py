@@ -76,14 +76,14 @@ def test_grpo_raises_the_mean_reward_above_0_8(tmp_path, prompts, warm_llama):
         run,
         prompts,
         warm_llama,
-        train__max_steps=150,
+        train__max_steps=200,
         train__micro_batch_size=16,
         train__global_batch_size=16,
         train__lr=1e-3,
         train__log_every=10,
         grpo__group_size=16,
         grpo__temperature=0.7,
-        eval__every=150,
+        eval__every=200,
     )
     train(load_config(None, items), console=False)
     rewards = [r["reward"] for r in records(run) if "reward" in r]

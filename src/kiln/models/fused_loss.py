@@ -75,6 +75,62 @@ class _LinearCrossEntropy(torch.autograd.Function):
         return (grad_h * scale).to(h_dtype), (grad_w * scale).to(w_dtype), None, None, None
 
 
+class _LinearLogProbs(torch.autograd.Function):
+    """Each row's log-probability of its target (0 where ignored), a chunk of rows at a time. The
+    gradient depends on each row's weight in the caller's loss, so backward recomputes each
+    chunk's logits (one more projection) rather than keeping [N, V] of them."""
+
+    @staticmethod
+    def forward(ctx, hidden, weight, targets, chunk_size):
+        acc = torch.promote_types(weight.dtype, torch.float32)
+        out = torch.zeros(hidden.size(0), dtype=acc, device=hidden.device)
+        for start in range(0, hidden.size(0), chunk_size):
+            end = start + chunk_size
+            logits = (hidden[start:end].to(weight.dtype) @ weight.t()).to(acc)
+            t = targets[start:end]
+            picked = logits.gather(1, t.clamp(min=0)[:, None]).squeeze(1)
+            out[start:end] = (picked - logits.logsumexp(dim=-1)) * (t != IGNORE_INDEX)
+        ctx.save_for_backward(hidden, weight, targets)
+        ctx.chunk_size = chunk_size
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        hidden, weight, targets = ctx.saved_tensors
+        acc = torch.promote_types(weight.dtype, torch.float32)
+        want_h, want_w = ctx.needs_input_grad[:2]
+        grad_h = torch.zeros(hidden.shape, dtype=acc, device=hidden.device) if want_h else None
+        grad_w = torch.zeros(weight.shape, dtype=acc, device=weight.device) if want_w else None
+        for start in range(0, hidden.size(0), ctx.chunk_size):
+            end = start + ctx.chunk_size
+            h = hidden[start:end].to(weight.dtype)
+            t = targets[start:end]
+            g = (grad_out[start:end] * (t != IGNORE_INDEX)).to(acc)
+            # d log p(t) / d logits = one-hot(t) - softmax, times the row's weight in the loss.
+            grad = (h @ weight.t()).to(acc).softmax(dim=-1).mul_(-g[:, None])
+            grad.scatter_add_(1, t.clamp(min=0)[:, None], g[:, None])
+            grad = grad.to(weight.dtype)
+            if grad_h is not None:
+                grad_h[start:end] = grad @ weight
+            if grad_w is not None:
+                grad_w += grad.t() @ h
+        return (
+            None if grad_h is None else grad_h.to(hidden.dtype),
+            None if grad_w is None else grad_w.to(weight.dtype),
+            None,
+            None,
+        )
+
+
+def linear_log_probs(
+    hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, chunk_size: int | None = None
+) -> torch.Tensor:
+    """log p(target) [N] of each row of ``hidden [N, D] @ weight[V, D].T`` under its softmax, in
+    fp32, chunk by chunk (0 where the target is -100): what preference and RL objectives sum, with
+    no [N, V] buffer outliving its chunk in the forward or the backward pass."""
+    return _LinearLogProbs.apply(hidden, weight, targets, chunk_size or default_chunk_size(weight.size(0)))
+
+
 def default_chunk_size(vocab_size: int) -> int:
     """Rows per chunk: about 8 MiB of fp32 logits (cache-sized on a CPU; measured fastest there),
     but never fewer than 256 rows, which keeps each matmul large enough for a GPU."""

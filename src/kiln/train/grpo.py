@@ -114,15 +114,25 @@ class GRPOLoss:
         generator = torch.Generator(device).manual_seed(int(torch.randint(2**62, (1,)).item()) + self.world.rank)
         group = 1 if greedy else g.group_size
         sampling = {"temperature": 0.0} if greedy else {"temperature": g.temperature, "top_p": g.top_p}
-        ids, labels, completions = [], [], []
-        for prompt in batch.prompt_ids:
-            tokens = torch.tensor([prompt] * group, device=device)
+        # Prompts of one length are decoded together, every completion of each in one batch (the
+        # KV cache has no per-row padding, so prompts of other lengths wait for their own batch).
+        by_length: dict[int, list[int]] = {}
+        for i, prompt in enumerate(batch.prompt_ids):
+            by_length.setdefault(len(prompt), []).append(i)
+        sampled: list[list[list[int]]] = [[] for _ in batch.prompt_ids]
+        for length, members in by_length.items():
+            tokens = torch.tensor([batch.prompt_ids[i] for i in members for _ in range(group)], device=device)
             out = self.family.generate(inner, tokens, g.max_new_tokens, eos_id=eos, generator=generator, **sampling)
             if out is None:
                 raise ConfigError(
                     [f"train.objective: grpo samples from the model, which {self.family.name} models cannot"]
                 )
-            for row in out[:, len(prompt) :].tolist():
+            new = out[:, length:].tolist()
+            for k, i in enumerate(members):
+                sampled[i] = new[k * group : (k + 1) * group]
+        ids, labels, completions = [], [], []
+        for prompt, group_rows in zip(batch.prompt_ids, sampled, strict=True):
+            for row in group_rows:
                 completion = row[: row.index(eos) + 1] if eos in row else row
                 completions.append(completion)
                 ids.append(prompt + completion)

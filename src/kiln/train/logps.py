@@ -1,12 +1,12 @@
 """Log-probabilities of labelled tokens under a causal LM, in fp32: what the preference and
 reinforcement-learning objectives compare. Rows are token ids with ``labels`` aligned with them
-(-100 where a token is not scored: the prompt, padding); the model's convention is kiln's
-(``model(input_ids, attention_mask=..., position_ids=...)`` gives logits)."""
+(-100 where a token is not scored: the prompt, padding); the model is a causal LM in kiln's
+convention that gives them for ``model(input_ids, labels=..., ..., token_logps=True)`` (kiln's
+Hugging Face ``CausalLM``)."""
 
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from kiln.data.batch import IGNORE_INDEX, TokenBatch
@@ -14,13 +14,16 @@ from kiln.data.batch import IGNORE_INDEX, TokenBatch
 
 def token_logps(model: nn.Module, rows: TokenBatch) -> tuple[torch.Tensor, torch.Tensor]:
     """Each scored token's log-probability [rows, length - 1] (0 where not scored), and the mask
-    of the scored ones."""
-    logits = model(rows.input_ids, attention_mask=rows.attention_mask, position_ids=rows.position_ids)
-    targets = rows.labels[:, 1:]
-    nll = F.cross_entropy(
-        logits[:, :-1].flatten(0, 1).float(), targets.flatten(), ignore_index=IGNORE_INDEX, reduction="none"
+    of the scored ones: through the model's chunked output projection (no [tokens, vocabulary]
+    logits held whole) where it has one."""
+    logps = model(
+        rows.input_ids,
+        labels=rows.labels,
+        attention_mask=rows.attention_mask,
+        position_ids=rows.position_ids,
+        token_logps=True,
     )
-    return -nll.view(targets.shape), targets != IGNORE_INDEX
+    return logps, rows.labels[:, 1:] != IGNORE_INDEX
 
 
 def completion_logps(model: nn.Module, rows: TokenBatch) -> tuple[torch.Tensor, torch.Tensor]:

@@ -26,7 +26,7 @@ from torch import nn
 
 from kiln.config import ConfigError, ModelConfig
 from kiln.models.family import MemoryModel, ModelFamily, ParallelPlan, StateDictAdapter, build_model
-from kiln.models.fused_loss import linear_cross_entropy
+from kiln.models.fused_loss import linear_cross_entropy, linear_log_probs
 from kiln.models.generate import decode
 from kiln.models.gpt.memory import GPTMemory
 from kiln.models.gpt.model import GPTConfig
@@ -128,22 +128,35 @@ class CausalLM(nn.Module):
         cast(_Transformers, self.hf).init_weights()
 
     def forward(
-        self, input_ids, labels=None, attention_mask=None, position_ids=None, token_type_ids=None, targets=None
+        self,
+        input_ids,
+        labels=None,
+        attention_mask=None,
+        position_ids=None,
+        token_type_ids=None,
+        targets=None,
+        token_logps=False,
     ):
         """Logits; or given ``labels`` (aligned with the inputs, shifted here) or ``targets`` (the
-        next token of each input, as kiln's GPT takes them on text), the mean loss."""
+        next token of each input, as kiln's GPT takes them on text), the mean loss; with
+        ``token_logps``, each target's log-probability instead [B, T'] (0 where -100), in fp32."""
         inputs = dict(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids)
         if labels is None and targets is None:
             return self.hf(**inputs, use_cache=False).logits
         keep = slice(None) if targets is not None else slice(None, -1)
-        targets = (targets if targets is not None else labels[:, 1:]).flatten()
+        targets = targets if targets is not None else labels[:, 1:]
         if not self.fused:
-            logits = self.hf(**inputs, use_cache=False).logits[:, keep]
-            return F.cross_entropy(logits.flatten(0, 1).float(), targets)
+            logits = self.hf(**inputs, use_cache=False).logits[:, keep].flatten(0, 1).float()
+            if token_logps:
+                nll = F.cross_entropy(logits, targets.flatten(), ignore_index=-100, reduction="none")
+                return -nll.view(targets.shape)
+            return F.cross_entropy(logits, targets.flatten())
         hf = cast(_Transformers, _base(self.hf))
-        hidden = hf.base_model(**inputs, use_cache=False).last_hidden_state[:, keep]
+        hidden = hf.base_model(**inputs, use_cache=False).last_hidden_state[:, keep].flatten(0, 1)
         head = cast(nn.Linear, hf.get_output_embeddings())  # fused: a Linear head (checked in __init__)
-        return linear_cross_entropy(hidden.flatten(0, 1), head.weight, targets)
+        if token_logps:
+            return linear_log_probs(hidden, head.weight, targets.flatten()).view(targets.shape)
+        return linear_cross_entropy(hidden, head.weight, targets.flatten())
 
 
 class SequenceClassifier(nn.Module):
