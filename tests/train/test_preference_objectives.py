@@ -416,3 +416,24 @@ def test_a_kto_label_that_is_not_true_or_false_is_refused(tmp_path, hf_llama, ca
     err = capsys.readouterr().err
     assert f"{source}:5: field 'label' must be true or false, got 'yes'" in err, err
     assert not run.exists()
+
+
+def test_a_lora_dpo_run_exports_to_transformers_and_peft(tmp_path, pairs, hf_llama):
+    peft = pytest.importorskip("peft")
+    run = tmp_path / "run"
+    items = pref_sets(run, pairs, hf_llama, train__max_steps=4, train__lr=1e-2, checkpoint__every=4, lora__rank=4)
+    train(load_config(None, items), console=False)
+    out = tmp_path / "export"
+    assert main(["export", str(run), "--format", "hf", "--out", str(out)]) == 0
+    from kiln.train.run import load_run
+
+    ours = load_run(run, device="cpu").model.eval()
+    ids = torch.tensor([[1, 5, 9, 13, 17, 21]])
+    with torch.no_grad():
+        want = ours(ids)
+        merged = transformers.AutoModelForCausalLM.from_pretrained(out).eval()
+        base = transformers.AutoModelForCausalLM.from_pretrained(hf_llama).eval()
+        adapted = peft.PeftModel.from_pretrained(base, out / "adapter").eval()
+        torch.testing.assert_close(merged(ids).logits, want, rtol=0, atol=1e-5)
+        torch.testing.assert_close(adapted(ids).logits, want, rtol=0, atol=1e-5)
+        assert (transformers.AutoModelForCausalLM.from_pretrained(hf_llama)(ids).logits - want).abs().max() > 1e-4

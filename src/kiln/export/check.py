@@ -75,14 +75,10 @@ def validation_inputs(cfg: Config, tokenizer: Any, run_dir: Path, rows: int = 32
     data.seq_len from its val split (a language model trained on text), or its validation records
     (a fine-tuning run), tokenized by its ``tokenizer``."""
     if hasattr(tokenizer, "save_pretrained"):
-        from kiln.data.finetune import prepare_finetune
-
-        data = prepare_finetune(cfg.data, cfg.model.task, tokenizer, cfg.data.seq_len)
-        val = data.val.rows[:rows]
+        val, labels = _validation_records(cfg, tokenizer, rows)
         if not val:
             raise DataError(f"{cfg.data.source}: no validation records to check the export on")
-        ids = [torch.tensor([r["input_ids"]]) for r in val]
-        labels = [int(r["labels"]) for r in val] if cfg.model.task == "sequence_classification" else None
+        ids = [torch.tensor([r]) for r in val]
         return Inputs(ids, labels, f"{len(val)} validation records of {cfg.data.source}", cfg.data.seq_len)
     data_cfg = dataclasses.replace(cfg.data, tokenizer=str(run_dir / "tokenizer.json"))
     sequences = TokenSequences(prepare(data_cfg, progress=False).tokens("val"), cfg.data.seq_len)
@@ -93,6 +89,28 @@ def validation_inputs(cfg: Config, tokenizer: Any, run_dir: Path, rows: int = 32
     picks = [int(i * len(sequences) / n) for i in range(n)]
     ids = [torch.as_tensor(sequences[i][0], dtype=torch.long)[None] for i in picks]
     return Inputs(ids, None, f"{n} sequences of {cfg.data.seq_len} tokens from the val split", cfg.data.seq_len)
+
+
+def _validation_records(cfg: Config, tokenizer: Any, rows: int) -> tuple[list[list[int]], list[int] | None]:
+    """Token ids of up to ``rows`` validation records of a fine-tuning run, as its objective reads
+    them (a preference pair: its prompt and chosen answer; GRPO: its prompt), and their class ids
+    for a classifier."""
+    objective = cfg.train.objective
+    if objective == "grpo":
+        from kiln.data.prompts import prepare_prompts
+
+        prompts = prepare_prompts(cfg.data, tokenizer, cfg.data.seq_len).val.rows[:rows]
+        return [r["prompt_ids"] for r in prompts], None
+    if objective != "sft":
+        from kiln.data.preference import prepare_preference
+
+        pairs = prepare_preference(cfg.data, tokenizer, cfg.data.seq_len, kto=objective == "kto").val.rows[:rows]
+        return [r["prompt_ids"] + r["chosen_ids"] for r in pairs], None
+    from kiln.data.finetune import prepare_finetune
+
+    val = prepare_finetune(cfg.data, cfg.model.task, tokenizer, cfg.data.seq_len).val.rows[:rows]
+    labels = [int(r["labels"]) for r in val] if cfg.model.task == "sequence_classification" else None
+    return [r["input_ids"] for r in val], labels
 
 
 @torch.no_grad()
