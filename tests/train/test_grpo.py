@@ -140,7 +140,8 @@ def test_sigkill_and_resume_is_bitwise(tmp_path, prompts, warm_llama):
 @pytest.mark.parametrize(
     ("extra", "message"),
     [
-        ({"grpo.reward": ""}, "grpo.reward: grpo needs a reward function"),
+        ({"grpo.reward": ""}, "grpo.reward: grpo needs a reward, either a function"),
+        ({"grpo.reward_model": "somewhere"}, "grpo.reward: grpo needs a reward, either a function"),
         ({"grpo.reward": "rewards:nowhere"}, "grpo.reward: cannot import rewards:nowhere"),
         ({"grpo.reward": "no_such_module_x:f"}, "grpo.reward: cannot import no_such_module_x:f"),
         ({"grpo.kl_coef": 0.1}, "grpo.kl_coef: the KL term's reference is the model with its LoRA adapters off"),
@@ -167,3 +168,32 @@ def test_a_grpo_run_is_scored_by_kiln_eval(tmp_path, prompts, hf_llama, capsys):
     assert main(["eval", str(run)]) == 0
     scored = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert scored["val_reward"] == pytest.approx(val["val_reward"])
+
+
+def test_a_kiln_classifier_run_is_a_reward_model(tmp_path, prompts, hf_llama, hf_bert, capsys):
+    from kiln.train.grpo import RewardModel
+    from kiln.train.run import load_run
+
+    from hf_models import learnable_classes
+
+    source = write_jsonl(tmp_path / "cls.jsonl", learnable_classes(64))
+    classifier = tmp_path / "classifier"
+    items = ft_sets(classifier, source, hf_bert, model__task="sequence_classification", train__max_steps=2)
+    train(load_config(None, items + ["checkpoint.every=2"]), console=False)
+    # The reward: the classifier's probability of the class asked for, of prompt + completion.
+    reward = RewardModel(str(classifier), "food", torch.device("cpu"))
+    got = reward(prompts=["3 + 4 =", [{"role": "user", "content": "soup"}]], completions=[" bread", " apple"])
+    run = load_run(classifier, device="cpu")
+    encoded = run.tokenizer(["3 + 4 = bread", "soup apple"], padding=True, return_tensors="pt")
+    with torch.no_grad():
+        want = run.model(encoded["input_ids"], attention_mask=encoded["attention_mask"]).softmax(-1)[:, 1]
+    assert list(run.args.labels)[1] == "food"
+    torch.testing.assert_close(torch.tensor(got), want, rtol=0, atol=1e-6)
+    # A GRPO run with it, and a label it does not have.
+    run_dir = tmp_path / "grpo"
+    items = grpo_sets(run_dir, prompts, hf_llama, grpo__reward="", grpo__reward_model=classifier)
+    train(load_config(None, items), console=False)
+    assert all(0 <= r["reward"] <= 1 for r in records(run_dir) if "reward" in r)
+    bad = grpo_sets(tmp_path / "bad", prompts, hf_llama, grpo__reward="", grpo__reward_model=classifier)
+    assert main(["train", *sets([*bad, "grpo.reward_label=weather"])]) == 2
+    assert "grpo.reward_label: 'weather' is not one of" in capsys.readouterr().err

@@ -835,6 +835,12 @@ class GRPOConfig:
     TRL calls one, function(prompts=[...], completions=[...], **fields), each field a list of the
     records' other values (e.g. answer=[...]), one entry per completion; returns a float per
     completion (None counts as 0)."""
+    reward_model: str = ""
+    """Instead of grpo.reward: a kiln sequence-classification run (its directory, a checkpoint or
+    its safetensors export) that scores each prompt + completion; the reward is its probability
+    of grpo.reward_label."""
+    reward_label: str = ""
+    """The class of grpo.reward_model whose probability is the reward; empty: its last class."""
     group_size: int = 8
     """Completions sampled for each prompt; each one's advantage is its reward against its
     group's (minus the group's mean, over its standard deviation with grpo.scale_rewards)."""
@@ -1032,8 +1038,9 @@ class Config:
                 "and context-parallel chunks (parallel.pp, parallel.cp > 1) do not hold; use FSDP, DDP or TP",
             ),
             (
-                self.train.objective != "grpo" or self.grpo.reward,
-                "grpo.reward: grpo needs a reward function, package.module:function",
+                self.train.objective != "grpo" or bool(self.grpo.reward) != bool(self.grpo.reward_model),
+                "grpo.reward: grpo needs a reward, either a function (grpo.reward = package.module:function) or a "
+                "kiln classification run (grpo.reward_model = RUN_DIR), not both",
             ),
             (
                 self.train.objective != "grpo" or not self.grpo.kl_coef or self.lora.rank,

@@ -49,6 +49,43 @@ def load_reward(spec: str) -> Callable[..., list[float | None]]:
     return function
 
 
+class RewardModel:
+    """A kiln sequence-classification run as a reward function: the probability it gives
+    ``label`` (its last class if empty) for each prompt + completion, read as one text (a chat
+    prompt's messages' contents joined by newlines)."""
+
+    def __init__(self, path: str, label: str, device: torch.device):
+        from kiln.train.run import load_run  # the jobs import this module
+
+        try:
+            run = load_run(path, device=str(device))
+        except (OSError, ValueError) as e:
+            raise ConfigError([f"grpo.reward_model: {e}"]) from None
+        labels = list(getattr(run.args, "labels", ()) or ())
+        if run.cfg.model.task != "sequence_classification" or not labels:
+            raise ConfigError([f"grpo.reward_model: {path} is not a sequence_classification run"])
+        if label and label not in labels:
+            raise ConfigError([f"grpo.reward_label: {label!r} is not one of {path}'s classes ({', '.join(labels)})"])
+        self.model, self.tokenizer, self.device = run.model.eval(), run.tokenizer, device
+        self.index = labels.index(label) if label else len(labels) - 1
+        self.max_len = run.cfg.data.seq_len
+
+    @torch.no_grad()
+    def __call__(self, prompts: list[Any], completions: list[str], **_: Any) -> list[float]:
+        def text(prompt: Any) -> str:
+            return prompt if isinstance(prompt, str) else "\n".join(str(m.get("content", "")) for m in prompt)
+
+        encoded = self.tokenizer(
+            [text(p) + c for p, c in zip(prompts, completions, strict=True)],
+            padding=True,
+            truncation=True,
+            max_length=self.max_len,
+            return_tensors="pt",
+        ).to(self.device)
+        logits = self.model(encoded["input_ids"], attention_mask=encoded["attention_mask"])
+        return logits.float().softmax(-1)[:, self.index].tolist()
+
+
 class GRPOLoss:
     """``loss(model, batch)``: the GRPO loss of a micro-batch of prompts (mean over its
     completions); ``metrics`` reports the interval's rewards, lengths and generation time."""

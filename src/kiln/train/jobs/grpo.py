@@ -4,6 +4,7 @@ reward function on its own sampled completions of ``{prompt, ...}`` records (``k
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 from torch import nn
@@ -11,7 +12,7 @@ from torch import nn
 from kiln.config import ConfigError
 from kiln.data.prompts import PromptBatch, PromptData, prepare_prompts
 from kiln.distributed.world import World
-from kiln.train.grpo import GRPOLoss, load_reward
+from kiln.train.grpo import GRPOLoss, RewardModel, load_reward
 from kiln.train.jobs.base import EvalContext, LoadedRun
 from kiln.train.jobs.finetune import FineTuneJob
 
@@ -37,7 +38,7 @@ class GRPOJob(FineTuneJob):
                     f"{cfg.data.seq_len}; raise data.seq_len or lower grpo.max_new_tokens"
                 ]
             )
-        reward = load_reward(cfg.grpo.reward)
+        reward = self._reward(world)
         self.resolve_model()
         self.prompts = data = prepare_prompts(cfg.data, self.tokenizer, room)
         self.train_data, self.collate_fn = data.train, data.collate
@@ -46,6 +47,10 @@ class GRPOJob(FineTuneJob):
         self.plan = self.family.parallel_plan(self.args)
         self.objective = GRPOLoss(cfg, self.family, self.tokenizer, reward, world)
         self.loss_fn = self.objective
+
+    def _reward(self, world: World) -> Callable[..., list[float | None]] | RewardModel:
+        g = self.cfg.grpo
+        return RewardModel(g.reward_model, g.reward_label, world.device) if g.reward_model else load_reward(g.reward)
 
     def metrics(self, world: World) -> dict[str, float]:
         return self.objective.metrics(world)
@@ -63,7 +68,8 @@ class GRPOJob(FineTuneJob):
         m, g = self.manifest, self.cfg.grpo
         return [
             f"model {self.family.describe(self.cfg.model, self.args, model)}",
-            f"grpo ({g.group_size} completions a prompt, up to {g.max_new_tokens} tokens, reward {g.reward}): "
+            f"grpo ({g.group_size} completions a prompt, up to {g.max_new_tokens} tokens, "
+            f"reward {g.reward or g.reward_model}): "
             f"{m['records']['train']:,} train / {m['records']['val']:,} val prompts ({m['split']})",
         ]
 
@@ -76,6 +82,6 @@ class GRPOJob(FineTuneJob):
             raise ConfigError(["kiln eval --data: a grpo run is scored on its own validation prompts; leave it out"])
         self.tokenizer, self.args = run.tokenizer, run.args
         self.prompts = prepare_prompts(cfg.data, run.tokenizer, cfg.data.seq_len - cfg.grpo.max_new_tokens)
-        self.objective = GRPOLoss(cfg, self.family, run.tokenizer, load_reward(cfg.grpo.reward), World())
+        self.objective = GRPOLoss(cfg, self.family, run.tokenizer, self._reward(World()), World())
         batches = self._val_batches(batch_size or cfg.train.nominal_micro_batch)[:max_batches]
         return {**self.objective.evaluate(run.model, batches), "step": run.step}
