@@ -15,7 +15,7 @@ from kiln.config import load_config
 from kiln.train.trainer import train
 
 from conftest import ft_sets, write_jsonl
-from kilnrun import EXAMPLES, kill_and_resume, records, sets
+from kilnrun import EXAMPLES, kill_and_resume, launch, records, sets
 
 # grpo.reward = "rewards:right_sum" (examples/rewards.py), imported by the runs made in this process.
 sys.path.insert(0, str(EXAMPLES))
@@ -197,3 +197,14 @@ def test_a_kiln_classifier_run_is_a_reward_model(tmp_path, prompts, hf_llama, hf
     bad = grpo_sets(tmp_path / "bad", prompts, hf_llama, grpo__reward="", grpo__reward_model=classifier)
     assert main(["train", *sets([*bad, "grpo.reward_label=weather"])]) == 2
     assert "grpo.reward_label: 'weather' is not one of" in capsys.readouterr().err
+
+
+@pytest.mark.slow
+@pytest.mark.dist
+def test_grpo_runs_under_ddp_and_averages_its_metrics_over_the_ranks(tmp_path, prompts, hf_llama):
+    run = tmp_path / "ddp"
+    items = grpo_sets(run, prompts, hf_llama, train__micro_batch_size=1, train__global_batch_size=2, train__max_steps=3)
+    launch(2, "train", *sets(items))
+    logged = [r for r in records(run) if "reward" in r]
+    assert [r["step"] for r in logged] == [1, 2, 3]
+    assert all(0 <= r["reward"] <= 1 and r["time/generation_s"] > 0 for r in logged)

@@ -23,7 +23,7 @@ from kiln.train.trainer import train
 
 from conftest import ft_sets, write_jsonl
 from grad_probe import assert_same_gradients_three_ways
-from kilnrun import kill_and_resume, records, sets
+from kilnrun import kill_and_resume, launch, losses, records, sets
 
 pytestmark = pytest.mark.e2e
 
@@ -437,3 +437,20 @@ def test_a_lora_dpo_run_exports_to_transformers_and_peft(tmp_path, pairs, hf_lla
         torch.testing.assert_close(merged(ids).logits, want, rtol=0, atol=1e-5)
         torch.testing.assert_close(adapted(ids).logits, want, rtol=0, atol=1e-5)
         assert (transformers.AutoModelForCausalLM.from_pretrained(hf_llama)(ids).logits - want).abs().max() > 1e-4
+
+
+@pytest.mark.slow
+@pytest.mark.dist
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
+def test_dpo_on_two_ranks_equals_one_process(tmp_path, pairs, hf_llama, strategy):
+    # Every rank computes the reference over all pairs in one order, in the run's own layout.
+    single, run = tmp_path / "single", tmp_path / strategy
+    train(load_config(None, pref_sets(single, pairs, hf_llama, train__micro_batch_size=1)), console=False)
+    items = pref_sets(run, pairs, hf_llama, train__micro_batch_size=1, parallel__strategy=strategy)
+    launch(2, "train", *sets(items))
+    got, want = losses(run), losses(single)
+    assert got.keys() == want.keys()
+    for step in want:
+        assert got[step] == pytest.approx(want[step], rel=1e-5), step
+    for r in (r for r in records(run) if "loss" in r):
+        assert {"rewards/accuracies", "rewards/margins"} <= r.keys()
