@@ -454,3 +454,11 @@ def test_dpo_on_two_ranks_equals_one_process(tmp_path, pairs, hf_llama, strategy
         assert got[step] == pytest.approx(want[step], rel=1e-5), step
     for r in (r for r in records(run) if "loss" in r):
         assert {"rewards/accuracies", "rewards/margins"} <= r.keys()
+
+
+def test_kiln_doctor_checks_a_dpo_config_and_writes_nothing(tmp_path, pairs, hf_llama, capsys):
+    run = tmp_path / "run"
+    main(["doctor", *sets(pref_sets(run, pairs, hf_llama))])
+    out = capsys.readouterr().out
+    assert "initial loss 0.693" in out and "dpo records" in out, out
+    assert not run.exists()

@@ -91,18 +91,21 @@ def _finetune_job(job: FineTuneJob, device: torch.device, device_problem: str | 
     except DataError as e:  # the model is fine (it was resolved), the records are not
         problem = str(e)
     args, tokenizer = job.args, job.tokenizer
-    data = None if problem else job.data
+    sft = cfg.train.objective == "sft"
+    # Records checks and the uniform-guess loss are supervised fine-tuning's; a preference or
+    # GRPO objective's own data and loss run through the same probes.
+    data = None if problem or not sft else job.data
     vocab = args.config["vocab_size"]
     if cfg.model.task == "sequence_classification":
         uniform = math.log(len(args.labels)) if args.labels else None
     else:
-        uniform = math.log(vocab) if cfg.model.weights == "random" else None
+        uniform = math.log(vocab) if cfg.model.weights == "random" and sft else None
     with torch.device("meta"):
         num_params = sum(p.numel() for p in family.build(args).parameters())
-    m = data.manifest if data else None
+    m = None if problem else job.manifest
     source = (
         f"data.source={cfg.data.source!r}: {m['records']['train']:,} train / {m['records']['val']:,} val "
-        f"{cfg.model.task} records ({m['split']})"
+        f"{cfg.model.task if sft else cfg.train.objective} records ({m['split']})"
         if m
         else f"data.source={cfg.data.source!r}"
     )
@@ -111,8 +114,8 @@ def _finetune_job(job: FineTuneJob, device: torch.device, device_problem: str | 
         device=device,
         device_problem=device_problem,
         new_model=None if problem else lambda: job.whole_model(device),
-        loss_fn=family.loss,
-        train_data=data.train if data else None,
+        loss_fn=job.loss_fn if not problem else family.loss,
+        train_data=None if problem else job.train_data,
         val_data=data.val if data else None,
         tokenizer=tokenizer,
         eot=None,
@@ -121,7 +124,7 @@ def _finetune_job(job: FineTuneJob, device: torch.device, device_problem: str | 
         head_dim=family.head_dim(args),
         data_problem=problem,
         source=source,
-        collate_fn=data.collate if data else default_collate,
+        collate_fn=job.collate_fn if not problem else default_collate,
         finetune=data,
         uniform_loss=uniform,
     )

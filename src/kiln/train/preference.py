@@ -237,8 +237,8 @@ class Precomputed:
     """The initial model's log-probabilities of every train and val pair, looked up by the pair's
     index. Computed at the first use (before the first step: the probe of the micro-batch or the
     first forward), by every rank over all pairs in one order, under the run's precision; rank 0
-    keeps them in the run directory with a fingerprint of what they depend on, and a resumed run
-    (whose model has moved on) reads them back from there."""
+    keeps them in the run directory (when there is one) with a fingerprint of what they depend
+    on, and a resumed run (whose model has moved on) reads them back from there."""
 
     def __init__(
         self,
@@ -292,7 +292,8 @@ class Precomputed:
                 parts.append(torch.stack([chosen, rejected], dim=1).float().cpu())
             table[split] = torch.cat(parts) if parts else torch.zeros(0, 2)
         model.train(training)
-        if self.world.is_main:
+        # Kept where the run is (a check before one, kiln doctor's, writes nothing).
+        if self.world.is_main and self.path.parent.is_dir():
             buffer = io.BytesIO()
             torch.save({"fingerprint": self.fingerprint, "logps": table}, buffer)
             write_atomic(self.path, buffer.getvalue())
