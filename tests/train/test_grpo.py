@@ -170,7 +170,7 @@ def test_a_grpo_run_is_scored_by_kiln_eval(tmp_path, prompts, hf_llama, capsys):
     assert scored["val_reward"] == pytest.approx(val["val_reward"])
 
 
-def test_a_kiln_classifier_run_is_a_reward_model(tmp_path, prompts, hf_llama, hf_bert, capsys):
+def test_an_exported_kiln_classifier_run_is_a_reward_model(tmp_path, prompts, hf_llama, hf_bert, capsys):
     from kiln.train.grpo import RewardModel
     from kiln.train.run import load_run
 
@@ -180,8 +180,10 @@ def test_a_kiln_classifier_run_is_a_reward_model(tmp_path, prompts, hf_llama, hf
     classifier = tmp_path / "classifier"
     items = ft_sets(classifier, source, hf_bert, model__task="sequence_classification", train__max_steps=2)
     train(load_config(None, items + ["checkpoint.every=2"]), console=False)
+    exported = tmp_path / "classifier-hf"
+    assert main(["export", str(classifier), "--format", "hf", "--out", str(exported)]) == 0
     # The reward: the classifier's probability of the class asked for, of prompt + completion.
-    reward = RewardModel(str(classifier), "food", torch.device("cpu"))
+    reward = RewardModel(str(exported), "food", torch.device("cpu"))
     got = reward(prompts=["3 + 4 =", [{"role": "user", "content": "soup"}]], completions=[" bread", " apple"])
     run = load_run(classifier, device="cpu")
     encoded = run.tokenizer(["3 + 4 = bread", "soup apple"], padding=True, return_tensors="pt")
@@ -191,12 +193,15 @@ def test_a_kiln_classifier_run_is_a_reward_model(tmp_path, prompts, hf_llama, hf
     torch.testing.assert_close(torch.tensor(got), want, rtol=0, atol=1e-6)
     # A GRPO run with it, and a label it does not have.
     run_dir = tmp_path / "grpo"
-    items = grpo_sets(run_dir, prompts, hf_llama, grpo__reward="", grpo__reward_model=classifier)
+    items = grpo_sets(run_dir, prompts, hf_llama, grpo__reward="", grpo__reward_model=exported)
     train(load_config(None, items), console=False)
     assert all(0 <= r["reward"] <= 1 for r in records(run_dir) if "reward" in r)
-    bad = grpo_sets(tmp_path / "bad", prompts, hf_llama, grpo__reward="", grpo__reward_model=classifier)
+    bad = grpo_sets(tmp_path / "bad", prompts, hf_llama, grpo__reward="", grpo__reward_model=exported)
     assert main(["train", *sets([*bad, "grpo.reward_label=weather"])]) == 2
     assert "grpo.reward_label: 'weather' is not one of" in capsys.readouterr().err
+    unexported = grpo_sets(tmp_path / "bad2", prompts, hf_llama, grpo__reward="", grpo__reward_model=classifier)
+    assert main(["train", *sets(unexported)]) == 2
+    assert f"export it first: kiln export {classifier} --format hf" in capsys.readouterr().err
 
 
 @pytest.mark.slow

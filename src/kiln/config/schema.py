@@ -836,9 +836,9 @@ class GRPOConfig:
     records' other values (e.g. answer=[...]), one entry per completion; returns a float per
     completion (None counts as 0)."""
     reward_model: str = ""
-    """Instead of grpo.reward: a kiln sequence-classification run (its directory, a checkpoint or
-    its safetensors export) that scores each prompt + completion; the reward is its probability
-    of grpo.reward_label."""
+    """Instead of grpo.reward: a sequence classifier in transformers' format (a kiln
+    classification run exported with kiln export RUN --format hf, or any such directory) that
+    scores each prompt + completion; the reward is its probability of grpo.reward_label."""
     reward_label: str = ""
     """The class of grpo.reward_model whose probability is the reward; empty: its last class."""
     group_size: int = 8

@@ -17,6 +17,7 @@ from __future__ import annotations
 import importlib
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -50,25 +51,34 @@ def load_reward(spec: str) -> Callable[..., list[float | None]]:
 
 
 class RewardModel:
-    """A kiln sequence-classification run as a reward function: the probability it gives
-    ``label`` (its last class if empty) for each prompt + completion, read as one text (a chat
-    prompt's messages' contents joined by newlines)."""
+    """A sequence classifier in ``transformers``' format as a reward function (a kiln
+    classification run exported with ``kiln export RUN --format hf``, or any such directory): the
+    probability it gives ``label`` (its last class if empty) for each prompt + completion, read as
+    one text (a chat prompt's messages' contents joined by newlines)."""
 
     def __init__(self, path: str, label: str, device: torch.device):
-        from kiln.train.run import load_run  # the jobs import this module
+        from kiln.compat import quiet_library_imports
 
+        quiet_library_imports()
+        from transformers import AutoModelForSequenceClassification, AutoTokenizer
+
+        directory = Path(path)
+        if (directory / "config.toml").is_file() and not (directory / "config.json").is_file():
+            raise ConfigError(
+                [f"grpo.reward_model: {path} is a kiln run directory; export it first: kiln export {path} --format hf"]
+            )
         try:
-            run = load_run(path, device=str(device))
+            model = AutoModelForSequenceClassification.from_pretrained(directory, local_files_only=True)
+            self.tokenizer = AutoTokenizer.from_pretrained(directory, local_files_only=True)
         except (OSError, ValueError) as e:
-            raise ConfigError([f"grpo.reward_model: {e}"]) from None
-        labels = list(getattr(run.args, "labels", ()) or ())
-        if run.cfg.model.task != "sequence_classification" or not labels:
-            raise ConfigError([f"grpo.reward_model: {path} is not a sequence_classification run"])
+            raise ConfigError(
+                [f"grpo.reward_model: {path}: not a sequence classifier in transformers' format ({e})"]
+            ) from None
+        labels = [model.config.id2label[i] for i in range(model.config.num_labels)]
         if label and label not in labels:
             raise ConfigError([f"grpo.reward_label: {label!r} is not one of {path}'s classes ({', '.join(labels)})"])
-        self.model, self.tokenizer, self.device = run.model.eval(), run.tokenizer, device
+        self.model, self.device = model.to(device).eval(), device
         self.index = labels.index(label) if label else len(labels) - 1
-        self.max_len = run.cfg.data.seq_len
 
     @torch.no_grad()
     def __call__(self, prompts: list[Any], completions: list[str], **_: Any) -> list[float]:
@@ -79,11 +89,9 @@ class RewardModel:
             [text(p) + c for p, c in zip(prompts, completions, strict=True)],
             padding=True,
             truncation=True,
-            max_length=self.max_len,
             return_tensors="pt",
         ).to(self.device)
-        logits = self.model(encoded["input_ids"], attention_mask=encoded["attention_mask"])
-        return logits.float().softmax(-1)[:, self.index].tolist()
+        return self.model(**encoded).logits.float().softmax(-1)[:, self.index].tolist()
 
 
 class GRPOLoss:
