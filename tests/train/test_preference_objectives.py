@@ -14,6 +14,7 @@ import torch
 
 from kiln.cli import main
 from kiln.config import load_config
+from kiln.data.finetune import Examples
 from kiln.data.preference import PairCollate, preference_row, prepare_preference
 from kiln.data.records import Record
 from kiln.distributed.world import World
@@ -99,12 +100,24 @@ def _kiln_loss(objective, policy, ref, tokenizer, records, tmp_path, **preferenc
     collate = PairCollate(tokenizer)
     reference = None
     if ref is not None:
-        reference = Precomputed(tmp_path / "ref", {}, {"train": rows}, collate, len(rows), World())
+        reference = Precomputed(tmp_path / "ref", {}, {"train": Examples(rows)}, collate, len(rows), World())
         (tmp_path / "ref").mkdir()
         reference.logps(CausalLM(ref).eval(), collate(rows), "train")  # the table, from the reference model
     loss = PreferenceLoss(cfg, reference)
     with torch.no_grad():
         return loss(CausalLM(policy).eval(), collate(rows))
+
+
+def _moved_away(model_dir):
+    """The tokenizer, the model as the reference, and a copy of it moved away by random noise as
+    the policy (so that a loss is not its trivial value at the reference)."""
+    tokenizer = transformers.AutoTokenizer.from_pretrained(model_dir)
+    ref = transformers.AutoModelForCausalLM.from_pretrained(model_dir).eval()
+    policy = copy.deepcopy(ref)
+    with torch.no_grad():
+        for p in policy.parameters():
+            p.add_(torch.randn_like(p) * 0.02)
+    return tokenizer, ref, policy
 
 
 @pytest.mark.parametrize(
@@ -123,12 +136,7 @@ def _kiln_loss(objective, policy, ref, tokenizer, records, tmp_path, **preferenc
 def test_dpo_and_ipo_equal_trl(tmp_path, hf_llama, objective, trl_config, preference):
     from trl import DPOConfig, DPOTrainer
 
-    tokenizer = transformers.AutoTokenizer.from_pretrained(hf_llama)
-    ref = transformers.AutoModelForCausalLM.from_pretrained(hf_llama).eval()
-    policy = copy.deepcopy(ref)
-    with torch.no_grad():  # the policy has moved away from the reference
-        for p in policy.parameters():
-            p.add_(torch.randn_like(p) * 0.02, alpha=1.0)
+    tokenizer, ref, policy = _moved_away(hf_llama)
     records = preference_records(6, seed=1)
     theirs = _trl_loss(
         DPOTrainer, DPOConfig, copy.deepcopy(policy), copy.deepcopy(ref), tokenizer, records, tmp_path, **trl_config
@@ -198,12 +206,7 @@ def kto_records(n: int, seed: int = 0) -> list[dict]:
 def test_kto_equals_trl(tmp_path, hf_llama):
     from trl import KTOConfig, KTOTrainer
 
-    tokenizer = transformers.AutoTokenizer.from_pretrained(hf_llama)
-    ref = transformers.AutoModelForCausalLM.from_pretrained(hf_llama).eval()
-    policy = copy.deepcopy(ref)
-    with torch.no_grad():
-        for p in policy.parameters():
-            p.add_(torch.randn_like(p) * 0.02)
+    tokenizer, ref, policy = _moved_away(hf_llama)
     records = kto_records(6, seed=5)
     config = {"beta": 0.3, "desirable_weight": 1.2, "undesirable_weight": 0.8}
     theirs = _trl_loss(
@@ -216,7 +219,7 @@ def test_kto_equals_trl(tmp_path, hf_llama):
     data = prepare_preference(cfg.data, tokenizer, 48, kto=True)
     rows = data.train.rows
     assert [r["desirable"] for r in rows] == [r["label"] for r in records]
-    reference = Precomputed(tmp_path / "ref", {}, {"train": rows}, data.collate, len(rows), World())
+    reference = Precomputed(tmp_path / "ref", {}, {"train": data.train}, data.collate, len(rows), World())
     (tmp_path / "ref").mkdir()
     reference.logps(CausalLM(ref).eval(), data.collate(rows), "train")
     sets = ["train.objective=kto", *(f"preference.{k}={v}" for k, v in config.items())]

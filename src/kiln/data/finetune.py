@@ -44,6 +44,10 @@ class Examples(Dataset):
     def __getitem__(self, i: int) -> dict[str, Any]:
         return self.rows[i]
 
+    def batches(self, collate: Callable[[list[dict[str, Any]]], Any], size: int) -> list[Any]:
+        """Every row in order, ``size`` rows to a batch made by ``collate`` (the last may be smaller)."""
+        return [collate(self.rows[i : i + size]) for i in range(0, len(self.rows), size)]
+
 
 @dataclass
 class FineTuneData:

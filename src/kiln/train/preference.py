@@ -7,7 +7,7 @@ pairs here) makes accumulation and the number of ranks leave the gradient unchan
 completion's log-probability is the sum over exactly its labelled tokens (prompt and padding are
 -100), computed in fp32.
 
-The reference model of DPO and IPO is either the trained model with its LoRA adapters off (no
+The reference model of DPO, IPO and KTO is either the trained model with its LoRA adapters off (no
 second copy), or the initial model's log-probabilities of every pair, computed once before the
 first step in the run's own layout (every rank computes all pairs in one order, so sharded
 forwards stay in step) and kept in the run directory for a resumed run. Formulas follow the
@@ -33,6 +33,7 @@ from torch import nn
 
 from kiln.config import Config
 from kiln.data.batch import IGNORE_INDEX, PairBatch, TokenBatch
+from kiln.data.finetune import Examples
 from kiln.distributed.world import World
 from kiln.io import write_atomic
 from kiln.train.logps import completion_logps
@@ -244,7 +245,7 @@ class Precomputed:
         self,
         run_dir: Path,
         fingerprint: dict[str, Any],
-        splits: dict[str, Any],
+        splits: dict[str, Examples],
         collate,
         batch_size: int,
         world: World,
@@ -286,8 +287,7 @@ class Precomputed:
         table = {}
         for split, data in self.splits.items():
             parts = []
-            for start in range(0, len(data), self.batch_size):
-                batch = self.collate([data[i] for i in range(start, min(start + self.batch_size, len(data)))])
+            for batch in data.batches(self.collate, self.batch_size):
                 chosen, rejected, _, _ = pair_logps(model, batch.to(device))
                 parts.append(torch.stack([chosen, rejected], dim=1).float().cpu())
             table[split] = torch.cat(parts) if parts else torch.zeros(0, 2)

@@ -134,8 +134,7 @@ class FineTuneJob(Job):
 
 def evaluate(family: ModelFamily, model, data: FineTuneData, batch_size: int, device) -> dict[str, Any]:
     """The task's metrics over the whole validation split, ``batch_size`` rows at a time."""
-    rows = data.val.rows
-    batches = [data.collate(rows[i : i + batch_size]) for i in range(0, len(rows), batch_size)]
+    batches = data.val.batches(data.collate, batch_size)
     if data.task == "sequence_classification":
         return evaluate_classifier(model, batches, device, data.labels)
     return evaluate_causal_lm(model, family.loss, batches, device)

@@ -10,7 +10,7 @@ from typing import Any
 from torch import nn
 
 from kiln.config import ConfigError
-from kiln.data.prompts import PromptBatch, PromptData, prepare_prompts
+from kiln.data.prompts import PromptData, prepare_prompts
 from kiln.distributed.world import World
 from kiln.train.grpo import GRPOLoss, RewardModel, load_reward
 from kiln.train.jobs.base import EvalContext, LoadedRun
@@ -58,11 +58,7 @@ class GRPOJob(FineTuneJob):
     def evaluate(self, model: nn.Module, ctx: EvalContext) -> dict[str, Any]:
         if not ctx.generates:  # this rank holds part of the model only
             return {}
-        return self.objective.evaluate(model, self._val_batches(ctx.micro_batch_size))
-
-    def _val_batches(self, size: int) -> list[PromptBatch]:
-        rows = self.prompts.val.rows
-        return [self.prompts.collate(rows[i : i + size]) for i in range(0, len(rows), size)]
+        return self.objective.evaluate(model, self.prompts.val.batches(self.prompts.collate, ctx.micro_batch_size))
 
     def describe(self, model: nn.Module) -> list[str]:
         m, g = self.manifest, self.cfg.grpo
@@ -83,5 +79,6 @@ class GRPOJob(FineTuneJob):
         self.tokenizer, self.args = run.tokenizer, run.args
         self.prompts = prepare_prompts(cfg.data, run.tokenizer, cfg.data.seq_len - cfg.grpo.max_new_tokens)
         self.objective = GRPOLoss(cfg, self.family, run.tokenizer, self._reward(World()), World())
-        batches = self._val_batches(batch_size or cfg.train.nominal_micro_batch)[:max_batches]
+        size = batch_size or cfg.train.nominal_micro_batch
+        batches = self.prompts.val.batches(self.prompts.collate, size)[:max_batches]
         return {**self.objective.evaluate(run.model, batches), "step": run.step}

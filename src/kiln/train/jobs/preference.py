@@ -1,6 +1,7 @@
 """The preference job: a fine-tuning run (a model with its own tokenizer, records) whose objective
-is DPO, IPO or SimPO on ``{prompt, chosen, rejected}`` records (``kiln.data.preference``), the
-loss and the reference model from ``kiln.train.preference``."""
+is DPO, IPO, SimPO or ORPO on ``{prompt, chosen, rejected}`` records, or KTO on ``{prompt,
+completion, label}`` ones (``kiln.data.preference``), the loss and the reference model from
+``kiln.train.preference``."""
 
 from __future__ import annotations
 
@@ -77,11 +78,9 @@ class PreferenceJob(FineTuneJob):
         return self.objective.metrics(world)
 
     def evaluate(self, model: nn.Module, ctx: EvalContext) -> dict[str, Any]:
-        return self.objective.evaluate(model, self._val_batches(ctx.micro_batch_size), ctx.device)
-
-    def _val_batches(self, size: int) -> list:
-        rows = self.pairs.val.rows
-        return [self.pairs.collate(rows[i : i + size]) for i in range(0, len(rows), size)]
+        return self.objective.evaluate(
+            model, self.pairs.val.batches(self.pairs.collate, ctx.micro_batch_size), ctx.device
+        )
 
     def describe(self, model: nn.Module) -> list[str]:
         m, cfg = self.pairs.manifest, self.cfg
@@ -108,5 +107,5 @@ class PreferenceJob(FineTuneJob):
         # The saved model has trained: a precomputed reference can only be read back, not redone.
         self.objective = PreferenceLoss(cfg, self._reference(World(), computes=False))
         device = next(run.model.parameters()).device
-        batches = self._val_batches(batch_size or cfg.train.nominal_micro_batch)
+        batches = self.pairs.val.batches(self.pairs.collate, batch_size or cfg.train.nominal_micro_batch)
         return {**self.objective.evaluate(run.model, batches[:max_batches], device), "step": run.step}
