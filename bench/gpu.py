@@ -2,13 +2,17 @@
 a hand-written compiled loop of the same model, peak memory against `kiln plan`, and fp8's loss
 against bf16's. One process, stages in order, each skipped when the deadline would cut it.
 
-    python bench/gpu.py --out DIR [--deadline 480] [--stages ceilings,small,hand,large,fp8,loss]
+    python bench/gpu.py --out DIR [--deadline 480] [--stages ceilings,chunk,small,hand,large,fp8,loss]
+        [--small-micro 16,32] [--loss-chunk default|best|ROWS]
 
 (`--device cpu --small tiny --large tiny --steps 12 --loss-steps 12` runs the same code on a CPU
 in a minute, to check the script before it spends GPU time.)
 
 Every stage appends one JSON line to DIR/gpu.jsonl as soon as it ends, so a run cut short
-keeps what it measured; a table of all of them is printed last. Data: uniformly random tokens
+keeps what it measured, and a stage that fails records its error and the next one runs; a table
+of all of them is printed last. The `chunk` stage times the fused loss (projection and
+cross-entropy, forward and backward) alone at several rows per chunk, eager and compiled; with
+`--loss-chunk best` the later stages train with its fastest compiled size. Data: uniformly random tokens
 for throughput (the work does not depend on the values), the bytes of kiln's own source for the
 loss comparison (text a model can learn)."""
 
@@ -20,11 +24,15 @@ import shutil
 import statistics
 import tempfile
 import time
+import traceback
+from functools import partial
 from pathlib import Path
 
 import numpy as np
 import torch
 
+import kiln.models.fused_loss as fused_loss
+import kiln.models.gpt.memory as gpt_memory
 from kiln import Trainer
 from kiln.config import ModelConfig, load_config
 from kiln.data import TokenSequences
@@ -71,6 +79,56 @@ def ceilings(device: torch.device) -> dict:
     matmul = timed(lambda: a @ b, 20)
     copy = timed(lambda: dst.copy_(src), 20)
     return {"bf16_matmul_tflops": 2 * n**3 / matmul / 1e12, "copy_tb_per_s": 2 * src.nbytes / copy / 1e12}
+
+
+def loss_chunks(device: torch.device, rows: int, dim: int) -> dict:
+    """Forward and backward of the fused loss alone at several chunk sizes: median ms of 10 after
+    3 warm-ups (device-synchronised), peak allocated GiB, eager and compiled."""
+    sizes = (256, 1024, 2048, 4096, 8192, 16384) if device.type == "cuda" else (64, 256)
+    torch.manual_seed(0)
+    hidden = torch.randn(rows, dim, device=device, dtype=torch.bfloat16, requires_grad=True)
+    weight = (torch.randn(VOCAB, dim, device=device) * dim**-0.5).requires_grad_()
+    targets = torch.randint(0, VOCAB, (rows,), device=device)
+    out: dict = {"rows": rows, "dim": dim, "default": fused_loss.default_chunk_size(VOCAB, device.type)}
+
+    def timed(fn) -> tuple[float, float]:
+        for _ in range(3):
+            fn()
+        if device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(device)
+        times = []
+        for _ in range(10):
+            sync(device)
+            start = time.perf_counter()
+            fn()
+            sync(device)
+            times.append(time.perf_counter() - start)
+        peak = torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else 0.0
+        return 1e3 * statistics.median(times), peak
+
+    for compiled in (False, True):
+        for size in sizes if not compiled else sizes[1::2]:
+
+            def loss_fn(h, w, t, size=size):
+                with torch.autocast(device.type, dtype=torch.bfloat16):
+                    return fused_loss.linear_cross_entropy(h, w, t, chunk_size=size)
+
+            fn = torch.compile(loss_fn) if compiled else loss_fn
+
+            def step(fn=fn):
+                hidden.grad = weight.grad = None
+                fn(hidden, weight, targets).backward()
+
+            ms, peak = timed(step)
+            out[f"{'compiled' if compiled else 'eager'} {size}"] = {"ms": round(ms, 3), "peak_gib": round(peak, 2)}
+    compiled_ms = {int(k.split()[1]): v["ms"] for k, v in out.items() if k.startswith("compiled")}
+    out["best_compiled"] = min(compiled_ms, key=compiled_ms.__getitem__)
+    return out
+
+
+def use_loss_chunk(rows: int) -> None:
+    """Every later run's fused loss (and the plan's memory model of it) uses ``rows`` per chunk."""
+    fused_loss.default_chunk_size = gpt_memory.default_chunk_size = lambda vocab, device="cpu": rows
 
 
 def config(run_dir: Path, device: torch.device, preset: str, precision: str, steps: int, micro: int, seq: int, **extra):
@@ -172,11 +230,16 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--out", type=Path, required=True)
     ap.add_argument("--deadline", type=float, default=480, help="seconds; a stage that would pass it is skipped")
-    ap.add_argument("--stages", default="ceilings,small,hand,large,fp8,loss")
+    ap.add_argument("--stages", default="ceilings,chunk,small,hand,large,fp8,loss")
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--small", default="gpt2-124m", help="preset of the small model")
     ap.add_argument("--large", default="1b", help="preset of the large model")
-    ap.add_argument("--small-micro", type=int, default=16)
+    ap.add_argument("--small-micro", default="16", help="comma-separated micro-batches of the small model")
+    ap.add_argument(
+        "--loss-chunk",
+        default="default",
+        help="rows per fused-loss chunk: default, best (from the chunk stage) or a number",
+    )
     ap.add_argument("--large-micro", type=int, default=8)
     ap.add_argument("--seq-len", type=int, default=1024)
     ap.add_argument("--steps", type=int, default=40, help="steps of each throughput run; the first 20 are not timed")
@@ -207,21 +270,42 @@ def main() -> None:
     def room(need: float) -> bool:
         return time.monotonic() - began + need < args.deadline
 
+    def attempt(stage: str, fn) -> dict | None:
+        try:
+            values = fn()
+        except Exception as e:  # a stage's failure is a result: recorded whole, the next stage runs
+            traceback.print_exc()
+            record(stage, error=f"{type(e).__name__}: {e}"[:4000])
+            return None
+        record(stage, **values)
+        return values
+
     with tempfile.TemporaryDirectory() as tmp:
         tmp = Path(tmp)
         if "ceilings" in stages:
-            record("ceilings", **ceilings(device))
+            attempt("ceilings", lambda: ceilings(device))
         seq = args.seq_len
+        micros = [int(m) for m in args.small_micro.split(",")]
+        if "chunk" in stages:
+            dim = build_gpt_config(ModelConfig(preset=args.small), VOCAB, seq).d_model
+            chunks = attempt("fused loss chunk", lambda: loss_chunks(device, micros[0] * seq, dim))
+            if chunks and args.loss_chunk == "best":
+                use_loss_chunk(chunks["best_compiled"])
+        if args.loss_chunk.isdigit():
+            use_loss_chunk(int(args.loss_chunk))
+        chunk = fused_loss.default_chunk_size(VOCAB, device.type)
         data = random_tokens(tmp / "random.bin", VOCAB, 8_000_000, seq)
-        small = config(tmp / "small", device, args.small, "bf16", args.steps, args.small_micro, seq)
-        if "small" in stages and room(90):
-            record(f"kiln {args.small} bf16", **kiln_run(small, data, after))
+        for micro in micros:
+            small = config(tmp / f"small-{micro}", device, args.small, "bf16", args.steps, micro, seq)
+            if "small" in stages and room(90):
+                attempt(f"kiln {args.small} bf16 micro {micro} chunk {chunk}", partial(kiln_run, small, data, after))
+        small = config(tmp / "hand", device, args.small, "bf16", args.steps, micros[0], seq)
         if "hand" in stages and room(60):
-            record(f"hand-written {args.small} bf16", tokens_per_s=hand_written(small, data, after))
+            attempt(f"hand-written {args.small} bf16", lambda: {"tokens_per_s": hand_written(small, data, after)})
         for precision, stage in (("fp8", "fp8"), ("bf16", "large")):
             if stage in stages and room(150):
                 cfg = config(tmp / stage, device, args.large, precision, args.steps, args.large_micro, seq)
-                record(f"kiln {args.large} {precision}", **kiln_run(cfg, data, after))
+                attempt(f"kiln {args.large} {precision} micro {args.large_micro}", partial(kiln_run, cfg, data, after))
         if "loss" in stages:
             text = text_tokens(tmp / "text.bin", seq)
             for precision in ("bf16", "fp8"):

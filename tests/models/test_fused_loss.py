@@ -6,7 +6,7 @@ import torch
 import torch.nn.functional as F
 
 from kiln.models import GPT, GPTConfig
-from kiln.models.fused_loss import linear_cross_entropy, linear_log_probs
+from kiln.models.fused_loss import default_chunk_size, linear_cross_entropy, linear_log_probs
 
 from conftest import tiny_gpt_config
 
@@ -127,3 +127,30 @@ def test_log_probs_of_a_frozen_head_give_no_weight_gradient():
     frozen = weight.detach()
     (grad,) = torch.autograd.grad(linear_log_probs(hidden, frozen, targets, 64).sum(), (hidden,))
     assert grad.abs().sum() > 0 and frozen.grad is None
+
+
+def test_chunks_are_cache_sized_on_a_cpu_and_gigabyte_sized_on_a_gpu():
+    # GPT-2's padded vocabulary: 8 MiB of fp32 logits is 41 rows (raised to the floor of 256) on a
+    # CPU; on a GPU 1 GiB is 5336 rows, between the 4096 and 16384 measured fastest on an H100.
+    assert default_chunk_size(50304) == default_chunk_size(50304, "cpu") == 256
+    assert default_chunk_size(50304, "cuda") == 5336
+    assert default_chunk_size(1000, "cpu") == 2097
+
+
+def test_the_plans_loss_memory_follows_the_devices_chunk():
+    from kiln.models.family import MemoryContext
+    from kiln.models.gpt.memory import GPTMemory
+
+    cfg = GPTConfig(
+        vocab_size=50304, n_layer=1, d_model=64, n_head=2, n_kv_head=2, d_ff=128, max_seq_len=64, tie_embeddings=True
+    )
+    memory = GPTMemory(cfg)
+    heads = {
+        device: memory.head(
+            MemoryContext(tokens=8192, autocast=True, residual_bytes=4, tp=1, casts_weights=True, device=device)
+        )
+        for device in ("cpu", "cuda")
+    }
+    assert heads["cpu"].saved == heads["cuda"].saved
+    # The transient is a few chunks of [chunk, vocab] logits: 5336 rows on the GPU, 256 on the CPU.
+    assert heads["cuda"].transient - heads["cpu"].transient > 10 * (5336 - 256) * 50304

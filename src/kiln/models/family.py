@@ -155,7 +155,8 @@ class MemoryContext:
     computes with gathered bf16 weights); ``tp``: the tensor-parallel degree; ``casts_weights``:
     autocast makes 16-bit copies of the fp32 weights (and keeps them for the backward pass);
     ``cp``: the context-parallel degree (``tokens`` are then this rank's 1 / cp of the sequences,
-    whose attention sees the keys of all of them)."""
+    whose attention sees the keys of all of them); ``device``: the kind of device ("cpu",
+    "cuda"), where kernels' working sizes depend on it."""
 
     tokens: int
     autocast: bool
@@ -164,6 +165,7 @@ class MemoryContext:
     casts_weights: bool
     seq_len: int = 0
     cp: int = 1
+    device: str = "cpu"
 
     @property
     def act_bytes(self) -> int:

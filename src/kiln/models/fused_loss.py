@@ -128,13 +128,16 @@ def linear_log_probs(
     """log p(target) [N] of each row of ``hidden [N, D] @ weight[V, D].T`` under its softmax, in
     fp32, chunk by chunk (0 where the target is -100): what preference and RL objectives sum, with
     no [N, V] buffer outliving its chunk in the forward or the backward pass."""
-    return _LinearLogProbs.apply(hidden, weight, targets, chunk_size or default_chunk_size(weight.size(0)))
+    chunk_size = chunk_size or default_chunk_size(weight.size(0), hidden.device.type)
+    return _LinearLogProbs.apply(hidden, weight, targets, chunk_size)
 
 
-def default_chunk_size(vocab_size: int) -> int:
-    """Rows per chunk: about 8 MiB of fp32 logits (cache-sized on a CPU; measured fastest there),
-    but never fewer than 256 rows, which keeps each matmul large enough for a GPU."""
-    return max(256, (1 << 21) // vocab_size)
+def default_chunk_size(vocab_size: int, device: str = "cpu") -> int:
+    """Rows per chunk. On a CPU about 8 MiB of fp32 logits, cache-sized (measured fastest there),
+    never fewer than 256 rows. On a GPU about 1 GiB: each chunk's three matmuls must fill the
+    card, and the per-chunk launches add up (on an H100 at GPT-2's vocabulary, eagerly, 256 rows
+    took twice as long as 4096 or more; BENCHMARKS.md, "Fifth lease")."""
+    return max(256, (1 << 21 if device == "cpu" else 1 << 28) // vocab_size)
 
 
 def linear_cross_entropy(
@@ -147,7 +150,7 @@ def linear_cross_entropy(
     """Mean cross-entropy of ``hidden [N, D] @ weight[V, D].T`` (soft-capped to
     ``softcap * tanh(logits / softcap)`` if ``softcap``) against ``targets [N]``, computed in fp32
     chunk by chunk; targets equal to -100 are left out of the mean."""
-    chunk_size = chunk_size or default_chunk_size(weight.size(0))
+    chunk_size = chunk_size or default_chunk_size(weight.size(0), hidden.device.type)
     if torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad):
         return _LinearCrossEntropy.apply(hidden, weight, targets, chunk_size, softcap)
     keep = (targets != IGNORE_INDEX).to(torch.promote_types(weight.dtype, torch.float32))

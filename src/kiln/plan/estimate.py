@@ -619,6 +619,7 @@ def memory_phases(
         casts_weights=_casts_weights(s),
         seq_len=seq_len,
         cp=s.cp,
+        device=device,
     )
     state = model_state(shape, s, stage)
     on_device = {k: 0 if s.offload else v for k, v in state.items()}

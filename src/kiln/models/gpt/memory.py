@@ -80,7 +80,7 @@ class GPTMemory(MemoryModel):
         that use it. Its backward only scales copies of the two saved gradients."""
         tokens, d, vocab = ctx.tokens, self.d_model, self.vocab_size
         saved = 4 * tokens * d + 4 * vocab * d
-        chunk = min(default_chunk_size(vocab), tokens)
+        chunk = min(default_chunk_size(vocab, ctx.device), tokens)
         held = 4 * chunk * vocab if tokens > chunk else 0
         low = 2 if ctx.autocast else 0
         making_logits = held + (4 + low) * chunk * vocab + low * chunk * d
