@@ -2,6 +2,7 @@
 ``Trainer`` run, both scored in bits per byte on the same val text the same way.
 
     pip install -e ".[bench]" && python bench/same_budget_hf.py [--budget 5m] [--hf-lr 3e-3 ...]
+        [--set model.mlp=relu2 ...] [--skip-kiln | --skip-hf]
 
 Both sides train on the embedded corpus's train split, tokenized with the same byte-level BPE
 (the one ``kiln train`` trains), and neither sees the val split. kiln runs exactly as
@@ -96,8 +97,13 @@ def score(model_fn, prepared, seq_len: int) -> dict[str, float]:
     for start in range(0, len(val), 16):
         xs, ys = zip(*(val[i] for i in range(start, min(start + 16, len(val)))), strict=True)
         batches.append((torch.stack(xs), torch.stack(ys)))
+
+    def mean_loss(x, targets):  # what evaluate_lm asks of a model: the batch's mean loss
+        logits = model_fn(x)
+        return torch.nn.functional.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
+
     with torch.no_grad():
-        return evaluate_lm(model_fn, batches, torch.from_numpy(prepared.token_bytes()), torch.device("cpu"))
+        return evaluate_lm(mean_loss, batches, torch.from_numpy(prepared.token_bytes()), torch.device("cpu"))
 
 
 def main() -> None:
@@ -107,6 +113,8 @@ def main() -> None:
     ap.add_argument("--hf-batch", type=int, default=16)
     ap.add_argument("--hf-seq-len", type=int, default=128)
     ap.add_argument("--skip-kiln", action="store_true")
+    ap.add_argument("--skip-hf", action="store_true")
+    ap.add_argument("--set", action="append", default=[], help="a kiln override (KEY=VALUE), repeatable")
     ap.add_argument("--seed", type=int, default=0, help="HF init and data order; kiln's train.seed is 1337 + this")
     args = ap.parse_args()
     budget_s = parse_duration(args.budget)
@@ -121,6 +129,7 @@ def main() -> None:
                 f"train.seed={1337 + args.seed}",
                 "eval.sample_tokens=0",
                 "checkpoint.resume=never",
+                *args.set,
             ],
         )
         prepared = prepare(cfg.data, progress=False)
@@ -135,8 +144,12 @@ def main() -> None:
                 "seq_len": cfg.data.seq_len,
                 "val_bpb": kiln_scores["val_bpb"],
                 "val_loss": kiln_scores["val_loss"],
+                "set": args.set,
             }
             print(json.dumps({"kiln": results["kiln"]}), flush=True)
+        if args.skip_hf:
+            print(json.dumps({"bench": "same_budget_hf", "budget": args.budget, "seed": args.seed, **results}))
+            return
 
         # Calibrate the HF schedule's length: a short probe of its steps per second.
         _, probe_steps = train_hf(prepared, args, 10.0, tmp / "hf-probe", 10**6)

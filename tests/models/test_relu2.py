@@ -1,8 +1,11 @@
 """model.mlp = "relu2": the dense blocks' MLP is w2(relu(w1 x)^2), two matrices. Counted as such
 by the parameter count, the FLOPs and the memory model; split over tensor-parallel ranks like
-SwiGLU less its w3 (two ranks train as one process); refused at Hugging Face export, naming it."""
+SwiGLU less its w3 (two ranks train as one process); exported to Hugging Face as an Arcee with the
+same logits (with QK-norm refused, naming it)."""
 
 from __future__ import annotations
+
+import json
 
 import pytest
 import torch
@@ -16,8 +19,8 @@ from kiln.models.gpt.hf import hf_adapter
 from kiln.models.gpt.memory import GPTMemory
 from kiln.models.gpt.presets import param_count
 
-from conftest import tiny_gpt_config
-from kilnrun import in_process
+from conftest import tiny_gpt_config, tiny_overrides
+from kilnrun import in_process, sets
 from layouts import assert_same_training, layout_sets, train_on
 
 
@@ -67,9 +70,30 @@ def test_the_memory_model_counts_what_autograd_saves():
     assert saved["swiglu"] - saved["relu2"] == modelled["swiglu"] - modelled["relu2"]
 
 
-def test_export_is_refused_naming_the_option():
-    with pytest.raises(ExportError, match="model.mlp=relu2"):
-        hf_adapter(tiny_gpt_config(mlp="relu2"))
+def test_a_relu2_run_exports_as_arcee_with_the_same_logits_and_loads_back(tmp_path, corpus_dir):
+    transformers = pytest.importorskip("transformers")
+    run = tmp_path / "run"
+    overrides = tiny_overrides(run, corpus_dir, model__mlp="relu2", model__tie_embeddings="false", train__max_steps=4)
+    in_process("train", *sets(overrides))
+    in_process("export", run, "--format", "hf", "--out", tmp_path / "hf")
+    config = json.loads((tmp_path / "hf" / "config.json").read_text())
+    assert (config["architectures"], config["hidden_act"]) == (["ArceeForCausalLM"], "relu2")
+    from kiln.train.run import load_run
+
+    saved = load_run(run, device="cpu")
+    hf = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf").eval()
+    assert not any("gate_proj" in n for n, _ in hf.named_parameters())
+    ids = torch.randint(0, saved.args.vocab_size, (2, 24))
+    with torch.no_grad():
+        torch.testing.assert_close(hf(ids).logits, saved.model(ids), rtol=0, atol=1e-5)
+    adapter = hf_adapter(saved.args)
+    back = adapter.from_hf(adapter.to_hf(saved.model.state_dict()))
+    assert back.keys() == saved.model.state_dict().keys()
+
+
+def test_relu2_with_qk_norm_is_refused_at_export_naming_both():
+    with pytest.raises(ExportError, match="model.mlp=relu2 with model.qk_norm"):
+        hf_adapter(tiny_gpt_config(mlp="relu2", qk_norm=True))
 
 
 def test_tensor_parallel_plan_has_no_w3():

@@ -103,8 +103,9 @@ class ModelConfig:
     mlp: str = "preset"
     """The dense blocks' MLP: swiglu (w2(silu(w1 x) * w3 x), Llama's), relu2 (w2(relu(w1 x)^2),
     as the GPT-2 speedruns use: two matrices, so at one model.d_ff a third fewer MLP weights and
-    FLOPs), or preset (swiglu). relu2 is not exportable to Hugging Face (no Llama-like
-    architecture squares a ReLU); a mixture of experts' experts stay SwiGLU."""
+    FLOPs), or preset (swiglu). A dense relu2 model exports to Hugging Face as Arcee
+    (ArceeForCausalLM, Llama with this MLP; not with model.qk_norm); a mixture of experts'
+    experts stay SwiGLU."""
     n_experts: int = 0
     """Mixture of experts: routed experts per MoE layer; 0 keeps the preset's (none for the dense
     presets: every layer has one MLP). tiny-moe is the small MoE preset."""

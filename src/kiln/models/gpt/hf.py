@@ -1,6 +1,7 @@
 """kiln's GPT under Hugging Face names.
 
-A dense GPT is a Llama (``LlamaForCausalLM``) weight for weight (a Qwen3 with model.qk_norm). Both rotate the pairs
+A dense GPT is a Llama (``LlamaForCausalLM``) weight for weight (a Qwen3 with model.qk_norm, an
+Arcee with model.mlp=relu2). Both rotate the pairs
 (x[i], x[i + head_dim / 2]) of each head ("rotate half") with the same frequencies, so no q/k
 permutation is needed; grouped-query heads are shared the same way (each key/value head serves
 consecutive query heads); a tied output layer is not stored twice, the config's
@@ -64,11 +65,13 @@ def hf_adapter(cfg: GPTConfig) -> LlamaAdapter:
             f"model.logit_softcap={cfg.logit_softcap}: the transformers architectures kiln's GPT exports as "
             "(Llama, Qwen3 and the mixtures of experts) do not soft-cap their logits"
         )
-    if cfg.mlp != "swiglu":
-        raise ExportError(
-            f"model.mlp={cfg.mlp}: the transformers architectures kiln's GPT exports as (Llama, Qwen3 and the "
-            "mixtures of experts) have SwiGLU MLPs"
-        )
+    if cfg.mlp == "relu2":
+        if cfg.qk_norm or cfg.n_experts:
+            raise ExportError(
+                f"model.mlp=relu2 with {'model.qk_norm' if cfg.qk_norm else 'a mixture of experts'}: the one "
+                "transformers architecture with kiln's ReLU² MLP (Arcee) has neither"
+            )
+        return ArceeAdapter(cfg)
     if cfg.qk_norm:
         if cfg.n_experts:
             raise ExportError(
@@ -102,17 +105,19 @@ def hf_adapter(cfg: GPTConfig) -> LlamaAdapter:
 
 
 class LlamaAdapter(StateDictAdapter):
+    block_names: Mapping[str, str] = BLOCK_NAMES
+
     def __init__(self, cfg: GPTConfig):
         self.cfg = cfg
 
     def to_hf(self, state: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        out = {_rename(k, BLOCK_NAMES, ROOT_NAMES, "blocks", "model.layers"): v for k, v in state.items()}
+        out = {_rename(k, self.block_names, ROOT_NAMES, "blocks", "model.layers"): v for k, v in state.items()}
         if self.cfg.tie_embeddings:
             out.pop("lm_head.weight", None)
         return out
 
     def from_hf(self, state: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        block = {v: k for k, v in BLOCK_NAMES.items()}
+        block = {v: k for k, v in self.block_names.items()}
         root = {v: k for k, v in ROOT_NAMES.items()}
         out = {_rename(k, block, root, "model.layers", "blocks"): v for k, v in state.items()}
         if self.cfg.tie_embeddings:
@@ -167,6 +172,17 @@ class Qwen3Adapter(LlamaAdapter):
             "use_sliding_window": False,
             "max_window_layers": self.cfg.n_layer,
         }
+
+
+class ArceeAdapter(LlamaAdapter):
+    """A dense GPT with model.mlp=relu2 is an Arcee (``ArceeForCausalLM``): Llama's layers with an
+    ungated MLP, down_proj(relu(up_proj x)^2), as kiln's w2(relu(w1 x)^2)."""
+
+    block_names = {**{k: v for k, v in BLOCK_NAMES.items() if k != "mlp.w3"}, "mlp.w1": "mlp.up_proj"}
+
+    def hf_config(self) -> dict[str, Any]:
+        arcee = {"architectures": ["ArceeForCausalLM"], "model_type": "arcee", "hidden_act": "relu2"}
+        return {**super().hf_config(), **arcee}
 
 
 class MoEAdapter(LlamaAdapter):
