@@ -172,8 +172,8 @@ def test_auto_fills_the_budget_ends_the_schedule_and_resumes_exactly(tmp_path, c
 
 
 @pytest.mark.slow
-def test_a_thirty_second_budget_ends_within_ten_percent(tmp_path, corpus_dir):
-    budget = 30
+def test_a_twenty_second_budget_ends_within_ten_percent(tmp_path, corpus_dir):
+    budget = 20
     run = tmp_path / "run"
     overrides = tiny_overrides(
         run,
