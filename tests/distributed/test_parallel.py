@@ -243,7 +243,7 @@ def test_time_planned_run_agrees_over_ranks(tmp_path, corpus_dir):
     clock, and correct it alike from the slowest pace and clock."""
     run = tmp_path / "ddp"
     items = tiny_overrides(
-        run, corpus_dir, train__max_steps="auto", train__time_budget="8s", eval__sample_tokens=0, checkpoint__every=0
+        run, corpus_dir, train__max_steps="auto", train__time_budget="5s", eval__sample_tokens=0, checkpoint__every=0
     )
     train_on(2, [a for item in items for a in ("--set", item)])
     planned = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]

@@ -112,7 +112,7 @@ def test_auto_fills_the_budget_ends_the_schedule_and_resumes_exactly(tmp_path, c
     """A planned run ends its schedule at its last step, inside the budget; the probe leaves no
     trace (the same steps given as a number train the same weights); SIGKILL + resume keeps the
     planned steps and ends bitwise equal."""
-    budget = 8
+    budget = 5
     common = dict(
         train__max_steps="auto",
         train__time_budget=f"{budget}s",
