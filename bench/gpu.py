@@ -54,6 +54,20 @@ def sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
+def median_seconds(fn, reps: int, device: torch.device) -> float:
+    """Median wall time of ``fn`` over ``reps`` device-synchronised calls, after 3 warm-ups."""
+    for _ in range(3):
+        fn()
+    times = []
+    for _ in range(reps):
+        sync(device)
+        start = time.perf_counter()
+        fn()
+        sync(device)
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
 def ceilings(device: torch.device) -> dict:
     """bf16 matrix rate (8192^3 on a GPU, random data) and copy bandwidth (4 GiB), medians."""
     n, size = (8192, 2**30) if device.type == "cuda" else (1024, 2**24)
@@ -63,49 +77,21 @@ def ceilings(device: torch.device) -> dict:
     )
     src = torch.randn(size, device=device, dtype=torch.float32)
     dst = torch.empty_like(src)
-
-    def timed(fn, reps: int) -> float:
-        for _ in range(3):
-            fn()
-        times = []
-        for _ in range(reps):
-            sync(device)
-            start = time.perf_counter()
-            fn()
-            sync(device)
-            times.append(time.perf_counter() - start)
-        return statistics.median(times)
-
-    matmul = timed(lambda: a @ b, 20)
-    copy = timed(lambda: dst.copy_(src), 20)
+    matmul = median_seconds(lambda: a @ b, 20, device)
+    copy = median_seconds(lambda: dst.copy_(src), 20, device)
     return {"bf16_matmul_tflops": 2 * n**3 / matmul / 1e12, "copy_tb_per_s": 2 * src.nbytes / copy / 1e12}
 
 
 def loss_chunks(device: torch.device, rows: int, dim: int) -> dict:
     """Forward and backward of the fused loss alone at several chunk sizes: median ms of 10 after
-    3 warm-ups (device-synchronised), peak allocated GiB, eager and compiled."""
+    a first (compiling) call and 3 warm-ups, device-synchronised; peak allocated GiB over the
+    timed calls; eager and compiled."""
     sizes = (256, 1024, 2048, 4096, 8192, 16384) if device.type == "cuda" else (64, 256)
     torch.manual_seed(0)
     hidden = torch.randn(rows, dim, device=device, dtype=torch.bfloat16, requires_grad=True)
     weight = (torch.randn(VOCAB, dim, device=device) * dim**-0.5).requires_grad_()
     targets = torch.randint(0, VOCAB, (rows,), device=device)
     out: dict = {"rows": rows, "dim": dim, "default": fused_loss.default_chunk_size(VOCAB, device.type)}
-
-    def timed(fn) -> tuple[float, float]:
-        for _ in range(3):
-            fn()
-        if device.type == "cuda":
-            torch.cuda.reset_peak_memory_stats(device)
-        times = []
-        for _ in range(10):
-            sync(device)
-            start = time.perf_counter()
-            fn()
-            sync(device)
-            times.append(time.perf_counter() - start)
-        peak = torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else 0.0
-        return 1e3 * statistics.median(times), peak
-
     for compiled in (False, True):
         for size in sizes if not compiled else sizes[1::2]:
 
@@ -119,7 +105,11 @@ def loss_chunks(device: torch.device, rows: int, dim: int) -> dict:
                 hidden.grad = weight.grad = None
                 fn(hidden, weight, targets).backward()
 
-            ms, peak = timed(step)
+            step()  # a compiled loss compiles here: its memory stays out of the chunk's peak
+            if device.type == "cuda":
+                torch.cuda.reset_peak_memory_stats(device)
+            ms = 1e3 * median_seconds(step, 10, device)
+            peak = torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else 0.0
             out[f"{'compiled' if compiled else 'eager'} {size}"] = {"ms": round(ms, 3), "peak_gib": round(peak, 2)}
     compiled_ms = {int(k.split()[1]): v["ms"] for k, v in out.items() if k.startswith("compiled")}
     out["best_compiled"] = min(compiled_ms, key=compiled_ms.__getitem__)

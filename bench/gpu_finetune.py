@@ -34,30 +34,24 @@ from kiln.train.trainer import train
 from common import kiln_tokens_per_s
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
-from hf_models import bpe_tokenizer  # noqa: E402
+from hf_models import tiny_llama  # noqa: E402
 
 
 def llama(directory: Path, layers: int, width: int) -> Path:
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    tok = bpe_tokenizer(directory, vocab_size=8192)
-    cfg = LlamaConfig(
-        vocab_size=len(tok),
+    """kiln's `1b` shape at width 2048 and 16 layers: 64-wide heads, a quarter of them for keys
+    and values, an MLP 4x the width, tied, with a BPE of up to 8192 tokens."""
+    return tiny_llama(
+        directory,
+        tie=True,
+        n_kv_head=max(1, width // 256),
+        vocab=8192,
         hidden_size=width,
         intermediate_size=4 * width,
         num_hidden_layers=layers,
         num_attention_heads=max(1, width // 64),
-        num_key_value_heads=max(1, width // 256),
         max_position_embeddings=2048,
         rope_theta=500000.0,
-        tie_word_embeddings=True,
-        bos_token_id=tok.bos_token_id,
-        eos_token_id=tok.eos_token_id,
-        pad_token_id=tok.pad_token_id,
     )
-    torch.manual_seed(0)
-    LlamaForCausalLM(cfg).save_pretrained(directory)
-    return directory
 
 
 RUNS = {

@@ -147,30 +147,32 @@ def main() -> None:
                 "set": args.set,
             }
             print(json.dumps({"kiln": results["kiln"]}), flush=True)
-        if args.skip_hf:
-            print(json.dumps({"bench": "same_budget_hf", "budget": args.budget, "seed": args.seed, **results}))
-            return
-
-        # Calibrate the HF schedule's length: a short probe of its steps per second.
-        _, probe_steps = train_hf(prepared, args, 10.0, tmp / "hf-probe", 10**6)
-        max_steps = max(20, int(probe_steps * budget_s / 10.0))
-        t0 = time.perf_counter()
-        model, steps = train_hf(prepared, args, budget_s, tmp / "hf", max_steps)
-        wall = time.perf_counter() - t0
-        model.eval()
-        hf_scores = score(lambda x: model(input_ids=x).logits, prepared, args.hf_seq_len)
-        results["hf_trainer"] = {
-            "steps": steps,
-            "planned_steps": max_steps,
-            "wall_s": round(wall, 1),
-            "seq_len": args.hf_seq_len,
-            "lr": args.hf_lr,
-            "batch": args.hf_batch,
-            "val_bpb": hf_scores["val_bpb"],
-            "val_loss": hf_scores["val_loss"],
-        }
-        print(json.dumps({"hf_trainer": results["hf_trainer"]}), flush=True)
+        if not args.skip_hf:
+            results["hf_trainer"] = _run_hf(prepared, args, budget_s, tmp)
+            print(json.dumps({"hf_trainer": results["hf_trainer"]}), flush=True)
     print(json.dumps({"bench": "same_budget_hf", "budget": args.budget, "seed": args.seed, **results}))
+
+
+def _run_hf(prepared, args, budget_s: float, tmp: Path) -> dict:
+    """The Trainer's run for the budget, its schedule's length calibrated by a short probe of
+    its steps per second, and its score."""
+    _, probe_steps = train_hf(prepared, args, 10.0, tmp / "hf-probe", 10**6)
+    max_steps = max(20, int(probe_steps * budget_s / 10.0))
+    t0 = time.perf_counter()
+    model, steps = train_hf(prepared, args, budget_s, tmp / "hf", max_steps)
+    wall = time.perf_counter() - t0
+    model.eval()
+    hf_scores = score(lambda x: model(input_ids=x).logits, prepared, args.hf_seq_len)
+    return {
+        "steps": steps,
+        "planned_steps": max_steps,
+        "wall_s": round(wall, 1),
+        "seq_len": args.hf_seq_len,
+        "lr": args.hf_lr,
+        "batch": args.hf_batch,
+        "val_bpb": hf_scores["val_bpb"],
+        "val_loss": hf_scores["val_loss"],
+    }
 
 
 def _evaluate(run_dir):

@@ -88,10 +88,12 @@ def _tiny_decoder(
     chat_template: str | None,
     dims: dict,
     config: dict,
+    vocab: int = 300,
 ) -> Path:
-    """A 2-layer decoder of ``model_class`` with its tokenizer, saved like a model from the hub
-    (optionally sharded): ``dims`` the architecture's own, ``config`` the caller's on top."""
-    tokenizer = bpe_tokenizer(directory, chat_template=chat_template)
+    """A 2-layer decoder of ``model_class`` with its tokenizer (a BPE of up to ``vocab`` tokens),
+    saved like a model from the hub (optionally sharded): ``dims`` the architecture's own,
+    ``config`` the caller's on top."""
+    tokenizer = bpe_tokenizer(directory, vocab_size=vocab, chat_template=chat_template)
     common = dict(
         vocab_size=len(tokenizer),
         hidden_size=64,
@@ -118,9 +120,11 @@ def tiny_llama(
     tie: bool = False,
     n_kv_head: int = 2,
     chat_template: str | None = CHAT_MARKED,
+    vocab: int = 300,
     **config,
 ) -> Path:
-    """A 2-layer Llama with its tokenizer, saved like a model from the hub (optionally sharded)."""
+    """A 2-layer Llama (or as ``config`` sizes it) with its tokenizer, saved like a model from the
+    hub (optionally sharded)."""
     dims = dict(intermediate_size=128, num_key_value_heads=n_kv_head, tie_word_embeddings=tie)
     return _tiny_decoder(
         directory,
@@ -131,6 +135,7 @@ def tiny_llama(
         chat_template=chat_template,
         dims=dims,
         config=config,
+        vocab=vocab,
     )
 
 
