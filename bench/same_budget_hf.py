@@ -137,9 +137,11 @@ def main() -> None:
             t0 = time.perf_counter()
             result = train(cfg, console=False)
             wall = time.perf_counter() - t0
-            kiln_scores = _evaluate(tmp / "kiln")
+            kiln_scores, batch = _evaluate(tmp / "kiln")
             results["kiln"] = {
                 "steps": result.step,
+                "global_batch": batch,
+                "tokens_per_s": round(result.step * batch * cfg.data.seq_len / wall),
                 "wall_s": round(wall, 1),
                 "seq_len": cfg.data.seq_len,
                 "val_bpb": kiln_scores["val_bpb"],
@@ -175,10 +177,12 @@ def _run_hf(prepared, args, budget_s: float, tmp: Path) -> dict:
     }
 
 
-def _evaluate(run_dir):
-    """kiln eval of the run: its whole validation split."""
+def _evaluate(run_dir) -> tuple[dict, int]:
+    """kiln eval of the run (its whole validation split), and the global batch it trained with
+    (the plan's choice, written to the run's config)."""
     run = load_run(run_dir, device="cpu")
-    return run.job.evaluate_saved(run, source=None, max_batches=10**6, batch_size=None)
+    scores = run.job.evaluate_saved(run, source=None, max_batches=10**6, batch_size=None)
+    return scores, run.cfg.train.global_batch_size
 
 
 if __name__ == "__main__":

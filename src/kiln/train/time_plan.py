@@ -6,14 +6,18 @@ a few real training steps (after a warm-up, which takes the compile, the allocat
 growth and the caches) and one evaluation, then puts the run back exactly as it was. The number of steps
 is then the most whose training, evaluations and checkpoints, the final ones included, end
 inside the budget. It is part of the run's state: a resumed run keeps the steps it planned, so
-its learning-rate schedule is the one it started with.
+its learning-rate schedule is the one it started with (a plan that was still the probe's first
+estimate, below, is made again by the resumed process, from its step, for its own budget).
 
-Step times drift over a run (on a shared or throttled machine by a tenth or more), so the process
-that planned corrects the plan with the pace it actually kept, halfway and again halfway through
-the rest (CORRECTIONS times): where the schedule's
-rate up to then does not depend on the number of steps (constant, or warmup-stable-decay before
-its decay, which the correction never moves behind the current step), the corrected run trains
-exactly as a run given the corrected steps as a number.
+Where the schedule's rate up to a step does not depend on the number of steps (constant, or
+warmup-stable-decay before its decay), the process that planned corrects the plan with the pace
+its own steps keep, and the corrected run trains exactly as a run given the corrected steps as a
+number. That lets the probe be short: it only gauges the pace (and chooses the batch), the run
+starts at once, and its first steps after their warm-up time the pace that fixes the plan (the
+probe's steps are put back, the run's are not wasted). Step times also drift over a run (on a
+shared or throttled machine by a tenth or more), so the plan is corrected again halfway and
+halfway through the rest (CORRECTIONS times), never moving a decay's start behind the current step.
+Other schedules (cosine, linear) are timed in full before the run and not corrected.
 """
 
 from __future__ import annotations
@@ -92,7 +96,13 @@ class TimePlan:
         self.budget = t.budget
         self.eval_every, self.save_every = cfg.eval.every, cfg.checkpoint.every
         self.schedule, self.decay_fraction = t.schedule, t.decay_fraction
-        self.correct_at: int | None = None  # the step of the next correction (set by fix)
+        # Corrections (see the module's doc), set up by fix, loop_starts and due.
+        self.correctable = t.schedule in ("constant", "wsd")
+        self.first_estimate = False  # fixed from the probe's rough pace, to be corrected early
+        self.loop_start: tuple[int, float] | None = None  # the loop's first step and clock
+        self.timed: tuple[int, float] | None = None  # where the pace's timing started
+        self.correct_at: int | None = None  # a correction after this step at the latest
+        self.start_step = 0  # where the process that planned started
         self.corrections_left = 0
 
     @property
@@ -122,10 +132,13 @@ class TimePlan:
 
     def state_dict(self) -> dict:
         costs = dataclasses.asdict(self.costs) if self.costs else None
-        return {"max_steps": self.max_steps, "costs": costs, "global_batch": self.batch}
+        plan = {"max_steps": self.max_steps, "costs": costs, "first_estimate": self.first_estimate}
+        return {**plan, "global_batch": self.batch}
 
     def load_state_dict(self, state: dict) -> None:
-        if self.auto and state.get("max_steps") is not None:
+        # A first estimate is not kept: the resumed process plans its own budget from where it is
+        # (its rate so far did not depend on the steps), with the batch already chosen.
+        if self.auto and state.get("max_steps") is not None and not state.get("first_estimate"):
             self.max_steps = state["max_steps"]
             self.costs = Costs(**state["costs"]) if state.get("costs") else None
         if self.auto_batch and state.get("global_batch"):
@@ -144,21 +157,51 @@ class TimePlan:
             t = dataclasses.replace(t, global_batch_size=self.batch, micro_batch_size=self.micro)
         return dataclasses.replace(cfg, train=dataclasses.replace(t, max_steps=self.steps))
 
-    def cost_s(self, steps: int, costs: Costs) -> float:
+    def cost_s(self, steps: int, costs: Costs, final: bool = True) -> float:
         """Seconds that ``steps`` steps take from the first: training, every evaluation and
-        checkpoint (periodic and final) and the data loader's start."""
-        evals = math.ceil(steps / self.eval_every) if self.eval_every else 1
-        saves = math.ceil(steps / self.save_every) if self.save_every else 1
+        checkpoint (periodic and, unless not ``final``, the last step's) and the data loader's start."""
+        ends = math.ceil if final else math.floor
+        evals = ends(steps / self.eval_every) if self.eval_every else int(final)
+        saves = ends(steps / self.save_every) if self.save_every else int(final)
         return costs.start_s + steps * costs.step_s + evals * costs.eval_s + saves * costs.save_s
 
-    def fix(self, costs: Costs, elapsed_s: float) -> int:
-        """Fix max_steps from the probe's ``costs`` with ``elapsed_s`` of the budget spent: the
-        most steps whose cost ends inside it (at least one)."""
-        low = self._most_steps(self.budget_s * (1 - MARGIN) - elapsed_s, costs, least=1)
-        self.max_steps, self.costs = low, costs
-        if self.schedule in ("constant", "wsd") and low >= 8:
-            self.correct_at, self.corrections_left = low // 2, CORRECTIONS
+    def fix(self, costs: Costs, elapsed_s: float, first_estimate: bool = False, start: int = 0) -> int:
+        """Fix max_steps from the probe's ``costs`` with ``elapsed_s`` of the budget spent, for a
+        run at step ``start``: the most steps whose cost ends inside it (at least one more). A
+        ``first_estimate`` (a rough pace) is corrected once the run's own steps have been timed (see due)."""
+        low = start + self._most_steps(self.budget_s * (1 - MARGIN) - elapsed_s, costs, least=1)
+        self.max_steps, self.costs, self.start_step = low, costs, start
+        if self.correctable and low >= 8:
+            self.corrections_left = CORRECTIONS + first_estimate
+            self.first_estimate = first_estimate
+            self.correct_at = None if first_estimate else min((start + low) // 2, self._decay_start(low))
         return low
+
+    def loop_starts(self, step: int, elapsed_s: float) -> None:
+        """The loop's first step is ``step``, ``elapsed_s`` into the budget."""
+        self.loop_start = self.timed = (step, elapsed_s)
+        if self.first_estimate:  # corrected by time (see due), or before its decay at the latest
+            self.timed = None
+            self.correct_at = min(step + (self.steps - step) // 2, self._decay_start(self.steps))
+
+    def due(self, step: int, elapsed_s: float) -> bool:
+        """Is the plan to be corrected after ``step``, ``elapsed_s`` into the budget? A first
+        estimate is, once the run's own steps have been timed as long as the probe would have
+        timed them, after their warm-up (the loader's start, the first allocations); it starts
+        that timing itself. The ranks agree on the answer (the loop's ``World.agree``)."""
+        if self.first_estimate:
+            assert self.loop_start is not None  # set before the loop's first step
+            first_step, first_s = self.loop_start
+            warm = step - first_step >= WARMUP_STEPS and elapsed_s - first_s >= self.warmup_seconds()
+            if self.timed is None and warm:
+                self.timed = (step, elapsed_s)
+            if self.timed and step - self.timed[0] >= 3 and elapsed_s - self.timed[1] >= self.probe_seconds():
+                return True
+        return step == self.correct_at
+
+    def _decay_start(self, steps: int) -> int:
+        """The first step whose rate depends on the number of steps (a correctable schedule's)."""
+        return steps - max(1, round(self.decay_fraction * steps)) if self.schedule == "wsd" else steps
 
     def correct(self, step: int, step_s: float, elapsed_s: float) -> int:
         """The steps that fill the budget at the pace kept so far (``step_s`` a step), ``step``
@@ -166,13 +209,16 @@ class TimePlan:
         to start before ``step``."""
         assert self.costs is not None  # correct_at, which calls for a correction, is set with them (fix)
         costs = dataclasses.replace(self.costs, step_s=step_s)
-        seconds = self.budget_s * (1 - MARGIN) - elapsed_s + self.cost_s(step, costs)
-        steps = self._most_steps(seconds, costs, least=step + 1)
-        if self.schedule == "wsd":
-            while steps - max(1, round(self.decay_fraction * steps)) < step:
-                steps += 1
+        done = step - self.start_step  # by this process, in ``elapsed_s``
+        seconds = self.budget_s * (1 - MARGIN) - elapsed_s + self.cost_s(done, costs, final=False)
+        steps = self.start_step + self._most_steps(seconds, costs, least=done + 1)
+        while self._decay_start(steps) < step:
+            steps += 1
         self.corrections_left -= 1
-        later = step + (steps - step) // 2
+        self.first_estimate = False
+        # The next correction comes no later than the decay's start, so that every step before it
+        # trained at the rate of a run given the final steps as a number.
+        later = min(step + (steps - step) // 2, self._decay_start(steps))
         self.max_steps, self.correct_at = steps, later if self.corrections_left and later > step else None
         return steps
 
@@ -211,24 +257,30 @@ class TimePlan:
         resumed_at = checkpointer.latest()
         save_s = self._warm_seconds(world, save)
         path = checkpointer.latest()
-        # With the batch to choose, this first timing only gauges the pace (a quarter as long).
-        step_s, start_s = self._step_seconds(world, batches, train, device, rough=self.auto_batch)
+        # Where the run's own steps will correct the plan, or the batch is still to choose, this
+        # timing only gauges the pace (a quarter as long).
+        rough = self.correctable or self.auto_batch
+        step_s, start_s = self._step_seconds(world, batches, train, device, rough=rough)
         eval_s = self._warm_seconds(world, evaluate)
-        if self.auto_batch:
+        if self.auto_batch and self.batch is None:  # (a resumed run has its batch)
             # The tokens the budget buys at the probe's batch (one micro-batch a rank) choose the
-            # batch; its steps are then timed again.
+            # batch. Its steps are timed by the run itself where they can be (taken to keep the
+            # probe's tokens a second until then), or else timed again here.
             probe = Costs(*world.largest(step_s, eval_s, save_s, start_s))
-            sequences = self._most_steps(self.budget_s - elapsed(), probe, least=1) * self.batch_schedule.final
+            probe_batch = self.batch_schedule.final
+            sequences = self._most_steps(self.budget_s - elapsed(), probe, least=1) * probe_batch
             tokens = sequences * self.tokens_per_sample
             batch = choose_batch(tokens, self.tokens_per_sample, self.micro, world.data_ranks)
             self._resize(batch)
-            # Warm already: a few steps settle the new shapes.
-            step_s, start_s = self._step_seconds(world, batches, train, device, warm=True)
+            if self.correctable:
+                step_s *= batch / probe_batch
+            else:  # warm already: a few steps settle the new shapes
+                step_s, start_s = self._step_seconds(world, batches, train, device, warm=True)
         checkpointer.put_back(held)
         if path != resumed_at:
             checkpointer.discard(path)
         *costs, elapsed_s = world.largest(step_s, eval_s, save_s, start_s, elapsed())
-        self.fix(Costs(*costs), elapsed_s)
+        self.fix(Costs(*costs), elapsed_s, first_estimate=self.correctable, start=step)
         logger.event(
             step,
             "time_plan",
@@ -242,8 +294,8 @@ class TimePlan:
         self, world: World, batches: Callable[[], Iterator[Any]], train, device, warm=False, rough=False
     ) -> tuple[float, float]:
         """Seconds a training step takes once warm, and the loader's start before its first batch."""
-        warmup_s = 0.0 if warm else self.warmup_seconds()
         probe_s = self.probe_seconds() * (0.25 if rough else 1.0)
+        warmup_s = 0.0 if warm else 0.25 * probe_s
         started = time.perf_counter()
         loader = batches()
         start_s, timed_from, steps = 0.0, None, 0
@@ -267,19 +319,22 @@ class TimePlan:
         assert timed_from is not None  # the loop ends only after timed steps
         return (now - timed_from) / steps, start_s
 
-    def correct_pace(self, world: World, step: int, loop_started: tuple[int, float], elapsed_s: float, logger) -> None:
-        """Plan again with the pace this run has kept since the loop started (``loop_started``:
-        its first step and the clock then), ``step`` steps and ``elapsed_s`` seconds in: the
-        slowest rank's pace and clock, so that every rank plans the same steps."""
-        assert self.costs is not None  # correct_at, which calls for a correction, is set with them (fix)
-        first_step, first_s = loop_started
+    def correct_pace(self, world: World, step: int, elapsed_s: float, logger) -> None:
+        """Plan again with the pace this run has kept since its timing started (see
+        loop_starts), ``step`` steps and ``elapsed_s`` seconds in: the slowest rank's pace and
+        clock, so that every rank plans the same steps."""
+        assert self.costs is not None  # correct_at and due, which call for a correction, are set with them (fix)
+        timing = self.timed or self.loop_start
+        assert timing is not None  # set before the loop's first step (loop_starts)
+        first_step, first_s = timing
         done = step - first_step
-        evals = done // self.eval_every if self.eval_every else 0
-        saves = done // self.save_every if self.save_every else 0
+        evals = step // self.eval_every - first_step // self.eval_every if self.eval_every else 0
+        saves = step // self.save_every - first_step // self.save_every if self.save_every else 0
         spent = elapsed_s - first_s - evals * self.costs.eval_s - saves * self.costs.save_s
         step_s, elapsed = world.largest(max(spent, 0.0) / done, elapsed_s)
         before = self.max_steps
         steps = self.correct(step, step_s, elapsed)
+        logger.total_steps = steps
         logger.event(
             step,
             "time_replan",
@@ -306,8 +361,9 @@ class TimePlan:
         c = self.costs
         assert c is not None  # described once planned (fix)
         batch = f" of {self.batch} sequences (global_batch_size=auto)" if self.auto_batch else ""
+        estimate = "; a first estimate, which the run's first steps correct" if self.first_estimate else ""
         return (
             f"planned {self.max_steps} steps{batch} to fill the {self.budget} time budget: "
             f"a step takes {c.step_s:.3g}s, "
-            f"an evaluation {c.eval_s:.3g}s, a checkpoint {c.save_s:.3g}s (measured at the start)"
+            f"an evaluation {c.eval_s:.3g}s, a checkpoint {c.save_s:.3g}s (measured at the start{estimate})"
         )

@@ -177,7 +177,7 @@ class Trainer:
                 return result
             batches = self.batches.loader(self.step)
             self.meter.start_clock()
-            loop_started = (self.step, clock.elapsed())
+            plan.loop_starts(self.step, clock.elapsed())
             self.setup.loop_starts()
             while self.step < plan.steps:
                 clock.step_started()
@@ -197,15 +197,15 @@ class Trainer:
                 logger.step_done(self.step)
                 self.profiler.step_ends(self.step)
                 self.setup.step_done()
-                if self.step == plan.correct_at:  # with the pace kept so far (see TimePlan)
-                    plan.correct_pace(self.world, self.step, loop_started, clock.elapsed(), logger)
-                    logger.total_steps = plan.steps
-                    write_run_files(self.run_dir, plan.resolved(self.cfg), self.world, self.model.module)
                 # The run ends at max_steps, or early when the next step would overrun the time
                 # budget; either way it ends with an evaluation and a checkpoint. Ranks decide
                 # together, or one would wait forever in a collective the others skipped.
                 with phase("agree", self.step):
-                    out_of_time, stop.requested = self.world.agree(clock.next_step_overruns(), stop.requested)
+                    flags = clock.next_step_overruns(), stop.requested, plan.due(self.step, clock.elapsed())
+                    out_of_time, stop.requested, replan = self.world.agree(*flags)
+                if replan:  # with the pace this run has kept (see TimePlan)
+                    plan.correct_pace(self.world, self.step, clock.elapsed(), logger)
+                    write_run_files(self.run_dir, plan.resolved(self.cfg), self.world, self.model.module)
                 final = self.step == plan.steps or out_of_time
                 if self.meter.due(self.step, final or stop.requested):
                     result.metrics, rollback = self._log(logger, lr, clock.elapsed())
