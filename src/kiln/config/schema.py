@@ -313,11 +313,13 @@ class TrainConfig:
     max_steps: int | Literal["auto"] = "auto"
     """Optimizer steps to train for, or "auto" (the default): as many as fit train.time_budget
     (five minutes when that is not set), measured at the start of the run (a few timed steps, an
-    evaluation and a checkpoint) and corrected at 1/2 and 3/4 of the run with the pace kept (wsd
-    and constant schedules, whose rate so far does not depend on it), so that the schedule ends,
-    and the run evaluates and saves, when the budget does. The planned steps are printed at the
-    start, recorded in the run's config.toml and kept on resume. A number makes runs comparable
-    across machines: the default recipe took 1050 steps in five minutes on a 2-core Xeon."""
+    evaluation and a checkpoint). With the wsd and constant schedules, whose rate up to the decay
+    does not depend on it, that probe is short and the run's own first steps fix the plan (a few
+    seconds in), which is corrected again at 1/2 and 3/4 of the run with the pace kept; cosine and
+    linear are timed in full before the run. So the schedule ends, and the run evaluates and saves,
+    when the budget does. The planned steps are printed, recorded in the run's config.toml and kept
+    on resume. A number makes runs comparable across machines: the default recipe took 1050 steps
+    in five minutes on a 2-core Xeon."""
     micro_batch_size: int | Literal["auto"] = 32
     """Sequences per forward/backward pass on each rank, or "auto": before training, find the
     largest that fits in device memory by probing real steps (accumulation then makes up the
