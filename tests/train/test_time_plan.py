@@ -168,7 +168,7 @@ def test_auto_fills_the_budget_ends_the_schedule_and_resumes_exactly(tmp_path, c
     )
     auto = tmp_path / "auto"
     started = time.perf_counter()
-    kiln("train", *sets(tiny_overrides(auto, corpus_dir, **common)))
+    out = kiln("train", *sets(tiny_overrides(auto, corpus_dir, **common))).stdout
     wall = time.perf_counter() - started
     steps = tomllib.loads((auto / "config.toml").read_text())["train"]["max_steps"]
     assert isinstance(steps, int) and steps > 20
@@ -181,7 +181,9 @@ def test_auto_fills_the_budget_ends_the_schedule_and_resumes_exactly(tmp_path, c
     assert last["lr"] == pytest.approx(1e-2 * 0.1)  # the schedule's final value, train.lr x min_lr_ratio
     assert last["elapsed_s"] <= budget * 1.05
     assert wall < budget + 10  # the interpreter's start and the data's fingerprint come on top
-    assert not (auto / "checkpoints" / "step-00000000").exists()  # the probe's checkpoint is gone
+    # The probe's checkpoint is gone, and was not announced.
+    assert not (auto / "checkpoints" / "step-00000000").exists() and "step-00000000" not in out
+    assert f"saved checkpoint {auto / 'checkpoints' / f'step-{steps:08d}'}" in out
 
     fixed = tmp_path / "fixed"
     overrides = tiny_overrides(fixed, corpus_dir, **{**common, "train__max_steps": steps, "train__time_budget": ""})

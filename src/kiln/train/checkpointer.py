@@ -71,6 +71,7 @@ class Checkpointer:
         # Sharded (every rank writes its own part with DCP) where ranks hold different parts.
         self.sharded = model.sharded
         self._writing: tuple[Path, Future[None]] | None = None  # the checkpoint written in the background
+        self._holding = False  # between hold and put_back: checkpoints saved then are not the run's
         self._stager = None  # the host copy of the state it is written from, reused by the next
         # DCP's collectives in the background (planning the write, gathering its results) get a
         # gloo group of their own; every rank makes it here, together.
@@ -129,7 +130,7 @@ class Checkpointer:
             self._writing = (path, future)
             return path
         path = save_checkpoint(*args, **kwargs)
-        self._say(f"kiln: saved checkpoint {path}")
+        self._saved(path)
         return path
 
     def wait(self) -> None:
@@ -146,7 +147,7 @@ class Checkpointer:
             raise CheckpointError(f"{path}: writing the checkpoint in the background failed: {error}") from error
         if failed:
             raise CheckpointError(f"{path}: another rank failed to write its part of the checkpoint (see its error)")
-        self._say(f"kiln: saved checkpoint {path}")
+        self._saved(path)
 
     @contextlib.contextmanager
     def finishing(self) -> Iterator[None]:
@@ -170,10 +171,15 @@ class Checkpointer:
                 self._stager.close()
                 self._stager = None
 
+    def _saved(self, path: Path) -> None:
+        if not self._holding:  # a probe's checkpoint (see hold) is put back: nothing to tell
+            self._say(f"kiln: saved checkpoint {path}")
+
     def hold(self) -> dict[str, Any]:
         """The run's whole state (this rank's shards), copied to host memory, for ``put_back``
         after work that must leave no trace. Unlike a checkpoint it keeps an optimizer that has
         not stepped yet exactly so: saving one initialises its state."""
+        self._holding = True
         return {
             "model": [local_part(t).detach().cpu().clone() for t in self.model.state_dict().values()],
             "optimizer": {
@@ -187,6 +193,8 @@ class Checkpointer:
     @torch.no_grad()
     def put_back(self, held: dict[str, Any]) -> None:
         """Restore what ``hold`` copied, in place."""
+        self.wait()  # a checkpoint being written while held says nothing either
+        self._holding = False
         for target, saved in zip(self.model.state_dict().values(), held["model"], strict=True):
             local_part(target).copy_(saved)
         if not held["optimizer"]:  # it had not stepped: it starts afresh again
