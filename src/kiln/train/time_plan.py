@@ -294,8 +294,9 @@ class TimePlan:
         self, world: World, batches: Callable[[], Iterator[Any]], train, device, warm=False, rough=False
     ) -> tuple[float, float]:
         """Seconds a training step takes once warm, and the loader's start before its first batch."""
-        probe_s = self.probe_seconds() * (0.25 if rough else 1.0)
-        warmup_s = 0.0 if warm else 0.25 * probe_s
+        share = 0.25 if rough else 1.0
+        probe_s = self.probe_seconds() * share
+        warmup_s = 0.0 if warm else self.warmup_seconds() * share
         started = time.perf_counter()
         loader = batches()
         start_s, timed_from, steps = 0.0, None, 0
