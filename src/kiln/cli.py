@@ -543,8 +543,8 @@ def _run(args) -> int:
     from kiln.config import ConfigError
     from kiln.data import DataError
     from kiln.distributed import in_torchrun
-    from kiln.export.check import ExportError
-    from kiln.harness import TaskError
+    from kiln.harness.tasks import TaskError
+    from kiln.models.family import ExportError
     from kiln.train.guard import TrainingDiverged
     from kiln.train.memory_ladder import OutOfMemoryExhausted, RestartForRung
 

@@ -16,7 +16,6 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.nn.attention.bias import causal_lower_right
 
 from kiln.models.fused_loss import linear_cross_entropy
 from kiln.models.gpt.moe import MoE
@@ -137,6 +136,15 @@ def repeat_kv(x: torch.Tensor, heads: int) -> torch.Tensor:
     return x if x.size(1) == heads else x.repeat_interleave(heads // x.size(1), dim=1)
 
 
+def _lower_right_causal(queries: int, keys: int):
+    """SDPA's lower-right causal bias. Imported here, not at the top: its module imports
+    TorchDynamo (0.8 s), which every process that imports the model paid, also when it never
+    decodes."""
+    from torch.nn.attention.bias import causal_lower_right
+
+    return causal_lower_right(queries, keys)
+
+
 def _attend_cached(cache, k, v, start_pos):
     """Write the keys and values of positions start_pos.. into the cache; the keys and values the
     new queries see, and the mask (None: each sees them all)."""
@@ -147,7 +155,7 @@ def _attend_cached(cache, k, v, start_pos):
         v_cache[:, :, start_pos:end] = v
         # Query i sits at position start_pos + i and sees keys 0..start_pos + i: the causal
         # triangle aligned to the lower right corner (SDPA's is_causal aligns it to the upper left).
-        mask = causal_lower_right(T, end) if T > 1 else None
+        mask = _lower_right_causal(T, end) if T > 1 else None
         return k_cache[:, :, :end], v_cache[:, :, :end], mask
     if T != 1:
         raise ValueError(f"past the cache's {size} positions tokens are fed one at a time, not {T}")
