@@ -1,5 +1,7 @@
 """The loop's equivalence claims, tested numerically."""
 
+import shutil
+
 import numpy as np
 import pytest
 import torch
@@ -103,6 +105,23 @@ def test_generic_module_and_eval_fn(tmp_path):
 
     result = Trainer(model, TensorDataset(x, y), loss_fn, cfg, eval_fn=eval_fn, console=False).fit()
     assert result.eval_metrics["val_acc"] > 0.9
+
+
+def test_compiled_runs_repeat_and_resume_bitwise(tmp_path):
+    """Compiled for the CPU, an embedding's gradient was summed in a thread-dependent order, so two
+    runs of one config (or a run and its resumption) differed by ~1e-8 after a few steps; the step
+    asks for deterministic algorithms around compiled code, and puts the process's setting back."""
+    data = _tokens(tmp_path)
+    compiled = {"train.compile": "true", "checkpoint.every": 3}
+    a, _ = _run(tmp_path, "a", data, micro=8, global_=8, steps=6, **compiled)
+    for resumed in (False, True):
+        torch._dynamo.reset()  # each run compiles afresh, as another process would
+        b, result = _run(tmp_path, "b", data, micro=8, global_=8, steps=6, **compiled)
+        assert result.resumed_from == (3 if resumed else None)
+        for (name, x), y in zip(a.state_dict().items(), b.state_dict().values(), strict=True):
+            assert torch.equal(x, y), (name, resumed)
+        shutil.rmtree(tmp_path / "b" / "checkpoints" / "step-00000006")  # resumed from step 3 next
+    assert not torch.are_deterministic_algorithms_enabled()
 
 
 def test_compile_matches_eager(tmp_path):

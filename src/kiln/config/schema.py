@@ -394,7 +394,8 @@ class TrainConfig:
     """How train.precision=fp8 scales tensors into float8: one scale per tensor (the fastest) or
     one per row (more accurate, a little slower)."""
     compile: bool = False
-    """Compile the model with torch.compile."""
+    """Compile the model with torch.compile. On the CPU the compiled code runs with deterministic
+    algorithms, so a compiled run, repeated or resumed, trains bitwise the same weights."""
     activation_checkpointing: bool = False
     """Recompute each block's activations in the backward pass to save memory."""
     log_every: int = 10

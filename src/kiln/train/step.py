@@ -52,6 +52,12 @@ class TrainStep:
     ):
         self.model = model
         self.loss_fn = model.compile(loss_fn) if compile else loss_fn
+        # Compiled for the CPU, some gradients (an embedding's) are summed in an order that
+        # depends on the threads unless deterministic algorithms are asked for: two compiled runs,
+        # or a run and its resumption, would drift apart by ~1e-8 a step. Asked for around the
+        # compiled forward and backward (a process-wide switch, put back after), where it costs
+        # nothing measurable; on a GPU it would slow kernels and needs cuBLAS settings.
+        self.deterministic = compile and model.world.device.type == "cpu"
         self.optimizer = optimizer
         self.precision = precision
         self.clip = grad_clip if grad_clip > 0 else math.inf
@@ -104,7 +110,8 @@ class TrainStep:
         for i, micro in enumerate(micro_batches):
             with self.busy.device():  # a slow rank's injected delay is its own work, as a forward pass is
                 self.faults.before_forward(step, batch_rows(micro), self.checkpointing)
-            loss = self.model.forward_backward(micro, divisors[i], last=sync and i == n - 1, compute=self)
+            with self._deterministic():
+                loss = self.model.forward_backward(micro, divisors[i], last=sync and i == n - 1, compute=self)
             if total is None:
                 total = torch.zeros((), device=loss.device)
             # This rank's share of the step's loss, times the ranks (the meter averages over them).
@@ -116,10 +123,24 @@ class TrainStep:
         """The forward passes of ``step``'s micro-batches again, without gradients, on the whole
         model (the guard looks for the first module whose output is not finite)."""
         assert self.model.whole is not None  # only replayed where this rank holds the whole model
-        with torch.no_grad():
+        with torch.no_grad(), self._deterministic():
             for micro in micro_batches:
                 self.faults.before_forward(step, batch_rows(micro), self.checkpointing)
                 self.loss(self.model.whole, micro)
+
+    @contextlib.contextmanager
+    def _deterministic(self):
+        """Deterministic algorithms (warn-only: an op without a deterministic kernel warns) while
+        the compiled code runs, where ``deterministic`` asks for them; the process's setting after."""
+        if not self.deterministic:
+            yield
+            return
+        before = torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled()
+        torch.use_deterministic_algorithms(True, warn_only=True)
+        try:
+            yield
+        finally:
+            torch.use_deterministic_algorithms(before[0], warn_only=before[1])
 
     def update(self, lr: float, inspect: Callable[[nn.Module], None] | None = None) -> torch.Tensor:
         """Unscale, clip, step at ``lr`` and clear the gradients; the gradient norm before clipping.
