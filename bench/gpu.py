@@ -2,7 +2,7 @@
 a hand-written compiled loop of the same model, peak memory against `kiln plan`, and fp8's loss
 against bf16's. One process, stages in order, each skipped when the deadline would cut it.
 
-    python bench/gpu.py --out DIR [--deadline 480] [--stages ceilings,chunk,small,hand,large,fp8,loss]
+    python bench/gpu.py --out DIR [--deadline 480] [--stages ceilings,chunk,small,profile,hand,large,fp8,loss]
         [--small-micro 16,32] [--loss-chunk default|best|ROWS]
 
 (`--device cpu --small tiny --large tiny --steps 12 --loss-steps 12` runs the same code on a CPU
@@ -19,6 +19,7 @@ loss comparison (text a model can learn)."""
 from __future__ import annotations
 
 import argparse
+import gzip
 import json
 import shutil
 import statistics
@@ -177,6 +178,35 @@ def kiln_run(cfg, data: TokenSequences, after: int) -> dict:
     }
 
 
+def kernel_table(trace: Path, steps: int) -> dict:
+    """The trace's device kernels summed by name: ms per step, largest first, and the share of the
+    step the device was busy (kernels of one stream do not overlap)."""
+    events = json.loads(trace.read_text())["traceEvents"]
+    kernels: dict[str, float] = {}
+    for e in events:
+        if e.get("cat") == "kernel":
+            kernels[e["name"]] = kernels.get(e["name"], 0.0) + e["dur"] / 1e3 / steps
+    kinds = {"matmul": ("gemm", "nvjet", "cutlass", "xmma"), "attention": ("flash", "fmha", "attention")}
+    by_kind = dict.fromkeys((*kinds, "other"), 0.0)
+    for name, ms in kernels.items():
+        kind = next((k for k, keys in kinds.items() if any(key in name.lower() for key in keys)), "other")
+        by_kind[kind] += ms
+    top = sorted(kernels.items(), key=lambda kv: kv[1], reverse=True)[:40]
+    return {"kernel_ms_per_step": sum(kernels.values()), "by_kind_ms": by_kind, "top_kernels_ms": dict(top)}
+
+
+def profiled(cfg, data: TokenSequences, after: int, out: Path) -> dict:
+    """kiln's own profiler (`profile.steps`) over three steps after the compile: its breakdown, the
+    kernels by device time, and the trace, gzipped, beside the results."""
+    result = kiln_run(cfg, data, after)
+    breakdown = json.loads((Path(cfg.profile.dir) / "breakdown.json").read_text())
+    trace = Path(breakdown["trace"])
+    start, end = breakdown["steps"]
+    with trace.open("rb") as f, gzip.open(out / "profile-trace.json.gz", "wb") as g:
+        shutil.copyfileobj(f, g)
+    return {**result, **breakdown, **kernel_table(trace, end - start + 1)}
+
+
 def hand_written(cfg, data: TokenSequences, after: int) -> float:
     """The loop a person would write on a GPU: compiled model, fused AdamW, bf16 autocast, pinned
     batches copied without blocking, clipping; the same batches and parameter groups as kiln."""
@@ -220,7 +250,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--out", type=Path, required=True)
     ap.add_argument("--deadline", type=float, default=480, help="seconds; a stage that would pass it is skipped")
-    ap.add_argument("--stages", default="ceilings,chunk,small,hand,large,fp8,loss")
+    ap.add_argument("--stages", default="ceilings,chunk,small,profile,hand,large,fp8,loss")
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--small", default="gpt2-124m", help="preset of the small model")
     ap.add_argument("--large", default="1b", help="preset of the large model")
@@ -289,6 +319,22 @@ def main() -> None:
             small = config(tmp / f"small-{micro}", device, args.small, "bf16", args.steps, micro, seq)
             if "small" in stages and room(90):
                 attempt(f"kiln {args.small} bf16 micro {micro} chunk {chunk}", partial(kiln_run, small, data, after))
+        if "profile" in stages and room(90):
+            window = f"{after + 5}:{after + 7}"
+            cfg = config(
+                tmp / "profile",
+                device,
+                args.small,
+                "bf16",
+                after + 8,
+                micros[0],
+                seq,
+                **{"profile.steps": window, "profile.dir": tmp / "profile-out"},
+            )
+            attempt(
+                f"profile {args.small} bf16 micro {micros[0]} chunk {chunk}",
+                partial(profiled, cfg, data, after, args.out),
+            )
         small = config(tmp / "hand", device, args.small, "bf16", args.steps, micros[0], seq)
         if "hand" in stages and room(60):
             attempt(f"hand-written {args.small} bf16", lambda: {"tokens_per_s": hand_written(small, data, after)})

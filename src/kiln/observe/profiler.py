@@ -95,9 +95,11 @@ class StepProfiler:
                 per_step[PHASES[e.name]] += (e.cpu_time_total - comm) / 1e3 / steps  # us -> ms
                 per_step["communication"] += comm / 1e3 / steps
         measured = 1e3 * sum(self.step_times) / steps
+        # On a GPU the host only launches: the kernels' own time is what bounds the step there.
+        on_device = self.device.type == "cuda"
         top = sorted(
             (e for e in self._prof.key_averages() if not e.key.startswith("kiln/")),
-            key=lambda e: e.self_cpu_time_total,
+            key=lambda e: getattr(e, "self_device_time_total", 0.0) if on_device else e.self_cpu_time_total,
             reverse=True,
         )[:10]
         self.out_dir.mkdir(parents=True, exist_ok=True)
@@ -159,7 +161,7 @@ def render(b: dict) -> str:
         lines.append(f"  {label:<14}{ms:>10.2f} ms {100 * ms / step:>6.1f}%   {notes[label]}")
     covered = sum(phases.values())
     lines.append(f"  {'other':<14}{step - covered:>10.2f} ms {100 * (step - covered) / step:>6.1f}%   logging, loop")
-    lines += ["", "  top operators by self time per step:"]
+    lines += ["", "  top operators by self time per step (device time on a GPU):"]
     for op in b["top_operators"]:
         device = f", device {op['self_device_ms']:.2f} ms" if op["self_device_ms"] else ""
         lines.append(f"    {op['name']:<40}{op['self_cpu_ms']:>9.2f} ms  x{op['calls']:.0f}{device}")
