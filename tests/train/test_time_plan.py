@@ -77,6 +77,62 @@ def test_a_first_estimate_is_corrected_by_the_run_s_own_timed_steps():
     assert plan.correct_at == 36 + (fixed - 36) // 2 and "a first estimate" not in plan.describe()
 
 
+def test_the_step_that_compiles_starts_the_timing_again():
+    """With train.compile_after the plan is fixed by the compiled steps' pace: the step that
+    compiles (25 s here) starts the warm-up and the timing again, and its seconds count as spent."""
+    plan = _plan(
+        300,
+        compile="train.compile=true",
+        after="train.compile_after=20",
+        eval="eval.every=5000",
+        save="checkpoint.every=5000",
+    )
+    estimate = plan.fix(Costs(step_s=0.1, eval_s=1.0, save_s=0.5, start_s=0.5), elapsed_s=4, first_estimate=True)
+    plan.loop_starts(0, elapsed_s=4)
+    assert not plan.due(15, 5.5) and plan.timed == (15, 5.5)  # eager steps of 0.1 s, warm
+    assert not plan.due(20, 6.0)
+    assert not plan.due(21, 31.0) and plan.timed is None  # the compile: warming up again
+    compiled = 31.0 + 19 * 0.08
+    assert not plan.due(40, compiled) and plan.timed == (40, compiled)  # compiled steps of 0.08 s
+    assert not plan.due(110, compiled + 70 * 0.08)
+    assert plan.due(115, compiled + 75 * 0.08)
+    plan.correct_pace(World(), 115, compiled + 75 * 0.08, NullLogger())
+    left = 300 * 0.96 - (compiled + 75 * 0.08) - 1.0 - 0.5
+    assert plan.max_steps != estimate and plan.max_steps == pytest.approx(115 + left / 0.08, abs=2)
+
+
+def test_compile_auto_compiles_a_planned_run_of_two_minutes_or_more_after_its_first_steps():
+    def resolved(*sets):
+        train = load_config(None, list(sets)).train
+        return train.compile_resolved("lm", 1), train
+
+    default, given = resolved()
+    assert given.compile == "auto" and (default.compile, default.compile_after) == (True, 20)
+    for short in (
+        ["train.time_budget=45s"],  # the compile would not be repaid
+        ["train.max_steps=500"],
+        ["train.schedule=cosine"],  # planned in full before the run: the plan would time eager steps
+    ):
+        assert resolved(*short)[0].compile is False, short
+    assert given.compile_resolved("finetune", 1).compile is False
+    assert given.compile_resolved("lm", 2).compile is False  # a pipeline compiles its blocks
+    assert resolved("train.compile=true")[0].compile_after == 0
+    assert (resolved("train.compile=false")[0].compile, resolved("train.compile=false")[0].compile_after) == (False, 0)
+
+
+@pytest.mark.parametrize(
+    "sets, message",
+    [
+        (["train.compile=false", "train.compile_after=5"], "train.compile is false"),
+        (["train.compile=true", "train.compile_after=5", "train.schedule=cosine"], "train.schedule is cosine"),
+        (["train.compile=true", "train.compile_after=-1"], "must be >= 0"),
+    ],
+)
+def test_compile_after_refuses_what_it_cannot_do(sets, message):
+    with pytest.raises(ConfigError, match=message):
+        load_config(None, sets)
+
+
 def test_a_first_estimate_too_short_to_time_is_corrected_halfway():
     plan = _plan(100)
     steps = plan.fix(Costs(step_s=10.0, eval_s=2.0, save_s=1.0, start_s=0.5), elapsed_s=4, first_estimate=True)

@@ -107,21 +107,30 @@ def test_generic_module_and_eval_fn(tmp_path):
     assert result.eval_metrics["val_acc"] > 0.9
 
 
-def test_compiled_runs_repeat_and_resume_bitwise(tmp_path):
+@pytest.mark.parametrize("after", [0, 4])
+def test_compiled_runs_repeat_and_resume_bitwise(tmp_path, after):
     """Compiled for the CPU, an embedding's gradient was summed in a thread-dependent order, so two
     runs of one config (or a run and its resumption) differed by ~1e-8 after a few steps; the step
-    asks for deterministic algorithms around compiled code, and puts the process's setting back."""
+    asks for deterministic algorithms around compiled code, and puts the process's setting back.
+    With train.compile_after the compile comes at a step, so a run resumed before it or after it
+    trains as the run that went straight through."""
     data = _tokens(tmp_path)
-    compiled = {"train.compile": "true", "checkpoint.every": 3}
-    a, _ = _run(tmp_path, "a", data, micro=8, global_=8, steps=6, **compiled)
-    for resumed in (False, True):
+    compiled = {"train.compile": "true", "train.compile_after": after, "checkpoint.every": 3, "checkpoint.keep": 3}
+    a, _ = _run(tmp_path, "a", data, micro=8, global_=8, steps=7, **compiled)
+    for resumed_from in (None, 6, 3):
         torch._dynamo.reset()  # each run compiles afresh, as another process would
-        b, result = _run(tmp_path, "b", data, micro=8, global_=8, steps=6, **compiled)
-        assert result.resumed_from == (3 if resumed else None)
+        b, result = _run(tmp_path, "b", data, micro=8, global_=8, steps=7, **compiled)
+        assert result.resumed_from == resumed_from
         for (name, x), y in zip(a.state_dict().items(), b.state_dict().values(), strict=True):
-            assert torch.equal(x, y), (name, resumed)
-        shutil.rmtree(tmp_path / "b" / "checkpoints" / "step-00000006")  # resumed from step 3 next
+            assert torch.equal(x, y), (name, resumed_from)
+        for newest in sorted((tmp_path / "b" / "checkpoints").glob("step-*"))[-2 if resumed_from else -1 :]:
+            shutil.rmtree(newest)  # resumed from step 6, then from step 3
     assert not torch.are_deterministic_algorithms_enabled()
+    if after:  # the compiled steps were compiled: they round otherwise than eager ones
+        eager, _ = _run(tmp_path, "eager", data, micro=8, global_=8, steps=7, **{"train.compile": "false"})
+        assert any(
+            not torch.equal(x, y) for x, y in zip(a.state_dict().values(), eager.state_dict().values(), strict=True)
+        )
 
 
 def test_compile_matches_eager(tmp_path):

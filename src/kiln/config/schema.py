@@ -306,6 +306,11 @@ class DataConfig:
 DEFAULT_BUDGET = "5m"
 # global_batch_size = "auto" with a number of steps: the default recipe's batch.
 FIXED_STEPS_BATCH = 32
+# compile = "auto": the shortest time plan that compiles (about 25 s to compile on 2 CPU cores with
+# a cold cache, repaid by 1.28x the tokens/s after ~115 s), and the eager steps before it, whose
+# losses show while the compiler works (BENCHMARKS.md, "Faster steps on the CPU").
+AUTO_COMPILE_MIN_S = 120.0
+AUTO_COMPILE_AFTER = 20
 
 
 @dataclass(frozen=True)
@@ -393,9 +398,18 @@ class TrainConfig:
     fp8_recipe: Literal["tensorwise", "rowwise"] = "tensorwise"
     """How train.precision=fp8 scales tensors into float8: one scale per tensor (the fastest) or
     one per row (more accurate, a little slower)."""
-    compile: bool = False
-    """Compile the model with torch.compile. On the CPU the compiled code runs with deterministic
-    algorithms, so a compiled run, repeated or resumed, trains bitwise the same weights."""
+    compile: bool | Literal["auto"] = "auto"
+    """Compile the model with torch.compile (true), or not (false). On the CPU the compiled code
+    runs with deterministic algorithms, so a compiled run, repeated or resumed, trains bitwise the
+    same weights. "auto" (the default) compiles a run of kiln's own model whose time plan has at
+    least two minutes (max_steps = "auto" with the wsd or constant schedule, no pipeline), after
+    its first 20 steps (train.compile_after): the first losses show at once, the compile (about
+    25 s on a 2-core CPU with a cold cache) comes after them, and the compiled steps (1.28x the
+    tokens/s there) repay it; shorter runs stay eager. A run's config.toml records what auto
+    became."""
+    compile_after: int = 0
+    """With train.compile: steps to run eagerly before the compiled ones (0: compiled from the
+    first). With max_steps = "auto" the time plan times the compiled steps, not these."""
     activation_checkpointing: bool = False
     """Recompute each block's activations in the backward pass to save memory."""
     log_every: int = 10
@@ -456,6 +470,17 @@ class TrainConfig:
             (self.grad_clip >= 0, f"train.grad_clip: must be >= 0 (0 is off), got {self.grad_clip}"),
             (self.seed >= 0, f"train.seed: must be >= 0, got {self.seed}"),
             (self.log_every >= 1, f"train.log_every: must be >= 1, got {self.log_every}"),
+            (self.compile_after >= 0, f"train.compile_after: must be >= 0, got {self.compile_after}"),
+            (
+                not self.compile_after or self.compile is not False,
+                f"train.compile_after: {self.compile_after} steps before compiling, but train.compile is false",
+            ),
+            (
+                not self.compile_after or self.max_steps != "auto" or self.schedule in ("wsd", "constant"),
+                f"train.compile_after: with max_steps = auto the time plan must time the compiled steps, which "
+                f"only the wsd and constant schedules let it do; train.schedule is {self.schedule}: set "
+                "train.compile_after=0 (compile before the plan times the steps)",
+            ),
         )
         if self.time_budget:
             try:
@@ -469,6 +494,16 @@ class TrainConfig:
     def budget(self) -> str:
         """The time budget in force: train.time_budget, or the default plan's five minutes."""
         return self.time_budget or (DEFAULT_BUDGET if self.max_steps == "auto" else "")
+
+    def compile_resolved(self, job: str, pp: int) -> TrainConfig:
+        """This config with ``compile = "auto"`` made concrete for a run of ``job`` (see compile)."""
+        if self.compile != "auto":
+            return self
+        planned = self.max_steps == "auto" and self.schedule in ("wsd", "constant")
+        long = planned and parse_duration(self.budget) >= AUTO_COMPILE_MIN_S
+        if not (long and job == "lm" and self.objective == "sft" and pp == 1):
+            return dataclasses.replace(self, compile=False, compile_after=0)
+        return dataclasses.replace(self, compile=True, compile_after=self.compile_after or AUTO_COMPILE_AFTER)
 
     @property
     def chooses_batch(self) -> bool:
@@ -1057,7 +1092,7 @@ class Config:
                 "(FSDP, TP) would have to keep in step; use one process or parallel.strategy=ddp",
             ),
             (
-                self.train.objective == "sft" or not self.train.compile,
+                self.train.objective == "sft" or self.train.compile is not True,
                 f"train.objective: {self.train.objective} is not compiled yet (its reference pass and metrics run in "
                 "the loss); set train.compile=false",
             ),

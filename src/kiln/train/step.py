@@ -35,8 +35,10 @@ LossFn = Callable[[nn.Module, Any], torch.Tensor]
 
 class TrainStep:
     """Steps ``model`` (a ``ParallelModel``) by ``loss_fn(module, batch)``, the mean loss of a
-    micro-batch; ``compile`` compiles the loss function with the model's forward. ``faults`` is
-    told of each forward pass; ``busy`` times this rank's forward passes (for stragglers)."""
+    micro-batch; ``compile`` compiles the loss function with the model's forward, from the step
+    after ``compile_after`` (a step number, so that a run and its resumption switch at the same
+    step). ``faults`` is told of each forward pass; ``busy`` times this rank's forward passes (for
+    stragglers)."""
 
     def __init__(
         self,
@@ -47,17 +49,17 @@ class TrainStep:
         *,
         grad_clip: float,
         compile: bool = False,
+        compile_after: int = 0,
         faults: NoFaults = NO_FAULTS,
         busy: BusyClock | None = None,
     ):
         self.model = model
-        self.loss_fn = model.compile(loss_fn) if compile else loss_fn
-        # Compiled for the CPU, some gradients (an embedding's) are summed in an order that
-        # depends on the threads unless deterministic algorithms are asked for: two compiled runs,
-        # or a run and its resumption, would drift apart by ~1e-8 a step. Asked for around the
-        # compiled forward and backward (a process-wide switch, put back after), where it costs
-        # nothing measurable; on a GPU it would slow kernels and needs cuBLAS settings.
-        self.deterministic = compile and model.world.device.type == "cpu"
+        self.loss_fn = loss_fn
+        # The step after which the loss function is compiled (None: never, or done).
+        self.compile_after: int | None = compile_after if compile else None
+        self.compile_held = False
+        self.deterministic = False
+        self._compile_when_due(0)
         self.optimizer = optimizer
         self.precision = precision
         self.clip = grad_clip if grad_clip > 0 else math.inf
@@ -87,6 +89,29 @@ class TrainStep:
             apply_activation_checkpointing(self.model.module, self.model.plan)
             self.checkpointing = True
 
+    def _compile_when_due(self, step: int) -> None:
+        """Compile the loss function before (1-based) ``step`` if it is due by then and no probe
+        holds it (see hold_compile)."""
+        if self.compile_after is None or step <= self.compile_after or self.compile_held:
+            return
+        self.loss_fn, self.compile_after = self.model.compile(self.loss_fn), None
+        # Compiled for the CPU, some gradients (an embedding's) are summed in an order that
+        # depends on the threads unless deterministic algorithms are asked for: two compiled runs,
+        # or a run and its resumption, would drift apart by ~1e-8 a step. Asked for around the
+        # compiled forward and backward (a process-wide switch, put back after), where it costs
+        # nothing measurable; on a GPU it would slow kernels and needs cuBLAS settings.
+        self.deterministic = self.model.world.device.type == "cpu"
+
+    @contextlib.contextmanager
+    def hold_compile(self):
+        """Steps in here stay eager when the compile comes after some eager steps: the time plan's
+        probe gauges the pace before the run, whose own compiled steps then fix the plan."""
+        self.compile_held = bool(self.compile_after)
+        try:
+            yield
+        finally:
+            self.compile_held = False
+
     def forward_backward(self, micro_batches: list[Any], step: int, *, sync: bool = True) -> torch.Tensor:
         """Gradients of the micro-batches of (1-based) ``step``, accumulated; the step's loss (on
         the device).
@@ -96,6 +121,7 @@ class TrainStep:
         gradients are averaged) makes the summed gradients those of one big batch. Micro-batches that do not know their
         count weigh the same: the divisor is their number. Data-parallel ranks reduce gradients
         after the last micro-batch only, unless ``sync`` is off."""
+        self._compile_when_due(step)
         n = len(micro_batches)
         counts = [loss_count(m) for m in micro_batches]
         counted = None not in counts

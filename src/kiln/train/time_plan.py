@@ -104,6 +104,8 @@ class TimePlan:
         self.correct_at: int | None = None  # a correction after this step at the latest
         self.start_step = 0  # where the process that planned started
         self.corrections_left = 0
+        # The step that compiles, after train.compile_after eager ones: the pace is timed after it.
+        self.compile_step = t.compile_after + 1 if t.compile is True and t.compile_after else None
 
     @property
     def needs_probe(self) -> bool:
@@ -188,7 +190,11 @@ class TimePlan:
         """Is the plan to be corrected after ``step``, ``elapsed_s`` into the budget? A first
         estimate is, once the run's own steps have been timed as long as the probe would have
         timed them, after their warm-up (the loader's start, the first allocations); it starts
-        that timing itself. The ranks agree on the answer (the loop's ``World.agree``)."""
+        that timing itself. The step that compiles (train.compile_after) starts the timing
+        again, warm-up and all: the plan is for the compiled steps, and the compile's seconds
+        count as spent. The ranks agree on the answer (the loop's ``World.agree``)."""
+        if step == self.compile_step:
+            self.loop_start, self.timed = (step, elapsed_s), None
         if self.first_estimate:
             assert self.loop_start is not None  # set before the loop's first step
             first_step, first_s = self.loop_start

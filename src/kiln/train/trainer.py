@@ -119,7 +119,8 @@ class Trainer:
             self.optimizer,
             self.precision,
             grad_clip=t.grad_clip,
-            compile=t.compile,
+            compile=t.compile is True,
+            compile_after=t.compile_after,
             faults=self.faults,
             busy=self.stragglers.clock,
         )
@@ -184,8 +185,7 @@ class Trainer:
                 self.profiler.step_begins(self.step + 1)
                 lr = lr_at(self.step, self.cfg.train, plan.steps) * self.guard.lr_scale
                 with phase("data", self.step):
-                    # This rank's share of the step's global batch, kept until the step is done
-                    # so that a retry after running out of memory sees the same sequences.
+                    # This rank's share of the batch, kept so that a retry after an OOM sees the same.
                     batch = to_device(next(batches), self.device)
                 with phase("forward_backward", self.step):
                     loss = self.ladder.forward_backward(batch, self.step + 1, logger, save=self.save)
@@ -197,9 +197,8 @@ class Trainer:
                 logger.step_done(self.step)
                 self.profiler.step_ends(self.step)
                 self.setup.step_done()
-                # The run ends at max_steps, or early when the next step would overrun the time
-                # budget; either way it ends with an evaluation and a checkpoint. Ranks decide
-                # together, or one would wait forever in a collective the others skipped.
+                # The run ends at max_steps or before a step that would overrun the budget, evaluated
+                # and saved; ranks decide together, or one would wait in a collective the others skip.
                 with phase("agree", self.step):
                     flags = clock.next_step_overruns(), stop.requested, plan.due(self.step, clock.elapsed())
                     out_of_time, stop.requested, replan = self.world.agree(*flags)
@@ -251,18 +250,19 @@ class Trainer:
             self.ladder.forward_backward(batch, self.step + i + 1, logger, save=self.save)
             self.train_step.update(0.0)
 
-        self.time_plan.measure(
-            self.world,
-            self.checkpointer,
-            batches=lambda: (to_device(b, self.device) for b in self.batches.loader(self.step)),
-            train=train,
-            evaluate=lambda: self._evaluate(NullLogger()),
-            save=self.save,
-            device=self.device,
-            elapsed=clock.elapsed,
-            logger=logger,
-            step=self.step,
-        )
+        with self.train_step.hold_compile():
+            self.time_plan.measure(
+                self.world,
+                self.checkpointer,
+                batches=lambda: (to_device(b, self.device) for b in self.batches.loader(self.step)),
+                train=train,
+                evaluate=lambda: self._evaluate(NullLogger()),
+                save=self.save,
+                device=self.device,
+                elapsed=clock.elapsed,
+                logger=logger,
+                step=self.step,
+            )
 
     def _histograms(self, logger) -> Callable[[nn.Module], None] | None:
         """Weight and gradient histograms of this step, when they are due."""

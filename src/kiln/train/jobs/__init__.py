@@ -40,13 +40,15 @@ __all__ = [
 
 def resolve_config(cfg: Config, job: Literal["lm", "finetune", "module"] | None = None) -> Config:
     """``cfg``, validated, with what its "auto" values mean here made concrete: the job kind
-    (``run.job``, or ``job`` if given) and the precision on the device of ``run.device``. This is
-    the one place a run's config changes; from here on it is only read."""
+    (``run.job``, or ``job`` if given), whether it compiles (``train.compile``) and the precision on
+    the device of ``run.device``. This is the one place a run's config changes; from here on it is
+    only read."""
     validate(cfg)  # a Config built in Python has not been through load_config
     kind = job or cfg.run.job
     if kind == "auto":
         kind = "finetune" if uses_records(cfg) else "lm"
-    cfg = dataclasses.replace(cfg, run=dataclasses.replace(cfg.run, job=kind))
+    train = cfg.train.compile_resolved(kind, cfg.parallel.pp)
+    cfg = dataclasses.replace(cfg, run=dataclasses.replace(cfg.run, job=kind), train=train)
     if cfg.train.precision != "auto":  # resolved already (a run's saved config): its device may be elsewhere
         return cfg
     return resolve_precision(cfg, resolve_device(cfg.run.device))
