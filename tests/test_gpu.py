@@ -1,5 +1,8 @@
 """CUDA paths: run where a GPU is present (skipped elsewhere, see conftest)."""
 
+import json
+import warnings
+
 import numpy as np
 import pytest
 import torch
@@ -68,6 +71,38 @@ def test_precision_auto_is_bf16_on_a_bf16_gpu(tmp_path):
 
 def test_compile_and_activation_checkpointing_on_cuda(tmp_path):
     _, result = _fit(tmp_path, "bf16", **{"train.compile": "true", "train.activation_checkpointing": "true"})
+    assert result.metrics["loss"] < 3.0
+
+
+def test_the_training_step_does_not_wait_for_the_device(tmp_path):
+    """Between log points the host only queues work: twenty more steps add no synchronising call
+    (torch.cuda.set_sync_debug_mode warns at each one; counted over two runs that differ only in
+    their number of steps, so setup and the final log and evaluation cancel out)."""
+
+    def syncs(steps: int) -> int:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            torch.cuda.set_sync_debug_mode("warn")
+            try:
+                _fit(tmp_path / str(steps), "bf16", **{"train.max_steps": steps, "train.log_every": 1000})
+            finally:
+                torch.cuda.set_sync_debug_mode("default")
+        return sum("synchronizing" in str(w.message) for w in caught)
+
+    assert syncs(40) - syncs(20) <= 1
+
+
+def test_profile_on_cuda_times_the_device_without_waiting_for_it(tmp_path):
+    """On a GPU the profiler's phases are the device's time between CUDA events (a wait at each
+    boundary would idle the device), and it says how long the device was busy and idle."""
+    _, result = _fit(tmp_path, "bf16", **{"profile.steps": "30:33", "train.compile": "true"})
+    breakdown = json.loads((tmp_path / "bf16" / "profile" / "breakdown.json").read_text())
+    phases, step = breakdown["phases_ms"], breakdown["step_ms"]
+    assert phases["compute"] > phases["optimizer"] > 0 and phases["communication"] == 0
+    covered = phases["data wait"] + phases["compute"] + phases["optimizer"]
+    assert 0.5 * step < covered <= 1.01 * step
+    assert 0 < breakdown["device_busy_ms"] <= 1.01 * step
+    assert breakdown["device_idle_ms"] == pytest.approx(step - breakdown["device_busy_ms"])
     assert result.metrics["loss"] < 3.0
 
 

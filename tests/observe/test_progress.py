@@ -68,3 +68,24 @@ def test_the_eta_does_not_count_the_setup_before_the_first_step(tmp_path):
     for step in range(1, 11):
         logger.step_done(step)
     assert "ETA 0s" in logger._console_line(10, {"loss": 1.0})
+
+
+def test_the_eta_follows_the_pace_after_a_pause_between_steps(tmp_path):
+    """A compile after the first steps (train.compile_after) is a long pause between two log
+    lines: the average over the run would stretch the ETA for a long while, the last interval's
+    pace does not."""
+    import time
+
+    from kiln.observe.metrics import MetricsLogger
+
+    logger = MetricsLogger(tmp_path, total_steps=1000, console=False, tensorboard=False)
+    for step in range(1, 21):
+        logger.step_done(step)
+    logger._console_line(20, {"loss": 1.0})
+    time.sleep(1.0)  # the compile, between step 20 and step 21
+    logger.step_done(21)
+    paused = logger._console_line(21, {"loss": 1.0})
+    assert "ETA 0s" not in paused  # that interval was slow
+    for step in range(22, 41):
+        logger.step_done(step)
+    assert "ETA 0s" in logger._console_line(40, {"loss": 1.0})  # at the pace since

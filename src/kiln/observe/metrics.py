@@ -145,9 +145,11 @@ class MetricsLogger:
 
             self._tb = SummaryWriter(str(self.run_dir / "tensorboard"), purge_step=start_step or None)
         # The ETA's clock: from the end of the loop's first step (set then), so that the setup
-        # before it (a time plan's probe, loading, compiling) does not count as a step's pace.
+        # before it (a time plan's probe, loading, compiling) does not count as a step's pace;
+        # and the last line's step and time (a compile after some steps slows the average).
         self._start_step = start_step
         self._t0: float | None = None
+        self._last_line: tuple[int, float] | None = None
 
     @property
     def total_steps(self) -> int:
@@ -216,8 +218,13 @@ class MetricsLogger:
         ]
         done = step - self._start_step
         if self._t0 is not None and done > 0 and step < self.total_steps and "val_loss" not in values:
-            elapsed = time.perf_counter() - self._t0
-            parts.append(f"ETA {format_duration(elapsed / done * (self.total_steps - step))}")
+            now = time.perf_counter()
+            pace = (now - self._t0) / done
+            if self._last_line is not None and step > self._last_line[0]:
+                # The faster of the run's average pace and the last interval's.
+                pace = min(pace, (now - self._last_line[1]) / (step - self._last_line[0]))
+            self._last_line = step, now
+            parts.append(f"ETA {format_duration(pace * (self.total_steps - step))}")
         return " | ".join(parts)
 
     def event(self, step: int, kind: str, message: str, **details: Any) -> None:

@@ -1,10 +1,14 @@
 """torch.profiler over a window of optimizer steps, and where those steps spent their time.
 
 The loop marks each step's phases (waiting for data, forward + backward, optimizer) with
-``region``; outside the window that is a no-op. Inside it, the device is synchronised at each
-phase boundary so host-side times are the phases' real durations (profiling perturbs the run
-anyway; the window is short). Communication is the time of the collective operations
-(all-reduce, all-gather, reduce-scatter, broadcast), which run inside the other phases.
+``region``; outside the window that is a no-op. On the CPU the phases are host times, and
+communication is the time of the collective operations (all-reduce, all-gather, reduce-scatter,
+broadcast), taken out of the phases they ran in. On a GPU the host only queues work and runs
+ahead of the device, so host times say little, and synchronising at each boundary would idle the
+device and hide where it idles by itself: there each boundary records a CUDA event (no wait),
+the phases are the device's time between them, communication is the collective kernels' time
+(on their own streams, overlapping the phases), and the device's idle time is the step's time
+less its kernels'.
 """
 
 from __future__ import annotations
@@ -34,10 +38,14 @@ class StepProfiler:
         out_dir = Path(profile.dir) if profile.dir else run_dir / "profile"
         self.out_dir = out_dir if rank is None else out_dir / f"rank-{rank}"
         self.device = device
+        self.on_device = device.type == "cuda"
         self.console = console
         self._prof: torch.profiler.profile | None = None
         self._step_t0 = 0.0
         self.step_times: list[float] = []
+        # On a GPU: each step's start and end events, and each region's (name, start, end).
+        self._step_events: list[torch.cuda.Event] = []
+        self._spans: list[tuple[str, torch.cuda.Event, torch.cuda.Event]] = []
 
     @property
     def active(self) -> bool:
@@ -52,18 +60,26 @@ class StepProfiler:
             self._prof = torch.profiler.profile(activities=activities, record_shapes=True, with_stack=False)
             self._prof.start()
         if self.active:
-            self._sync()
-            self._step_t0 = time.perf_counter()
+            if self.on_device:
+                self._step_events.append(self._event())
+            else:
+                self._step_t0 = time.perf_counter()
 
     def step_ends(self, step: int) -> dict | None:
         """The breakdown, once the window's last step is done."""
         if not self.active:
             return None
-        self._sync()
-        self.step_times.append(time.perf_counter() - self._step_t0)
+        if self.on_device:
+            self._step_events.append(self._event())
+        else:
+            self.step_times.append(time.perf_counter() - self._step_t0)
         if step < self.end:
             return None
         assert self._prof is not None  # active
+        if self.on_device:  # the window's one wait for the device: its events are all done
+            torch.cuda.synchronize(self.device)
+            pairs = zip(self._step_events[::2], self._step_events[1::2], strict=True)
+            self.step_times = [start.elapsed_time(end) / 1e3 for start, end in pairs]
         self._prof.stop()
         breakdown = self._write()
         self._prof = None
@@ -75,31 +91,45 @@ class StepProfiler:
             yield
             return
         with torch.profiler.record_function(name):
+            if not self.on_device:
+                yield
+                return
+            start = self._event()
             yield
-            self._sync()
+            self._spans.append((name, start, self._event()))
 
-    def _sync(self) -> None:
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
+    def _event(self) -> torch.cuda.Event:
+        event = torch.cuda.Event(enable_timing=True)
+        event.record()
+        return event
 
     def _write(self) -> dict:
         assert self._prof is not None  # written at the end of the profiled window
         events = self._prof.events()
         steps = len(self.step_times)
-        collectives = _collective_spans(events)
         per_step = dict.fromkeys((*PHASES.values(), "communication"), 0.0)
-        for e in events:
-            if e.name in PHASES:
-                # Collectives run inside the phases; their time is counted once, as communication.
-                comm = _overlap_us(collectives, e.time_range.start, e.time_range.end)
-                per_step[PHASES[e.name]] += (e.cpu_time_total - comm) / 1e3 / steps  # us -> ms
-                per_step["communication"] += comm / 1e3 / steps
         measured = 1e3 * sum(self.step_times) / steps
+        device: dict[str, float] = {}
+        if self.on_device:
+            for name, start, end in self._spans:
+                per_step[PHASES[name]] += start.elapsed_time(end) / steps
+            kernels = [e for e in events if e.device_type == torch.autograd.DeviceType.CUDA]
+            comm = sum(e.time_range.elapsed_us() for e in kernels if "nccl" in e.name.lower())
+            busy = (sum(e.time_range.elapsed_us() for e in kernels) - comm) / 1e3 / steps  # us -> ms
+            per_step["communication"] = comm / 1e3 / steps
+            device = {"device_busy_ms": busy, "device_idle_ms": measured - busy}
+        else:
+            collectives = _collective_spans(events)
+            for e in events:
+                if e.name in PHASES:
+                    # Collectives run inside the phases; their time is counted once, as communication.
+                    comm = _overlap_us(collectives, e.time_range.start, e.time_range.end)
+                    per_step[PHASES[e.name]] += (e.cpu_time_total - comm) / 1e3 / steps  # us -> ms
+                    per_step["communication"] += comm / 1e3 / steps
         # On a GPU the host only launches: the kernels' own time is what bounds the step there.
-        on_device = self.device.type == "cuda"
         top = sorted(
             (e for e in self._prof.key_averages() if not e.key.startswith("kiln/")),
-            key=lambda e: getattr(e, "self_device_time_total", 0.0) if on_device else e.self_cpu_time_total,
+            key=lambda e: getattr(e, "self_device_time_total", 0.0) if self.on_device else e.self_cpu_time_total,
             reverse=True,
         )[:10]
         self.out_dir.mkdir(parents=True, exist_ok=True)
@@ -109,6 +139,7 @@ class StepProfiler:
             "steps": [self.start, self.end],
             "step_ms": measured,
             "phases_ms": per_step,
+            **device,
             "top_operators": [
                 {
                     "name": e.key,
@@ -157,10 +188,19 @@ def render(b: dict) -> str:
         "optimizer": "clip, AdamW step, zero_grad",
         "communication": "collectives (all-reduce, all-gather, ...)",
     }
+    on_device = "device_busy_ms" in b
+    if on_device:  # the collectives' kernels overlap the phases there: not part of their sum
+        notes["communication"] = "collective kernels, overlapping the phases"
     for label, ms in phases.items():
         lines.append(f"  {label:<14}{ms:>10.2f} ms {100 * ms / step:>6.1f}%   {notes[label]}")
-    covered = sum(phases.values())
+    covered = sum(ms for label, ms in phases.items() if not (on_device and label == "communication"))
     lines.append(f"  {'other':<14}{step - covered:>10.2f} ms {100 * (step - covered) / step:>6.1f}%   logging, loop")
+    if on_device:
+        for label, key, note in (
+            ("device busy", "device_busy_ms", "the device's kernels (communication aside)"),
+            ("device idle", "device_idle_ms", "no kernel running: the device waited for the host"),
+        ):
+            lines.append(f"  {label:<14}{b[key]:>10.2f} ms {100 * b[key] / step:>6.1f}%   {note}")
     lines += ["", "  top operators by self time per step (device time on a GPU):"]
     for op in b["top_operators"]:
         device = f", device {op['self_device_ms']:.2f} ms" if op["self_device_ms"] else ""

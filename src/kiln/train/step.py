@@ -38,7 +38,7 @@ class TrainStep:
     micro-batch; ``compile`` compiles the loss function with the model's forward, from the step
     after ``compile_after`` (a step number, so that a run and its resumption switch at the same
     step). ``faults`` is told of each forward pass; ``busy`` times this rank's forward passes (for
-    stragglers)."""
+    stragglers); ``say`` prints a line for the user."""
 
     def __init__(
         self,
@@ -52,8 +52,10 @@ class TrainStep:
         compile_after: int = 0,
         faults: NoFaults = NO_FAULTS,
         busy: BusyClock | None = None,
+        say: Callable[[str], None] = lambda _: None,
     ):
         self.model = model
+        self.say = say
         self.loss_fn = loss_fn
         # The step after which the loss function is compiled (None: never, or done).
         self.compile_after: int | None = compile_after if compile else None
@@ -94,6 +96,8 @@ class TrainStep:
         holds it (see hold_compile)."""
         if self.compile_after is None or step <= self.compile_after or self.compile_held:
             return
+        if self.compile_after:  # a pause in a running run: say why
+            self.say(f"kiln: compiling the model after step {self.compile_after} (train.compile_after) ...")
         self.loss_fn, self.compile_after = self.model.compile(self.loss_fn), None
         # Compiled for the CPU, some gradients (an embedding's) are summed in an order that
         # depends on the threads unless deterministic algorithms are asked for: two compiled runs,

@@ -61,9 +61,8 @@ class Trainer:
     Test faults come from the config's ``[debug]`` section (``kiln.train.faults``).
     ``on_evaluate(step, metrics, max_steps)`` is called on rank 0 after each evaluation (e.g. to
     report it to a hyperparameter search); returning True stops the run there, on every rank,
-    with a checkpoint, as a stop signal does (ignored at the last evaluation). Under
-    ``torchrun`` it joins the process group and lays the model out as ``[parallel]`` says (DDP,
-    FSDP2, tensor and stage parallelism); only rank 0 prints and writes logs.
+    with a checkpoint, as a stop signal does (ignored at the last evaluation). Under ``torchrun``
+    it lays the model out as ``[parallel]`` says (DDP, FSDP2, TP, PP); only rank 0 prints and logs.
     """
 
     def __init__(
@@ -123,6 +122,7 @@ class Trainer:
             compile_after=t.compile_after,
             faults=self.faults,
             busy=self.stragglers.clock,
+            say=self._say,
         )
         self.params, self.expert_load = self.train_step.params, ExpertLoad(self.model.module, world)
         self.sources = SourceUse(job.train_data, schedule, cfg.data.max_epochs)
