@@ -20,6 +20,16 @@ PEAK_FLOPS: dict[str, float] = {
     "B200": 2250e12,
     "A100": 312e12,
 }
+# Each PEAK_FLOPS entry's memory by its datasheet, what ``kiln plan --gpu NAME`` plans for unless
+# --device-memory says otherwise (the A100 and the B200 also come with other sizes).
+DATASHEET_MEMORY: dict[str, int] = {
+    "H100 PCIe": 80 * 2**30,
+    "H100 NVL": 94 * 2**30,
+    "H100": 80 * 2**30,
+    "H200": 141 * 10**9,
+    "B200": 180 * 10**9,
+    "A100": 80 * 2**30,
+}
 
 
 def resolve_device(name: str) -> torch.device:

@@ -375,6 +375,15 @@ def test_cpu_offload_keeps_the_model_state_in_host_memory():
     assert plan.memory.components["gathered_parameters"] > 0
 
 
+def test_a_named_gpu_is_planned_with_its_datasheet_memory_not_this_machine_s():
+    """A plan for an H200 made on a laptop has the H200's 141 GB, not the laptop's RAM."""
+    cfg = load_config(None, ["model.preset=gpt2-124m", "data.seq_len=1024", "train.micro_batch_size=32"])
+    plan = make_plan(cfg, gpu="h200")
+    assert plan.job.target.memory == 141 * 10**9 and "datasheet" in plan.job.target.memory_source
+    assert plan.fits
+    assert make_plan(cfg, gpu="h200", device_memory="40GB").job.target.memory == 40 * 10**9
+
+
 def test_a_config_that_fits_gets_no_recommendations(capsys):
     assert main(["plan", "--set", "model.preset=small", "--device-memory", "8GiB", "--json"]) == 0
     plan = json.loads(capsys.readouterr().out)

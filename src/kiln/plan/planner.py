@@ -12,7 +12,7 @@ from typing import Literal
 import torch
 
 from kiln.config import Config, ConfigError
-from kiln.device import PEAK_FLOPS, gpu_key
+from kiln.device import DATASHEET_MEMORY, PEAK_FLOPS, gpu_key
 from kiln.distributed.parallelize import check_layout
 from kiln.distributed.pipeline import stage_layers
 from kiln.distributed.world import World
@@ -72,7 +72,8 @@ def _host_memory() -> int:
 
 def resolve_target(run_device: str, gpu: str | None, device_memory: str | None) -> Target:
     """The device to plan for: the named GPU, else this machine's GPU (unless run.device is
-    cpu), else its CPU. Memory: --device-memory, else the local GPU's, else the machine's RAM."""
+    cpu), else its CPU. Memory: --device-memory, else the local GPU's, else the named GPU's
+    datasheet's, else the machine's RAM."""
     local = None
     if run_device != "cpu" and torch.cuda.is_available():
         local = torch.device(run_device if run_device.startswith("cuda:") else "cuda:0")
@@ -90,9 +91,10 @@ def resolve_target(run_device: str, gpu: str | None, device_memory: str | None) 
         name = torch.cuda.get_device_name(local)
         memory, source = torch.cuda.get_device_properties(local).total_memory, f"{local}, {name}"
         key = gpu_key(name)
+    elif key is not None:
+        name, memory, source = key, DATASHEET_MEMORY[key], f"the {key}'s datasheet; --device-memory for another size"
     else:
-        name = key or "CPU"
-        memory, source = _host_memory(), "this machine's RAM" + (" (no such GPU here)" if key else "")
+        name, memory, source = "CPU", _host_memory(), "this machine's RAM"
     if device_memory is not None:
         memory, source = parse_memory(device_memory), f"--device-memory {device_memory}"
     return Target(
