@@ -47,7 +47,9 @@ def resolve_config(cfg: Config, job: Literal["lm", "finetune", "module"] | None 
     kind = job or cfg.run.job
     if kind == "auto":
         kind = "finetune" if uses_records(cfg) else "lm"
-    train = cfg.train.compile_resolved(kind, cfg.parallel.pp)
+    train = cfg.train
+    if train.compile == "auto":
+        train = train.compile_resolved(kind, cfg.parallel.pp, resolve_device(cfg.run.device).type)
     cfg = dataclasses.replace(cfg, run=dataclasses.replace(cfg.run, job=kind), train=train)
     if cfg.train.precision != "auto":  # resolved already (a run's saved config): its device may be elsewhere
         return cfg
