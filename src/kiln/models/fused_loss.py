@@ -60,8 +60,8 @@ class _LinearCrossEntropy(torch.autograd.Function):
         grad_w = torch.zeros(weight.shape, dtype=acc, device=weight.device)
         total = torch.zeros((), dtype=acc, device=hidden.device)
         w = _matmul_weight(weight, hidden.device)
-        # Under autocast the matmuls must stay out of place to run in the low precision.
-        in_place = w.dtype == acc and not torch.is_autocast_enabled(hidden.device.type)
+        # Under autocast (w in the low precision) the products stay out of place, then add into fp32.
+        in_place = w.dtype == acc
         for start in range(0, hidden.size(0), chunk_size):
             end = start + chunk_size
             h = hidden[start:end].to(w.dtype)
