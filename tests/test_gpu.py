@@ -74,6 +74,14 @@ def test_compile_and_activation_checkpointing_on_cuda(tmp_path):
     assert result.metrics["loss"] < 3.0
 
 
+def test_a_gpu_run_compiles_after_its_first_eager_steps(tmp_path):
+    """What compile = "auto" does on a GPU (tests/train/test_time_plan.py resolves it, on any
+    device): some eager steps, then the compile in the middle of the run, which learns on."""
+    trainer, result = _fit(tmp_path, "bf16", **{"train.compile": "true", "train.compile_after": "20"})
+    assert trainer.train_step.compile_after is None  # compiled
+    assert result.metrics["loss"] < 3.0
+
+
 def test_the_training_step_does_not_wait_for_the_device(tmp_path):
     """Between log points the host only queues work: twenty more steps add no synchronising call
     (torch.cuda.set_sync_debug_mode warns at each one; counted over two runs that differ only in

@@ -44,14 +44,6 @@ def resolve_device(name: str) -> torch.device:
     return device
 
 
-def device_kind(name: str) -> str:
-    """The kind of device ``run.device`` names, "cuda" or "cpu", without requiring that it is there
-    (``resolve_device`` refuses a missing GPU where the run starts)."""
-    if name == "auto":
-        return "cuda" if torch.cuda.is_available() else "cpu"
-    return torch.device(name).type
-
-
 def auto_precision(device: torch.device) -> Literal["bf16", "fp32"]:
     """What ``train.precision = "auto"`` is on ``device``: bf16 on a CUDA device that computes it
     natively (compute capability 8.0 and newer: A100, H100, ...), fp32 elsewhere (CPUs, where

@@ -45,3 +45,28 @@ def test_kiln_profile_keeps_only_the_profile(tmp_path, corpus_dir):
     assert sorted(p.name for p in out.iterdir()) == ["breakdown.json", "trace-steps-2-3.pt.trace.json"]
     bad = in_process("profile", *sets, "--steps", "4:2", check=False)
     assert bad.returncode == 2 and "--steps: '4:2' is not a step range" in bad.stderr
+
+
+def test_device_busy_time_is_the_union_of_kernels_not_annotations():
+    """The device's side of a record_function (Inductor's "## Call CompiledFxGraph ##" among them)
+    spans idle time between kernels: counting it as work put busy time above the step time on a
+    GPU. Busy is the union of kernel and copy spans; collective kernels are counted apart."""
+    from torch.autograd import DeviceType
+    from torch.autograd.profiler_util import FunctionEvent
+
+    from kiln.observe.profiler import _device_busy_us
+
+    def event(name, start, end, device=DeviceType.CUDA, annotation=False):
+        return FunctionEvent(0, name, 0, start, end, device_type=device, is_user_annotation=annotation)
+
+    events = [
+        event("## Call CompiledFxGraph abc ##", 0, 100, annotation=True),
+        event("kiln/compute", 0, 120, annotation=True),
+        event("triton_poi_fused_add_0", 10, 30),
+        event("nvjet_sm90_gemm", 30, 60),
+        event("Memcpy HtoD", 50, 70),  # another stream, overlapping the product
+        event("ncclDevKernel_AllReduce_Sum_f32", 65, 90),
+        event("aten::mm", 0, 200, device=DeviceType.CPU),
+    ]
+    comm, busy = _device_busy_us(events)
+    assert (comm, busy) == (25, 60)

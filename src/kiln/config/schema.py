@@ -401,13 +401,13 @@ class TrainConfig:
     compile: bool | Literal["auto"] = "auto"
     """Compile the model with torch.compile (true), or not (false). On the CPU the compiled code
     runs with deterministic algorithms, so a compiled run, repeated or resumed, trains bitwise the
-    same weights. "auto" (the default) compiles a run of kiln's own model on the CPU whose time
-    plan has at least two minutes (max_steps = "auto" with the wsd or constant schedule, no
-    pipeline), after its first 20 steps (train.compile_after): the first losses show at once, the
-    compile (about 25 s on a 2-core CPU with a cold cache) comes after them, and the compiled
-    steps (1.28x the tokens/s there) repay it; shorter runs stay eager, and so do runs on a GPU
-    (where compiled training is not yet shown to resume bitwise; set true there). A run's
-    config.toml records what auto became."""
+    same weights (on a GPU neither eager nor compiled training repeats bitwise: its attention
+    kernels' backward passes are not deterministic). "auto" (the default) compiles a run of
+    kiln's own model whose time plan has at least two minutes (max_steps = "auto" with the wsd
+    or constant schedule, no pipeline), after its first 20 steps (train.compile_after): the
+    first losses show at once, the compile (about 25 s on a 2-core CPU with a cold cache) comes
+    after them, and the compiled steps (1.28x the tokens/s on the CPU, 1.8x on an H200) repay
+    it; shorter runs stay eager. A run's config.toml records what auto became."""
     compile_after: int = 0
     """With train.compile: steps to run eagerly before the compiled ones (0: compiled from the
     first). With max_steps = "auto" the time plan times the compiled steps, not these."""
@@ -496,14 +496,13 @@ class TrainConfig:
         """The time budget in force: train.time_budget, or the default plan's five minutes."""
         return self.time_budget or (DEFAULT_BUDGET if self.max_steps == "auto" else "")
 
-    def compile_resolved(self, job: str, pp: int, device: str) -> TrainConfig:
-        """This config with ``compile = "auto"`` made concrete for a run of ``job`` on a ``device``
-        ("cpu", "cuda"; see compile)."""
+    def compile_resolved(self, job: str, pp: int) -> TrainConfig:
+        """This config with ``compile = "auto"`` made concrete for a run of ``job`` (see compile)."""
         if self.compile != "auto":
             return self
         planned = self.max_steps == "auto" and self.schedule in ("wsd", "constant")
         long = planned and parse_duration(self.budget) >= AUTO_COMPILE_MIN_S
-        if not (long and job == "lm" and self.objective == "sft" and pp == 1 and device == "cpu"):
+        if not (long and job == "lm" and self.objective == "sft" and pp == 1):
             return dataclasses.replace(self, compile=False, compile_after=0)
         return dataclasses.replace(self, compile=True, compile_after=self.compile_after or AUTO_COMPILE_AFTER)
 

@@ -16,7 +16,7 @@ from __future__ import annotations
 import contextlib
 import json
 import time
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 
 import torch
@@ -113,10 +113,9 @@ class StepProfiler:
         if self.on_device:
             for name, start, end in self._spans:
                 per_step[PHASES[name]] += start.elapsed_time(end) / steps
-            kernels = [e for e in events if e.device_type == torch.autograd.DeviceType.CUDA]
-            comm = sum(e.time_range.elapsed_us() for e in kernels if "nccl" in e.name.lower())
-            busy = (sum(e.time_range.elapsed_us() for e in kernels) - comm) / 1e3 / steps  # us -> ms
-            per_step["communication"] = comm / 1e3 / steps
+            comm, busy = _device_busy_us(events)
+            per_step["communication"] = comm / 1e3 / steps  # us -> ms
+            busy /= 1e3 * steps
             device = {"device_busy_ms": busy, "device_idle_ms": measured - busy}
         else:
             collectives = _collective_spans(events)
@@ -128,7 +127,11 @@ class StepProfiler:
                     per_step["communication"] += comm / 1e3 / steps
         # On a GPU the host only launches: the kernels' own time is what bounds the step there.
         top = sorted(
-            (e for e in self._prof.key_averages() if not e.key.startswith("kiln/")),
+            (
+                e
+                for e in self._prof.key_averages()
+                if not e.key.startswith("kiln/") and not getattr(e, "is_user_annotation", False)
+            ),
             key=lambda e: getattr(e, "self_device_time_total", 0.0) if self.on_device else e.self_cpu_time_total,
             reverse=True,
         )[:10]
@@ -159,13 +162,31 @@ class StepProfiler:
 
 def _collective_spans(events) -> list[tuple[float, float]]:
     """Host-side time spans of collective operations, merged so nested ones count once."""
-    spans = sorted(
+    return _merged(
         (e.time_range.start, e.time_range.end)
         for e in events
         if any(c in e.name.lower() for c in COLLECTIVES) and e.device_type == torch.autograd.DeviceType.CPU
     )
+
+
+def _device_busy_us(events) -> tuple[float, float]:
+    """Microseconds the device ran collective kernels, and other work (kernels, copies): each the
+    union of the work's spans. The device's side of a record_function (an annotation, Inductor's
+    "## Call CompiledFxGraph ##" among them) spans idle time as well as kernels: not work."""
+    work = [
+        e
+        for e in events
+        if e.device_type == torch.autograd.DeviceType.CUDA and not getattr(e, "is_user_annotation", False)
+    ]
+    comm = _merged((e.time_range.start, e.time_range.end) for e in work if "nccl" in e.name.lower())
+    other = _merged((e.time_range.start, e.time_range.end) for e in work if "nccl" not in e.name.lower())
+    return sum(b - a for a, b in comm), sum(b - a for a, b in other)
+
+
+def _merged(spans: Iterable[tuple[float, float]]) -> list[tuple[float, float]]:
+    """Time spans, overlapping ones joined."""
     merged: list[list[float]] = []
-    for start, end in spans:
+    for start, end in sorted(spans):
         if merged and start <= merged[-1][1]:
             merged[-1][1] = max(merged[-1][1], end)
         else:

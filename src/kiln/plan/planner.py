@@ -300,9 +300,7 @@ def make_plan(
         precision: Literal["bf16", "fp32"] = "bf16" if target.kind == "cuda" else "fp32"
         cfg = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, precision=precision))
     built = job_for(cfg)
-    # compile = "auto" as on the target, as the precision above.
-    train = cfg.train.compile_resolved(built.cfg.run.job, cfg.parallel.pp, target.kind)
-    family, cfg = built.family, dataclasses.replace(cfg, train=train)
+    family, cfg = built.family, dataclasses.replace(cfg, train=built.cfg.train)  # compile = "auto" resolved
     args = family.resolve(cfg.model, vocab_size=cfg.data.vocab_size, seq_len=cfg.data.seq_len)
     shape = ModelShape.of(family, args, cfg)
     _check_layout(cfg, shape, target, world, world_flag)

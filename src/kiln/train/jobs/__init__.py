@@ -14,7 +14,7 @@ import dataclasses
 from typing import Literal
 
 from kiln.config import Config, ConfigError, validate
-from kiln.device import device_kind, resolve_device, resolve_precision
+from kiln.device import resolve_device, resolve_precision
 from kiln.train.jobs.base import EvalContext, Job, LoadedRun
 from kiln.train.jobs.finetune import FineTuneJob, uses_records
 from kiln.train.jobs.grpo import GRPOJob
@@ -49,7 +49,7 @@ def resolve_config(cfg: Config, job: Literal["lm", "finetune", "module"] | None 
         kind = "finetune" if uses_records(cfg) else "lm"
     train = cfg.train
     if train.compile == "auto":
-        train = train.compile_resolved(kind, cfg.parallel.pp, device_kind(cfg.run.device))
+        train = train.compile_resolved(kind, cfg.parallel.pp)
     cfg = dataclasses.replace(cfg, run=dataclasses.replace(cfg.run, job=kind), train=train)
     if cfg.train.precision != "auto":  # resolved already (a run's saved config): its device may be elsewhere
         return cfg
