@@ -4,6 +4,7 @@ leaves no trace, recorded in the run and kept on resume."""
 from __future__ import annotations
 
 import json
+import re
 import shutil
 import signal
 import time
@@ -54,6 +55,53 @@ def test_halfway_the_plan_is_corrected_with_the_pace_kept():
     plan.fix(costs, elapsed_s=10)
     fewer = plan.correct(half, 5.0, elapsed)
     assert fewer < steps and fewer - round(0.2 * fewer) >= half
+
+
+def test_a_planned_run_ends_when_it_has_read_its_data_max_epochs_times():
+    """On a small corpus the budget would buy many passes; the plan stops at data.max_epochs of
+    them (and says so), corrections included, and a batch chosen from the budget is chosen for
+    the tokens those passes hold."""
+    cfg = load_config(None, ["train.max_steps=auto", "train.time_budget=100s", "data.max_epochs=3"])
+    costs = Costs(step_s=0.01, eval_s=0.1, save_s=0.1, start_s=0.1)
+    plan = TimePlan(cfg, BatchSchedule(32), lambda: 32, 128, data=range(1000))
+    assert plan.fix(costs, elapsed_s=1) == 94 == plan.passes_steps()  # 3 x 1,000 sequences, 32 a step
+    assert plan.data_bound and "1,000 training sequences 3 times (data.max_epochs)" in plan.describe()
+    assert plan.correct(47, 0.005, 2.0) == 94  # faster steps do not add passes
+    # A larger corpus: the budget ends the run first, as before.
+    big = TimePlan(cfg, BatchSchedule(32), lambda: 32, 128, data=range(10**7))
+    assert big.fix(costs, elapsed_s=1) > 94 and not big.data_bound and "fill the 100s" in big.describe()
+    # A batch ramp: the passes end where the ramp's and the final batches have held them.
+    ramp = TimePlan(cfg, BatchSchedule(32, [(8, 100)]), lambda: 32, 128, data=range(1000))
+    assert ramp.passes_steps() == 100 + 69  # 800 in the ramp, 2,200 more at 32 a step
+    # An iterable of unknown length: no end but the budget.
+    assert TimePlan(cfg, BatchSchedule(32), lambda: 32, 128, data=None).passes_steps() is None
+
+
+def test_a_planned_run_on_a_small_corpus_stops_after_its_passes(tmp_path, corpus_dir):
+    """End to end: a minute's budget on a corpus it reads in a fraction of a second stops after
+    data.max_epochs passes (one here), the schedule ending there (its final rate), long before the budget;
+    the batch is chosen for those passes' tokens."""
+    run = tmp_path / "run"
+    common = dict(
+        train__max_steps="auto",
+        train__time_budget="60s",
+        train__global_batch_size="auto",
+        data__max_epochs=1,
+        checkpoint__every=0,
+        eval__sample_tokens=0,
+    )
+    started = time.perf_counter()
+    in_process("train", *sets(tiny_overrides(run, corpus_dir, **common)))
+    records = _records(run)
+    [plan] = [r for r in records if r.get("event") == "time_plan"]
+    assert "times (data.max_epochs)" in plan["message"]
+    steps = tomllib.loads((run / "config.toml").read_text())["train"]["max_steps"]
+    batch = tomllib.loads((run / "config.toml").read_text())["train"]["global_batch_size"]
+    sequences = int(re.search(r"its ([\d,]+) training sequences", plan["message"])[1].replace(",", ""))
+    assert steps == -(-sequences // batch)  # one pass, rounded up to a whole step
+    last = [r for r in records if "loss" in r][-1]
+    assert last["step"] == steps and last["lr"] == pytest.approx(1e-2 * 0.1)
+    assert time.perf_counter() - started < 40
 
 
 def test_a_first_estimate_is_corrected_by_the_run_s_own_timed_steps():

@@ -177,7 +177,10 @@ class DataConfig:
     shares of the training sequences; each source has its own train/val split, one tokenizer is
     trained on them all, and validation reports each source and their weighted mean."""
     max_epochs: float = 4.0
-    """With data.mix: an event warns when a source has been read more than this many times over."""
+    """A planned run (train.max_steps = "auto") ends once it has read its training data this many
+    times, before its time budget if need be: more passes over a small corpus fit it ever closer
+    and held-out text worse. Runs given a number of steps are not cut. With data.mix, an event
+    also warns when one source has been read more than this many times over."""
     format: Literal["auto", "text", "records"] = "auto"
     """text: a corpus (one document per file, line or row); records: fine-tuning examples
     (prompt/completion or messages for causal_lm, text/label for sequence_classification);

@@ -18,6 +18,11 @@ probe's steps are put back, the run's are not wasted). Step times also drift ove
 shared or throttled machine by a tenth or more), so the plan is corrected again halfway and
 halfway through the rest (CORRECTIONS times), never moving a decay's start behind the current step.
 Other schedules (cosine, linear) are timed in full before the run and not corrected.
+
+A planned run also ends once it has read its training data ``data.max_epochs`` times, however much
+budget is left: on a small corpus more passes fit the training text ever closer and the held-out
+text worse (five minutes on 1.1 MB of Shakespeare read it some 15 times and ended worse than 45
+seconds did, BENCHMARKS.md). The batch is then chosen for the tokens those passes hold.
 """
 
 from __future__ import annotations
@@ -26,11 +31,12 @@ import dataclasses
 import itertools
 import math
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sized
 from pathlib import Path
 from typing import Any
 
 import torch
+from torch.utils.data import Dataset
 
 from kiln.config import Config, parse_duration
 from kiln.data.batch_schedule import BatchSchedule
@@ -82,7 +88,14 @@ def choose_batch(run_tokens: float, tokens_per_sample: int, micro: int, data_ran
 
 
 class TimePlan:
-    def __init__(self, cfg: Config, schedule: BatchSchedule, batch_chosen: Callable[[], int], tokens_per_sample: int):
+    def __init__(
+        self,
+        cfg: Config,
+        schedule: BatchSchedule,
+        batch_chosen: Callable[[], int],
+        tokens_per_sample: int,
+        data: Dataset | None = None,
+    ):
         t = cfg.train
         self.auto = t.max_steps == "auto"
         self.max_steps: int | None = None if t.max_steps == "auto" else t.max_steps
@@ -106,6 +119,10 @@ class TimePlan:
         self.corrections_left = 0
         # The step that compiles, after train.compile_after eager ones: the pace is timed after it.
         self.compile_step = t.compile_after + 1 if t.compile is True and t.compile_after else None
+        # The sequences data.max_epochs passes over the training data hold (unknown: no end).
+        self.max_epochs = cfg.data.max_epochs
+        self.pass_sequences = len(data) if isinstance(data, Sized) else None
+        self.data_bound = False  # the plan ends where the passes do, before the budget
 
     @property
     def needs_probe(self) -> bool:
@@ -169,9 +186,12 @@ class TimePlan:
 
     def fix(self, costs: Costs, elapsed_s: float, first_estimate: bool = False, start: int = 0) -> int:
         """Fix max_steps from the probe's ``costs`` with ``elapsed_s`` of the budget spent, for a
-        run at step ``start``: the most steps whose cost ends inside it (at least one more). A
-        ``first_estimate`` (a rough pace) is corrected once the run's own steps have been timed (see due)."""
-        low = start + self._most_steps(self.budget_s * (1 - MARGIN) - elapsed_s, costs, least=1)
+        run at step ``start``: the most steps whose cost ends inside it (at least one more), no
+        more than its data's passes allow. A ``first_estimate`` (a rough pace) is corrected once
+        the run's own steps have been timed (see due)."""
+        low = self._within_passes(
+            start + self._most_steps(self.budget_s * (1 - MARGIN) - elapsed_s, costs, least=1), start
+        )
         self.max_steps, self.costs, self.start_step = low, costs, start
         if self.correctable and low >= 8:
             self.corrections_left = CORRECTIONS + first_estimate
@@ -217,7 +237,7 @@ class TimePlan:
         costs = dataclasses.replace(self.costs, step_s=step_s)
         done = step - self.start_step  # by this process, in ``elapsed_s``
         seconds = self.budget_s * (1 - MARGIN) - elapsed_s + self.cost_s(done, costs, final=False)
-        steps = self.start_step + self._most_steps(seconds, costs, least=done + 1)
+        steps = self._within_passes(self.start_step + self._most_steps(seconds, costs, least=done + 1), step)
         while self._decay_start(steps) < step:
             steps += 1
         self.corrections_left -= 1
@@ -227,6 +247,26 @@ class TimePlan:
         later = min(step + (steps - step) // 2, self._decay_start(steps))
         self.max_steps, self.correct_at = steps, later if self.corrections_left and later > step else None
         return steps
+
+    def passes_steps(self) -> int | None:
+        """The steps whose batches hold data.max_epochs passes over the training data (None:
+        its size is not known)."""
+        if self.pass_sequences is None:
+            return None
+        sequences = self.max_epochs * self.pass_sequences
+        low, high = 0, 1
+        while self.batch_schedule.samples_before(high) < sequences:
+            low, high = high, high * 2
+        while high - low > 1:  # low's batches hold fewer sequences, high's enough
+            mid = (low + high) // 2
+            low, high = (mid, high) if self.batch_schedule.samples_before(mid) < sequences else (low, mid)
+        return high
+
+    def _within_passes(self, steps: int, step: int) -> int:
+        """``steps``, or fewer where the data's passes end first (never before ``step`` + 1)."""
+        passes = self.passes_steps()
+        self.data_bound = passes is not None and passes < steps
+        return max(step + 1, passes) if passes is not None and self.data_bound else steps
 
     def _most_steps(self, seconds: float, costs: Costs, least: int) -> int:
         """The most steps whose cost from the first fits in ``seconds`` (at least ``least``)."""
@@ -275,6 +315,8 @@ class TimePlan:
             probe = Costs(*world.largest(step_s, eval_s, save_s, start_s))
             probe_batch = self.batch_schedule.final
             sequences = self._most_steps(self.budget_s - elapsed(), probe, least=1) * probe_batch
+            if self.pass_sequences is not None:  # no more tokens than the passes hold
+                sequences = min(sequences, self.max_epochs * self.pass_sequences)
             tokens = sequences * self.tokens_per_sample
             batch = choose_batch(tokens, self.tokens_per_sample, self.micro, world.data_ranks)
             self._resize(batch)
@@ -371,8 +413,13 @@ class TimePlan:
         assert c is not None  # described once planned (fix)
         batch = f" of {self.batch} sequences (global_batch_size=auto)" if self.auto_batch else ""
         estimate = "; a first estimate, which the run's first steps correct" if self.first_estimate else ""
+        end = (
+            f"to read its {self.pass_sequences:,} training sequences {self.max_epochs:g} times (data.max_epochs), "
+            f"inside the {self.budget} time budget"
+            if self.data_bound
+            else f"to fill the {self.budget} time budget"
+        )
         return (
-            f"planned {self.max_steps} steps{batch} to fill the {self.budget} time budget: "
-            f"a step takes {c.step_s:.3g}s, "
+            f"planned {self.max_steps} steps{batch} {end}: a step takes {c.step_s:.3g}s, "
             f"an evaluation {c.eval_s:.3g}s, a checkpoint {c.save_s:.3g}s (measured at the start{estimate})"
         )

@@ -130,7 +130,7 @@ class Trainer:
         self.meter = StepMeter(
             world, t.log_every, schedule, tokens_per_sample=job.tokens_per_sample, flops_per_token=job.flops_per_token
         )
-        self.time_plan = TimePlan(cfg, schedule, self.ladder.batch_chosen, job.tokens_per_sample)
+        self.time_plan = TimePlan(cfg, schedule, self.ladder.batch_chosen, job.tokens_per_sample, job.train_data)
         parts: dict[str, Stateful] = {"precision": self.precision, "memory": self.ladder, "guard": self.guard}
         parts.update(meter=self.meter, time_plan=self.time_plan)
         self.checkpointer = Checkpointer(
