@@ -156,7 +156,9 @@ class MemoryContext:
     autocast makes 16-bit copies of the fp32 weights (and keeps them for the backward pass);
     ``cp``: the context-parallel degree (``tokens`` are then this rank's 1 / cp of the sequences,
     whose attention sees the keys of all of them); ``device``: the kind of device ("cpu",
-    "cuda"), where kernels' working sizes depend on it."""
+    "cuda"), where kernels' working sizes depend on it; ``compiled``: the forward and backward are
+    torch.compile's graph from the first step, which keeps fewer activations (it recomputes
+    cheap pointwise results in the backward)."""
 
     tokens: int
     autocast: bool
@@ -166,6 +168,7 @@ class MemoryContext:
     seq_len: int = 0
     cp: int = 1
     device: str = "cpu"
+    compiled: bool = False
 
     @property
     def act_bytes(self) -> int:

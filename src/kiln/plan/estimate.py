@@ -310,6 +310,9 @@ class Setup:
     ep: int = 1  # data-parallel ranks that split a mixture of experts' experts
     cp: int = 1  # data-parallel ranks that split each sequence
     optimizer: str = "adamw"  # or "muon": one momentum buffer for the hidden matrices
+    # Compiled from the first step: Inductor's graph keeps less than eager autograd. (Compiled
+    # after eager steps, the eager ones set the peak.)
+    compiled: bool = False
 
     @property
     def dp(self) -> int:
@@ -620,6 +623,7 @@ def memory_phases(
         seq_len=seq_len,
         cp=s.cp,
         device=device,
+        compiled=s.compiled,
     )
     state = model_state(shape, s, stage)
     on_device = {k: 0 if s.offload else v for k, v in state.items()}
