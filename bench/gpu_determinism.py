@@ -36,6 +36,13 @@ from kiln.plan import make_plan
 
 from common import kiln_tokens_per_s, random_tokens
 
+BACKENDS = {
+    "flash": SDPBackend.FLASH_ATTENTION,
+    "efficient": SDPBackend.EFFICIENT_ATTENTION,
+    "cudnn": SDPBackend.CUDNN_ATTENTION,
+    "math": SDPBackend.MATH,
+}
+
 
 def train_once(cfg, data) -> tuple[list[float], dict[str, torch.Tensor], float]:
     """The run's logged losses, its final weights (on the CPU) and its peak allocated GiB."""
@@ -63,7 +70,7 @@ def main() -> None:
     ap.add_argument(
         "--attention",
         default="default",
-        choices=["default", "flash", "efficient", "cudnn", "math"],
+        choices=["default", *BACKENDS],
         help="the only attention kernel scaled_dot_product_attention may pick (default: its own choice)",
     )
     args = ap.parse_args()
@@ -80,13 +87,7 @@ def main() -> None:
         for arm in args.arms.split(","):
             began = time.monotonic()
             runs = []
-            backend = getattr(
-                SDPBackend,
-                {"efficient": "EFFICIENT_ATTENTION", "cudnn": "CUDNN_ATTENTION"}.get(
-                    args.attention, args.attention.upper()
-                ),
-                None,
-            )
+            backend = BACKENDS.get(args.attention)
             chosen = sdpa_kernel(backend) if backend is not None else contextlib.nullcontext()
             with warnings.catch_warnings(record=True) as caught, chosen:
                 warnings.simplefilter("always")
@@ -105,9 +106,8 @@ def main() -> None:
                         runs.append((*train_once(cfg, data), kiln_tokens_per_s(cfg.run.dir, args.steps // 2)))
                     except Exception as e:  # strict: an op without a deterministic kernel
                         runs.append(e)
-            if isinstance(runs[0], Exception) or isinstance(runs[-1], Exception):
-                error = next(r for r in runs if isinstance(r, Exception))
-                row = {"arm": arm, "deterministic": args.deterministic, "error": repr(error)[:2000]}
+            if errors := [r for r in runs if isinstance(r, Exception)]:
+                row = {"arm": arm, "deterministic": args.deterministic, "error": repr(errors[0])[:2000]}
                 with (args.out / "determinism.jsonl").open("a") as f:
                     f.write(json.dumps(row) + "\n")
                 print(json.dumps(row), flush=True)
