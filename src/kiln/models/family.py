@@ -204,6 +204,9 @@ class MemoryModel:
     for d_model."""
     experts_per_token: int = 1
     """Copies of a token that a mixture of experts sends to its experts (expert parallelism)."""
+    counts_compiled: bool = False
+    """Whether the model counts what a compiled graph keeps (``MemoryContext.compiled``); if
+    not, the plan's figure for a compiled run is eager autograd's, an upper bound."""
 
     def block_activations(self, ctx: MemoryContext) -> int:
         """Bytes one block keeps from its forward for its backward."""

@@ -331,11 +331,15 @@ def _notes(cfg: Config, s: Setup, job: Job, auto_micro: bool) -> list[str]:
             f"data.tokenizer is a file ({cfg.data.tokenizer}); kiln plan does not read it and takes the "
             f"vocabulary from data.vocab_size = {cfg.data.vocab_size}: set that to the tokenizer's size"
         )
-    if s.compiled and (cfg.train.precision == "fp8" or job.shape.family.name != "gpt"):
-        why = "train.precision=fp8's casts" if cfg.train.precision == "fp8" else "this family's compiled graph"
+    if s.compiled and cfg.train.precision == "fp8":
         notes.append(
-            f"{why} are not modelled: the memory estimate is an upper bound (a compiled fp8 run of "
-            "the 1b preset peaked at 0.56 of it)"
+            "train.precision=fp8's casts are not modelled: the memory estimate is an upper bound (a "
+            "compiled fp8 run of the 1b preset peaked at 0.56 of it)"
+        )
+    elif s.compiled and not job.shape.memory.counts_compiled:
+        notes.append(
+            f"the {job.shape.family.name} family's memory model counts eager autograd's activations: "
+            "for this compiled run the estimate is an upper bound"
         )
     if job.shape.created_whole and s.splits:
         why = (

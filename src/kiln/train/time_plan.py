@@ -87,6 +87,18 @@ def choose_batch(run_tokens: float, tokens_per_sample: int, micro: int, data_ran
     return micro * int(per_rank // micro) * data_ranks
 
 
+def _most(holds: Callable[[int], bool], least: int) -> int:
+    """The largest n >= ``least`` for which ``holds(n)``, a test that holds up to some n and not
+    beyond (``least`` where it holds for none): doubling, then bisection."""
+    low, high = least, max(least, 1)
+    while holds(high):
+        low, high = high, high * 2
+    while high - low > 1:  # holds(low), or low is least; not holds(high)
+        mid = (low + high) // 2
+        low, high = (mid, high) if holds(mid) else (low, mid)
+    return low
+
+
 class TimePlan:
     def __init__(
         self,
@@ -254,13 +266,7 @@ class TimePlan:
         if self.pass_sequences is None:
             return None
         sequences = self.max_epochs * self.pass_sequences
-        low, high = 0, 1
-        while self.batch_schedule.samples_before(high) < sequences:
-            low, high = high, high * 2
-        while high - low > 1:  # low's batches hold fewer sequences, high's enough
-            mid = (low + high) // 2
-            low, high = (mid, high) if self.batch_schedule.samples_before(mid) < sequences else (low, mid)
-        return high
+        return _most(lambda steps: self.batch_schedule.samples_before(steps) < sequences, least=0) + 1
 
     def _within_passes(self, steps: int, step: int) -> int:
         """``steps``, or fewer where the data's passes end first (never before ``step`` + 1)."""
@@ -270,13 +276,7 @@ class TimePlan:
 
     def _most_steps(self, seconds: float, costs: Costs, least: int) -> int:
         """The most steps whose cost from the first fits in ``seconds`` (at least ``least``)."""
-        low, high = least, least
-        while self.cost_s(high, costs) <= seconds:
-            low, high = high, high * 2
-        while high - low > 1:  # cost_s(low) fits (or low is least), cost_s(high) does not
-            mid = (low + high) // 2
-            low, high = (mid, high) if self.cost_s(mid, costs) <= seconds else (low, mid)
-        return low
+        return _most(lambda steps: self.cost_s(steps, costs) <= seconds, least)
 
     # -- measuring and correcting, on the run itself ------------------------------------------------
 

@@ -17,6 +17,7 @@ class GPTMemory(MemoryModel):
     # At the MLP product's backward, the gradients of w1 x, w3 x and the product are alive at
     # once, next to the block's activations and w2's new gradient.
     backward_peak_grad = "mlp.w2"
+    counts_compiled = True
 
     def __init__(self, cfg: GPTConfig):
         self.cfg = cfg
@@ -38,7 +39,7 @@ class GPTMemory(MemoryModel):
         norm's output once (the norms' statistics are recomputed), q, k and v as projected (keys
         and values not repeated), SDPA's output and log-sum-exp, and the MLP's tensors. Against
         compiled bf16 runs on an H200 (gpt2-124m at micro-batches 8, 32 and 64, 1b at 32): 8-14%
-        above their peaks (BENCHMARKS.md, seventh lease), where the eager count was 35-40% above."""
+        above their peaks (BENCHMARKS.md, seventh lease), where the eager count was 35-44% above."""
         cfg, act = self.cfg, ctx.act_bytes
         d = cfg.d_model
         heads = cfg.n_head // ctx.tp
