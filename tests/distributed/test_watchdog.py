@@ -10,6 +10,7 @@ import os
 import signal
 import socket
 import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -189,6 +190,36 @@ def test_nccl_ranks_run_with_the_hang_settings_and_dump_their_flight_recorder(tm
         assert env["TORCH_FR_DUMP_TEMP_FILE"] == str(run_dir / "hang" / "nccl-trace-rank-")
         records = json.loads((hang / f"flight-recorder-rank-{rank}.json").read_text())
         assert any(e["profiling_name"].startswith("nccl:") for e in records["nccl"]["entries"])
+
+
+# A rank of two whose partner never reports: the watchdog declares a hang. Its loop then fails as
+# a collective would once a peer that exited for the hang broke the connection.
+_BROKEN_LOOP = """
+import sys, time
+from pathlib import Path
+import torch.distributed as dist
+from kiln.distributed.watchdog import Watchdog
+
+run_dir = Path(sys.argv[1])
+dist.init_process_group("gloo", init_method=f"file://{run_dir}/store", rank=0, world_size=1)
+watchdog = Watchdog(rank=0, size=2, init_timeout_s=0.5, train_timeout_s=0.5)
+with watchdog.watching(run_dir):
+    while not list(run_dir.glob("hang/2*/rank-0.txt")):
+        time.sleep(0.05)
+    raise RuntimeError("Connection closed by peer")
+"""
+
+
+def test_a_loop_that_fails_while_its_rank_reports_a_hang_still_ends_with_the_hang_status(tmp_path):
+    """The peer's exit must not turn this rank's report into a crash: the agent restarts on
+    HANG_EXIT, and the summary is written before the process ends."""
+    done = subprocess.run(
+        [sys.executable, "-c", _BROKEN_LOOP, str(tmp_path)], capture_output=True, text=True, timeout=120
+    )
+    assert done.returncode == HANG_EXIT, done.stderr[-4000:]
+    [summary] = tmp_path.glob("hang/2*/summary.json")
+    assert json.loads(summary.read_text())["missing"] == [1]
+    assert "rank 1 sent no report" in done.stderr
 
 
 def test_the_private_torch_functions_the_watchdog_relies_on_are_there():

@@ -105,6 +105,7 @@ class Watchdog:
         self._trained = False  # the first step of this process is done: train_timeout applies
         self._resting = False
         self._stopped = False
+        self._ending = False  # the thread is dumping and reporting a hang, then exits the process
         self._thread: threading.Thread | None = None
         self._stacks_file: TextIO | None = None  # kept open: faulthandler writes to its descriptor on SIGUSR1
         self._store: Any = None
@@ -130,6 +131,13 @@ class Watchdog:
         self.start(run_dir)
         try:
             yield
+        except BaseException:
+            if self._ending and self._thread is not None:
+                # A peer that exited for the hang broke this rank's collective: its error must
+                # not end the process before the thread's report and HANG_EXIT, or the agent
+                # sees a crash instead of a hang.
+                self._thread.join()
+            raise
         finally:
             self._resting = True
 
@@ -213,6 +221,7 @@ class Watchdog:
 
     def _end(self, declared: str | None) -> None:
         """Dump, report and exit (this rank found the hang when ``declared`` says why)."""
+        self._ending = True
         stamp = time.strftime("%Y%m%d-%H%M%S")
         reporter = False
         try:
