@@ -59,6 +59,43 @@ def in_process(*args: Any, check: bool = True) -> subprocess.CompletedProcess:
     return proc
 
 
+# The ranks of an in-process launch are forked from one server process that has imported torch,
+# TorchDynamo and kiln once (multiprocessing's forkserver, kept for the session), instead of
+# starting as fresh interpreters: a fresh rank spends about 2.5 s of CPU on those imports, which
+# over the suite's launches was most of its time (a 2-rank launch of a tiny run: 3.7 s -> 0.8 s).
+# Each rank is still its own process under torchrun's elastic agent, over gloo, with the
+# launch's environment, working directory, output and exit status. The `kiln launch` command
+# itself, with fresh interpreters, is what the tests that start it with `start` run.
+_PRELOAD = ["kilnrun", "torch._dynamo", "kiln.cli", "kiln.train.trainer"]
+_SERVER_ENV = dict(os.environ)  # in the fork server: the environment a forked rank starts with
+_THREADS = torch.get_num_threads()  # a fresh interpreter's intra-op threads, without OMP_NUM_THREADS
+
+
+def _rank(env: dict[str, str], cwd: str, out: str, err: str, *argv: str) -> None:
+    """One rank of ``launch``, in a process forked from the server: made what a fresh rank is,
+    then ``kiln ARGV``."""
+    import io
+
+    elastic = {k: v for k, v in os.environ.items() if _SERVER_ENV.get(k) != v}  # the agent's per-rank variables
+    os.environ.clear()
+    os.environ.update({**env, **elastic})
+    os.chdir(cwd)
+    sys.path[:0] = [p for p in (str(TESTS), str(EXAMPLES)) if p not in sys.path]
+    torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS") or _THREADS))
+    for fd, path in ((1, out), (2, err)):
+        opened = os.open(path, os.O_WRONLY | os.O_APPEND)
+        os.dup2(opened, fd)
+        os.close(opened)
+    # Unbuffered, as torchrun runs a rank (python -u): what a rank prints before os._exit stays.
+    sys.stdout = io.TextIOWrapper(io.FileIO(1, "wb", closefd=False), write_through=True)
+    sys.stderr = io.TextIOWrapper(io.FileIO(2, "wb", closefd=False), write_through=True)
+    from kiln.cli import main
+
+    code = main(list(argv))
+    if code:
+        sys.exit(code)
+
+
 def launch(
     nproc: int,
     *args: Any,
@@ -70,21 +107,29 @@ def launch(
     """``kiln launch --nproc-per-node NPROC [LAUNCH_ARGS] -- ARGS...`` (torchrun, gloo ranks) run
     to the end; with ``check``, fail the test unless it exits 0.
 
-    The launcher is ``kiln.cli.main`` in this process: torchrun's agent runs here and starts the
-    ranks as the command does, as processes of this interpreter with this environment (``env``
-    on top), without the launcher's own interpreter start (importing torch and kiln: seconds a
-    launch). What the ranks and the agent print is read from this process's file descriptors;
-    the environment and the signal handlers torchrun sets are put back afterwards. Past
-    ``timeout`` seconds the ranks are killed and the test fails. (Tests that signal the
-    launcher's process start it with ``start``.)"""
+    torchrun's agent runs in this process, with the command line ``kiln launch`` gives it, and
+    its ranks are forked from a warm server (above). What the agent and the ranks print is read
+    from this process's file descriptors; the environment and the signal handlers torchrun sets
+    are put back afterwards. Past ``timeout`` seconds the ranks are killed and the test fails.
+    (Tests that signal the launcher's process start it with ``start``.)"""
+    import argparse
     import contextlib
-    import signal
+    import multiprocessing
     import tempfile
     import threading
+    import uuid
 
-    from kiln.cli import main
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.launcher.api import elastic_launch
+    from torch.distributed.run import config_from_args, parse_args
 
-    argv = ["launch", "--nproc-per-node", str(nproc), *map(str, launch_args), "--", *map(str, args)]
+    from kiln.distributed.launch import add_arguments, failed_exit_code, torchrun_args
+
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    argv = torchrun_args(
+        parser.parse_args(["--nproc-per-node", str(nproc), *map(str, launch_args), "--", *map(str, args)])
+    )
     saved_env = dict(os.environ)
     handled = [signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT]
     saved_handlers = {sig: signal.getsignal(sig) for sig in handled}
@@ -92,18 +137,20 @@ def launch(
 
     def kill_ranks() -> None:
         expired.set()
-        for pid in _children("kiln"):
+        for pid in _descendants():
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGKILL)
 
     timer = threading.Timer(timeout, kill_ranks)
-    with tempfile.TemporaryFile() as out, tempfile.TemporaryFile() as err:
+    multiprocessing.set_forkserver_preload(_PRELOAD)
+    with tempfile.NamedTemporaryFile("ab+") as out, tempfile.NamedTemporaryFile("ab+") as err:
         sys.stdout.flush()
         sys.stderr.flush()
         saved_fds = os.dup(1), os.dup(2)
         os.dup2(out.fileno(), 1)
         os.dup2(err.fileno(), 2)
         os.environ.update(environment(env))
+        os.environ.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")  # as kiln.distributed.launch sets it
         timer.start()
         try:
             with (
@@ -112,7 +159,16 @@ def launch(
                 contextlib.redirect_stdout(py_out),
                 contextlib.redirect_stderr(py_err),
             ):
-                code = main(argv)
+                print("kiln: torchrun " + " ".join(argv), file=sys.stderr, flush=True)
+                targs = parse_args(["--start-method", "forkserver", *argv])
+                if targs.standalone:  # as torchrun's run() resolves it
+                    targs.rdzv_backend, targs.rdzv_endpoint, targs.rdzv_id = "c10d", "localhost:0", str(uuid.uuid4())
+                config, _, _ = config_from_args(targs)  # sets OMP_NUM_THREADS here, for the ranks
+                try:
+                    elastic_launch(config, _rank)(dict(os.environ), os.getcwd(), out.name, err.name, *map(str, args))
+                    code = 0
+                except ChildFailedError as e:
+                    code = failed_exit_code(e)
         finally:
             timer.cancel()
             os.dup2(saved_fds[0], 1)
@@ -126,21 +182,30 @@ def launch(
         out.seek(0)
         err.seek(0)
         proc = subprocess.CompletedProcess(
-            command(*argv), code, out.read().decode(errors="replace"), err.read().decode(errors="replace")
+            command("launch", *argv), code, out.read().decode(errors="replace"), err.read().decode(errors="replace")
         )
     if expired.is_set():
         raise AssertionError(
-            f"kiln {' '.join(argv)} ran past {timeout} s\n{proc.stdout[-3000:]}\n{proc.stderr[-4000:]}"
+            f"kiln {' '.join(map(str, args))} ran past {timeout} s\n{proc.stdout[-3000:]}\n{proc.stderr[-4000:]}"
         )
     if check and code != 0:
-        raise AssertionError(f"kiln {' '.join(argv)} exited {code}\n{proc.stdout[-3000:]}\n{proc.stderr[-4000:]}")
+        raise AssertionError(
+            f"kiln {' '.join(map(str, args))} exited {code}\n{proc.stdout[-3000:]}\n{proc.stderr[-4000:]}"
+        )
     return proc
 
 
-def _children(word: str) -> list[int]:
-    """The processes this one started whose command line holds ``word``."""
-    out = subprocess.run(["ps", "-o", "pid=,args=", "--ppid", str(os.getpid())], capture_output=True, text=True).stdout
-    return [int(line.split()[0]) for line in out.splitlines() if word in line]
+def _descendants() -> list[int]:
+    """The processes below this one: the fork server's ranks as well as its own children."""
+    out = subprocess.run(["ps", "-e", "-o", "pid=,ppid="], capture_output=True, text=True).stdout
+    parents = dict(tuple(map(int, line.split())) for line in out.splitlines())
+    found, mine = [], {os.getpid()}
+    while True:
+        more = [pid for pid, ppid in parents.items() if ppid in mine and pid not in found]
+        if not more:
+            return found
+        found += more
+        mine = set(more)
 
 
 def start(*args: Any, env: dict[str, str] | None = None, **kw: Any) -> subprocess.Popen:

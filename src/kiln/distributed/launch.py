@@ -14,6 +14,10 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -75,8 +79,12 @@ def launch(argv: list[str]) -> int:
     try:
         torchrun(argv)
     except ChildFailedError as e:
-        # torchrun has already printed each failed rank with its error and exit code.
-        failures = e.failures
-        code = next(iter(failures.values())).exitcode if failures else 1
-        return code if code and code > 0 else 1
+        return failed_exit_code(e)
     return 0
+
+
+def failed_exit_code(e: ChildFailedError) -> int:
+    """The exit code of a failed launch: the first failed rank's, 1 for a signal (torchrun has
+    already printed each failed rank with its error and exit code)."""
+    code = next(iter(e.failures.values())).exitcode if e.failures else 1
+    return code if code and code > 0 else 1
