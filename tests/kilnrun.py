@@ -123,7 +123,7 @@ def launch(
     from torch.distributed.launcher.api import elastic_launch
     from torch.distributed.run import config_from_args, parse_args
 
-    from kiln.distributed.launch import add_arguments, failed_exit_code, torchrun_args
+    from kiln.distributed.launch import add_arguments, failed_exit_code, prepare_agent, torchrun_args
 
     parser = argparse.ArgumentParser()
     add_arguments(parser)
@@ -150,7 +150,6 @@ def launch(
         os.dup2(out.fileno(), 1)
         os.dup2(err.fileno(), 2)
         os.environ.update(environment(env))
-        os.environ.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")  # as kiln.distributed.launch sets it
         timer.start()
         try:
             with (
@@ -159,7 +158,7 @@ def launch(
                 contextlib.redirect_stdout(py_out),
                 contextlib.redirect_stderr(py_err),
             ):
-                print("kiln: torchrun " + " ".join(argv), file=sys.stderr, flush=True)
+                prepare_agent(argv)
                 targs = parse_args(["--start-method", "forkserver", *argv])
                 if targs.standalone:  # as torchrun's run() resolves it
                     targs.rdzv_backend, targs.rdzv_endpoint, targs.rdzv_id = "c10d", "localhost:0", str(uuid.uuid4())

@@ -71,16 +71,21 @@ def launch(argv: list[str]) -> int:
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import main as torchrun
 
-    # By default the agent lends its rendezvous TCPStore to the workers, and keeps it across
-    # restarts without clearing it: restarted workers then find their predecessors' addresses
-    # there and fail to connect ("Connection refused"). A store per round avoids that.
-    os.environ.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
-    print("kiln: torchrun " + " ".join(argv), file=sys.stderr, flush=True)
+    prepare_agent(argv)
     try:
         torchrun(argv)
     except ChildFailedError as e:
         return failed_exit_code(e)
     return 0
+
+
+def prepare_agent(argv: list[str]) -> None:
+    """Set up this process for torchrun's agent to run ``argv``, and show the command line."""
+    # By default the agent lends its rendezvous TCPStore to the workers, and keeps it across
+    # restarts without clearing it: restarted workers then find their predecessors' addresses
+    # there and fail to connect ("Connection refused"). A store per round avoids that.
+    os.environ.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
+    print("kiln: torchrun " + " ".join(argv), file=sys.stderr, flush=True)
 
 
 def failed_exit_code(e: ChildFailedError) -> int:
