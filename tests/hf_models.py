@@ -6,21 +6,45 @@ from __future__ import annotations
 import random
 import sysconfig
 from collections import Counter
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 from transformers import (
+    AlbertConfig,
+    AutoModel,
+    AutoModelForCausalLM,
+    AutoModelForSequenceClassification,
     BertConfig,
     BertForSequenceClassification,
     BertTokenizerFast,
+    DebertaV2Config,
+    DistilBertConfig,
+    ElectraConfig,
+    FalconConfig,
+    Gemma2Config,
+    Gemma3TextConfig,
+    GPT2Config,
+    GPTNeoXConfig,
     LlamaConfig,
     LlamaForCausalLM,
+    MistralConfig,
     MixtralConfig,
     MixtralForCausalLM,
+    ModernBertConfig,
+    MPNetConfig,
+    Olmo2Config,
+    OPTConfig,
+    Phi3Config,
+    PretrainedConfig,
     PreTrainedTokenizerFast,
+    Qwen2Config,
+    Qwen3Config,
     Qwen3MoeConfig,
     Qwen3MoeForCausalLM,
+    RobertaConfig,
+    XLMRobertaConfig,
 )
 
 # A chat template that marks what the assistant says with {% generation %}, and one that does not.
@@ -204,3 +228,122 @@ def learnable_classes(n: int = 320, seed: int = 0) -> list[dict]:
         rng.shuffle(text)
         out.append({"text": " ".join(text), "label": label})
     return out
+
+
+def verse_and_prose(n: int = 240, seed: int = 0) -> list[dict]:
+    """Two-line passages of Shakespeare (bench/data's plays) labelled "verse", and sentences of
+    English prose from the standard library's module docstrings labelled "prose", ``n`` of each,
+    shuffled: a task a pretrained encoder learns in a few dozen steps and random weights do not."""
+    import ast
+    import lzma
+    import re
+
+    plays = lzma.decompress((Path(__file__).parents[1] / "bench" / "data" / "shakespeare.txt.xz").read_bytes())
+    lines = [line.strip() for line in plays.decode().splitlines()]
+    pairs = zip(lines[::2], lines[1::2], strict=False)
+    verse = [f"{a} {b}" for a, b in pairs if len(a.split()) >= 5 and len(b.split()) >= 5]
+    prose = []
+    for path in sorted(Path(sysconfig.get_paths()["stdlib"]).glob("*.py")):
+        try:
+            doc = ast.get_docstring(ast.parse(path.read_text(errors="replace"))) or ""
+        except SyntaxError:
+            continue
+        for sentence in re.split(r"(?<=[.!?])\s+", " ".join(doc.split())):
+            if 8 <= len(sentence.split()) <= 40 and not re.search(r"[(){}\[\]=_<>>:*`]", sentence):
+                prose.append(sentence)
+    rng = random.Random(seed)
+    records = [{"text": t, "label": "verse"} for t in rng.sample(verse, n)]
+    records += [{"text": t, "label": "prose"} for t in rng.sample(prose, n)]
+    rng.shuffle(records)
+    return records
+
+
+# -- the architectures kiln loads, tiny ------------------------------------------------------------
+
+WIDTH = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4)
+DECODER = dict(WIDTH, num_key_value_heads=2, max_position_embeddings=128)
+# Encoders people fine-tune as classifiers (sequence_classification) and decoders they fine-tune
+# as causal LMs: each model_type's config at tiny sizes (2 layers, width 32, 4 heads).
+ENCODERS: dict[str, Callable[[], PretrainedConfig]] = {
+    "bert": lambda: BertConfig(**WIDTH, max_position_embeddings=128),
+    "roberta": lambda: RobertaConfig(**WIDTH, max_position_embeddings=130),
+    "distilbert": lambda: DistilBertConfig(dim=32, hidden_dim=64, n_layers=2, n_heads=4, max_position_embeddings=128),
+    "deberta-v2": lambda: DebertaV2Config(**WIDTH, max_position_embeddings=128, pooler_hidden_size=32),
+    "modernbert": lambda: ModernBertConfig(
+        **WIDTH, max_position_embeddings=128, local_attention=16, global_attn_every_n_layers=2
+    ),
+    "electra": lambda: ElectraConfig(**WIDTH, embedding_size=16, max_position_embeddings=128),
+    "xlm-roberta": lambda: XLMRobertaConfig(**WIDTH, max_position_embeddings=130),
+    "albert": lambda: AlbertConfig(**WIDTH, embedding_size=16, max_position_embeddings=128),
+    "mpnet": lambda: MPNetConfig(**WIDTH, max_position_embeddings=130),
+}
+DECODERS: dict[str, Callable[[], PretrainedConfig]] = {
+    "llama": lambda: LlamaConfig(**DECODER),
+    "qwen2": lambda: Qwen2Config(**DECODER),
+    "qwen3": lambda: Qwen3Config(**DECODER, head_dim=8),
+    "mistral": lambda: MistralConfig(**DECODER),
+    "gemma2": lambda: Gemma2Config(**DECODER, head_dim=8),
+    "gemma3_text": lambda: Gemma3TextConfig(**DECODER, head_dim=8, sliding_window=16),
+    "phi3": lambda: Phi3Config(**DECODER),
+    "gpt2": lambda: GPT2Config(n_embd=32, n_layer=2, n_head=4, n_positions=128),
+    "gpt_neox": lambda: GPTNeoXConfig(**WIDTH, max_position_embeddings=128),
+    "opt": lambda: OPTConfig(
+        hidden_size=32,
+        ffn_dim=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        word_embed_proj_dim=32,
+        max_position_embeddings=128,
+    ),
+    "falcon": lambda: FalconConfig(hidden_size=32, num_hidden_layers=2, num_attention_heads=4),
+    "olmo2": lambda: Olmo2Config(**DECODER),
+}
+
+
+def tiny_config(model_type: str, vocab_size: int = 96, pad: int | None = 0, bos: int = 1, eos: int = 2):
+    """The tiny config of ``model_type`` (an encoder's or a decoder's above) with its vocabulary
+    and special token ids."""
+    config = {**ENCODERS, **DECODERS}[model_type]()
+    config.vocab_size, config.pad_token_id, config.bos_token_id, config.eos_token_id = vocab_size, pad, bos, eos
+    return config
+
+
+def task_of(model_type: str) -> str:
+    return "sequence_classification" if model_type in ENCODERS else "causal_lm"
+
+
+def auto_class(task: str):
+    """transformers' Auto class of a kiln ``model.task``."""
+    return AutoModelForCausalLM if task == "causal_lm" else AutoModelForSequenceClassification
+
+
+def save_tiny(
+    directory: Path,
+    model_type: str,
+    *,
+    headless: bool = False,
+    shards: bool = False,
+    dtype: torch.dtype = torch.float32,
+    seed: int = 0,
+    tokenizer: bool = False,
+    **config,
+) -> Path:
+    """``model_type`` at tiny sizes with random weights, saved as the hub holds such models: with
+    its head (a classifier of two labels for an encoder, a causal LM for a decoder) or headless (the
+    base model alone, as sentence-transformers saves encoders and as a ``LlamaModel`` is saved), in
+    one file or several with an index, in fp32 or bf16. With ``tokenizer``, a tokenizer of its kind
+    (WordPiece for an encoder, byte-level BPE for a decoder) sized to its vocabulary; without, the
+    config names its padding, start and end ids alone. ``config`` is set on the config."""
+    if tokenizer:
+        tok = wordpiece_tokenizer(directory) if model_type in ENCODERS else bpe_tokenizer(directory)
+        ids = (tok.pad_token_id, tok.cls_token_id, tok.sep_token_id) if model_type in ENCODERS else None
+        ids = ids or (tok.pad_token_id, tok.bos_token_id, tok.eos_token_id)
+        cfg = tiny_config(model_type, len(tok), *ids)
+    else:
+        cfg = tiny_config(model_type)
+    for key, value in config.items():
+        setattr(cfg, key, value)
+    torch.manual_seed(seed)
+    model = AutoModel.from_config(cfg) if headless else auto_class(task_of(model_type)).from_config(cfg)
+    model.to(dtype).save_pretrained(directory, max_shard_size="20KB" if shards else "5GB")
+    return directory

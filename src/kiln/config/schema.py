@@ -72,6 +72,11 @@ class ModelConfig:
     weights: Literal["pretrained", "random"] = "pretrained"
     """With model.source: start from its pretrained weights, or from random ones (its
     architecture only, e.g. to compare with training from scratch)."""
+    allow_missing: bool = False
+    """With model.source and pretrained weights: start the tensors its files lack from random
+    values, listing them, instead of stopping. Off, only a classifier's head may be new (when the
+    files have none, as a base model's save, or another label count); any other missing tensor
+    stops the run before it starts (a fine-tune from noise is not a fine-tune)."""
     preset: str = "tiny"
     """Model preset of the gpt family: tiny, small, gpt2-124m, 350m, 1b, 7b, or llama3-8b, llama3-70b,
     llama3-405b (shaped like Llama 3: set data.vocab_size=128256); mixtures of experts: tiny-moe,

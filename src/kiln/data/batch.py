@@ -197,6 +197,16 @@ def loss_count(batch: Any) -> int | None:
     return batch.count if isinstance(batch, RowBatch) else None
 
 
+def pad_id(tokenizer: Any) -> int:
+    """The token a ``transformers`` tokenizer's rows are padded with: its padding token, else its
+    end of sequence, else 0 (padding is masked out and never a target, so any id of the
+    vocabulary serves where the tokenizer names neither)."""
+    for token in (tokenizer.pad_token_id, tokenizer.eos_token_id):
+        if token is not None:
+            return token
+    return 0
+
+
 def pad_rows(rows: Sequence[Sequence[int]], value: int) -> torch.Tensor:
     """Rows of different lengths as one [rows, longest] int64 tensor, padded on the right."""
     width = max((len(r) for r in rows), default=0)

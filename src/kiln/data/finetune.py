@@ -24,7 +24,7 @@ from typing import Any
 
 from torch.utils.data import Dataset
 
-from kiln.data.batch import IGNORE_INDEX, TokenBatch, pad_rows
+from kiln.data.batch import IGNORE_INDEX, TokenBatch, pad_id, pad_rows
 from kiln.data.corpus import DataError
 from kiln.data.records import Record, read_records
 
@@ -101,6 +101,14 @@ def split_rows(
         "max_len": max_len,
     }
     return rows, manifest
+
+
+def truncation(manifest: dict[str, Any]) -> str | None:
+    """What the console says of the records cut to fit (SFT rows, preference pairs), or None."""
+    cut = manifest["truncated"]
+    if not (cut["train"] or cut["val"]):
+        return None
+    return f"{cut['train']:,} train / {cut['val']:,} val truncated to data.seq_len={manifest['max_len']}"
 
 
 def prepare_eval(source: str, data_cfg, task: str, tokenizer, max_len: int, labels: tuple[str, ...]) -> FineTuneData:
@@ -302,7 +310,7 @@ class Collate:
 
     def __init__(self, task: str, tokenizer):
         self.task = task
-        self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+        self.pad_id = pad_id(tokenizer)
 
     def __call__(self, rows: list[dict[str, Any]]) -> TokenBatch:
         import torch

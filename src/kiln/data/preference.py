@@ -16,7 +16,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from kiln.data.batch import IGNORE_INDEX, PairBatch, TokenBatch, pad_rows
+from kiln.data.batch import IGNORE_INDEX, PairBatch, TokenBatch, pad_id, pad_rows
 from kiln.data.corpus import DataError
 from kiln.data.finetune import Examples, split_records, split_rows
 from kiln.data.records import Record
@@ -185,7 +185,7 @@ class PairCollate:
     can use it)."""
 
     def __init__(self, tokenizer):
-        self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+        self.pad_id = pad_id(tokenizer)
 
     def __call__(self, rows: list[dict[str, Any]]) -> PairBatch:
         desirable = [r["desirable"] for r in rows] if rows and "desirable" in rows[0] else None

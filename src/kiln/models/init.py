@@ -83,8 +83,10 @@ class Values:
     ``params_on_meta`` (only its names, shapes and buffers are read); a LoRA adapter's tensors
     start as PEFT starts them, from ``seed`` and their name."""
 
-    # What ``fill`` does, for a progress display: random values are made, a model's files are read.
+    # What ``fill`` does, for a progress display and the setup line: random values are made, a
+    # model's files are read.
     verb = "initialising"
+    part = "initialise"
 
     def __init__(self, model: nn.Module, seed: int | None):
         self.model, self.seed = model, seed
@@ -92,6 +94,10 @@ class Values:
         # ``progress(what, total)``: a context whose value is called once per tensor filled (a
         # progress bar's; the run sets it on its main rank's terminal).
         self.progress: Callable[[str, int], contextlib.AbstractContextManager[Callable[[], None]]] = _no_progress
+
+    def describe(self) -> list[str]:
+        """Lines for the console about where the values come from (none for random ones)."""
+        return []
 
     def like(self, name: str) -> torch.Tensor:
         """The model's tensor ``name`` (on ``meta`` for a parameter): its shape and dtype."""

@@ -25,7 +25,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 from kiln.config import Config, ConfigError
-from kiln.data.batch import IGNORE_INDEX, TokenBatch, pad_rows
+from kiln.data.batch import IGNORE_INDEX, TokenBatch, pad_id, pad_rows
 from kiln.data.prompts import PromptBatch
 from kiln.distributed.world import World
 from kiln.models.family import ModelFamily
@@ -183,7 +183,7 @@ class GRPOLoss:
                 ids.append(prompt + completion)
                 labels.append([IGNORE_INDEX] * len(prompt) + completion)
         lengths = [len(r) for r in ids]
-        pad = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else eos
+        pad = pad_id(self.tokenizer)
         rows = TokenBatch(
             input_ids=pad_rows(ids, pad),
             labels=pad_rows(labels, IGNORE_INDEX),

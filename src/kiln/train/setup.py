@@ -75,12 +75,12 @@ def start_model(
         precision.convert(model)
     if sharded:
         check_quantized_shards(model, world.dp)
-    for line in job.describe(model) + precision.describe():
+    for line in job.describe(model) + (job.initial.describe() if job.initial else []) + precision.describe():
         times.say(f"kiln: {line}")
     faults.attach(model)
     if job.initial is not None and world.is_main:
         job.initial.progress = counted
-    with times.timed("shard + initialise" if job.initial else "shard"):
+    with times.timed(f"shard + {job.initial.part}" if job.initial else "shard"):
         model = model if job.initial else model.to(world.device)
         bf16 = precision.dtype == torch.bfloat16
         return parallelize(model, job.plan, world, pcfg, bf16=bf16, initial=job.initial)

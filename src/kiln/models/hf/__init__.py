@@ -41,6 +41,7 @@ from kiln.models.hf.loading import (
 )
 from kiln.models.hf.memory import EncoderMemory, ffn_width
 from kiln.models.hf.moe import routed_weights, watch_routers
+from kiln.models.init import params_on_meta
 
 TASKS = {"causal_lm": "AutoModelForCausalLM", "sequence_classification": "AutoModelForSequenceClassification"}
 MAPPINGS = {
@@ -72,6 +73,7 @@ class HFArgs:
     config: Mapping[str, Any]
     weights: str = "pretrained"
     labels: tuple[str, ...] = field(default_factory=tuple)  # sequence_classification: id -> name
+    allow_missing: bool = False  # model.allow_missing
 
     def hf_config(self):
         """The ``transformers`` config object, with the label names of a classifier."""
@@ -272,7 +274,7 @@ class HFFamily(ModelFamily):
         config = read_config(path)
         if model_cfg.weights == "pretrained" and not has_weights(path):
             raise weights_error(path)
-        args = HFArgs(str(path), model_cfg.task, config, model_cfg.weights)
+        args = HFArgs(str(path), model_cfg.task, config, model_cfg.weights, allow_missing=model_cfg.allow_missing)
         if model_cfg.task == "sequence_classification" and getattr(args.hf_config(), "pad_token_id", None) is None:
             args = dataclasses.replace(args, config={**config, "pad_token_id": _pad_id(path)})
         limit = _context(args)
@@ -295,38 +297,25 @@ class HFFamily(ModelFamily):
         return WRAPPERS[args.task](watch_routers(hf))
 
     def create(self, args: HFArgs, device: torch.device | str, seed: int) -> nn.Module:
-        """Pretrained weights from the directory (a classifier's new head from ``seed``), or random ones."""
+        """The model whole on ``device``: pretrained weights read from the directory as each rank
+        reads its shards (``initial_values``), or random ones."""
         if args.weights == "random":
             return build_model(self, args, device, seed)
-        transformers = transformers_module()
-        torch.manual_seed(seed)
-        hf = getattr(transformers, TASKS[args.task]).from_pretrained(
-            args.path,
-            config=args.hf_config(),
-            local_files_only=True,
-            trust_remote_code=False,
-            use_safetensors=True,
-            dtype=torch.float32,
-            attn_implementation=attention(args),
-            # A classifier's head is new whenever the labels differ from the directory's.
-            ignore_mismatched_sizes=args.task == "sequence_classification",
-        )
-        return WRAPPERS[args.task](watch_routers(hf)).to(device).train()
+        with params_on_meta():
+            model = self.build(args)
+        cast(Pretrained, self.initial_values(args, model, seed)).materialize(model, device)
+        return model.train()
 
     def initial_values(self, args: HFArgs, model: nn.Module, seed: int) -> Pretrained | None:
         """Pretrained weights read tensor by tensor from the directory's safetensors, each rank
-        keeping only its slices (a classifier's new head from ``seed``, as ``transformers``
-        initialises it). Experts stored one by one are fused as ``transformers`` fuses them. None
-        for random weights, and for a causal LM whose files name its tensors otherwise (an older
-        checkpoint layout, which only ``from_pretrained``'s conversions read): those are created
-        whole on every rank."""
+        keeping only its slices, every tensor named as ``transformers`` names it (see
+        ``Pretrained``): a classifier's new head from ``seed``, as ``transformers`` initialises
+        it, anything else missing an error unless ``model.allow_missing``. None for random weights."""
         if args.weights != "pretrained":
             return None
-        hf = cast(Any, _base(self.transformers_model(model)))
-        values = Pretrained(
-            model, Path(args.path), seed, hf._init_weights, new_head=args.task == "sequence_classification"
-        )
-        return values if args.task == "sequence_classification" or not values.missing else None
+        hf = _base(self.transformers_model(model))
+        classifier = args.task == "sequence_classification"
+        return Pretrained(model, Path(args.path), seed, hf, classifier=classifier, allow_missing=args.allow_missing)
 
     def keeps_packed_records_apart(self, args: HFArgs) -> bool:
         """``transformers`` turns restarting position ids into a block-diagonal mask for models
@@ -335,7 +324,26 @@ class HFFamily(ModelFamily):
         return args.config["model_type"] not in MIXES_PACKED_RECORDS
 
     def tokenizer(self, args: HFArgs):
-        return load_tokenizer(Path(args.path))
+        """The directory's tokenizer, refused if it has ids past the model's embedding (a token
+        that would index past it mid-run: e.g. the end-of-text token transformers' Qwen2 tokenizer
+        adds to a tokenizer that has none)."""
+        tokenizer = load_tokenizer(Path(args.path))
+        rows = getattr(args.hf_config(), "vocab_size", None)
+        vocab = tokenizer.get_vocab()
+        if rows and max(vocab.values(), default=-1) >= rows:
+            past = sorted((i, token) for token, i in vocab.items() if i >= rows)
+            roles: dict[int | None, list[str]] = {}
+            for role in ("bos", "eos", "pad", "unk"):
+                roles.setdefault(getattr(tokenizer, f"{role}_token_id", None), []).append(role)
+            named = ", ".join(f"{t!r} = {i}" + (f" ({'/'.join(roles[i])})" if i in roles else "") for i, t in past[:3])
+            raise ConfigError(
+                [
+                    f"model.source: {args.path}: its tokenizer ({type(tokenizer).__name__}) has {len(past)} token(s) "
+                    f"past the model's {rows} embedding rows (vocab_size in config.json): {named}; the tokenizer "
+                    "does not fit this model"
+                ]
+            )
+        return tokenizer
 
     def args_to_dict(self, args: HFArgs) -> dict[str, Any]:
         return {**dataclasses.asdict(args), "config": dict(args.config), "labels": list(args.labels)}
@@ -429,28 +437,11 @@ class HFFamily(ModelFamily):
         return _context(args)
 
     def lora_targets(self, args: HFArgs) -> list[str]:
-        """The modules LoRA adapts unless ``lora.target_modules`` names them: a Llama-class model's
-        attention and MLP projections; a BERT-style classifier's query, key and value; else PEFT's
-        own default for the architecture (GPT-2's c_attn, OPT's q_proj and v_proj, ...); else every
-        linear layer of the repeated layers, named by its path in the layer (DistilBERT's
-        attention.q_lin, ..., ffn.lin2) so that no head outside them matches."""
-        model_type = args.config["model_type"]
-        if model_type in LLAMA_CLASS:
-            return [name.split(".")[-1] for name in LLAMA_TP]
-        linears = self._block_linears(args)
-        names = {name.rsplit(".", 1)[-1] for name in linears}
-        if args.task == "sequence_classification" and {"query", "key", "value"} <= names:
-            return ["query", "key", "value"]
-        defaults: Mapping[str, Any] = {}
-        try:
-            from peft import utils as peft_utils
-        except ImportError:  # apply_lora says that LoRA needs peft
-            pass
-        else:
-            defaults = peft_utils.TRANSFORMERS_MODELS_TO_LORA_TARGET_MODULES_MAPPING
-        if defaults.get(model_type):
-            return list(defaults[model_type])
-        return linears
+        """The modules LoRA adapts unless ``lora.target_modules`` names them: every linear layer
+        of the repeated layers (PEFT's all-linear, as QLoRA and Axolotl do), named by its path in
+        the layer (Llama's self_attn.q_proj, ..., mlp.down_proj; DistilBERT's attention.q_lin,
+        ..., ffn.lin2), so that no head or output layer outside them matches."""
+        return self._block_linears(args)
 
     def _block_linears(self, args: HFArgs) -> list[str]:
         """The linear layers (``transformers``' Conv1D too) of one repeated layer, by their path in it."""

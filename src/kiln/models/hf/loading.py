@@ -10,9 +10,11 @@ from __future__ import annotations
 import copy
 import json
 import os
-from collections.abc import Callable, Mapping
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import torch
 from safetensors import safe_open
@@ -144,108 +146,285 @@ def read_tensor(file: Path, key: str) -> torch.Tensor:
         raise ConfigError([f"model.source: {file}: cannot read tensor {key} ({str(e).splitlines()[0]})"]) from None
 
 
-# What transformers renames when it loads older checkpoints (its conversion mapping): Mixtral's
-# mixture of experts is "block_sparse_moe" in the files and "mlp" in the model.
-RENAMED_MODULES = ((".mlp.", ".block_sparse_moe."),)
-# transformers computes a mixture of experts with each layer's experts fused into 3-D tensors
-# ([experts, rows, columns]); checkpoints store them one expert at a time. Each fused tensor's
-# name, and the names (Qwen-MoE's, Mixtral's) of the per-expert weights whose rows it stacks.
-FUSED_EXPERTS = {"gate_up_proj": (("gate_proj", "up_proj"), ("w1", "w3")), "down_proj": (("down_proj",), ("w2",))}
+# -- transformers' names for a checkpoint's tensors ---------------------------------------------
+# transformers renames what it reads: a base model's save (BertModel, LlamaModel, sentence-
+# transformers' encoders) goes into a model with a head through its base_model_prefix, and a
+# headed save into a base model; older names are updated (LayerNorm gamma/beta, GPT-NeoX's
+# embed_out, Mixtral's block_sparse_moe, ...); and some stored tensors are converted (experts
+# stored one by one are fused into one tensor). kiln asks transformers for that mapping instead
+# of keeping a copy of it. It is not public API (PEFT uses get_model_conversion_mapping too):
+# these three functions are the only place kiln reaches into it, and
+# tests/models/test_hf_loading.py::test_transformers_mapping_is_what_kiln_reads fails loudly
+# where it changes.
 
 
-def stored_names(key: str) -> list[str]:
-    """The names the model's tensor ``key`` may have in a checkpoint: its own, then older ones."""
-    return [key] + [key.replace(new, old, 1) for new, old in RENAMED_MODULES if new in key]
+def _transforms(hf: nn.Module) -> tuple[list[Any], list[Any]]:
+    """The renamings and the converters transformers applies when it loads ``hf``."""
+    from transformers.conversion_mapping import get_model_conversion_mapping
+    from transformers.core_model_loading import WeightConverter
+
+    transforms = get_model_conversion_mapping(cast(Any, hf))
+    converters = [t for t in transforms if isinstance(t, WeightConverter)]
+    return [t for t in transforms if not isinstance(t, WeightConverter)], converters
 
 
-def expert_parts(key: str, experts: int, stored: Mapping[str, Any]) -> list[list[str]] | None:
-    """The stored per-expert tensors whose rows make up the fused experts tensor ``key`` (for each
-    of its ``experts``, in order), or None if ``key`` is not one or ``stored`` lacks them."""
-    module, _, leaf = key.rpartition(".")
-    for prefix in stored_names(module) if module.endswith(".experts") else []:
-        for weights in FUSED_EXPERTS.get(leaf, ()):
-            parts = [[f"{prefix}.{e}.{w}.weight" for w in weights] for e in range(experts)]
-            if all(k in stored for expert in parts for k in expert):
-                return parts
-    return None
+def _model_name(key: str, transforms: tuple[list[Any], list[Any]], prefix: str | None, present: dict[str, bool]):
+    """The name transformers' loader gives stored tensor ``key`` in a model whose tensors are
+    ``present``, and the source pattern of the converter it goes through (None: renamed only)."""
+    from transformers.core_model_loading import rename_source_key
+
+    renames, converters = transforms
+    name, pattern = rename_source_key(key, renames, converters, prefix, present)
+    if name not in present and key in present:  # as the loader does: a name its renames spoil is kept
+        name, pattern = rename_source_key(key, [], [], prefix, present)
+    return name, pattern
+
+
+def _convert(converter: Any, layer: str, parts: dict[str, list[torch.Tensor]], hf: nn.Module) -> dict[str, Any]:
+    """The model's tensors ``converter`` makes of the stored ``parts`` (by source pattern, each
+    list in the loader's order), named in full after ``layer``, the model's name of its first."""
+    tensors: dict[str, Any] = dict(parts)
+    for op in converter.operations:
+        tensors = op.convert(
+            tensors,
+            source_patterns=converter.source_patterns,
+            target_patterns=converter.target_patterns,
+            full_layer_name=layer,
+            model=hf,
+            config=getattr(hf, "config", None),
+        )
+    anchor = next(target for target in tensors if target in layer)
+    before, _, after = layer.partition(anchor)
+    return {before + target + after: _one(value) for target, value in tensors.items()}
+
+
+def _one(value: Any) -> torch.Tensor:
+    return value[0] if isinstance(value, list) else value
+
+
+# -------------------------------------------------------------------------------------------------
+
+
+def _natural(key: str) -> list[tuple[int, int, str]]:
+    """A sort key that orders ``experts.10`` after ``experts.9``: the order in which transformers
+    hands a converter its tensors."""
+    return [(0, int(part), "") if part.isdigit() else (1, 0, part) for part in key.split(".")]
+
+
+@dataclass
+class Conversion:
+    """Stored tensors that become model tensors together (one layer's experts, stored one by one,
+    fused into one tensor): the converter, the model's name of its first output, the stored names
+    by source pattern, and the shape of each model tensor it makes."""
+
+    converter: Any
+    layer: str
+    parts: dict[str, list[str]]
+    shapes: dict[str, tuple[int, ...]] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class LoadReport:
+    """What a model's files gave it: how many of its tensors were read from how many files, which
+    were initialised (new by design: a classifier's head; or missing, allowed by the user), and the
+    files' tensors it does not use."""
+
+    loaded: int
+    files: int
+    new: tuple[str, ...]
+    missing: tuple[str, ...]
+    unused: tuple[str, ...]
+
+    def lines(self) -> list[str]:
+        said = f"weights: load {_count(self.loaded, 'tensor')} from {_count(self.files, 'file')}"
+        if self.new:
+            said += f", initialise {len(self.new)} (classifier head: {_first(self.new)})"
+        out = [said]
+        if self.missing:
+            out.append(
+                f"weights: initialise {_count(len(self.missing), 'tensor')} the files lack (model.allow_missing): "
+                f"{_first(self.missing)}"
+            )
+        if self.unused:
+            out.append(
+                f"weights: the model does not use {_count(len(self.unused), 'tensor')} of the files: "
+                f"{_first(self.unused)}"
+            )
+        return out
+
+
+def _count(n: int, what: str) -> str:
+    return f"{n} {what}" if n == 1 else f"{n} {what}s"
+
+
+def _first(names: tuple[str, ...], shown: int = 4) -> str:
+    more = f", ... ({len(names) - shown} more)" if len(names) > shown else ""
+    return ", ".join(names[:shown]) + more
+
+
+def is_head(key: str, base_prefix: str) -> bool:
+    """Whether a classifier's tensor ``key`` belongs to its head, which is new when the files have
+    none (a base model's save) or another label count: what lies outside its base model, and the
+    pooler, which only the head reads (a masked-LM save has none)."""
+    outside = bool(base_prefix) and not key.startswith(f"{base_prefix}.")
+    return outside or ".pooler." in f".{key}"
 
 
 class Pretrained(Values):
     """A Hugging Face model's starting values, read tensor by tensor from its safetensors files,
     so that a rank reads only the tensors of what it holds and keeps only its slices of them.
 
-    Names: the model's own under kiln's wrapper (``hf.``) and PEFT's (``base_model.model.``).
-    Buffers keep the values the model's constructor computed (it was built with its parameters on
-    ``meta``). ``missing``: the model's parameters the files lack. With ``new_head`` (a
-    classifier: its head is new when its labels differ), those and the ones the files hold in
-    another shape start as ``transformers`` starts them (``init_module``: the model's own
-    initialisation of one module), seeded by their name, and are listed in ``new``; otherwise a
-    shape that differs is a ConfigError naming the file and tensor."""
+    Every tensor is accounted for. The files' names are mapped onto the model's as transformers
+    maps them (``_model_name``; converted tensors, such as experts stored one by one, converted
+    as it converts them). Each parameter then comes from the files, or is new by design (with
+    ``classifier``: its head, when the files have none or one of another shape, starts as
+    ``transformers`` starts it, seeded by its name); anything else the files lack is a
+    ConfigError naming the file and the first tensors missing, unless ``allow_missing`` (then
+    initialised as a new head is, and listed). A stored tensor of another shape than the model's
+    (outside a classifier's head) is a ConfigError. ``report`` says what was loaded, initialised
+    and left unused. Buffers keep the values the model's constructor computed (it was built with
+    its parameters on ``meta``), unless the model saves them and the files hold them.
+
+    Names: the model's own under kiln's wrapper (``hf.``) and PEFT's (``base_model.model.``)."""
 
     verb = "loading"
+    part = "load"
 
     def __init__(
         self,
         model: nn.Module,
         directory: Path,
         seed: int,
-        init_module: Callable[[nn.Module], None],
+        hf: nn.Module,
         *,
-        new_head: bool,
+        classifier: bool,
+        allow_missing: bool = False,
     ):
         super().__init__(model, seed)
-        self.init_module = init_module
+        self.hf, self.directory = hf, directory
         self.stored = weight_shapes(directory)
-        # Allocating the model gives it new buffers: these, the constructor's, stay as they were.
+        # Allocating the model gives it new buffers: these, the constructor's, stay as they were
+        # (unless the files hold one the model saves).
         self.buffers = {name: b.detach() for name, b in model.named_buffers() if not b.is_meta}
-        params = {self.key(name): p for name, p in model.named_parameters() if lora_kind(name) is None}
-        # Each parameter's stored tensor, or those of each expert of fused experts.
-        self.sources: dict[str, str | list[list[str]]] = {}
-        for key, param in params.items():
-            found = next((name for name in stored_names(key) if name in self.stored), None)
-            if source := found or expert_parts(key, param.shape[0], self.stored):
-                self.sources[key] = source
-        shapes = {key: self._stored_shape(parts) for key, parts in self.sources.items()}
-        self.missing = sorted(params.keys() - shapes.keys())
-        reshaped = sorted(k for k in params.keys() & shapes.keys() if shapes[k] != tuple(params[k].shape))
-        if reshaped and not new_head:
-            key = reshaped[0]
-            source = self.sources[key]
-            file = self.stored[source if isinstance(source, str) else source[0][0]][0]
+        # The loader's names: a tied parameter's both, the buffers the model saves.
+        saved = {self.key(name) for name in cast(Any, hf).state_dict()}
+        shapes: dict[str, tuple[int, ...]] = {}  # each tensor the files may fill, by its name in transformers' model
+        for name, tensor in [*model.named_parameters(), *model.named_buffers()]:
+            key = self.key(self.names.get(name, name))
+            if lora_kind(name) is None and (isinstance(tensor, nn.Parameter) or key in saved):
+                shapes[key] = tuple(tensor.shape)
+        params = {self.key(name) for name, _ in model.named_parameters() if lora_kind(name) is None}
+        self.sources: dict[str, str | Conversion] = {}
+        unused = self._map(saved, shapes)
+        found = {key: self._stored_shape(source, key) for key, source in self.sources.items()}
+        base = getattr(hf, "base_model_prefix", "") if getattr(hf, "base_model", hf) is not hf else ""
+        head = {k for k in params if is_head(k, base)} if classifier else set()
+        reshaped = sorted(k for k in found if found[k] != shapes[k])
+        if bad := [k for k in reshaped if k not in head]:
+            key, file = bad[0], self.file_of(bad[0])
             raise ConfigError(
                 [
-                    f"model.source: {file}: tensor {key} has shape {list(shapes[key])}, but the model its config.json "
-                    f"describes has {list(params[key].shape)}"
+                    f"model.source: {file}: tensor {self._stored_name(key)} has shape {list(found[key])}, but the "
+                    f"model its config.json describes has {list(shapes[key])} ({key})"
                 ]
             )
-        self.new = sorted(set(self.missing) | set(reshaped)) if new_head else []
+        lacking = sorted(k for k in params if k not in found)
+        missing = [k for k in lacking if k not in head]
+        if missing and not allow_missing:
+            raise ConfigError(
+                [
+                    f"model.source: {self.weights_file()} lacks {len(missing)} of the model's tensors "
+                    f"({_first(tuple(missing))}): it would start from random values; check model.task and the "
+                    "directory, or set model.allow_missing=true to initialise them"
+                ]
+            )
+        for key in reshaped:
+            del self.sources[key]
+        self.new = sorted((set(lacking) | set(reshaped)) - set(missing))
+        self.missing = missing
+        self.report = LoadReport(
+            loaded=len(params) - len(self.new) - len(missing),
+            files=len({file for file, _ in self.stored.values()}),
+            new=tuple(self.new),
+            missing=tuple(missing),
+            unused=tuple(sorted(unused)),
+        )
+        self._converted: dict[str, torch.Tensor] = {}
+
+    def _map(self, saved: set[str], shapes: Mapping[str, tuple[int, ...]]) -> list[str]:
+        """Fill ``sources`` (each model tensor's stored tensor or conversion) from the stored names,
+        as transformers maps them; return the stored tensors that map to nothing of the model."""
+        hf = self.hf
+        transforms = _transforms(hf)
+        present = dict.fromkeys(saved | shapes.keys(), True)
+        prefix = getattr(hf, "base_model_prefix", "") or None
+        ignored = getattr(hf, "_keys_to_ignore_on_load_unexpected", None) or ()
+        # Buffers the files hold but the model computes (position ids, rotary tables) are not unused.
+        buffers = {self.key(name) for name, _ in self.model.named_buffers()}
+        buffers |= {f"{prefix}.{name}" for name in buffers} if prefix else set()
+        aliases = {self.key(name): self.key(first) for name, first in self.names.items()}
+        conversions: dict[str, Conversion] = {}
+        unused = []
+        for stored in sorted(self.stored, key=_natural):
+            name, pattern = _model_name(stored, transforms, prefix, present)
+            target = aliases.get(name, name)
+            if target not in shapes:
+                if (
+                    name not in buffers
+                    and f"{prefix}.{name}" not in buffers
+                    and not any(re.search(p, name) for p in ignored)
+                ):
+                    unused.append(stored)
+                continue
+            if pattern is None:
+                self.sources.setdefault(target, stored)
+                continue
+            converter = next(c for c in transforms[1] if pattern in c.source_patterns)
+            group = conversions.setdefault(target, Conversion(converter, target, {}))
+            group.parts.setdefault(pattern, []).append(stored)
+        for group in conversions.values():
+            meta = {p: [torch.empty(self.stored[k][1], device="meta") for k in keys] for p, keys in group.parts.items()}
+            group.shapes = {k: tuple(v.shape) for k, v in _convert(group.converter, group.layer, meta, hf).items()}
+            for key in group.shapes:
+                self.sources[aliases.get(key, key)] = group
+        return unused
+
+    def describe(self) -> list[str]:
+        return self.report.lines()
 
     @staticmethod
     def key(name: str) -> str:
         """The checkpoint's name of the model's tensor ``name``."""
         return plain_name(name).removeprefix("hf.").removeprefix("base_model.model.")
 
-    def base_value(self, name: str, key: str, like: torch.Tensor) -> torch.Tensor:
-        if name in self.buffers:
-            return self.buffers[name]
-        key = self.key(name)
-        if key in self.new or key not in self.sources:
-            return self._initialised(name, key)
+    def weights_file(self) -> Path:
+        """The directory's weights file, or its index."""
+        index = self.directory / "model.safetensors.index.json"
+        return index if index.is_file() else self.directory / "model.safetensors"
+
+    def file_of(self, key: str) -> Path:
+        """The file that holds model tensor ``key`` (the first of a conversion's)."""
+        return self.stored[self._stored_name(key)][0]
+
+    def _stored_name(self, key: str) -> str:
         source = self.sources[key]
-        if isinstance(source, str):
-            return self._read(source)
-        return torch.stack([torch.cat([self._read(k) for k in expert]) for expert in source])
+        return source if isinstance(source, str) else next(iter(source.parts.values()))[0]
 
-    def _read(self, name: str) -> torch.Tensor:
-        return read_tensor(self.stored[name][0], name)
+    def _stored_shape(self, source: str | Conversion, key: str) -> tuple[int, ...]:
+        return self.stored[source][1] if isinstance(source, str) else source.shapes[key]
 
-    def _stored_shape(self, source: str | list[list[str]]) -> tuple[int, ...]:
-        """The shape of the tensor read from ``source``: a stored one's, or fused experts' [experts,
-        their rows, columns]."""
+    def base_value(self, name: str, key: str, like: torch.Tensor) -> torch.Tensor:
+        key = self.key(name)
+        source = self.sources.get(key)
+        if source is None:
+            return self.buffers[name] if name in self.buffers else self._initialised(name, key)
         if isinstance(source, str):
-            return self.stored[source][1]
-        first = [self.stored[k][1] for k in source[0]]
-        return (len(source), sum(shape[0] for shape in first), *first[0][1:])
+            return read_tensor(self.stored[source][0], source)
+        if key not in self._converted:
+            parts = {p: [read_tensor(self.stored[k][0], k) for k in keys] for p, keys in source.parts.items()}
+            # A conversion that makes several tensors (a fused projection split) is read once for all of them.
+            self._converted = _convert(source.converter, source.layer, parts, self.hf)
+        return self._converted.pop(key)
 
     def _initialised(self, name: str, key: str) -> torch.Tensor:
         """``transformers``' initialisation of the module holding ``name``, on a copy of it alone."""
@@ -255,5 +434,5 @@ class Pretrained(Values):
         if self.seed is not None:
             torch.manual_seed(tensor_seed(self.seed, key))
         with torch.no_grad():
-            self.init_module(owner)
+            cast(Any, self.hf)._init_weights(owner)
         return getattr(owner, leaf).detach()

@@ -18,7 +18,7 @@ from torch import nn
 
 from kiln.config import Config, ConfigError
 from kiln.data.corpus import find_files
-from kiln.data.finetune import FineTuneData, prepare_eval, prepare_finetune
+from kiln.data.finetune import FineTuneData, prepare_eval, prepare_finetune, truncation
 from kiln.data.records import RECORD_EXTENSIONS
 from kiln.distributed.world import World
 from kiln.io import write_atomic
@@ -87,11 +87,10 @@ class FineTuneJob(Job):
         return evaluate(self.family, model, self.data, ctx.micro_batch_size, ctx.device)
 
     def describe(self, model: nn.Module) -> list[str]:
-        m, cfg = self.data.manifest, self.cfg
+        m = self.data.manifest
         parts = [f"{m['records']['train']:,} train / {m['records']['val']:,} val records ({m['split']})"]
-        cut = m["truncated"]
-        if cut["train"] or cut["val"]:
-            parts.append(f"{cut['train']:,} train / {cut['val']:,} val truncated to data.seq_len={cfg.data.seq_len}")
+        if cut := truncation(m):
+            parts.append(cut)
         if m.get("packing"):
             parts.append(f"packed into {m['packing']['rows']:,} rows, {m['packing']['fill']:.0%} full")
         if self.data.labels:

@@ -11,6 +11,7 @@ from typing import Any
 from torch import nn
 
 from kiln.config import ConfigError
+from kiln.data.finetune import truncation
 from kiln.data.preference import PreferenceData, prepare_preference
 from kiln.distributed.world import World
 from kiln.train.jobs.base import EvalContext, LoadedRun
@@ -85,6 +86,8 @@ class PreferenceJob(FineTuneJob):
     def describe(self, model: nn.Module) -> list[str]:
         m, cfg = self.pairs.manifest, self.cfg
         parts = [f"{m['records']['train']:,} train / {m['records']['val']:,} val pairs ({m['split']})"]
+        if cut := truncation(m):
+            parts.append(cut)
         reference = {AdaptersOff: "the model with its adapters off", Precomputed: "the initial model, precomputed"}
         ref = self.objective.reference
         said = f", reference: {reference[type(ref)]}" if ref is not None else ""
