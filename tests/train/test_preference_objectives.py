@@ -336,6 +336,17 @@ def test_a_dpo_run_logs_trl_metric_names_and_kiln_eval_scores_it(tmp_path, pairs
     assert "rewards/margins" in events.Tags()["scalars"]
 
 
+def test_pairs_cut_to_the_sequence_length_are_counted_and_said(tmp_path, pairs, hf_llama, capsys):
+    """As SFT rows: a pair whose prompt and answer pass data.seq_len keeps its start, and the
+    console says how many of each split were cut (a run whose every pair is cut says so)."""
+    run = tmp_path / "run"
+    capsys.readouterr()
+    assert main(["train", *sets(pref_sets(run, pairs, hf_llama, data__seq_len=20, train__max_steps=1))]) == 0
+    cut = json.loads((run / "data.json").read_text())["truncated"]
+    assert cut["train"] > 0
+    assert f"{cut['train']:,} train / {cut['val']:,} val truncated to data.seq_len=20" in capsys.readouterr().out
+
+
 @pytest.mark.parametrize(
     ("extra", "message"),
     [

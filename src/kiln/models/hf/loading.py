@@ -350,6 +350,11 @@ class Pretrained(Values):
             unused=tuple(sorted(unused)),
         )
         self._converted: dict[str, torch.Tensor] = {}
+        # The modules whose tensors start as transformers starts them, copied while still plain (the
+        # layout then shards the model in place): their initialisation runs on a copy of them alone.
+        initialised = set(self.new) | set(missing)
+        owners = {name.rpartition(".")[0] for name, _ in model.named_parameters() if self.key(name) in initialised}
+        self._owners = {name: copy.deepcopy(model.get_submodule(name)) for name in owners}
 
     def _map(self, saved: set[str], shapes: Mapping[str, tuple[int, ...]]) -> list[str]:
         """Fill ``sources`` (each model tensor's stored tensor or conversion) from the stored names,
@@ -429,7 +434,7 @@ class Pretrained(Values):
     def _initialised(self, name: str, key: str) -> torch.Tensor:
         """``transformers``' initialisation of the module holding ``name``, on a copy of it alone."""
         owner_name, _, leaf = name.rpartition(".")
-        owner = copy.deepcopy(self.model.get_submodule(owner_name))
+        owner = copy.deepcopy(self._owners[owner_name])
         owner.to_empty(device="cpu")
         if self.seed is not None:
             torch.manual_seed(tensor_seed(self.seed, key))
