@@ -301,3 +301,13 @@ def test_a_tokenizer_without_end_or_padding_tokens_still_trains(tmp_path, sft, c
     model = _without_end_of_text(tmp_path / "llama", "llama")
     out = _train(tmp_path, model, sft, capsys, "--set", "train.micro_batch_size=2", code=0)
     assert "step 1/1" in out
+
+
+def test_a_directory_of_quantized_weights_is_refused_in_one_line(tmp_path, hf_llama, sft, capsys):
+    """Pre-quantized checkpoints (fp8, GPTQ, bitsandbytes: quantization_config in config.json) store
+    scales beside integer weights; kiln reads none of that, and says so before anything runs."""
+    model = _copy(hf_llama, tmp_path)
+    config = json.loads((model / "config.json").read_text())
+    (model / "config.json").write_text(json.dumps({**config, "quantization_config": {"quant_method": "fp8"}}))
+    err = _train(tmp_path, model, sft, capsys)
+    assert "describes quantized weights (quantization_config: fp8)" in err and "config.json" in err

@@ -96,6 +96,15 @@ def read_config(path: Path) -> dict[str, Any]:
                 "trust_remote_code); kiln never runs code from a model directory"
             ]
         )
+    if quantized := config.get("quantization_config"):
+        method = quantized.get("quant_method", "?") if isinstance(quantized, dict) else "?"
+        raise ConfigError(
+            [
+                f"model.source: {path / 'config.json'} describes quantized weights (quantization_config: {method}); "
+                "kiln fine-tunes from unquantized ones (fp32, bf16, fp16): use the model's unquantized "
+                "directory, with lora.quantize_base=nf4 for a 4-bit base"
+            ]
+        )
     model_type = config.get("model_type")
     transformers = transformers_module()
     if model_type not in transformers.CONFIG_MAPPING:
@@ -389,7 +398,18 @@ class Pretrained(Values):
             group.parts.setdefault(pattern, []).append(stored)
         for group in conversions.values():
             meta = {p: [torch.empty(self.stored[k][1], device="meta") for k in keys] for p, keys in group.parts.items()}
-            group.shapes = {k: tuple(v.shape) for k, v in _convert(group.converter, group.layer, meta, hf).items()}
+            try:  # on meta tensors: the shapes it makes, before any is read
+                converted = _convert(group.converter, group.layer, meta, hf)
+            except Exception as e:  # an operation kiln cannot run outside transformers' own loader
+                first = next(iter(group.parts.values()))[0]
+                raise ConfigError(
+                    [
+                        f"model.source: {self.stored[first][0]}: transformers converts {first} and the tensors "
+                        f"stored with it into {group.layer}, which kiln cannot do tensor by tensor "
+                        f"({type(e).__name__}: {str(e).splitlines()[0][:200]})"
+                    ]
+                ) from None
+            group.shapes = {k: tuple(v.shape) for k, v in converted.items()}
             for key in group.shapes:
                 self.sources[aliases.get(key, key)] = group
         return unused
