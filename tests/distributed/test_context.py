@@ -32,7 +32,7 @@ def _split_sequences(rank: int, init: str) -> None:
         cfg = GPTConfig(**shape, tie_embeddings=True)
         whole = GPT(cfg)
         split = copy.deepcopy(whole)
-        apply_cp(split, [b.attn for b in split.blocks], init_device_mesh("cpu", (2,), mesh_dim_names=("cp",))["cp"])
+        apply_cp(split, list(split.blocks), "attn.core", init_device_mesh("cpu", (2,), mesh_dim_names=("cp",))["cp"])
         idx = torch.randint(0, 64, (3, 16))
         targets = torch.randint(0, 64, (3, 16))
         targets[0, :10] = -100  # rank 0's head chunk and half of rank 1's hold no counted tokens of row 0

@@ -629,6 +629,11 @@ class ParallelConfig:
     ZeRO-3) or fsdp_grad_op (as fsdp, but parameters stay gathered from forward to backward, like
     ZeRO-2: less communication, more memory). Ignored in a single process unless
     parallel.cpu_offload is on."""
+    dp_replicate: int = 1
+    """HSDP: with fsdp or fsdp_grad_op, the data-parallel ranks form this many replicas, each
+    sharding the model over its own ranks (FSDP within a node, replicas across nodes: gathers
+    stay on the fast links, and only gradients cross between replicas). It must divide the
+    data-parallel ranks (over parallel.cp); 1 is plain FSDP over every data-parallel rank."""
     tp: int = 1
     """Tensor-parallel degree: each block's attention and MLP are split over this many ranks
     (a divisor of the world size; the rest of the world is data-parallel). Needs fsdp or
@@ -680,6 +685,12 @@ class ParallelConfig:
     def errors(self) -> list[str]:
         errors = _failed(
             (self.tp >= 1, f"parallel.tp: must be >= 1, got {self.tp}"),
+            (self.dp_replicate >= 1, f"parallel.dp_replicate: must be >= 1, got {self.dp_replicate}"),
+            (
+                self.dp_replicate == 1 or self.strategy != "ddp",
+                "parallel.dp_replicate: replicas of FSDP's shards (HSDP) need parallel.strategy fsdp or "
+                "fsdp_grad_op; under ddp every data-parallel rank is a replica already",
+            ),
             (self.bucket_mb >= 1, f"parallel.bucket_mb: must be >= 1, got {self.bucket_mb}"),
             (self.pp >= 1, f"parallel.pp: must be >= 1, got {self.pp}"),
             (self.ep >= 1, f"parallel.ep: must be >= 1, got {self.ep}"),

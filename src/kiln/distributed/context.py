@@ -1,20 +1,21 @@
-"""Context parallelism: each sequence split over the "cp" ranks of the context mesh, which hold
+"""Context parallelism: each sequence split over the "cp" ranks of the world's mesh, which hold
 the same batch and share its sequences' attention.
 
 A sequence of T tokens is cut into 2 x cp chunks of T / (2 cp); rank r holds chunk r and chunk
 2 cp - 1 - r. Under causal attention a chunk's cost grows with its place in the sequence, so the
 pair costs every rank the same (the load balancing of Megatron's and PyTorch's context
-parallelism). Two modules of the model take part, named by its family's plan:
+parallelism). Two places of the model take part, named by its family's plan:
 
-- the model itself: its class becomes a subclass whose forward takes the whole batch, runs the
-  plain forward on this rank's chunks at their own positions (``positions=``), and returns the
-  whole sequences' mean loss, the same on every rank of the group (or, without targets, the
-  whole sequences' logits);
-- each block's attention: its ``attend`` gathers the keys and values of every rank of the group
-  (one all-gather per layer, whose backward reduce-scatters their gradients) and runs each of
-  its two chunks' queries over the keys up to the chunk's end, causally aligned at the end (the
-  all-gather variant of ring attention, as Llama 3 trained long context: with grouped-query
-  attention the keys and values are the smaller half of the traffic).
+- the model itself: hooks around its forward give it this rank's chunks of the batch's tokens
+  and targets at their own positions (``positions=``), and turn what it returns into the whole
+  sequences' mean loss, the same on every rank of the group (or, without targets, the whole
+  sequences' logits);
+- each block's attention core (a module without parameters) is replaced by one that gathers the
+  keys and values of every rank of the group (one all-gather per layer, whose backward
+  reduce-scatters their gradients) and runs each of its two chunks' queries over the keys up to
+  the chunk's end, causally aligned at the end (the all-gather variant of ring attention, as
+  Llama 3 trained long context: with grouped-query attention the keys and values are the
+  smaller half of the traffic).
 
 Decoding (a kv cache) runs the plain forward on every rank: generation is not split.
 
@@ -26,6 +27,7 @@ gives the gradient of the sequence's loss.
 
 from __future__ import annotations
 
+import inspect
 from typing import Any
 
 import torch
@@ -104,64 +106,82 @@ def gather_sequence(x: torch.Tensor, dim: int, group: Any, cp: int) -> torch.Ten
     return stacked[held.argsort()].movedim(0, dim)
 
 
-class ContextParallelAttention:
-    """The ``attend`` of an attention module whose queries are this rank's two chunks (mixed
-    into its class)."""
+class ContextParallelAttend(nn.Module):
+    """An attention core (``inner``) whose queries are this rank's two chunks of each sequence,
+    over the keys and values of the whole sequence, gathered from the group."""
 
-    _cp_group: Any
-    _cp: int
-    _cp_rank: int
+    def __init__(self, inner: nn.Module, group: Any, cp: int, rank: int):
+        super().__init__()
+        self.inner, self.group, self.cp, self.rank = inner, group, cp, rank
 
-    def attend(self, q, k, v, mask=None, causal=True):
+    def forward(self, q, k, v, mask=None, causal=True):
         if mask is not None or not causal:  # decoding over a kv cache: not split
-            return super().attend(q, k, v, mask, causal)  # type: ignore[misc]
+            return self.inner(q, k, v, mask, causal)
         from torch.nn.attention.bias import causal_lower_right
 
-        keys = gather_sequence(k, 2, self._cp_group, self._cp)
-        values = gather_sequence(v, 2, self._cp_group, self._cp)
+        keys = gather_sequence(k, 2, self.group, self.cp)
+        values = gather_sequence(v, 2, self.group, self.cp)
         if (group := q.size(1) // k.size(1)) > 1:
             # Repeated for the query heads here, once: the head chunk's keys are a prefix of the
             # tail chunk's, so the two calls share (and autograd saves) one copy.
             keys, values = keys.repeat_interleave(group, dim=1), values.repeat_interleave(group, dim=1)
         length, chunk = keys.size(2), q.size(2) // 2
         outs = []
-        for part, end in ((0, (self._cp_rank + 1) * chunk), (1, length - self._cp_rank * chunk)):
+        for part, end in ((0, (self.rank + 1) * chunk), (1, length - self.rank * chunk)):
             # Query i of a chunk ending at ``end`` sees keys 0..end - chunk + i: a causal mask
             # aligned to the lower right corner, which flash kernels run without a mask tensor.
             queries = q[:, :, part * chunk : (part + 1) * chunk]
             bias = causal_lower_right(chunk, end)
-            outs.append(super().attend(queries, keys[:, :, :end], values[:, :, :end], bias, False))  # type: ignore[misc]
+            outs.append(self.inner(queries, keys[:, :, :end], values[:, :, :end], bias, False))
         return torch.cat(outs, dim=2)
 
 
-class ContextParallelModel:
-    """The forward of a model whose sequences are split over the "cp" ranks (mixed into its class)."""
+class _SplitSequences:
+    """The hooks around a model's forward that give it this rank's chunks and make its result the
+    whole sequences' (one forward's targets kept from the first for the second; activation
+    checkpointing does not recompute the model's own forward)."""
 
-    _cp_group: Any
-    _cp: int
-    _cp_rank: int
+    def __init__(self, model: nn.Module, group: Any, cp: int, rank: int):
+        self.signature = inspect.signature(model.forward)
+        self.group, self.cp, self.rank = group, cp, rank
+        self.pending: list[tuple[torch.Tensor | None, torch.Tensor] | None] = []
 
-    def forward(self, idx, targets=None, kv_cache=None, start_pos=0):
-        if kv_cache is not None:  # decoding: every rank runs the whole sequence
-            return super().forward(idx, targets, kv_cache, start_pos)  # type: ignore[misc]
-        held = local_positions(idx.size(1), self._cp, self._cp_rank, idx.device)
+    def before(self, module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        bound = self.signature.bind(*args, **kwargs)
+        given = bound.arguments
+        if given.get("kv_cache") is not None:  # decoding: every rank runs the whole sequence
+            self.pending.append(None)
+            return args, kwargs
+        idx, targets = given["idx"], given.get("targets")
+        held = local_positions(idx.size(1), self.cp, self.rank, idx.device)
+        given["idx"], given["positions"] = idx[:, held], held
+        if targets is not None:
+            given["targets"] = targets[:, held]
+        self.pending.append((targets, held))
+        return bound.args, bound.kwargs
+
+    def after(self, module: nn.Module, args: tuple, kwargs: dict, out: torch.Tensor) -> torch.Tensor:
+        split = self.pending.pop()
+        if split is None:
+            return out
+        targets, held = split
         if targets is None:
-            logits = super().forward(idx[:, held], positions=held)  # type: ignore[misc]
-            return gather_sequence(logits, 1, self._cp_group, self._cp)
-        mine = targets[:, held]
-        loss = super().forward(idx[:, held], mine, positions=held)  # type: ignore[misc]
+            return gather_sequence(out, 1, self.group, self.cp)
         # This rank's share of the sequences' mean loss: its mean over its counted tokens, weighed
         # by its part of them (a chunk can hold fewer, e.g. past a completion's end).
-        share = (mine != IGNORE_INDEX).sum() / (targets != IGNORE_INDEX).sum().clamp(min=1)
-        return _SumOverGroup.apply(loss * share, self._cp_group, self._cp)
+        share = (targets[:, held] != IGNORE_INDEX).sum() / (targets != IGNORE_INDEX).sum().clamp(min=1)
+        return _SumOverGroup.apply(out * share, self.group, self.cp)
 
 
-def apply_cp(model: nn.Module, attentions: list[nn.Module], cp_mesh: Any) -> None:
+def apply_cp(model: nn.Module, blocks: list[nn.Module], core: str, cp_mesh: Any) -> None:
     """Make ``model`` split its sequences over ``cp_mesh`` (the 1-D mesh of this rank's "cp"
-    ranks), with ``attentions`` (each block's attention module) attending across the chunks (in
-    place)."""
+    ranks): each of ``blocks`` gets a context-parallel attention core in place of its ``core``
+    (a path in the block), and hooks around the model's forward split its inputs (in place)."""
     group, size, rank = cp_mesh.get_group(), cp_mesh.size(), cp_mesh.get_local_rank()
-    for module, mixin in ((model, ContextParallelModel), *((a, ContextParallelAttention) for a in attentions)):
-        cls = type(module)
-        module.__class__ = type(f"ContextParallel{cls.__name__}", (mixin, cls), {})
-        module._cp_group, module._cp, module._cp_rank = group, size, rank
+    owner, _, leaf = core.rpartition(".")
+    for block in blocks:
+        parent = block.get_submodule(owner)
+        setattr(parent, leaf, ContextParallelAttend(getattr(parent, leaf), group, size, rank))
+    split = _SplitSequences(model, group, size, rank)
+    model.register_forward_pre_hook(split.before, with_kwargs=True)
+    model.register_forward_hook(split.after, with_kwargs=True)

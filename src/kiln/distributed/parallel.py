@@ -207,27 +207,27 @@ def shard(
     fsdp_roots: list[nn.Module] | None = None,
 ) -> None:
     """Tensor parallelism over the world's "tp" ranks, then FSDP2 over its data-parallel ranks
-    (over a group of one, to keep the state in CPU memory: ``parallel.cpu_offload``), in place.
+    (HSDP with ``parallel.dp_replicate``: sharded within each replica; over a group of one, to
+    keep the state in CPU memory: ``parallel.cpu_offload``), in place.
     ``fsdp_roots``: the modules FSDP shards as roots, each with its repeated layers (default:
     ``module``)."""
     if world.tp > 1:
         apply_tp(module, plan, world.mesh["tp"])
     experts = plan.block_parts(module, plan.experts) if world.ep > 1 else []
     if experts:
-        apply_ep(experts, world.expert_mesh["ep"])
+        apply_ep(experts, world.mesh["ep"])
     if pcfg.strategy == "ddp" or (world.dp == 1 and not pcfg.cpu_offload):
         return
-    mesh = world.mesh if world.distributed else world.mesh_of_one()
     for root in fsdp_roots or [module]:
         apply_fsdp(
             root,
             plan,
-            mesh["dp"],
+            world.fsdp_mesh(),
             reshard_after_forward=pcfg.strategy == "fsdp",
             bf16=bf16,
             cpu_offload=pcfg.cpu_offload,
             experts=experts,
-            experts_mesh=world.expert_mesh["dp_rep"] if experts else None,
+            experts_mesh=world.fsdp_mesh(experts=True) if experts else None,
         )
 
 
@@ -256,6 +256,7 @@ def apply_fsdp(
     """FSDP2 per repeated layer, then the root (embedding, final norm, output layer) as one more
     unit. A model whose plan names no repeated layers is sharded as one unit.
 
+    ``dp_mesh``: the ranks that share the shards (a 2-D mesh for HSDP: replicas, shards).
     ``experts``: modules split over the expert-parallel ranks (``kiln.distributed.experts``),
     sharded separately, over ``experts_mesh`` (the data-parallel ranks that hold the same
     experts), each a unit of its own; where those are one rank, the other units leave them alone.

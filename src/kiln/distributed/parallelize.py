@@ -39,7 +39,7 @@ def parallelize(
     # Named before the model is cut: a pipeline stage may hold a tied output layer without its table.
     embeddings = embedding_names(model)
     if world.cp > 1:
-        apply_cp(model, plan.block_parts(model, plan.attention), world.context_mesh["cp"])
+        apply_cp(model, plan.repeated_blocks(model), plan.attention, world.mesh["cp"])
     if world.pp > 1:
         return PipelineModel(model, plan, world, pcfg, bf16=bf16, embeddings=embeddings, initial=initial)
     if pcfg.strategy == "ddp" and world.dp > 1:
@@ -80,6 +80,12 @@ def check_layout(plan: ParallelPlan, world: World, pcfg: ParallelConfig, what: s
         errors.append(
             f"parallel.cp: {pcfg.cp} must divide the data-parallel ranks, {world.dp} "
             f"(the world's {world.size} over parallel.pp x parallel.tp = {world.pp} x {world.tp})"
+        )
+    if pcfg.dp_replicate > 1 and world.dp % (pcfg.dp_replicate * pcfg.cp):
+        errors.append(
+            f"parallel.dp_replicate: {pcfg.dp_replicate} replicas must divide the data-parallel ranks, {world.dp} "
+            f"(the world's {world.size} over parallel.pp x parallel.tp = {world.pp} x {world.tp}"
+            + (f", over parallel.cp = {pcfg.cp})" if pcfg.cp > 1 else ")")
         )
     if pcfg.cpu_offload and pcfg.strategy == "ddp":
         errors.append("parallel.cpu_offload: needs parallel.strategy fsdp or fsdp_grad_op")

@@ -129,7 +129,7 @@ class PipelineModel(ParallelModel):
         super().__init__(part, plan, world, embeddings=embeddings, sharded=True)
         self.whole, self.generates = None, False
         self.pp, self.n_stages = pp, n_stages
-        self.group = world.mesh["pp"].get_group()
+        self.group = world.group("pp")
         # This rank's stages: the part itself, or views of it when it holds several.
         stages = (
             {mine[0]: part}
@@ -139,7 +139,7 @@ class PipelineModel(ParallelModel):
         # Data-parallel replicas of a stage average their gradients once the step's micro-batches
         # are all through the pipeline (``_reduce_gradients``): DDP's per-bucket hooks do not
         # survive a schedule that runs backward piece by piece across several calls.
-        self._replicas = world.mesh["dp"].get_group() if pcfg.strategy == "ddp" and world.dp > 1 else None
+        self._replicas = world.group("dp") if pcfg.strategy == "ddp" and world.dp > 1 else None
         if self._replicas is None and len(mine) > 1 and world.dp > 1:
             # Several stages per rank: each is FSDP's root for its own layers, as the schedule
             # runs each one's forward and backward apart.
@@ -217,16 +217,14 @@ class PipelineModel(ParallelModel):
         self._tied = [params[name] for name in names if params[name].requires_grad]
         # The last stage's copy is clipped with the first's norm, not counted twice.
         self.uncounted = self._tied if last and not first else []
-        world, ranks = self.world, dist.get_process_group_ranks(self.group)
+        ranks = dist.get_process_group_ranks(self.group)
         if self.pp == 2:
             self._tied_group = self.group
             return
-        for dp_rank in range(world.dp):
-            for tp_rank in range(world.tp):
-                ends = [(p * world.dp + dp_rank) * world.tp + tp_rank for p in (0, self.pp - 1)]
-                made = dist.new_group(ends)
-                if ends == [ranks[0], ranks[-1]] and (first or last):
-                    self._tied_group = made
+        for ends in self.world.pipeline_ends():
+            made = dist.new_group(list(ends))
+            if list(ends) == [ranks[0], ranks[-1]] and (first or last):
+                self._tied_group = made
 
     @torch.no_grad()
     def _reduce_gradients(self) -> None:

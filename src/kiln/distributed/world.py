@@ -1,12 +1,22 @@
 """The one object that knows the process group: ranks, the device of this rank, the device mesh.
 
 ``kiln train`` under ``torchrun`` (or ``kiln launch``) finds RANK, WORLD_SIZE and LOCAL_RANK in
-the environment and joins the group itself: NCCL on CUDA, gloo on CPU. The world is split into
-``pp x dp x tp`` (pipeline x data-parallel x tensor-parallel, pipeline outermost, so that a
-tensor-parallel group is the closest ranks, on one node) on a 3-D DeviceMesh; expert and context
-parallelism cut the data-parallel dimension in two on a second mesh of the same ranks. Nothing
-else builds a mesh or asks for a rank. In a single process (no torchrun) the world is one rank and no process group
-exists, so everything here is a no-op and nothing distributed is imported. The world's hang watchdog
+the environment and joins the group itself: NCCL on CUDA, gloo on CPU. The world is one
+DeviceMesh over named dimensions, outermost first:
+
+- ``pp``: pipeline stages;
+- ``dp_replicate``: replicas of FSDP's shards (HSDP: FSDP within a group, replicas across groups);
+- ``dp_shard``: the ranks FSDP shards the model over (every data-parallel rank under plain FSDP);
+- ``cp``: context parallelism, the ranks that split one batch's sequences;
+- ``tp``: tensor parallelism, innermost, so that a tensor-parallel group is the closest ranks.
+
+Expert parallelism is a view of the data-parallel ranks: with ``ep`` > 1, ``dp_shard`` is cut in
+two (``dp_shard_out`` x ``dp_shard_in``), and the experts are split over ``dp_shard_in`` x ``cp``
+(``ep`` ranks) and sharded by FSDP over the rest. Every group is a submesh of this mesh, or a
+flattening of some of its dimensions (``dp``: every data-parallel rank; ``dp_shard_cp``: what
+FSDP shards over; ``ep``; ``ep_shard``). Nothing else builds a mesh or computes a rank. In a
+single process (no torchrun) the world is one rank and no process group exists, so everything
+here is a no-op and nothing distributed is imported. The world's hang watchdog
 (``kiln.distributed.watchdog``) starts with the process group and sets its timeouts.
 """
 
@@ -36,22 +46,26 @@ class World:
     size: int = 1
     tp: int = 1
     pp: int = 1
-    device: torch.device = torch.device("cpu")
-    mesh: Any = None  # DeviceMesh with dims ("pp", "dp", "tp") when size > 1
-    ep: int = 1
-    # With ep > 1, the same ranks with the data-parallel dimension cut in two ("pp", "dp_rep",
-    # "ep", "tp"): experts are split over "ep" and sharded by FSDP over "dp_rep".
-    expert_mesh: Any = None
     cp: int = 1
-    # With cp > 1, the same ranks cut as ("pp", "dp_batch", "cp", "tp"): the "cp" ranks split the
-    # sequences of one batch (kiln.distributed.context).
-    context_mesh: Any = None
+    dp_replicate: int = 1
+    ep: int = 1
+    device: torch.device = torch.device("cpu")
+    # The one DeviceMesh (see the module's docstring) when size > 1, or once made for a single
+    # process (``mesh_of_one``).
+    mesh: Any = None
     control_group: Any = None  # a gloo group for host-side agreement
     watchdog: Watchdog = field(default_factory=Watchdog)  # the loop's beats go here
 
     @property
     def dp(self) -> int:
+        """Data-parallel ranks: every rank that holds the same part of the model (replicas,
+        shards and context-parallel ranks alike)."""
         return self.size // (self.tp * self.pp)
+
+    @property
+    def dp_shard(self) -> int:
+        """The data-parallel ranks FSDP shards over within one replica, context parallelism's aside."""
+        return self.dp // (self.dp_replicate * self.cp)
 
     @property
     def dp_rank(self) -> int:
@@ -70,6 +84,25 @@ class World:
     @property
     def pp_rank(self) -> int:
         return self.rank // (self.tp * self.dp)
+
+    def group(self, name: str) -> Any:
+        """The process group of the mesh dimension, or flattened dimensions, ``name`` (see the
+        module's docstring) that this rank belongs to."""
+        return self.mesh[name].get_group()
+
+    def fsdp_mesh(self, experts: bool = False) -> Any:
+        """The mesh FSDP lays shards out on: ``dp_shard_cp``, with ``dp_replicate`` outside it
+        for HSDP (a 2-D mesh: replicated, sharded). ``experts``: that of the experts, split
+        over ``ep`` and sharded over the other data-parallel ranks (``ep_shard``)."""
+        mesh = self.mesh if self.mesh is not None else self.mesh_of_one()
+        shard = "ep_shard" if experts else "dp_shard_cp"
+        return mesh["dp_replicate", shard] if self.dp_replicate > 1 else mesh[shard]
+
+    def pipeline_ends(self) -> list[tuple[int, int]]:
+        """The first and the last pipeline stage's ranks that hold the same place on every other
+        dimension, for each such place (the ranks that hold the two copies of a tied weight)."""
+        grid = self.mesh.mesh
+        return [(int(a), int(b)) for a, b in zip(grid[0].flatten(), grid[-1].flatten(), strict=True)]
 
     @property
     def is_main(self) -> bool:
@@ -141,7 +174,7 @@ class World:
         if self.dp > 1:
             import torch.distributed as dist
 
-            dist.all_reduce(value, group=self.mesh["dp"].get_group())
+            dist.all_reduce(value, group=self.group("dp"))
         return value
 
     def mesh_of_one(self) -> Any:
@@ -150,14 +183,13 @@ class World:
         global _OWN_GROUP
         if self.mesh is None:
             import torch.distributed as dist
-            from torch.distributed.device_mesh import init_device_mesh
 
             if not dist.is_initialized():
                 backend = "nccl" if self.device.type == "cuda" else "gloo"
                 dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
                 _OWN_GROUP = True
                 atexit.register(close_world)
-            self.mesh = init_device_mesh(self.device.type, (1, 1, 1), mesh_dim_names=MESH_DIMS)
+            self.mesh = build_mesh(self.device.type, dict.fromkeys(MESH_DIMS, 1))
         return self.mesh
 
     def each(self, work: Callable[[], T], what: str) -> list[T]:
@@ -224,9 +256,14 @@ class World:
 T = TypeVar("T")
 # How often the ranks in World.each tell each other who is still working.
 HEARTBEAT_S = 2.0
-MESH_DIMS = ("pp", "dp", "tp")
-EXPERT_MESH_DIMS = ("pp", "dp_rep", "ep", "tp")
-CONTEXT_MESH_DIMS = ("pp", "dp_batch", "cp", "tp")
+MESH_DIMS = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
+# The dimensions each flattened view of the mesh joins (those a mesh lacks are left out).
+FLATTENED = {
+    "dp": ("dp_replicate", "dp_shard", "dp_shard_out", "dp_shard_in", "cp"),
+    "dp_shard_cp": ("dp_shard", "dp_shard_out", "dp_shard_in", "cp"),
+    "ep": ("dp_shard_in", "cp"),
+    "ep_shard": ("dp_shard", "dp_shard_out"),
+}
 _WORLD: World | None = None
 _OWN_GROUP = False  # this module started the process group, so it ends it
 
@@ -247,18 +284,56 @@ def mesh_shape(size: int, *, pp: int, tp: int) -> tuple[int, int, int]:
     return pp, size // (pp * tp), tp
 
 
+def mesh_dims(size: int, parallel: ParallelConfig) -> dict[str, int]:
+    """The size of each dimension of the mesh of a world of ``size`` ranks laid out as
+    ``parallel`` says (see the module's docstring). A context-parallel, replica or expert degree
+    that does not divide what it must is left at 1 here: ``parallelize`` refuses the layout,
+    naming the key."""
+    pp, dp, tp = mesh_shape(size, pp=parallel.pp, tp=parallel.tp)
+    cp = parallel.cp if dp % parallel.cp == 0 else 1
+    replicate = parallel.dp_replicate if dp % (parallel.dp_replicate * cp) == 0 else 1
+    shard, ep = dp // (replicate * cp), parallel.ep
+    dims = {"pp": pp, "dp_replicate": replicate}
+    if ep > 1 and ep % cp == 0 and shard % (ep // cp) == 0:
+        dims |= {"dp_shard_out": shard // (ep // cp), "dp_shard_in": ep // cp}
+    else:
+        dims["dp_shard"] = shard
+    return dims | {"cp": cp, "tp": tp}
+
+
+def build_mesh(device_type: str, dims: dict[str, int]) -> Any:
+    """The world's DeviceMesh of ``dims`` (name: size, outermost first), with its flattened views."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh(device_type, tuple(dims.values()), mesh_dim_names=tuple(dims))
+    for name, parts in FLATTENED.items():
+        present = tuple(d for d in parts if d in dims)
+        if name in ("ep", "ep_shard") and "dp_shard_in" not in dims:
+            continue  # no expert parallelism
+        _flatten(mesh, present, name)
+    return mesh
+
+
+def _flatten(mesh: Any, dims: tuple[str, ...], name: str) -> None:
+    """Make ``mesh[dims]`` one dimension, ``mesh[name]`` from then on. PyTorch has no public way
+    to do this: DeviceMesh's ``_flatten`` (torchtitan's ParallelDims uses it too) is the one
+    private call; tests/distributed/test_world.py fails if it changes."""
+    mesh[dims]._flatten(mesh_dim_name=name)
+
+
 def init_world(
     device: str = "auto", parallel: ParallelConfig | None = None, run_dir: str | Path | None = None
 ) -> World:
     """Join the process group described by the torchrun environment (once per process), laid
-    out as ``parallel`` says (its pp and tp degrees; the rest of the world is data-parallel),
-    watched by the hang watchdog with its timeouts (it starts watching with the training loop, and
-    NCCL's own dumps on a timeout go to ``run_dir``, if given)."""
+    out as ``parallel`` says (its pp and tp degrees, its replicas, context- and
+    expert-parallel ranks; the rest of the world is data-parallel), watched by the hang
+    watchdog with its timeouts (it starts watching with the training loop, and NCCL's own dumps
+    on a timeout go to ``run_dir``, if given)."""
     global _WORLD, _OWN_GROUP
     parallel = parallel or ParallelConfig()
-    tp, pp = parallel.tp, parallel.pp
     if _WORLD is not None:
-        for key, degree in (("tp", tp), ("pp", pp)):
+        for key in ("tp", "pp"):
+            degree = getattr(parallel, key)
             if getattr(_WORLD, key) != degree:
                 raise ConfigError(
                     [f"parallel.{key}: this process already runs with {key}={getattr(_WORLD, key)}, not {degree}"]
@@ -267,13 +342,12 @@ def init_world(
     size = int(os.environ.get("WORLD_SIZE", "1")) if in_torchrun() else 1
     rank = int(os.environ.get("RANK", "0")) if in_torchrun() else 0
     local_rank = int(os.environ.get("LOCAL_RANK", "0")) if in_torchrun() else 0
-    shape = mesh_shape(size, pp=pp, tp=tp)
+    dims = mesh_dims(size, parallel)
     dev = resolve_device(device)
     if size == 1:
         _WORLD = World(device=dev)
         return _WORLD
     import torch.distributed as dist
-    from torch.distributed.device_mesh import init_device_mesh
 
     if dev.type == "cuda":
         if local_rank >= torch.cuda.device_count():
@@ -287,31 +361,21 @@ def init_world(
         dist.init_process_group(backend, rank=rank, world_size=size, timeout=watchdog.collective_timeout())
         _OWN_GROUP = True
         atexit.register(close_world)
-    mesh = init_device_mesh(dev.type, shape, mesh_dim_names=MESH_DIMS)
-    expert_mesh = None
-    if parallel.ep > 1 and shape[1] % parallel.ep == 0:  # else parallelize refuses the layout, naming it
-        # The data-parallel rank d is (d // ep, d % ep) here: the rows of both meshes are the same ranks.
-        expert_shape = (pp, shape[1] // parallel.ep, parallel.ep, tp)
-        expert_mesh = init_device_mesh(dev.type, expert_shape, mesh_dim_names=EXPERT_MESH_DIMS)
-    context_mesh = None
-    if parallel.cp > 1 and shape[1] % parallel.cp == 0:  # else parallelize refuses the layout, naming it
-        context_shape = (pp, shape[1] // parallel.cp, parallel.cp, tp)
-        context_mesh = init_device_mesh(dev.type, context_shape, mesh_dim_names=CONTEXT_MESH_DIMS)
+    mesh = build_mesh(dev.type, dims)
     control = dist.new_group(backend="gloo") if dev.type == "cuda" else None
-    groups = [m.get_all_groups() for m in (mesh, expert_mesh, context_mesh) if m is not None]
-    watchdog.watch_groups([None, *(g for some in groups for g in some), control])  # None: the default group
+    flattened = [mesh[name].get_group() for name in FLATTENED if name in ("dp", "dp_shard_cp") or "dp_shard_in" in dims]
+    watchdog.watch_groups([None, *mesh.get_all_groups(), *flattened, control])  # None: the default group
     _WORLD = World(
         rank=rank,
         local_rank=local_rank,
         size=size,
-        tp=tp,
-        pp=pp,
+        tp=dims["tp"],
+        pp=dims["pp"],
+        cp=dims["cp"],
+        dp_replicate=dims["dp_replicate"],
+        ep=parallel.ep if "dp_shard_in" in dims else 1,
         device=dev,
         mesh=mesh,
-        ep=parallel.ep if expert_mesh is not None else 1,
-        expert_mesh=expert_mesh,
-        cp=parallel.cp if context_mesh is not None else 1,
-        context_mesh=context_mesh,
         control_group=control,
         watchdog=watchdog,
     )

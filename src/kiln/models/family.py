@@ -57,9 +57,11 @@ class ParallelPlan:
     ``experts``: where a block holds a mixture of experts' experts (``mlp.experts``; see
     ``kiln.distributed.experts`` for what such a module provides), which expert parallelism
     splits; ``n_experts``: how many each holds (the expert-parallel degree must divide it).
-    ``attention``: where a block holds its attention, a module whose ``attend(q, k, v, mask,
-    causal)`` computes it, in a model whose ``forward`` takes ``positions``: context parallelism
-    needs both (``kiln.distributed.context``).
+    ``attention``: where a block holds its attention's core, a module without parameters whose
+    ``forward(q, k, v, mask, causal)`` computes it (kiln's GPT: ``attn.core``), in a model whose
+    ``forward(idx, targets, ..., positions=...)`` takes the tokens' positions: context
+    parallelism puts its own core in that one's place and splits the model's inputs around its
+    forward (``kiln.distributed.context``).
     """
 
     blocks: str | None = "blocks"

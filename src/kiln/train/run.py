@@ -50,7 +50,15 @@ def write_run_files(run_dir: Path, cfg: Config, world: World, model: nn.Module) 
         "threads": torch.get_num_threads(),
         "parameters": sum(p.numel() for p in model.parameters()),
         "world_size": world.size,
-        "parallel": {"strategy": cfg.parallel.strategy, "pp": world.pp, "dp": world.dp, "tp": world.tp, "cp": world.cp},
+        "parallel": {
+            "strategy": cfg.parallel.strategy,
+            "pp": world.pp,
+            "dp": world.dp,
+            "dp_replicate": world.dp_replicate,
+            "tp": world.tp,
+            "cp": world.cp,
+            "ep": world.ep,
+        },
     }
     (run_dir / "env.json").write_text(json.dumps(env, indent=2))
 

@@ -100,7 +100,7 @@ class GPTFamily(ModelFamily):
             else "",
             experts="mlp.experts" if args.n_experts else "",
             n_experts=args.n_experts,
-            attention="attn",
+            attention="attn.core",
         )
 
     def flops_per_token(self, args: GPTConfig, seq_len: int) -> float:

@@ -103,6 +103,7 @@ class Attention(nn.Module):
         if cfg.qk_norm:  # one gain per head dimension, shared by the heads
             self.q_norm = nn.RMSNorm(cfg.head_dim, eps=cfg.norm_eps)
             self.k_norm = nn.RMSNorm(cfg.head_dim, eps=cfg.norm_eps)
+        self.core = Attend()
 
     def forward(self, x, rope_cos, rope_sin, cache=None, start_pos=0):
         B, T, _ = x.shape  # noqa: N806
@@ -119,13 +120,17 @@ class Attention(nn.Module):
         if cache is not None:
             k, v, mask = _attend_cached(cache, k, v, start_pos)
             causal = False
-        y = self.attend(q, k, v, mask, causal)
+        y = self.core(q, k, v, mask, causal)
         return self.wo(y.transpose(1, 2).reshape(B, T, -1))
 
-    def attend(self, q, k, v, mask=None, causal=True):
-        """Attention of queries q [B, H, T, head_dim] over keys and values [B, H_kv, S, head_dim]:
-        causal (query i sees keys 0..i), or as ``mask`` says (a boolean mask or an attention
-        bias). Context parallelism overrides it to see the keys of the sequence's other chunks."""
+
+class Attend(nn.Module):
+    """Attention of queries q [B, H, T, head_dim] over keys and values [B, H_kv, S, head_dim]:
+    causal (query i sees keys 0..i), or as ``mask`` says (a boolean mask or an attention bias).
+    A module of its own, without parameters, so that a layout can put another in its place
+    (context parallelism's sees the keys of the sequence's other chunks)."""
+
+    def forward(self, q, k, v, mask=None, causal=True):
         k, v = repeat_kv(k, q.size(1)), repeat_kv(v, q.size(1))
         return F.scaled_dot_product_attention(q, k.to(q.dtype), v.to(q.dtype), attn_mask=mask, is_causal=causal)
 
@@ -295,7 +300,7 @@ class GPT(nn.Module):
 
         ``positions`` [T] (without a kv_cache): the tokens' positions, where they are not
         0..T - 1, e.g. a context-parallel rank's chunks of a longer sequence; attention is causal
-        in the order of ``idx`` whatever they are (``Attention.attend`` decides what each sees).
+        in the order of ``idx`` whatever they are (each attention's ``core`` decides what each sees).
 
         A pipeline stage is this model with some modules removed (None): without ``tok_emb`` it
         takes hidden states [B, T, d_model] instead of tokens, without ``norm`` and ``lm_head``

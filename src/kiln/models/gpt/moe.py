@@ -78,16 +78,17 @@ class Experts(nn.Module):
         self.native = True  # False: the loop over experts (benchmarks compare the two)
 
     def forward(self, x: torch.Tensor, ends: torch.Tensor) -> torch.Tensor:
-        """``x`` [N, d_model], rows grouped by expert as ``ends`` says."""
-        return self.compute(x, ends, self.w1, self.w3, self.w2)
-
-    def compute(
-        self, x: torch.Tensor, ends: torch.Tensor, w1: torch.Tensor, w3: torch.Tensor, w2: torch.Tensor
-    ) -> torch.Tensor:
-        """``forward`` with the given weights (in the order the parameters are registered): under
-        expert parallelism, a rank's own experts' (``kiln.distributed.experts``)."""
+        """``x`` [N, d_model], rows grouped by expert as ``ends`` says. Under expert parallelism
+        the weights are split over ranks by their first dimension and the rows are this rank's
+        experts' (``kiln.distributed.experts``): each weight's local part is the one used."""
+        w1, w3, w2 = (_local(w) for w in (self.w1, self.w3, self.w2))
         hidden = F.silu(grouped_mm(x, w1, ends, native=self.native)) * grouped_mm(x, w3, ends, native=self.native)
         return grouped_mm(hidden, w2, ends, native=self.native)
+
+
+def _local(weight: torch.Tensor) -> torch.Tensor:
+    """This rank's part of a weight split over ranks (a DTensor's local tensor), or the weight."""
+    return weight.to_local() if hasattr(weight, "to_local") else weight
 
 
 class MoE(nn.Module):
