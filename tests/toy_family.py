@@ -132,6 +132,13 @@ class MixerMemory(MemoryModel):
         return 4 * ctx.tokens * self.d_model + 4 * self.vocab_size * self.d_model * (1 if accumulating else 0)
 
 
+def _channel_styles(block: nn.Module) -> dict:
+    """A mixer block over tensor-parallel ranks: its channel MLP split Megatron-style."""
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+
+    return {"channel.up": ColwiseParallel(), "channel.down": RowwiseParallel()}
+
+
 class MixerFamily(ModelFamily):
     name = "mixer"
 
@@ -161,7 +168,7 @@ class MixerFamily(ModelFamily):
     def parallel_plan(self, args: MixerArgs) -> ParallelPlan:
         return ParallelPlan(
             blocks="layers",
-            tensor_parallel={"channel.up": "colwise", "channel.down": "rowwise"},
+            tensor_parallel=_channel_styles,
             tp_divisors={"model.d_ff": args.d_ff},
             derived_buffers=True,
         )

@@ -55,7 +55,7 @@ def test_sequences_split_over_two_ranks_with_tensor_parallel_pairs_train_as_one_
     [
         (dict(parallel__cp=2), "parallel.cp: 2 must divide the data-parallel ranks, 1"),
         (dict(parallel__cp=3, data__seq_len=32), "parallel.cp: each sequence is cut into 2 x parallel.cp = 6 equal"),
-        (dict(parallel__cp=2, parallel__ep=2), "parallel.cp: context parallelism does not combine with expert"),
+        (dict(parallel__cp=2, parallel__ep=3), "parallel.ep: with parallel.cp = 2 the experts are split over"),
         (dict(parallel__cp=2, parallel__pp=2), "parallel.cp: context parallelism does not run in a pipeline"),
         (dict(parallel__cp=2, data__packing=True), "data.packing: packed records attend only within each record"),
         (dict(parallel__cp=2, train__micro_batch_size="auto"), "train.micro_batch_size: auto is not probed under"),

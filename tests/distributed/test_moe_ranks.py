@@ -58,6 +58,14 @@ def test_experts_split_over_two_ranks_and_sharded_over_two_more_train_as_one_pro
 
 
 @pytest.mark.slow
+def test_experts_split_over_the_context_parallel_ranks_train_as_one_process(tmp_path, corpus_dir, moe_single):
+    """4 ranks: 2 batches, each sequence over 2 context-parallel ranks, which split the experts too."""
+    run_dir = tmp_path / "cp2ep2"
+    train_on(4, layout_sets(run_dir, corpus_dir, micro=2, parallel__cp=2, **EP))
+    assert_same_training(run_dir, moe_single)
+
+
+@pytest.mark.slow
 def test_an_expert_parallel_checkpoint_exports_one_layer_at_a_time_with_transformers_logits(ep_run, tmp_path):
     """The streamed export of a sharded run checks its logits on a cut of the model that
     transformers loads itself (its experts fused from the files' one tensor each)."""

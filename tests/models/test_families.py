@@ -8,6 +8,7 @@ from kiln.cli import main
 from kiln.config import ConfigError, ModelConfig
 from kiln.models import GPT, GPTConfig, ParallelPlan, build_model, get_family
 from kiln.models.gpt import FAMILY
+from kiln.plan.estimate import tp_split_dim
 
 DIMS = dict(vocab_size=97, n_layer=2, d_model=32, n_head=4, n_kv_head=2, d_ff=64, max_seq_len=16)
 
@@ -47,13 +48,10 @@ def test_gpt_plan_names_its_layers_and_tp_splits():
     plan = FAMILY.parallel_plan(GPTConfig(**DIMS, tie_embeddings=True))
     model = build_model(FAMILY, GPTConfig(**DIMS, tie_embeddings=True), "cpu", 0)
     assert plan.repeated_blocks(model) == list(model.blocks)
-    assert [plan.tp_split_dim(n) for n in ("attn.wq", "attn.wo.weight", "mlp.w1", "mlp.w2", "attn_norm")] == [
-        0,
-        1,
-        0,
-        1,
-        None,
-    ]
+    block, names = model.blocks[0], ("attn.wq.weight", "attn.wo.weight", "mlp.w1.weight", "mlp.w2.weight")
+    assert [tp_split_dim(plan, block, n) for n in (*names, "attn_norm.weight")] == [0, 1, 0, 1, None]
+    assert plan.tp_root is not None and {"tok_emb", "norm", "lm_head"} <= plan.tp_root().keys()
+    assert plan.loss == "head_loss" and plan.sequence_parallel
     plan.check_tensor_parallel(2, "gpt")
     with pytest.raises(ConfigError, match=r"parallel.tp: 4 must divide model.n_kv_head=2"):
         plan.check_tensor_parallel(4, "gpt")
@@ -64,8 +62,6 @@ def test_a_model_without_a_plan_cannot_be_split():
     assert plan.blocks is None and plan.repeated_blocks(torch.nn.Linear(2, 2)) == []
     with pytest.raises(ConfigError, match="parallel.tp: tensor parallelism needs a model family's plan"):
         plan.check_tensor_parallel(2, "Linear")
-    with pytest.raises(ValueError, match="tensor-parallel styles"):
-        ParallelPlan(tensor_parallel={"fc": "diagonal"})
 
 
 @pytest.mark.parametrize(

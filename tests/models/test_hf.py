@@ -53,10 +53,14 @@ def test_a_classifier_gets_its_labels_and_transformers_logits(hf_bert):
 
 
 def test_plan_flops_and_memory_come_from_the_config(hf_llama):
+    from kiln.plan.estimate import tp_split_dim
+
     args = _args(hf_llama)
     plan = FAMILY.parallel_plan(args)
     model = FAMILY.create(args, "cpu", seed=0)
-    assert len(plan.repeated_blocks(model)) == 2 and plan.tp_split_dim("self_attn.o_proj") == 1
+    blocks = plan.repeated_blocks(model)
+    assert len(blocks) == 2 and tp_split_dim(plan, blocks[0], "self_attn.o_proj.weight") == 1
+    assert tp_split_dim(plan, blocks[0], "self_attn.q_proj.weight") == 0
     plan.check_tensor_parallel(2, "llama")
     with pytest.raises(ConfigError, match=r"parallel.tp: 4 must divide num_key_value_heads \(config.json\)=2"):
         plan.check_tensor_parallel(4, "llama")

@@ -45,17 +45,26 @@ def test_a_run_with_qk_norm_exports_as_qwen3_with_the_same_logits(tmp_path, corp
         torch.testing.assert_close(hf(ids).logits, saved.model(ids), rtol=0, atol=1e-5)
 
 
-def test_qk_norm_on_two_fsdp_ranks_trains_as_one_process(tmp_path, corpus_dir):
-    one, two = tmp_path / "one", tmp_path / "two"
-    in_process("train", *layout_sets(one, corpus_dir, micro=4, model__qk_norm="true"))
-    train_on(2, layout_sets(two, corpus_dir, micro=2, model__qk_norm="true", parallel__strategy="fsdp"))
-    assert_same_training(two, one)
+@pytest.fixture(scope="module")
+def qk_one(tmp_path_factory, corpus_dir):
+    """One process with QK-norm: the reference of the layouts below."""
+    run = tmp_path_factory.mktemp("qk") / "one"
+    in_process("train", *layout_sets(run, corpus_dir, micro=4, model__qk_norm="true"))
+    return run
 
 
-def test_qk_norm_with_tensor_parallelism_is_refused(tmp_path, corpus_dir):
-    items = tiny_overrides(tmp_path / "run", corpus_dir, model__qk_norm="true", parallel__tp=2)
-    proc = in_process("train", *sets(items), check=False)
-    assert proc.returncode == 2 and "model.qk_norm: the per-head query and key norms" in proc.stderr
+@pytest.mark.parametrize(
+    "layout",
+    [dict(parallel__strategy="fsdp"), dict(parallel__tp=2)],
+    ids=["fsdp", "tp-sequence-parallel"],
+)
+def test_qk_norm_on_two_ranks_trains_as_one_process(tmp_path, corpus_dir, qk_one, layout):
+    """Under tensor parallelism each rank norms its own heads; the gains, shared by every head,
+    get the sum of every rank's gradient."""
+    two = tmp_path / "two"
+    micro = 2 if "parallel__strategy" in layout else 4
+    train_on(2, layout_sets(two, corpus_dir, micro=micro, model__qk_norm="true", **layout))
+    assert_same_training(two, qk_one)
 
 
 def test_a_mixture_of_experts_with_qk_norm_is_refused_at_export():

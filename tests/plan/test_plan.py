@@ -465,6 +465,8 @@ def test_tokenizer_file_is_not_read_and_the_output_says_so(capsys):
                 "train.global_batch_size=3",
                 "--set",
                 "train.micro_batch_size=1",
+                "--set",
+                "data.seq_len=96",  # 3 ranks' sequence-parallel positions: the heads are what does not divide
             ],
             "parallel.tp: 3 must divide",
         ),

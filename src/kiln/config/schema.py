@@ -659,7 +659,8 @@ class ParallelConfig:
     attention costs each the same) and gather each layer's keys and values from one another. The
     activations of a rank are those of seq_len / cp tokens; the loss is the whole sequence's. It
     must divide the data-parallel ranks, and 2 x cp must divide data.seq_len; kiln's GPT only,
-    without data.packing, parallel.ep or parallel.pp."""
+    without data.packing or parallel.pp. With parallel.ep, the experts are split over the
+    context-parallel ranks and more (ep a multiple of cp)."""
     pp_schedule: Literal["gpipe", "1f1b", "interleaved_1f1b"] = "1f1b"
     """How the pipeline orders its micro-batches: gpipe (all forwards, then all backwards: the
     most activation memory), 1f1b (one forward, one backward: at most pp micro-batches in flight)
@@ -696,9 +697,9 @@ class ParallelConfig:
             (self.ep >= 1, f"parallel.ep: must be >= 1, got {self.ep}"),
             (self.cp >= 1, f"parallel.cp: must be >= 1, got {self.cp}"),
             (
-                self.cp == 1 or self.ep == 1,
-                "parallel.cp: context parallelism does not combine with expert parallelism (parallel.ep) yet; "
-                "set one of them to 1",
+                self.cp == 1 or self.ep == 1 or self.ep % self.cp == 0,
+                f"parallel.ep: with parallel.cp = {self.cp} the experts are split over the context-parallel ranks "
+                f"and, beyond them, over more data-parallel ranks: parallel.ep must be a multiple of {self.cp}",
             ),
             (
                 self.cp == 1 or self.pp == 1,
@@ -1064,9 +1065,12 @@ class Config:
                 "of it (parallel.tp, pp and cp of 1); score this run's checkpoints with kiln eval RUN --tasks",
             ),
             (
-                not (self.model.qk_norm == "true" and self.parallel.tp > 1),
-                "model.qk_norm: the per-head query and key norms are not laid out over tensor-parallel ranks yet "
-                "(their gradients would stay partial); set parallel.tp=1",
+                self.parallel.tp == 1 or bool(self.model.source) or self.data.seq_len % (self.parallel.tp * 2 * cp) == 0
+                if cp > 1
+                else self.parallel.tp == 1 or bool(self.model.source) or self.data.seq_len % self.parallel.tp == 0,
+                f"parallel.tp: sequence parallelism splits the positions of each sequence (of each of its 2 x "
+                f"parallel.cp chunks) over the parallel.tp = {self.parallel.tp} ranks, so {self.parallel.tp} x "
+                f"{2 * cp if cp > 1 else 1} must divide data.seq_len={self.data.seq_len}",
             ),
             (
                 not (self.lora.rank and self.parallel.tp > 1),

@@ -22,6 +22,7 @@ from torch import nn
 from kiln.checkpoint.store import StoredWeights
 from kiln.config import ParallelConfig
 from kiln.distributed.experts import apply_ep
+from kiln.distributed.loss_parallel import VocabParallelCrossEntropy
 from kiln.distributed.world import World
 from kiln.models.family import ParallelPlan
 from kiln.models.init import Values
@@ -232,14 +233,48 @@ def shard(
 
 
 def apply_tp(model: nn.Module, plan: ParallelPlan, tp_mesh) -> None:
-    """Split every repeated layer's projections as the plan says: column-wise ones produce a
-    slice of the features on each rank, row-wise ones take that slice and all-reduce the sum."""
-    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+    """Lay the model out over the tensor-parallel ranks as its family's styles say (in place):
+    the modules outside the repeated layers (``plan.tp_root``), then each layer's
+    (``plan.tensor_parallel``); a tied output layer shares the embedding's split weight again;
+    and the loss, where the output layer's rows are split, is computed on them
+    (``kiln.distributed.loss_parallel``)."""
+    from torch.distributed.tensor.parallel import parallelize_module
 
-    styles = {"colwise": ColwiseParallel, "rowwise": RowwiseParallel}
-    layout = {name: styles[style]() for name, style in plan.tensor_parallel.items()}
+    assert plan.tensor_parallel is not None  # check_layout refuses tensor parallelism without styles
+    tied = _tied_pairs(model)
+    if plan.tp_root is not None:
+        # A pipeline stage holds the embedding, or the output layer, or neither.
+        held = {path: style for path, style in plan.tp_root().items() if _holds(model, path)}
+        parallelize_module(model, tp_mesh, held)
     for block in plan.repeated_blocks(model):
-        parallelize_module(block, tp_mesh, layout)
+        parallelize_module(block, tp_mesh, dict(plan.tensor_parallel(block)))
+    for name, first in tied:
+        owner, _, leaf = name.rpartition(".")
+        setattr(model.get_submodule(owner), leaf, model.get_parameter(first))
+    if plan.loss:
+        owner, _, leaf = plan.loss.rpartition(".")
+        parent = model.get_submodule(owner)
+        softcap = getattr(parent, leaf).softcap
+        loss = VocabParallelCrossEntropy(softcap, tp_mesh, sequence_parallel=plan.sequence_parallel)
+        setattr(parent, leaf, loss)
+
+
+def _holds(model: nn.Module, path: str) -> bool:
+    """Whether ``model`` has the submodule ``path`` (a pipeline stage sets the others' to None)."""
+    try:
+        return model.get_submodule(path) is not None
+    except AttributeError:
+        return False
+
+
+def _tied_pairs(model: nn.Module) -> list[tuple[str, str]]:
+    """Each second name of a parameter the model holds under two (a tied output layer), with its first."""
+    first: dict[int, str] = {}
+    pairs = []
+    for name, param in model.named_parameters(remove_duplicate=False):
+        if first.setdefault(id(param), name) != name:
+            pairs.append((name, first[id(param)]))
+    return pairs
 
 
 def apply_fsdp(

@@ -18,7 +18,7 @@ family; families are for the built-in jobs.
 from __future__ import annotations
 
 import importlib
-from collections.abc import Generator, Mapping
+from collections.abc import Callable, Generator, Mapping
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple, Protocol, cast
 
@@ -30,8 +30,6 @@ from kiln.models.generate import collect
 from kiln.models.init import Initial, Values, keyed
 from kiln.models.lm import evaluate_lm, lm_loss
 
-TP_STYLES = ("colwise", "rowwise")
-
 
 @dataclass(frozen=True)
 class ParallelPlan:
@@ -41,11 +39,16 @@ class ParallelPlan:
     ``blocks``: the attribute holding the repeated layers (an ``nn.ModuleList``): each is an FSDP
     unit and an activation-checkpointing unit; None if the model has none (FSDP then shards it
     as one unit). ``block_type`` instead names the layers by their class, which survives
-    wrappers that move them (PEFT's LoRA, say). ``tensor_parallel``: within a block, each
-    ``nn.Linear`` to split and how:
-    ``colwise`` splits its output features (whole heads, a slice of hidden units), ``rowwise``
-    its input features (the projection back, followed by one all-reduce). ``tp_divisors``: the
-    config keys whose values the tensor-parallel degree must divide, with those values.
+    wrappers that move them (PEFT's LoRA, say). ``tensor_parallel``: how a repeated layer splits
+    over tensor-parallel ranks, as PyTorch's ``ParallelStyle`` objects by module path in the layer
+    (a function of the layer, which builds them when asked: the family's ``parallelize.py``,
+    never the model's code, imports what is distributed); ``tp_root``: those of the modules outside the
+    layers, by path in the model (the embedding, the final norm, the output layer); ``loss``: the
+    model's loss module (``kiln.models.fused_loss.LinearCrossEntropy``, called with the output
+    layer's weight), which tensor parallelism computes on that weight's rows split over the
+    ranks; ``sequence_parallel``: the styles split the activations between layers by position.
+    ``tp_divisors``: the config keys whose values the tensor-parallel degree must divide, with
+    those values.
     ``derived_buffers``: the model's buffers are computed from its config and equal on every rank,
     so DDP need not broadcast them before each forward.
     ``pipeline_first`` and ``pipeline_last``: the modules (attributes of the model) that go with
@@ -66,7 +69,10 @@ class ParallelPlan:
 
     blocks: str | None = "blocks"
     block_type: type | None = None
-    tensor_parallel: Mapping[str, str] = field(default_factory=dict)
+    tensor_parallel: Callable[[nn.Module], Mapping[str, Any]] | None = None
+    tp_root: Callable[[], Mapping[str, Any]] | None = None
+    loss: str = ""
+    sequence_parallel: bool = False
     tp_divisors: Mapping[str, int] = field(default_factory=dict)
     derived_buffers: bool = False
     pipeline_first: tuple[str, ...] = ()
@@ -75,11 +81,6 @@ class ParallelPlan:
     experts: str = ""
     n_experts: int = 0
     attention: str = ""
-
-    def __post_init__(self):
-        bad = {name: style for name, style in self.tensor_parallel.items() if style not in TP_STYLES}
-        if bad:
-            raise ValueError(f"tensor-parallel styles must be one of {TP_STYLES}, got {bad}")
 
     @property
     def pipelined(self) -> bool:
@@ -126,18 +127,11 @@ class ParallelPlan:
                 continue
         return found
 
-    def tp_split_dim(self, name: str) -> int | None:
-        """The dimension of a block parameter's weight (``[out, in]``) that tensor parallelism
-        divides among the ranks, or None if it stays whole. ``name`` is relative to the block
-        (``attn.wq`` or ``attn.wq.weight``)."""
-        style = self.tensor_parallel.get(name.removesuffix(".weight"))
-        return None if style is None else TP_STYLES.index(style)
-
     def check_tensor_parallel(self, tp: int, what: str) -> None:
         """Raise ConfigError unless ``tp`` can split this model; ``what`` names the model."""
         if tp == 1:
             return
-        if not self.tensor_parallel:
+        if self.tensor_parallel is None:
             raise ConfigError(
                 [
                     f"parallel.tp: tensor parallelism needs a model family's plan of which projections "

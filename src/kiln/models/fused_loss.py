@@ -10,9 +10,27 @@ backward only scales them. Nothing of size [N, V] outlives a chunk.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import NamedTuple
+
 import torch
+from torch import nn
 
 IGNORE_INDEX = -100
+
+
+class VocabShard(NamedTuple):
+    """A weight that holds rows ``start``.. of the vocabulary, the other rows on other ranks
+    (vocabulary-parallel output layer, loss parallelism): ``reduce_max`` and ``reduce_sum`` combine
+    a per-token [rows] tensor in place over those ranks. Each rank then computes the logits of its
+    rows only; the log-sum-exp and the target's logit are reduced across them, so no rank holds
+    a [tokens, vocab] buffer. The gradient with respect to the hidden states is each rank's
+    part, which the caller sums over the ranks (the backward of the gather that gave every rank
+    the hidden states)."""
+
+    start: int
+    reduce_max: Callable[[torch.Tensor], None]
+    reduce_sum: Callable[[torch.Tensor], None]
 
 
 def _matmul_weight(weight: torch.Tensor, device: torch.device) -> torch.Tensor:
@@ -24,27 +42,35 @@ def _matmul_weight(weight: torch.Tensor, device: torch.device) -> torch.Tensor:
     return weight
 
 
-def _chunk_loss_and_grad(h, weight, targets, keep, want_grad, softcap=0.0):
+def _chunk_loss_and_grad(h, weight, targets, keep, want_grad, softcap=0.0, shard: VocabShard | None = None):
     """Summed loss of one chunk, and the gradient of that sum with respect to its logits (or None).
     With ``softcap`` the logits are ``softcap * tanh(logits / softcap)``, and the gradient is
-    taken through that too."""
+    taken through that too. With ``shard``, ``weight`` holds some of the vocabulary's rows (see
+    VocabShard): the logits and their gradient are those rows'."""
     logits = (h @ weight.t()).to(torch.promote_types(weight.dtype, torch.float32))
     squashed = None
     if softcap:
         squashed = torch.tanh(logits / softcap)
         logits = squashed * softcap
-    safe = targets.clamp(min=0)
-    picked = logits.gather(1, safe[:, None]).squeeze(1)
+    local = targets - (shard.start if shard else 0)
+    here = (local >= 0) & (local < weight.size(0)) if shard else targets != IGNORE_INDEX
+    safe = torch.where(here, local, 0)
+    picked = logits.gather(1, safe[:, None]).squeeze(1) * here
     # One exp pass serves both the log-sum-exp and the softmax, in place in the logits' buffer.
     top = logits.amax(dim=-1, keepdim=True)
+    if shard:  # the largest logit over every rank's rows, the target's from the rank that has it
+        shard.reduce_max(top)
+        shard.reduce_sum(picked)
     probs = logits.sub_(top).exp_()
     sums = probs.sum(dim=-1, keepdim=True)
+    if shard:
+        shard.reduce_sum(sums)
     lse = (sums.log() + top).squeeze(1)
     loss = ((lse - picked) * keep).sum()
     if not want_grad:
         return loss, None
     grad = probs.mul_(keep[:, None] / sums)
-    grad.scatter_add_(1, safe[:, None], -keep[:, None])
+    grad.scatter_add_(1, safe[:, None], -(keep * here)[:, None])
     if squashed is not None:
         grad.mul_(1 - squashed * squashed)
     return loss, grad
@@ -52,7 +78,7 @@ def _chunk_loss_and_grad(h, weight, targets, keep, want_grad, softcap=0.0):
 
 class _LinearCrossEntropy(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, hidden, weight, targets, chunk_size, softcap):
+    def forward(ctx, hidden, weight, targets, chunk_size, softcap, shard):
         acc = torch.promote_types(weight.dtype, torch.float32)
         keep_all = (targets != IGNORE_INDEX).to(acc)
         count = keep_all.sum()
@@ -65,7 +91,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
         for start in range(0, hidden.size(0), chunk_size):
             end = start + chunk_size
             h = hidden[start:end].to(w.dtype)
-            loss, grad = _chunk_loss_and_grad(h, w, targets[start:end], keep_all[start:end], True, softcap)
+            loss, grad = _chunk_loss_and_grad(h, w, targets[start:end], keep_all[start:end], True, softcap, shard)
             total += loss
             grad = grad.to(w.dtype)
             grad_h[start:end] = grad @ w
@@ -82,7 +108,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
         grad_h, grad_w, count = ctx.saved_tensors
         scale = grad_out / count.clamp(min=1)
         h_dtype, w_dtype = ctx.dtypes
-        return (grad_h * scale).to(h_dtype), (grad_w * scale).to(w_dtype), None, None, None
+        return (grad_h * scale).to(h_dtype), (grad_w * scale).to(w_dtype), None, None, None, None
 
 
 class _LinearLogProbs(torch.autograd.Function):
@@ -158,20 +184,36 @@ def linear_cross_entropy(
     targets: torch.Tensor,
     chunk_size: int | None = None,
     softcap: float = 0.0,
+    shard: VocabShard | None = None,
 ) -> torch.Tensor:
     """Mean cross-entropy of ``hidden [N, D] @ weight[V, D].T`` (soft-capped to
     ``softcap * tanh(logits / softcap)`` if ``softcap``) against ``targets [N]``, computed in fp32
-    chunk by chunk; targets equal to -100 are left out of the mean."""
+    chunk by chunk; targets equal to -100 are left out of the mean. With ``shard``, ``weight`` is
+    this rank's rows of a vocabulary split over ranks (see VocabShard)."""
     chunk_size = chunk_size or default_chunk_size(weight.size(0), hidden.device.type)
     if torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad):
-        return _LinearCrossEntropy.apply(hidden, weight, targets, chunk_size, softcap)
+        return _LinearCrossEntropy.apply(hidden, weight, targets, chunk_size, softcap, shard)
     keep = (targets != IGNORE_INDEX).to(torch.promote_types(weight.dtype, torch.float32))
     w = _matmul_weight(weight, hidden.device)
     hidden = hidden.to(w.dtype)
     total = sum(
         _chunk_loss_and_grad(
-            hidden[s : s + chunk_size], w, targets[s : s + chunk_size], keep[s : s + chunk_size], False, softcap
+            hidden[s : s + chunk_size], w, targets[s : s + chunk_size], keep[s : s + chunk_size], False, softcap, shard
         )[0]
         for s in range(0, hidden.size(0), chunk_size)
     )
     return total / keep.sum().clamp(min=1)
+
+
+class LinearCrossEntropy(nn.Module):
+    """The output layer's loss as a module of its own, without parameters: ``forward(hidden [B, T,
+    D], weight [V, D], targets [B, T])`` is ``linear_cross_entropy`` of them. A module so that a
+    layout can put another in its place (tensor parallelism's computes it on a vocabulary split
+    over ranks: ``kiln.distributed.loss_parallel``)."""
+
+    def __init__(self, softcap: float = 0.0):
+        super().__init__()
+        self.softcap = softcap
+
+    def forward(self, hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        return linear_cross_entropy(hidden.flatten(0, 1), weight, targets.flatten(), softcap=self.softcap)

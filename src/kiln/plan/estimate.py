@@ -176,12 +176,16 @@ class ModelShape:
         # as the largest, erring towards more memory; the whole model's counts take both kinds.
         sizes = [sum(p.numel() for p in b.parameters()) for b in blocks]
         largest = blocks[sizes.index(max(sizes))] if blocks else None
-        block = tuple(
-            param(name, p, plan.tp_split_dim(name)) for name, p in (largest.named_parameters() if largest else ())
+        block = (
+            tuple(param(name, p, tp_split_dim(plan, largest, name)) for name, p in largest.named_parameters())
+            if largest is not None
+            else ()
         )
         small = [b for b, size in zip(blocks, sizes, strict=True) if size < max(sizes)]
         small_block = (
-            tuple(param(name, p, plan.tp_split_dim(name)) for name, p in small[0].named_parameters()) if small else ()
+            tuple(param(name, p, tp_split_dim(plan, small[0], name)) for name, p in small[0].named_parameters())
+            if small
+            else ()
         )
         root = tuple(  # a tied matrix is listed once
             param(name, p, None) for name, p in model.named_parameters() if id(p) not in in_blocks
@@ -276,6 +280,22 @@ class ModelShape:
         except ConfigError:
             return False
         return True
+
+
+def tp_split_dim(plan: ParallelPlan, block: nn.Module, name: str) -> int | None:
+    """The dimension of a parameter of ``block`` (one of the repeated layers) that the family's
+    tensor-parallel styles divide among the ranks, or None if it stays whole: a column-wise linear
+    layer's rows (its outputs) and bias, a row-wise one's columns. ``name`` is relative to the
+    block (``attn.wq.weight``)."""
+    if plan.tensor_parallel is None:
+        return None
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+
+    module, _, leaf = name.rpartition(".")
+    style = plan.tensor_parallel(block).get(module)
+    if isinstance(style, ColwiseParallel):
+        return 0
+    return 1 if isinstance(style, RowwiseParallel) and leaf == "weight" else None
 
 
 def _host_units(block: nn.Module, params: tuple[Param, ...]) -> tuple[tuple[Param, ...], ...]:

@@ -17,6 +17,7 @@ from kiln.models.generate import stream
 from kiln.models.gpt.hf import LlamaAdapter, hf_adapter
 from kiln.models.gpt.memory import GPTMemory
 from kiln.models.gpt.model import GPT, GPTConfig
+from kiln.models.gpt.parallelize import block_styles, root_styles
 from kiln.models.gpt.presets import PRESETS, build_gpt_config, param_count
 
 __all__ = ["FAMILY", "GPT", "GPTConfig", "GPTFamily", "PRESETS", "build_gpt_config", "flops_per_token", "param_count"]
@@ -72,23 +73,20 @@ class GPTFamily(ModelFamily):
         )
 
     def parallel_plan(self, args: GPTConfig) -> ParallelPlan:
-        """Megatron-style tensor parallelism: q/k/v and the MLP's input projections split
-        column-wise (each rank owns whole heads and a slice of the hidden units), the output
-        projections row-wise, so each block needs one all-reduce forward and one backward.
-        Embedding, norms and output layer stay whole. The RoPE tables are derived buffers. A
-        pipeline's first stage holds the embedding, its last the final norm and output layer."""
-        gated = ("mlp.w3",) if args.mlp == "swiglu" else ()
-        tp = dict.fromkeys(("attn.wq", "attn.wk", "attn.wv", "mlp.w1", *gated), "colwise")
-        tp.update(dict.fromkeys(("attn.wo", "mlp.w2"), "rowwise"))
+        """Tensor parallelism with sequence parallelism, a vocabulary-parallel embedding and
+        output layer and loss parallelism (``kiln.models.gpt.parallelize``). The RoPE tables are
+        derived buffers. A pipeline's first stage holds the embedding, its last the final norm
+        and output layer."""
         divisors = {f"model.{key}": getattr(args, key) for key in ("n_head", "n_kv_head", "d_ff")}
         if args.n_experts:
-            # A mixture of experts is not split: each tensor-parallel rank runs it whole, on the
-            # whole activations the attention's all-reduce leaves (so do the dense layers' MLPs).
-            tp = {name: style for name, style in tp.items() if name.startswith("attn.")}
+            # A mixture of experts is not split: each tensor-parallel rank runs it whole.
             divisors.pop("model.d_ff")
         return ParallelPlan(
             blocks="blocks",
-            tensor_parallel=tp,
+            tensor_parallel=block_styles,
+            tp_root=root_styles,
+            loss="head_loss",
+            sequence_parallel=True,
             tp_divisors=divisors,
             derived_buffers=True,
             pipeline_first=("tok_emb",),

@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kiln.models.fused_loss import linear_cross_entropy
+from kiln.models.fused_loss import LinearCrossEntropy
 from kiln.models.gpt.moe import MoE
 from kiln.models.init import Initial
 
@@ -114,6 +114,8 @@ class Attention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = q.transpose(1, 2), k.transpose(1, 2)
         v = self.wv(x).view(B, T, -1, self.head_dim).transpose(1, 2)
+        # The tables may run past these positions (see GPT.forward): their first T are these.
+        rope_cos, rope_sin = rope_cos[:T], rope_sin[:T]
         q, k = apply_rope(q, rope_cos, rope_sin), apply_rope(k, rope_cos, rope_sin)
 
         mask, causal = None, True
@@ -219,6 +221,20 @@ class Block(nn.Module):
         return x + self.mlp(self.mlp_norm(x), losses)
 
 
+class _ContiguousGradient(torch.autograd.Function):
+    """The identity; backward, the gradient in contiguous memory. A pipeline stage sends the
+    gradient of the hidden states it was given back to the stage before, which receives it into a
+    contiguous buffer; a sequence-parallel norm's gradient is a strided view."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor) -> torch.Tensor:
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> torch.Tensor:
+        return grad.contiguous()
+
+
 class GPT(nn.Module):
     rope_cos: torch.Tensor
     rope_sin: torch.Tensor
@@ -230,6 +246,7 @@ class GPT(nn.Module):
         self.blocks = nn.ModuleList(Block(config, i) for i in range(config.n_layer))
         self.norm = nn.RMSNorm(config.d_model, eps=config.norm_eps)
         self.lm_head = nn.Linear(config.d_model, config.vocab_size, bias=False)
+        self.head_loss = LinearCrossEntropy(config.logit_softcap)
         # Derived from the config, so kept out of the state_dict; init_weights fills them.
         half = config.head_dim // 2
         self.register_buffer("rope_cos", torch.empty(config.max_seq_len, half), persistent=False)
@@ -311,23 +328,27 @@ class GPT(nn.Module):
         if positions is not None:
             rope_cos, rope_sin = self.rope_cos[positions], self.rope_sin[positions]
         elif end <= self.config.max_seq_len:
-            rope_cos, rope_sin = self.rope_cos[start_pos:end], self.rope_sin[start_pos:end]
+            # From start_pos on: a pipeline stage given hidden states split by position (sequence
+            # parallelism) holds a tp-th of the positions its attention gathers and rotates.
+            rope_cos, rope_sin = self.rope_cos[start_pos:], self.rope_sin[start_pos:]
         elif kv_cache is not None:
             cfg = self.config
             rope_cos, rope_sin = rope_tables(cfg.head_dim, end, cfg.rope_theta, idx.device, start=start_pos)
         else:
             raise ValueError(f"positions up to {end} exceed max_seq_len {self.config.max_seq_len}")
-        x = idx if self.tok_emb is None else self.tok_emb(idx)
+        x = _ContiguousGradient.apply(idx) if self.tok_emb is None else self.tok_emb(idx)
         losses: list[torch.Tensor] = []  # the mixtures of experts' balance losses, when they have them
         for i, block in enumerate(self.blocks):
             cache = None if kv_cache is None else (kv_cache.k[i], kv_cache.v[i])
             x = block(x, rope_cos, rope_sin, cache, start_pos, losses)
         if self.norm is None:
-            return x
+            # Sent to the next pipeline stage, which sends its gradient back into a buffer of the
+            # same strides: a rank's positions of a sequence-parallel output are a strided view.
+            return x.contiguous()
         x = self.norm(x)
         cap = self.config.logit_softcap
         if targets is None:
             logits = self.lm_head(x)
             return cap * torch.tanh(logits / cap) if cap else logits
-        loss = linear_cross_entropy(x.flatten(0, 1), self.lm_head.weight, targets.flatten(), softcap=cap)
+        loss = self.head_loss(x, self.lm_head.weight, targets)
         return loss + sum(losses) if losses else loss

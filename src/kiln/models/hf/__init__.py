@@ -41,6 +41,7 @@ from kiln.models.hf.loading import (
 )
 from kiln.models.hf.memory import EncoderMemory, ffn_width
 from kiln.models.hf.moe import routed_weights, watch_routers
+from kiln.models.hf.parallelize import llama_styles
 from kiln.models.init import params_on_meta
 
 TASKS = {"causal_lm": "AutoModelForCausalLM", "sequence_classification": "AutoModelForSequenceClassification"}
@@ -50,15 +51,6 @@ MAPPINGS = {
 }
 # Architectures whose decoder layers split Megatron-style under the same projection names.
 LLAMA_CLASS = ("llama", "mistral", "qwen2", "qwen3")
-LLAMA_TP = {
-    "self_attn.q_proj": "colwise",
-    "self_attn.k_proj": "colwise",
-    "self_attn.v_proj": "colwise",
-    "self_attn.o_proj": "rowwise",
-    "mlp.gate_proj": "colwise",
-    "mlp.up_proj": "colwise",
-    "mlp.down_proj": "rowwise",
-}
 # Architectures under which records packed into one row attend to each other (checked on
 # transformers 5: 16 others, Llama, Qwen, Gemma, Phi, GPT-2 and GPT-NeoX among them, keep them apart).
 MIXES_PACKED_RECORDS = ("opt", "bloom", "mamba", "mamba2", "falcon_mamba")
@@ -372,7 +364,7 @@ class HFFamily(ModelFamily):
             for k in ("num_attention_heads", "num_key_value_heads", "intermediate_size")
             if getattr(c, k, None) is not None
         }
-        return ParallelPlan(blocks=None, block_type=layer, tensor_parallel=LLAMA_TP, tp_divisors=divisors)
+        return ParallelPlan(blocks=None, block_type=layer, tensor_parallel=llama_styles, tp_divisors=divisors)
 
     def flops_per_token(self, args: HFArgs, seq_len: int) -> float:
         """6 x the parameters of every matmul a token goes through (each nn.Linear; a tied output

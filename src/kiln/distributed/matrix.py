@@ -1,0 +1,172 @@
+"""Which feature runs under which layout: the table of docs/distributed.md, made from the checks
+a run makes before it starts (``Config.errors`` and ``parallelize.check_layout``), so that it
+says what kiln does and cannot drift from it (tests/distributed/test_matrix.py regenerates it and
+fails when the doc disagrees).
+
+A cell is a run's config: the feature's settings on top of the layout's, on the model the feature
+trains (kiln's GPT, its mixture-of-experts preset under expert parallelism, or a Hugging Face
+Llama). It is "✓" with the test that shows that layout computing what one process computes, or
+"runs" where no test shows it yet, or the first reason a run of it is refused, as the run says it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from kiln.config import Config, ConfigError, ParallelConfig, from_dict
+
+
+@dataclass(frozen=True)
+class Layout:
+    name: str
+    world: int  # ranks
+    parallel: Mapping[str, Any]
+
+
+LAYOUTS = (
+    Layout("DDP", 2, {"strategy": "ddp"}),
+    Layout("FSDP", 2, {"strategy": "fsdp"}),
+    Layout("HSDP", 4, {"strategy": "fsdp", "dp_replicate": 2}),
+    Layout("TP", 2, {"tp": 2}),
+    Layout("PP", 2, {"pp": 2}),
+    Layout("EP", 2, {"strategy": "fsdp", "ep": 2}),
+    Layout("CP", 2, {"cp": 2}),
+)
+_HF = {"model": {"source": "hf:LLAMA"}, "data": {"source": "records.jsonl"}}
+_MOE = {"model": {"preset": "tiny-moe"}}
+# Each feature as the settings a user gives; the model a layout trains it on follows from them.
+FEATURES: dict[str, dict[str, dict[str, Any]]] = {
+    "AdamW": {},
+    "Muon": {"train": {"optimizer": "muon"}},
+    "bf16": {"train": {"precision": "bf16"}},
+    "fp16": {"train": {"precision": "fp16"}},
+    "fp8": {"train": {"precision": "fp8"}},
+    "compile": {"train": {"compile": True}},
+    "activation checkpointing": {"train": {"activation_checkpointing": True}},
+    "LoRA": {"lora": {"rank": 8}},
+    "QLoRA": {**_HF, "lora": {"rank": 8, "quantize_base": "nf4"}},
+    "qk_norm": {"model": {"qk_norm": "true"}},
+    "MoE": _MOE,
+    "packing": {**_HF, "data": {"source": "records.jsonl", "packing": True}},
+    "SFT": _HF,
+    "DPO family": {**_HF, "train": {"objective": "dpo"}},
+    "GRPO": {**_HF, "train": {"objective": "grpo"}, "grpo": {"reward": "rewards:exact"}},
+    "eval.tasks": {"eval": {"tasks": ["hellaswag"]}},
+    "HF models": _HF,
+}
+# Where a combination that runs is shown to compute what one process computes.
+_PARALLEL = "tests/distributed/test_parallel.py::"
+_EXPERTS = "tests/distributed/test_moe_ranks.py::"
+_CP = "tests/distributed/test_context_ranks.py::"
+_QK = "tests/models/test_qk_norm.py::test_qk_norm_on_two_ranks_trains_as_one_process"
+_MUON = "tests/train/test_muon.py::test_muon_on_two_ranks_trains_as_one_process"
+_SFT = "tests/train/test_finetune.py::test_two_ranks_equal_one_process"
+_DPO = "tests/train/test_preference_objectives.py::test_dpo_on_two_ranks_equals_one_process"
+PROOFS: dict[tuple[str, str], str] = {
+    ("AdamW", "DDP"): _PARALLEL + "test_ddp_two_ranks_equal_one_process_with_twice_the_micro_batch",
+    ("AdamW", "FSDP"): _PARALLEL + "test_fsdp_equals_one_process_and_saves_a_shard_per_rank",
+    ("AdamW", "HSDP"): "tests/distributed/test_world.py::test_hsdp_two_replicas_of_two_shards_equal_one_process",
+    ("AdamW", "TP"): _PARALLEL + "test_sharded_strategies_equal_one_process",
+    ("AdamW", "PP"): "tests/distributed/test_pipeline.py::test_two_stages_train_as_one_process",
+    ("AdamW", "EP"): _EXPERTS + "test_experts_split_over_two_ranks_train_as_one_process",
+    ("AdamW", "CP"): _CP + "test_two_ranks_splitting_each_sequence_train_as_one_process",
+    ("Muon", "DDP"): _MUON,
+    ("Muon", "FSDP"): _MUON,
+    ("Muon", "TP"): _MUON,
+    ("bf16", "FSDP"): _PARALLEL + "test_fsdp_bf16_computes_in_bf16_and_keeps_fp32_weights",
+    ("qk_norm", "FSDP"): _QK,
+    ("qk_norm", "TP"): _QK,
+    ("MoE", "FSDP"): _EXPERTS + "test_a_mixture_of_experts_on_two_fsdp_ranks_equals_one_process",
+    ("MoE", "PP"): _EXPERTS + "test_experts_split_over_two_ranks_in_each_pipeline_stage_train_as_one_process",
+    ("MoE", "EP"): _EXPERTS + "test_experts_split_over_two_ranks_train_as_one_process",
+    ("MoE", "CP"): _EXPERTS + "test_experts_split_over_the_context_parallel_ranks_train_as_one_process",
+    ("SFT", "DDP"): _SFT,
+    ("SFT", "FSDP"): _SFT,
+    ("SFT", "TP"): "tests/train/test_finetune.py::test_llama_class_models_split_over_two_tensor_parallel_ranks",
+    ("HF models", "DDP"): _SFT,
+    ("HF models", "FSDP"): _SFT,
+    ("HF models", "TP"): "tests/train/test_finetune.py::test_llama_class_models_split_over_two_tensor_parallel_ranks",
+    ("QLoRA", "DDP"): "tests/train/test_qlora.py::test_two_ddp_ranks_give_the_losses_of_one_process",
+    ("QLoRA", "FSDP"): (
+        "tests/train/test_qlora.py::test_two_fsdp_ranks_share_the_4_bit_base_and_give_the_losses_of_one_process"
+    ),
+    ("LoRA", "FSDP"): (
+        "tests/train/test_lora.py::test_fsdp_lora_in_bf16_keeps_a_bf16_base_trains_as_one_process_and_resumes_exactly"
+    ),
+    ("DPO family", "DDP"): _DPO,
+    ("DPO family", "FSDP"): _DPO,
+}
+
+
+def _merged(*parts: Mapping[str, Mapping[str, Any]]) -> dict[str, dict[str, Any]]:
+    out: dict[str, dict[str, Any]] = {}
+    for part in parts:
+        for section, values in part.items():
+            out.setdefault(section, {}).update(values)
+    return out
+
+
+def refusal(feature: str, layout: Layout) -> str | None:
+    """Why a run of ``feature`` under ``layout`` is refused before it starts (its first reason, as
+    the run says it), or None if it runs."""
+    from kiln.distributed.parallelize import check_layout
+    from kiln.distributed.world import World, mesh_dims
+
+    settings = FEATURES[feature]
+    model = _MOE if layout.name == "EP" and "source" not in settings.get("model", {}) else {}
+    values = _merged(model, settings, {"parallel": layout.parallel})
+    try:
+        cfg = from_dict(values)
+    except ConfigError as e:
+        return e.errors[0]
+    errors = cfg.errors()
+    if errors:
+        return errors[0]
+    pcfg: ParallelConfig = cfg.parallel
+    dims = mesh_dims(layout.world, pcfg)
+    world = World(size=layout.world, tp=dims["tp"], pp=dims["pp"], cp=dims["cp"], dp_replicate=dims["dp_replicate"])
+    try:
+        check_layout(_plan(cfg), world, pcfg, _model_name(cfg))
+    except ConfigError as e:
+        return e.errors[0]
+    return None
+
+
+def _plan(cfg: Config):
+    """The parallel plan of the model ``cfg`` trains (a tiny Llama for a Hugging Face source)."""
+    from kiln.models.family import family_of
+
+    if cfg.model.source:
+        from kiln.models.hf import FAMILY, HFArgs
+
+        transformers = __import__("transformers")
+        config = transformers.LlamaConfig(
+            hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2
+        )
+        return FAMILY.parallel_plan(HFArgs("LLAMA", cfg.model.task, config.to_dict()))
+    family = family_of(cfg.model)
+    return family.parallel_plan(family.resolve(cfg.model, vocab_size=512, seq_len=cfg.data.seq_len))
+
+
+def _model_name(cfg: Config) -> str:
+    return "LlamaForCausalLM" if cfg.model.source else "GPT"
+
+
+def table() -> str:
+    """The feature x layout table (Markdown)."""
+    head = "| feature | " + " | ".join(layout.name for layout in LAYOUTS) + " |"
+    rule = "|---|" + "---|" * len(LAYOUTS)
+    rows = [head, rule]
+    for feature in FEATURES:
+        cells = []
+        for layout in LAYOUTS:
+            why = refusal(feature, layout)
+            if why is None:
+                proof = PROOFS.get((feature, layout.name))
+                cells.append(f"✓ `{proof.split('::')[1]}`" if proof else "runs; not yet tested equal to one process")
+            else:
+                cells.append("✗ " + why.replace("|", "\\|"))
+        rows.append(f"| {feature} | " + " | ".join(cells) + " |")
+    return "\n".join(rows) + "\n"
