@@ -152,11 +152,9 @@ def _put(model: nn.Module, values: Values) -> set[int]:
         placed.add(id(new))
         for name in names:
             owner, _, leaf = name.rpartition(".")
-            module = model.get_submodule(owner)
-            if leaf in module._parameters:
-                module._parameters[leaf] = new  # type: ignore[assignment]  # a Parameter, made so above
-            else:
-                module._buffers[leaf] = new
+            # nn.Module's own assignment: a Parameter replaces the parameter, a tensor the buffer
+            # (which stays persistent or not as it was).
+            setattr(model.get_submodule(owner), leaf, new)
     return placed
 
 
