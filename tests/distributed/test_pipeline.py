@@ -7,6 +7,7 @@ the same partial gradients, and the weights agree to rounding (see test_parallel
 
 from __future__ import annotations
 
+import copy
 import os
 import signal
 from pathlib import Path
@@ -15,7 +16,7 @@ import pytest
 import torch
 
 from kiln.config import ConfigError, ParallelConfig
-from kiln.distributed.pipeline import _view, stage_layers
+from kiln.distributed.pipeline import _keep, _stage_of, stage_layers
 from kiln.distributed.world import mesh_shape
 from kiln.models.gpt import FAMILY, GPTConfig
 
@@ -191,8 +192,8 @@ def test_config_refuses_pipelines_that_cannot_work():
 
 
 def test_stages_compose_to_the_whole_model():
-    """The stage views, run one after the other, compute what the whole model does, and keep
-    its parameter names."""
+    """Stages cut from copies of the model, run one after the other, compute what the whole model
+    does and keep its parameter names; a rank's stages cut from its part share its layers."""
     args = GPTConfig(
         vocab_size=64, n_layer=4, d_model=32, n_head=4, n_kv_head=2, d_ff=64, max_seq_len=16, tie_embeddings=False
     )
@@ -201,9 +202,16 @@ def test_stages_compose_to_the_whole_model():
     plan = FAMILY.parallel_plan(args)
     x, y = torch.randint(0, 64, (2, 16)), torch.randint(0, 64, (2, 16))
     layers = stage_layers(4, 2)
-    first, last = _view(model, plan, layers[0], True, False), _view(model, plan, layers[1], False, True)
+    first, last = copy.deepcopy(model), copy.deepcopy(model)
+    _keep(first, plan, layers[0], True, False)
+    _keep(last, plan, layers[1], False, True)
     torch.testing.assert_close(last(first(x), targets=y), model(x, y), rtol=0, atol=0)
     names = set(model.state_dict())
     assert set(first.state_dict()) | set(last.state_dict()) == names
     assert "blocks.3.mlp.w2.weight" in last.state_dict() and "tok_emb.weight" not in last.state_dict()
-    assert len(model.blocks) == 4 and model.norm is not None  # the whole model is untouched
+    # Two stages of one rank (interleaved): modules of the part's layers, not copies of them.
+    part = copy.deepcopy(model)
+    head = _stage_of(part, plan, layers[0], True, False)
+    assert head.blocks["1"] is part.blocks["1"] and head.tok_emb is part.tok_emb and "2" not in head.blocks
+    assert len(part.blocks) == 4 and part.norm is not None  # the part keeps all its layers
+    torch.testing.assert_close(head(x), first(x), rtol=0, atol=0)

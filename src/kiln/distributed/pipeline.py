@@ -51,41 +51,43 @@ def stage_layers(n_layers: int, stages: int) -> list[range]:
     return [range(s * size, (s + 1) * size) for s in range(stages)]
 
 
-def _view(model: nn.Module, plan: ParallelPlan, layers: Iterable[int], first: bool, last: bool) -> nn.Module:
-    """``model`` holding only ``layers`` (numbered as in the whole model), with the first stage's
-    modules if ``first`` and the last's if ``last``. It shares its modules with ``model``; its own
-    registries (modules, hooks) are copies, so what is applied to it does not reach the original.
-
-    PyTorch has no public way to make such a view: a shallow copy of the module with its
-    registries (``_modules`` and the hook dicts, instance attributes of every ``nn.Module``)
-    copied, and a layer list that keeps the whole model's numbering, so that parameter names and
-    checkpoints are those of the whole model. ``tests/distributed/test_pipeline.py`` checks the
-    names and that the original is untouched, and fails if ``nn.Module`` keeps them elsewhere."""
-    view = copy.copy(model)
-    for key, value in vars(model).items():
-        if isinstance(value, dict):
-            setattr(view, key, type(value)(value))
+def _keep(model: nn.Module, plan: ParallelPlan, layers: Iterable[int], first: bool, last: bool) -> None:
+    """Make ``model`` hold only ``layers`` of its repeated layers, under their numbers in the whole
+    model (a ModuleDict keyed by them, so that parameter names and checkpoints are the whole
+    model's), with the first stage's modules if ``first`` and the last's if ``last`` (the others
+    set to None), in place."""
     assert plan.blocks is not None  # a pipelined plan names its blocks (check_layout)
-    whole = cast(nn.ModuleList, model.get_submodule(plan.blocks))  # the plan's blocks are a ModuleList
-    kept = nn.ModuleList()
-    kept._modules = {str(i): whole._modules[str(i)] for i in layers}
-    view._modules[plan.blocks] = kept
+    whole = list(cast(nn.Module, model.get_submodule(plan.blocks)).named_children())
+    setattr(model, plan.blocks, nn.ModuleDict({name: layer for name, layer in whole if int(name) in set(layers)}))
     for name in () if first else plan.pipeline_first:
-        view._modules[name] = None
+        setattr(model, name, None)
     for name in () if last else plan.pipeline_last:
-        view._modules[name] = None
-    return view
+        setattr(model, name, None)
 
 
-def _share_own_tensors(view: nn.Module, part: nn.Module) -> None:
-    """Give ``view`` (a ``_view`` of ``part``) the tensors ``part`` now holds directly: the views
-    share ``part``'s submodules, but their own registries are copies made before ``part`` was
-    allocated."""
-    if view is part:
+def _stage_of(part: nn.Module, plan: ParallelPlan, layers: Iterable[int], first: bool, last: bool) -> nn.Module:
+    """A stage of a rank that holds several: a module of ``part``'s class that shares ``part``'s
+    submodules, tensors and layers, holding ``layers`` of them (and the first or last stage's
+    modules), so that what the layout does to the stage's layers (FSDP, initial values) it does
+    to ``part``'s. A deep copy that copies only ``part`` itself and its container of layers (the
+    rest given to ``copy.deepcopy`` as already copied)."""
+    assert plan.blocks is not None  # a pipelined plan names its blocks (check_layout)
+    container = part.get_submodule(plan.blocks)
+    shared: dict[int, object] = {id(m): m for m in part.modules() if m is not part and m is not container}
+    shared.update({id(t): t for t in [*part.parameters(), *part.buffers()]})
+    stage = copy.deepcopy(part, shared)
+    _keep(stage, plan, layers, first, last)
+    return stage
+
+
+def _share_own_tensors(stage: nn.Module, part: nn.Module) -> None:
+    """Give ``stage`` (a ``_stage_of`` ``part``) the tensors ``part`` itself holds now: the stages
+    share ``part``'s submodules, but not the tensors ``part`` holds directly (its buffers), which
+    allocating it replaced."""
+    if stage is part:
         return
-    for registry in ("_parameters", "_buffers"):
-        mine, theirs = getattr(view, registry), getattr(part, registry)
-        mine.update({key: theirs[key] for key in mine})
+    for name, tensor in [*part.named_parameters(recurse=False), *part.named_buffers(recurse=False)]:
+        setattr(stage, name, tensor)
 
 
 def _tied(model: nn.Module, plan: ParallelPlan) -> dict[str, str]:
@@ -124,17 +126,19 @@ class PipelineModel(ParallelModel):
         n_stages, pp, rank = pcfg.pp_stages, world.pp, world.pp_rank
         layers = stage_layers(len(plan.repeated_blocks(model)), n_stages)
         mine = list(range(rank, n_stages, pp))
-        part = _view(model, plan, [i for s in mine for i in layers[s]], 0 in mine, n_stages - 1 in mine)
+        # This rank's part: the model itself, cut down to its stages' layers.
+        part = model
+        _keep(part, plan, [i for s in mine for i in layers[s]], 0 in mine, n_stages - 1 in mine)
         # Each rank writes the layers it holds: checkpoints are always sharded.
         super().__init__(part, plan, world, embeddings=embeddings, sharded=True)
         self.whole, self.generates = None, False
         self.pp, self.n_stages = pp, n_stages
         self.group = world.group("pp")
-        # This rank's stages: the part itself, or views of it when it holds several.
+        # This rank's stages: the part itself, or modules sharing its layers when it holds several.
         stages = (
             {mine[0]: part}
             if len(mine) == 1
-            else {s: _view(part, plan, layers[s], s == 0, s == n_stages - 1) for s in mine}
+            else {s: _stage_of(part, plan, layers[s], s == 0, s == n_stages - 1) for s in mine}
         )
         # Data-parallel replicas of a stage average their gradients once the step's micro-batches
         # are all through the pipeline (``_reduce_gradients``): DDP's per-bucket hooks do not
@@ -148,8 +152,8 @@ class PipelineModel(ParallelModel):
             shard(part, plan, world, pcfg, bf16=bf16)
         if initial is not None:
             materialize(part, initial, torch.device("cpu") if pcfg.cpu_offload else world.device)
-            for view in stages.values():
-                _share_own_tensors(view, part)
+            for stage in stages.values():
+                _share_own_tensors(stage, part)
         self._tie(tied, 0 in mine, n_stages - 1 in mine)
         self._stage_modules = stages  # evaluation runs them one after the other, forward only
         self.stages = [

@@ -110,12 +110,13 @@ class ParallelPlan:
         if self.blocks is None:
             return []
         blocks = model.get_submodule(self.blocks)
-        if not isinstance(blocks, nn.ModuleList):
+        # A pipeline stage holds some of them, keyed by their numbers in the whole model.
+        if not isinstance(blocks, (nn.ModuleList, nn.ModuleDict)):
             raise ValueError(
                 f"the parallel plan names {self.blocks!r} as the repeated layers of "
                 f"{type(model).__name__}, but it is a {type(blocks).__name__}, not an nn.ModuleList"
             )
-        return list(blocks)
+        return list(blocks.children())
 
     def block_parts(self, model: nn.Module, path: str) -> list[nn.Module]:
         """The submodule ``path`` (e.g. the plan's ``experts``) of each repeated layer that has one."""

@@ -338,7 +338,7 @@ class GPT(nn.Module):
             raise ValueError(f"positions up to {end} exceed max_seq_len {self.config.max_seq_len}")
         x = _ContiguousGradient.apply(idx) if self.tok_emb is None else self.tok_emb(idx)
         losses: list[torch.Tensor] = []  # the mixtures of experts' balance losses, when they have them
-        for i, block in enumerate(self.blocks):
+        for i, block in enumerate(self.blocks.children()):  # a pipeline stage's: some, in order
             cache = None if kv_cache is None else (kv_cache.k[i], kv_cache.v[i])
             x = block(x, rope_cos, rope_sin, cache, start_pos, losses)
         if self.norm is None:
