@@ -15,7 +15,7 @@ from kiln.train.run import load_run
 
 from conftest import tiny_overrides
 from kilnrun import in_process, losses
-from layouts import layout_sets, resumable_copy, train_on, weights
+from layouts import assert_same_training, layout_sets, resumable_copy, train_on, weights
 
 peft = pytest.importorskip("peft")
 transformers = pytest.importorskip("transformers")
@@ -61,10 +61,10 @@ def test_exports_fold_the_adapters_into_the_weights(lora_run, tmp_path):
     assert json.loads((weights / "export.json").read_text())["safetensors"]["max_abs_diff"] == 0
 
 
-def test_lora_with_tensor_parallelism_is_refused(tmp_path, corpus_dir, capsys):
-    sets = tiny_overrides(tmp_path / "run", corpus_dir) + ["lora.rank=4", "parallel.tp=2"]
+def test_qlora_with_tensor_parallelism_is_refused(tmp_path, corpus_dir, capsys):
+    sets = tiny_overrides(tmp_path / "run", corpus_dir) + ["lora.rank=4", "lora.quantize_base=nf4", "parallel.tp=2"]
     assert main(["train", *[a for item in sets for a in ("--set", item)]]) == 2
-    assert "lora.rank" in capsys.readouterr().err and not (tmp_path / "run").exists()
+    assert "lora.quantize_base: nf4 packs" in capsys.readouterr().err and not (tmp_path / "run").exists()
 
 
 @pytest.mark.slow
@@ -104,3 +104,17 @@ def test_fsdp_lora_in_bf16_keeps_a_bf16_base_trains_as_one_process_and_resumes_e
     assert "resumed from" in proc.stdout and losses(resumed) == losses(fsdp)
     for (name, a), b in zip(weights(resumed).items(), weights(fsdp).values(), strict=True):
         assert torch.equal(a, b), name
+
+
+@pytest.mark.slow
+@pytest.mark.dist
+def test_lora_on_two_tensor_parallel_ranks_trains_as_one_process(tmp_path, corpus_dir):
+    """Each adapter splits with its layer (B by columns under a column-split layer, A by rows
+    under a row-split one) and its other factor runs whole on each rank's positions (sequence
+    parallelism): two tensor-parallel ranks train the adapters as one process does."""
+    lora = dict(lora__rank=4, lora__alpha=8, lora__dropout=0, train__lr=3e-2)
+    one, tp = tmp_path / "one", tmp_path / "tp"
+    in_process("train", *layout_sets(one, corpus_dir, micro=4, **lora))
+    train_on(2, layout_sets(tp, corpus_dir, micro=4, parallel__strategy="ddp", parallel__tp=2, **lora))
+    assert_same_training(tp, one)
+    assert any("lora_B" in name for name in weights(tp))

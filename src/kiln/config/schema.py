@@ -820,7 +820,9 @@ class LoraConfig:
     """LoRA rank r (needs the peft package: pip install 'kiln[hf]'): only low-rank adapters of the
     target modules train, the base model stays frozen; 0 is off (every weight trains). With
     train.precision bf16 or fp16 the frozen base is stored in that dtype (half the bytes of fp32,
-    and in checkpoints; sharded under FSDP), and the adapters keep fp32 master weights."""
+    and in checkpoints; sharded under FSDP), and the adapters keep fp32 master weights. Under
+    tensor parallelism each adapter splits with its layer: a column-split layer's B by columns, a
+    row-split layer's A by rows, the other factor whole on every rank."""
     alpha: float = 16.0
     """LoRA scaling alpha (the adapter's update is scaled by alpha / rank)."""
     dropout: float = 0.05
@@ -1073,8 +1075,9 @@ class Config:
                 f"{2 * cp if cp > 1 else 1} must divide data.seq_len={self.data.seq_len}",
             ),
             (
-                not (self.lora.rank and self.parallel.tp > 1),
-                "lora.rank: LoRA adapters do not split over tensor-parallel ranks; set parallel.tp=1",
+                self.lora.quantize_base == "none" or self.parallel.tp == 1,
+                f"lora.quantize_base: {self.lora.quantize_base} packs the frozen base in blocks that tensor-parallel "
+                "ranks cannot split by rows or columns; shard it with parallel.strategy=fsdp, or set parallel.tp=1",
             ),
             (
                 pp == 1 or micro != "auto",
@@ -1085,11 +1088,6 @@ class Config:
                 pp == 1 or micro == "auto" or micro % self.parallel.microbatches == 0,
                 f"parallel.pp_microbatches: each micro-batch of train.micro_batch_size={micro} sequences is cut into "
                 f"{self.parallel.microbatches} pipeline micro-batches, which must divide it",
-            ),
-            (
-                self.train.precision != "fp8" or self.parallel.tp == 1,
-                "train.precision: fp8 linear layers do not split over tensor-parallel ranks yet; set parallel.tp=1 "
-                "or use bf16",
             ),
             (
                 self.train.precision != "fp8" or not self.lora.rank,

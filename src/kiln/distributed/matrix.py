@@ -95,6 +95,8 @@ PROOFS: dict[tuple[str, str], str] = {
     ("LoRA", "FSDP"): (
         "tests/train/test_lora.py::test_fsdp_lora_in_bf16_keeps_a_bf16_base_trains_as_one_process_and_resumes_exactly"
     ),
+    ("LoRA", "TP"): "tests/train/test_lora.py::test_lora_on_two_tensor_parallel_ranks_trains_as_one_process",
+    ("fp8", "TP"): "tests/train/test_fp8.py::test_fp8_on_two_tensor_parallel_ranks_trains_as_one_process",
     ("DPO family", "DDP"): _DPO,
     ("DPO family", "FSDP"): _DPO,
 }

@@ -20,7 +20,7 @@ import torch
 from torch import nn
 
 from kiln.checkpoint.store import StoredWeights
-from kiln.config import ParallelConfig
+from kiln.config import ConfigError, ParallelConfig
 from kiln.distributed.experts import apply_ep
 from kiln.distributed.loss_parallel import VocabParallelCrossEntropy
 from kiln.distributed.world import World
@@ -242,21 +242,68 @@ def apply_tp(model: nn.Module, plan: ParallelPlan, tp_mesh) -> None:
 
     assert plan.tensor_parallel is not None  # check_layout refuses tensor parallelism without styles
     tied = _tied_pairs(model)
+    # A style's DTensor parameters are new nn.Parameters, trainable whatever the old ones were;
+    # frozen ones (a LoRA run's base) stay frozen.
+    frozen = {name for name, param in model.named_parameters() if not param.requires_grad}
     if plan.tp_root is not None:
         # A pipeline stage holds the embedding, or the output layer, or neither.
         held = {path: style for path, style in plan.tp_root().items() if _holds(model, path)}
-        parallelize_module(model, tp_mesh, held)
+        parallelize_module(model, tp_mesh, adapted_styles(model, held))
     for block in plan.repeated_blocks(model):
-        parallelize_module(block, tp_mesh, dict(plan.tensor_parallel(block)))
+        parallelize_module(block, tp_mesh, adapted_styles(block, dict(plan.tensor_parallel(block))))
     for name, first in tied:
         owner, _, leaf = name.rpartition(".")
         setattr(model.get_submodule(owner), leaf, model.get_parameter(first))
+    for name, param in model.named_parameters():
+        param.requires_grad_(name not in frozen)
     if plan.loss:
         owner, _, leaf = plan.loss.rpartition(".")
         parent = model.get_submodule(owner)
         softcap = getattr(parent, leaf).softcap
         loss = VocabParallelCrossEntropy(softcap, tp_mesh, sequence_parallel=plan.sequence_parallel)
         setattr(parent, leaf, loss)
+
+
+def adapted_styles(module: nn.Module, styles: Mapping[str, Any]) -> dict[str, Any]:
+    """``styles`` (by module path in ``module``) with each that names a LoRA-adapted linear layer
+    (PEFT's wrapper: the layer under ``base_layer``, each adapter's two factors under
+    ``lora_A.<name>`` and ``lora_B.<name>``) spread over the wrapper's parts, so that the adapted
+    layer computes what the plain one would have (Megatron's rule for low-rank adapters): the
+    layer split as the style says; of each adapter, the factor on the split side split alike (a
+    column-split layer's B by its output columns, a row-split layer's A by its input rows, whose
+    partial sums are reduced as the layer's are); the other factor (rank r: small) whole on every
+    rank, applied to the positions the layer's input (A) or output (B) holds there. Where those
+    are a rank's share of the sequence, its weights are replicated tensors whose gradients are
+    summed over the ranks (``SequenceParallel``); where they are every position, each rank
+    computes the same gradient and the factor stays a plain tensor."""
+    from torch.distributed.tensor import Shard
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, SequenceParallel
+
+    out: dict[str, Any] = {}
+    for path, style in styles.items():
+        wrapper = module.get_submodule(path)
+        if not hasattr(wrapper, "base_layer"):
+            out[path] = style
+            continue
+        if not isinstance(style, (ColwiseParallel, RowwiseParallel)) or not isinstance(wrapper.base_layer, nn.Linear):
+            raise ConfigError(
+                [
+                    f"lora.target_modules: {path} ({type(wrapper.base_layer).__name__}) is split over tensor-parallel "
+                    f"ranks by {type(style).__name__}, which kiln does not spread over LoRA adapters (it does for "
+                    "linear layers split by columns or rows); leave it out of lora.target_modules"
+                ]
+            )
+        colwise = isinstance(style, ColwiseParallel)
+        # The factor that is not split sees the positions of the layer's input (A) or output (B).
+        layout = style.input_layouts[0] if colwise else style.output_layouts[0]
+        whole = SequenceParallel(sequence_dim=layout.dim, use_local_output=True) if isinstance(layout, Shard) else None
+        out[f"{path}.base_layer"] = style
+        for name in cast(nn.ModuleDict, wrapper.lora_A):
+            split, other = ("lora_B", "lora_A") if colwise else ("lora_A", "lora_B")
+            out[f"{path}.{split}.{name}"] = style
+            if whole is not None:
+                out[f"{path}.{other}.{name}"] = whole
+    return out
 
 
 def _holds(model: nn.Module, path: str) -> bool:

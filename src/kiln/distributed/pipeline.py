@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import copy
 from collections.abc import Callable, Iterable
-from typing import Any, cast
+from typing import Any
 
 import torch
 from torch import nn
@@ -57,8 +57,8 @@ def _keep(model: nn.Module, plan: ParallelPlan, layers: Iterable[int], first: bo
     model's), with the first stage's modules if ``first`` and the last's if ``last`` (the others
     set to None), in place."""
     assert plan.blocks is not None  # a pipelined plan names its blocks (check_layout)
-    whole = list(cast(nn.Module, model.get_submodule(plan.blocks)).named_children())
-    setattr(model, plan.blocks, nn.ModuleDict({name: layer for name, layer in whole if int(name) in set(layers)}))
+    kept, whole = set(layers), model.get_submodule(plan.blocks)
+    setattr(model, plan.blocks, nn.ModuleDict({n: layer for n, layer in whole.named_children() if int(n) in kept}))
     for name in () if first else plan.pipeline_first:
         setattr(model, name, None)
     for name in () if last else plan.pipeline_last:
