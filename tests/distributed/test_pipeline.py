@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from kiln.config import ConfigError, ParallelConfig
-from kiln.distributed.pipeline import _keep, _stage_of, stage_layers
+from kiln.distributed.pipeline import _cut, _keep, stage_layers
 from kiln.distributed.world import mesh_shape
 from kiln.models.gpt import FAMILY, GPTConfig
 
@@ -209,9 +209,10 @@ def test_stages_compose_to_the_whole_model():
     names = set(model.state_dict())
     assert set(first.state_dict()) | set(last.state_dict()) == names
     assert "blocks.3.mlp.w2.weight" in last.state_dict() and "tok_emb.weight" not in last.state_dict()
-    # Two stages of one rank (interleaved): modules of the part's layers, not copies of them.
+    # A cut (a rank's part of the model, or one of the part's stages): the same modules, fewer
+    # of them; what it is cut from keeps all of its (the initial values are read from the model).
     part = copy.deepcopy(model)
-    head = _stage_of(part, plan, layers[0], True, False)
-    assert head.blocks["1"] is part.blocks["1"] and head.tok_emb is part.tok_emb and "2" not in head.blocks
-    assert len(part.blocks) == 4 and part.norm is not None  # the part keeps all its layers
+    head = _cut(part, plan, layers[0], True, False)
+    assert head.blocks["1"] is part.blocks[1] and head.tok_emb is part.tok_emb and "2" not in head.blocks
+    assert len(part.blocks) == 4 and part.norm is not None
     torch.testing.assert_close(head(x), first(x), rtol=0, atol=0)

@@ -65,23 +65,24 @@ def _keep(model: nn.Module, plan: ParallelPlan, layers: Iterable[int], first: bo
         setattr(model, name, None)
 
 
-def _stage_of(part: nn.Module, plan: ParallelPlan, layers: Iterable[int], first: bool, last: bool) -> nn.Module:
-    """A stage of a rank that holds several: a module of ``part``'s class that shares ``part``'s
-    submodules, tensors and layers, holding ``layers`` of them (and the first or last stage's
-    modules), so that what the layout does to the stage's layers (FSDP, initial values) it does
-    to ``part``'s. A deep copy that copies only ``part`` itself and its container of layers (the
-    rest given to ``copy.deepcopy`` as already copied)."""
+def _cut(module: nn.Module, plan: ParallelPlan, layers: Iterable[int], first: bool, last: bool) -> nn.Module:
+    """A module of ``module``'s class that shares its submodules and tensors but holds only
+    ``layers`` of its repeated layers (and the first or last stage's modules: ``_keep``), so that
+    what the layout does to its layers (FSDP, initial values) it does to ``module``'s, and
+    ``module`` itself stays whole (its initial values are read from it). A deep copy that copies
+    only ``module`` itself and its container of layers (the rest given to ``copy.deepcopy`` as
+    already copied)."""
     assert plan.blocks is not None  # a pipelined plan names its blocks (check_layout)
-    container = part.get_submodule(plan.blocks)
-    shared: dict[int, object] = {id(m): m for m in part.modules() if m is not part and m is not container}
-    shared.update({id(t): t for t in [*part.parameters(), *part.buffers()]})
-    stage = copy.deepcopy(part, shared)
-    _keep(stage, plan, layers, first, last)
-    return stage
+    container = module.get_submodule(plan.blocks)
+    shared: dict[int, object] = {id(m): m for m in module.modules() if m is not module and m is not container}
+    shared.update({id(t): t for t in [*module.parameters(), *module.buffers()]})
+    cut = copy.deepcopy(module, shared)
+    _keep(cut, plan, layers, first, last)
+    return cut
 
 
 def _share_own_tensors(stage: nn.Module, part: nn.Module) -> None:
-    """Give ``stage`` (a ``_stage_of`` ``part``) the tensors ``part`` itself holds now: the stages
+    """Give ``stage`` (a ``_cut`` of ``part``) the tensors ``part`` itself holds now: the stages
     share ``part``'s submodules, but not the tensors ``part`` holds directly (its buffers), which
     allocating it replaced."""
     if stage is part:
@@ -126,9 +127,8 @@ class PipelineModel(ParallelModel):
         n_stages, pp, rank = pcfg.pp_stages, world.pp, world.pp_rank
         layers = stage_layers(len(plan.repeated_blocks(model)), n_stages)
         mine = list(range(rank, n_stages, pp))
-        # This rank's part: the model itself, cut down to its stages' layers.
-        part = model
-        _keep(part, plan, [i for s in mine for i in layers[s]], 0 in mine, n_stages - 1 in mine)
+        # This rank's part: the model cut down to its stages' layers.
+        part = _cut(model, plan, [i for s in mine for i in layers[s]], 0 in mine, n_stages - 1 in mine)
         # Each rank writes the layers it holds: checkpoints are always sharded.
         super().__init__(part, plan, world, embeddings=embeddings, sharded=True)
         self.whole, self.generates = None, False
@@ -138,7 +138,7 @@ class PipelineModel(ParallelModel):
         stages = (
             {mine[0]: part}
             if len(mine) == 1
-            else {s: _stage_of(part, plan, layers[s], s == 0, s == n_stages - 1) for s in mine}
+            else {s: _cut(part, plan, layers[s], s == 0, s == n_stages - 1) for s in mine}
         )
         # Data-parallel replicas of a stage average their gradients once the step's micro-batches
         # are all through the pipeline (``_reduce_gradients``): DDP's per-bucket hooks do not
