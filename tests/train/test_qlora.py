@@ -323,5 +323,5 @@ def test_what_qlora_cannot_do_is_refused_naming_the_key(tmp_path, hf_llama, extr
 def test_qlora_takes_every_layout_but_tensor_parallelism(tmp_path, hf_llama, layout):
     items = sets(tmp_path / "run", tmp_path, hf_llama) + [f"{k}={v}" for k, v in layout.items()]
     load_config(None, items)
-    with pytest.raises(ConfigError, match="lora.rank: LoRA adapters do not split over tensor-parallel ranks"):
+    with pytest.raises(ConfigError, match="lora.quantize_base: nf4 packs the frozen base in blocks"):
         load_config(None, [*items, "parallel.tp=2"])
