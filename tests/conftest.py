@@ -126,6 +126,18 @@ def corpus_dir(tmp_path_factory) -> Path:
     return out
 
 
+@pytest.fixture(scope="session")
+def short_documents(tmp_path_factory, corpus_dir):
+    """The corpus cut into documents of 120 characters, so that the tiny runs' windows pack
+    several (data.document_mask)."""
+    out = tmp_path_factory.mktemp("short")
+    for path in sorted(corpus_dir.glob("*.txt"))[:10]:
+        text = path.read_text()
+        for i in range(0, len(text), 120):
+            (out / f"{path.stem}-{i}.txt").write_text(text[i : i + 120])
+    return out
+
+
 @pytest.fixture(autouse=True, scope="session")
 def _private_cache(tmp_path_factory):
     mp = pytest.MonkeyPatch()

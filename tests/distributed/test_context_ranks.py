@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from kilnrun import in_process, records
+from kilnrun import in_process, losses, records
 from layouts import assert_same_training, layout_sets, train_on
 
 pytestmark = pytest.mark.dist
@@ -50,6 +50,19 @@ def test_sequences_split_over_two_ranks_with_tensor_parallel_pairs_train_as_one_
     assert_same_training(run_dir, one_process)
 
 
+@pytest.mark.slow
+def test_packed_documents_split_over_two_ranks_train_as_one_process(tmp_path, short_documents):
+    masked = dict(LONG, data__document_mask=True)
+    one, plain, cp = tmp_path / "one", tmp_path / "plain", tmp_path / "cp2"
+    in_process("train", *layout_sets(one, short_documents, micro=2, **masked))
+    in_process("train", *layout_sets(plain, short_documents, micro=2, train__max_steps=1, **LONG))
+    train_on(2, layout_sets(cp, short_documents, micro=2, parallel__cp=2, **masked))
+    assert_same_training(cp, one)
+    assert val_losses(cp) == pytest.approx(val_losses(one), rel=1e-5)
+    # The mask is in force: the first step's loss is not the unmasked run's.
+    assert abs(losses(one)[1] - losses(plain)[1]) > 1e-5
+
+
 @pytest.mark.parametrize(
     ("sets", "message"),
     [
@@ -57,7 +70,6 @@ def test_sequences_split_over_two_ranks_with_tensor_parallel_pairs_train_as_one_
         (dict(parallel__cp=3, data__seq_len=32), "parallel.cp: each sequence is cut into 2 x parallel.cp = 6 equal"),
         (dict(parallel__cp=2, parallel__ep=3), "parallel.ep: with parallel.cp = 2 the experts are split over"),
         (dict(parallel__cp=2, parallel__pp=2), "parallel.cp: context parallelism does not run in a pipeline"),
-        (dict(parallel__cp=2, data__packing=True), "data.packing: packed records attend only within each record"),
         (dict(parallel__cp=2, train__micro_batch_size="auto"), "train.micro_batch_size: auto is not probed under"),
     ],
 )

@@ -77,6 +77,15 @@ def test_two_stages_on_1f1b_train_as_one_process(pipelined, single_by):
 
 
 @pytest.mark.slow
+def test_packed_documents_in_two_stages_train_as_one_process(tmp_path, short_documents):
+    """Every stage keeps the attention of each row's documents apart, from their positions."""
+    one, pp = tmp_path / "one", tmp_path / "pp"
+    in_process("train", *_pipe_sets(one, short_documents, micro=2, data__document_mask=True))
+    train_on(2, _pipe_sets(pp, short_documents, micro=4, parallel__pp=2, data__document_mask=True))
+    assert_same_training(pp, one)
+
+
+@pytest.mark.slow
 def test_tied_embeddings_are_pipelined(tmp_path, corpus_dir, single_by):
     """The first and the last stage each hold a copy of the tied matrix; their gradients are
     summed, so the copies stay equal and train as the one matrix of a single process."""
@@ -189,6 +198,29 @@ def test_config_refuses_pipelines_that_cannot_work():
     assert "3 pipeline micro-batches, which must divide it" in errors(pp=2, pp_microbatches=3)
     assert errors(pp=2, pp_schedule="interleaved_1f1b", pp_virtual_stages=2) == ""
     assert ParallelConfig(pp=2, pp_virtual_stages=2, pp_schedule="interleaved_1f1b").microbatches == 4
+    assert "parallel.pp_layers: [1, 2, 1] must give each of the pipeline's 2 stages" in errors(
+        pp=2, pp_layers=(1, 2, 1)
+    )
+    assert "parallel.pp_layers: [0, 4] must give each" in errors(pp=2, pp_layers=(0, 4))
+
+
+def test_stages_of_given_sizes_take_consecutive_layers():
+    assert stage_layers(126, 8, (15, 16, 16, 16, 16, 16, 16, 15))[0] == range(0, 15)
+    assert stage_layers(126, 8, (15, 16, 16, 16, 16, 16, 16, 15))[-1] == range(111, 126)
+    assert stage_layers(3, 2, (1, 2)) == [range(0, 1), range(1, 3)]
+    with pytest.raises(ConfigError, match=r"parallel.pp_layers: \[1, 1\] add up to 2 layers; the model has 3"):
+        stage_layers(3, 2, (1, 1))
+
+
+@pytest.mark.slow
+def test_stages_of_unequal_layers_train_as_one_process(tmp_path, corpus_dir, single_by):
+    """One layer on the first stage (beside the embedding), three on the last."""
+    run_dir = tmp_path / "pp"
+    train_on(2, _pipe_sets(run_dir, corpus_dir, micro=4, parallel__pp=2, parallel__pp_layers="1,3"))
+    assert_same_training(run_dir, single_by(2))
+    assert sorted(k for k in weights(run_dir) if k.endswith("attn.wq.weight")) == [
+        f"blocks.{i}.attn.wq.weight" for i in range(4)
+    ]
 
 
 def test_stages_compose_to_the_whole_model():

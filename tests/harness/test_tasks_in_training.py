@@ -48,26 +48,37 @@ def test_task_scores_are_logged_and_change_nothing_of_the_run(tmp_path, corpus_d
 
 
 @pytest.mark.slow
-def test_task_scores_under_fsdp_are_those_of_the_saved_model(tmp_path, corpus_dir):
-    """Two FSDP ranks score the tasks through the sharded model; the scores at the end are those
-    ``kiln eval --tasks`` gives the run's last checkpoint."""
+@pytest.mark.parametrize("layout", [{"parallel__strategy": "fsdp"}, {"parallel__cp": 2}], ids=["fsdp", "cp"])
+def test_task_scores_on_two_ranks_are_those_of_the_saved_model(tmp_path, corpus_dir, layout):
+    """Two FSDP ranks score the tasks through the sharded model, two context-parallel ranks
+    through the model that splits each row (padded to whole chunks) and decodes whole on each;
+    the scores at the end are those ``kiln eval --tasks`` gives the run's last checkpoint."""
     tasks = write_tasks(tmp_path / "tasks")
     run = tmp_path / "run"
-    items = tiny_overrides(run, corpus_dir, data__seq_len=64, train__max_steps=6, parallel__strategy="fsdp")
-    items += ["eval.tasks=kiln_mc", f"eval.tasks_include={tasks}", "eval.tasks_limit=8"]
+    items = tiny_overrides(run, corpus_dir, data__seq_len=64, train__max_steps=6, **layout)
+    items += ["eval.tasks=kiln_mc,kiln_gen", f"eval.tasks_include={tasks}", "eval.tasks_limit=8"]
     train_on(2, sets(items))
     [logged] = [r for r in records(run) if "tasks/kiln_mc/acc" in r]
     assert logged["step"] == 6
-    in_process("eval", run, "--tasks", "kiln_mc", "--include-path", tasks, "--limit", "8")
+    in_process("eval", run, "--tasks", "kiln_mc,kiln_gen", "--include-path", tasks, "--limit", "8")
     saved = json.loads((run / "eval" / "kiln_mc.json").read_text())["results"]["kiln_mc"]
     assert logged["tasks/kiln_mc/acc"] == saved["acc,none"]
     assert logged["tasks/kiln_mc/acc_norm"] == saved["acc_norm,none"]
+    generated = json.loads((run / "eval" / "kiln_gen.json").read_text())["results"]["kiln_gen"]
+    assert logged["tasks/kiln_gen/exact_match"] == generated["exact_match,none"]
 
 
-def test_tasks_in_the_loop_need_the_whole_model_or_fsdp(tmp_path, corpus_dir):
-    items = tiny_overrides(tmp_path / "run", corpus_dir, parallel__tp=2, eval__tasks="kiln_mc")
+@pytest.mark.parametrize(
+    ("layout", "message"),
+    [
+        ({"parallel__tp": 2}, "eval.tasks: sequence parallelism splits each forward's positions"),
+        ({"parallel__pp": 2}, "eval.tasks: a pipeline returns the loss from its last stage"),
+    ],
+)
+def test_tasks_in_the_loop_need_the_logits_of_whole_rows(tmp_path, corpus_dir, layout, message):
+    items = tiny_overrides(tmp_path / "run", corpus_dir, eval__tasks="kiln_mc", **layout)
     proc = in_process("train", *sets(items), check=False)
-    assert proc.returncode == 2 and "eval.tasks: tasks are scored in the loop" in proc.stderr
+    assert proc.returncode == 2 and message in proc.stderr
 
 
 def test_an_unknown_task_stops_the_run_before_it_trains(tmp_path, corpus_dir):

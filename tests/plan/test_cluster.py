@@ -152,6 +152,20 @@ def test_stages_hold_their_share_of_the_layers_and_the_root():
     assert plan.memory.peak_phase.startswith("first stage")
 
 
+def test_stages_of_given_sizes_are_planned_by_their_own_layers_and_the_heaviest_sets_the_time():
+    items = [*EIGHT_B, "parallel.pp=4", "train.micro_batch_size=4", "parallel.pp_microbatches=4"]
+    equal = plan_of(items, world_size=4)
+    # Llama 3 405B's recipe in small: the embedding's and the output layer's stages lighter.
+    lighter_ends = plan_of([*items, "parallel.pp_layers=7,9,9,7"], world_size=4)
+    first, last, middle = pipeline_stages(lighter_ends.job.shape, lighter_ends.base)
+    assert (first.blocks, last.blocks, middle.blocks) == (7, 7, 9)
+    assert lighter_ends.memory.allocated < equal.memory.allocated  # the first stage set the peak
+    # A heavy last stage (the output layer and more layers) is the pipeline's slowest.
+    heavy_end = plan_of([*items, "parallel.pp_layers=6,6,6,14"], world_size=4)
+    assert heavy_end.time.total > 1.5 * equal.time.total
+    assert "parallel.pp_layers=6,6,6,14" in heavy_end.base.overrides(equal.base)
+
+
 def test_gpipe_holds_every_micro_batch_and_needs_more_memory_than_1f1b():
     items = [
         *TINY,

@@ -368,12 +368,51 @@ def test_llama_class_models_split_over_two_tensor_parallel_ranks(tmp_path, sft, 
         "train",
         *as_args(ft_sets(run, sft, hf_llama, train__micro_batch_size=2, parallel__tp=2)),
     )
-    got, want = losses(run), losses(single)
+    assert_trains_as(run, single)
+
+
+def assert_trains_as(run: Path, reference: Path) -> None:
+    """``run``'s losses those of ``reference`` (rel 1e-5), its weights too (1e-4)."""
+    got, want = losses(run), losses(reference)
     for step in want:
         assert got[step] == pytest.approx(want[step], rel=1e-5), step
-    a, b = load_run(run, device="cpu").model.state_dict(), load_run(single, device="cpu").model.state_dict()
+    a, b = load_run(run, device="cpu").model.state_dict(), load_run(reference, device="cpu").model.state_dict()
     for name in a:
         torch.testing.assert_close(a[name], b[name], rtol=0, atol=1e-4, msg=name)
+
+
+@pytest.mark.slow
+@pytest.mark.dist
+@pytest.mark.parametrize("packing", [False, True], ids=["padded", "packed"])
+def test_llama_class_models_split_their_sequences_over_two_context_parallel_ranks(
+    tmp_path, sft, hf_llama, single, packing
+):
+    """Each record's tokens split over two ranks (padded rows cut to whole chunks; packed rows
+    keeping each record's attention to itself across the chunks): one process's training."""
+    reference = single
+    if packing:
+        reference = tmp_path / "one"
+        in_process("train", *as_args(ft_sets(reference, sft, hf_llama, data__packing="true")))
+    run = tmp_path / "cp"
+    items = ft_sets(run, sft, hf_llama, parallel__cp=2, data__packing=str(packing).lower())
+    launch(2, "train", *as_args(items))
+    assert_trains_as(run, reference)
+
+
+@pytest.mark.slow
+@pytest.mark.dist
+@pytest.mark.parametrize("model_type", ["qwen3", "gemma3_text"])
+def test_models_with_query_and_key_norms_split_over_two_tensor_parallel_ranks(tmp_path, sft, model_type):
+    """Llama's plan with per-head query and key norms (their gains replicated, their gradients
+    summed over the ranks' heads): Qwen3's, and Gemma 3's after it moves the heads first (with
+    its four norms per layer and its sliding-window layers)."""
+    from hf_models import save_tiny
+
+    model = save_tiny(tmp_path / model_type, model_type, tokenizer=True)
+    one, tp = tmp_path / "one", tmp_path / "tp"
+    in_process("train", *as_args(ft_sets(one, sft, model, train__max_steps=4)))
+    launch(2, "train", *as_args(ft_sets(tp, sft, model, train__max_steps=4, parallel__tp=2)))
+    assert_trains_as(tp, one)
 
 
 def test_a_causal_lm_continues_pretraining_on_text_with_its_own_tokenizer(tmp_path, corpus_dir, hf_llama, capsys):

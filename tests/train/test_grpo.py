@@ -108,7 +108,9 @@ def test_the_loss_is_grpos_on_the_sampled_completions(tmp_path, prompts, hf_llam
     model = job.whole_model(torch.device("cpu")).eval()
     batch = prompt_collate(job.prompts.train.rows[:3])
     torch.manual_seed(7)
-    loss = job.loss_fn(model, batch)
+    rollout = job.rollout(model, batch, 3)  # the three prompts sampled as one micro-batch
+    assert len(rollout) == 3 and len(rollout.rows) == 12 and [len(p) for p in rollout.split_rows(2)] == [2, 1]
+    loss = job.loss_fn(model, rollout)
     loss.backward()
     ours = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
     model.zero_grad()

@@ -70,14 +70,20 @@ def test_a_skipped_step_changes_nothing():
 
 @pytest.mark.parametrize(
     "layout",
-    [{"parallel__strategy": "ddp"}, {"parallel__strategy": "fsdp"}, {"parallel__tp": 2}],
-    ids=["ddp", "fsdp", "tp"],
+    [
+        {"parallel__strategy": "ddp"},
+        {"parallel__strategy": "fsdp"},
+        {"parallel__tp": 2},
+        {"parallel__strategy": "fsdp", "parallel__dp_replicate": 2},
+    ],
+    ids=["ddp", "fsdp", "tp", "hsdp"],
 )
 def test_muon_on_two_ranks_trains_as_one_process(tmp_path, corpus_dir, one_process, layout):
-    """DDP replicas, FSDP shards and tensor-parallel halves (each update matrix gathered whole)."""
+    """DDP replicas, FSDP shards and tensor-parallel halves (each update matrix orthogonalised by
+    one rank of its shards' group), and HSDP's two replicas of two shards (4 ranks)."""
     run_dir = tmp_path / "run"
     micro = 4 if "parallel__tp" in layout else 2  # tensor-parallel ranks read the same batch
-    train_on(2, muon_sets(run_dir, corpus_dir, micro=micro, **layout))
+    train_on(4 if "parallel__dp_replicate" in layout else 2, muon_sets(run_dir, corpus_dir, micro=micro, **layout))
     assert_same_training(run_dir, one_process)
 
 
@@ -87,3 +93,47 @@ def test_resume_is_bitwise(tmp_path, corpus_dir, one_process):
     assert losses(copy) == losses(one_process)
     got, want = weights(copy), weights(one_process)
     assert all(torch.equal(got[k], want[k]) for k in want)
+
+
+def _spread(rank: int, init: str, world: int) -> None:
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    from kiln.train.optim import orthogonalize, orthogonalize_all
+
+    dist.init_process_group("gloo", init_method=f"file://{init}", rank=rank, world_size=world)
+    try:
+        mesh = init_device_mesh("cpu", (world,))
+        torch.manual_seed(0)
+        # Five matrices over three ranks (two rounds), of rows and columns the ranks split
+        # unevenly (7 rows: 3, 3, 1; 2 rows: 1, 1 and none), wide and tall, by rows or columns.
+        shapes = [((7, 5), 0), ((4, 9), 1), ((2, 6), 0), ((10, 3), 1), ((6, 6), 0)]
+        wholes = [torch.randn(shape) for shape, _ in shapes]
+        sharded = [distribute_tensor(w, mesh, [Shard(d)]) for w, (_, d) in zip(wholes, shapes, strict=True)]
+        plain = torch.randn(4, 4)
+        calls = []
+        import kiln.train.optim as optim
+
+        inner = optim.orthogonalize
+        optim.orthogonalize = lambda u, *a, **k: calls.append(tuple(u.shape)) or inner(u, *a, **k)
+        try:
+            got = orthogonalize_all([*sharded, plain])
+        finally:
+            optim.orthogonalize = inner
+        for g, w, d in zip(got[:-1], wholes, sharded, strict=True):
+            torch.testing.assert_close(g.full_tensor(), orthogonalize(w), rtol=1e-5, atol=1e-6)
+            assert g.placements == d.placements
+        torch.testing.assert_close(got[-1], orthogonalize(plain))
+        # Rank r orthogonalised matrices r and r + 3 only (and the plain one): a third of the work.
+        owned = [tuple(s if d == 0 else s[::-1]) for (s, d) in shapes[rank::world]]
+        assert calls == [(4, 4), *owned], calls
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.dist
+def test_each_sharded_matrix_is_orthogonalised_once_by_its_owner_rank(tmp_path):
+    import torch.multiprocessing as mp
+
+    mp.spawn(_spread, args=(str(tmp_path / "init"), 3), nprocs=3, join=True)

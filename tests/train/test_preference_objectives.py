@@ -455,12 +455,18 @@ def test_a_lora_dpo_run_exports_to_transformers_and_peft(tmp_path, pairs, hf_lla
 
 @pytest.mark.slow
 @pytest.mark.dist
-@pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
-def test_dpo_on_two_ranks_equals_one_process(tmp_path, pairs, hf_llama, strategy):
-    # Every rank computes the reference over all pairs in one order, in the run's own layout.
-    single, run = tmp_path / "single", tmp_path / strategy
+@pytest.mark.parametrize(
+    "layout",
+    [{"parallel__strategy": "ddp"}, {"parallel__strategy": "fsdp"}, {"parallel__cp": 2}],
+    ids=["ddp", "fsdp", "cp"],
+)
+def test_dpo_on_two_ranks_equals_one_process(tmp_path, pairs, hf_llama, layout):
+    """Replicas, shards, or each pair's sequences split over two ranks (their per-token
+    log-probabilities gathered whole on each). Every rank computes the reference over all pairs
+    in one order, in the run's own layout."""
+    single, run = tmp_path / "single", tmp_path / "run"
     train(load_config(None, pref_sets(single, pairs, hf_llama, train__micro_batch_size=1)), console=False)
-    items = pref_sets(run, pairs, hf_llama, train__micro_batch_size=1, parallel__strategy=strategy)
+    items = pref_sets(run, pairs, hf_llama, train__micro_batch_size=1, **layout)
     launch(2, "train", *sets(items))
     got, want = losses(run), losses(single)
     assert got.keys() == want.keys()

@@ -44,6 +44,8 @@ def _coerce(key: str, tp: Any, value: Any, from_text: bool) -> Any:
         return _tables(key, get_args(tp)[0], value, from_text)
     if get_origin(tp) is tuple and get_args(tp) == (str, Ellipsis):
         return _strings(key, value, from_text)
+    if get_origin(tp) is tuple and get_args(tp) == (int, Ellipsis):
+        return _integers(key, value, from_text)
     if get_origin(tp) in _UNIONS:
         for option in get_args(tp):
             try:
@@ -98,6 +100,18 @@ def _strings(key: str, value: Any, from_text: bool) -> tuple[str, ...]:
     if isinstance(value, list | tuple) and all(isinstance(v, str) for v in value):
         return tuple(value)
     raise ConfigError([f"{key}: expected a list of strings, got {value!r}"])
+
+
+def _integers(key: str, value: Any, from_text: bool) -> tuple[int, ...]:
+    """A list of integers: a TOML array, or on the command line also ``3,4,4,3``."""
+    if from_text and isinstance(value, str):
+        value = [part.strip(" []") for part in value.split(",") if part.strip(" []")]
+    if isinstance(value, list | tuple):
+        try:
+            return tuple(_coerce(key, int, v, from_text) for v in value)
+        except ConfigError:
+            pass
+    raise ConfigError([f"{key}: expected a list of integers, got {value!r}"])
 
 
 def _tables(key: str, cls: Any, value: Any, from_text: bool) -> tuple:

@@ -214,6 +214,12 @@ class DataConfig:
     """causal_lm records: pack whole records into rows of data.seq_len tokens (best-fit
     decreasing), each record attending only to itself (per-record positions, block-diagonal
     causal mask), instead of padding each row."""
+    document_mask: bool = False
+    """Text: attention stays within each document of a training window (the documents of the
+    token stream, each ended by the end-of-text token), positions restart at each document, and
+    the end-of-text token's target, the next document's first token, is left out of the loss.
+    Off by default: on the default run it changed val bpb by less than its seed-to-seed spread
+    and cost tokens/s (BENCHMARKS.md, "Document masking")."""
     tokenizer: str = "bpe"
     """'bpe' trains a byte-level BPE on the training split (cached), or a path to a tokenizer.json."""
     tokenizer_sample_bytes: int = 0
@@ -419,8 +425,14 @@ class TrainConfig:
     compile_after: int = 0
     """With train.compile: steps to run eagerly before the compiled ones (0: compiled from the
     first). With max_steps = "auto" the time plan times the compiled steps, not these."""
-    activation_checkpointing: bool = False
-    """Recompute each block's activations in the backward pass to save memory."""
+    activation_checkpointing: bool | Literal["selective"] = False
+    """Recompute each block's activations in the backward pass to save memory (true), or only
+    the cheap ones ("selective": the outputs of matrix products and attention are kept, norms,
+    activation functions and elementwise operations recomputed, as torchtitan's op-level mode:
+    most of the memory for a few percent of the time)."""
+    activation_checkpointing_every: int = 1
+    """With train.activation_checkpointing: checkpoint every N-th block only (1: every block);
+    the others keep their activations, trading memory back for time."""
     log_every: int = 10
     """Log metrics every N steps (the only points where the loop waits for the device)."""
     time_budget: str = ""
@@ -480,6 +492,10 @@ class TrainConfig:
             (self.seed >= 0, f"train.seed: must be >= 0, got {self.seed}"),
             (self.log_every >= 1, f"train.log_every: must be >= 1, got {self.log_every}"),
             (self.compile_after >= 0, f"train.compile_after: must be >= 0, got {self.compile_after}"),
+            (
+                self.activation_checkpointing_every >= 1,
+                f"train.activation_checkpointing_every: must be >= 1, got {self.activation_checkpointing_every}",
+            ),
             (
                 not self.compile_after or self.compile is not False,
                 f"train.compile_after: {self.compile_after} steps before compiling, but train.compile is false",
@@ -673,6 +689,11 @@ class ParallelConfig:
     pp_virtual_stages: int = 1
     """Stages per pipeline rank: 2 or more with interleaved_1f1b (rank r holds stages r, r + pp,
     ...), 1 with the other schedules."""
+    pp_layers: tuple[int, ...] = ()
+    """The model's repeated layers in each pipeline stage, first to last, e.g. [3, 4, 4, 3]: the
+    first and last stages lighter, as they also hold the embedding and the output layer (Llama 3
+    405B's 126 layers in 8 stages, as torchtitan splits them); one number per stage (parallel.pp x
+    parallel.pp_virtual_stages), each at least 1, summing to the model's layers. Empty: equal stages."""
     init_timeout: str = "10m"
     """How long a collective may wait while the process group starts and the model is set up
     (loading, first compile), and during evaluations and checkpoint saves, before the watchdog
@@ -718,6 +739,11 @@ class ParallelConfig:
             (
                 self.pp_schedule != "interleaved_1f1b" or self.pp == 1 or self.pp_virtual_stages >= 2,
                 "parallel.pp_schedule: interleaved_1f1b needs parallel.pp_virtual_stages >= 2",
+            ),
+            (
+                not self.pp_layers or (len(self.pp_layers) == self.pp_stages and min(self.pp_layers) >= 1),
+                f"parallel.pp_layers: {list(self.pp_layers)} must give each of the pipeline's {self.pp_stages} "
+                "stages (parallel.pp x parallel.pp_virtual_stages) one or more layers",
             ),
             (
                 self.pp_microbatches == 0 or self.pp_microbatches >= self.pp_stages,
@@ -1052,9 +1078,9 @@ class Config:
                 f"data.seq_len={self.data.seq_len}",
             ),
             (
-                cp == 1 or not self.data.packing,
-                "data.packing: packed records attend only within each record, which context parallelism "
-                "(parallel.cp > 1) does not model; set data.packing=false or parallel.cp=1",
+                not self.data.document_mask or self.data.format != "records",
+                "data.document_mask: masks the documents of a text corpus; fine-tuning records are kept apart "
+                "by data.packing",
             ),
             (
                 cp == 1 or micro != "auto",
@@ -1062,9 +1088,14 @@ class Config:
                 "forward passes wait for one another; give a number",
             ),
             (
-                not self.eval.tasks or (pp == 1 and cp == 1 and self.parallel.tp == 1),
-                "eval.tasks: tasks are scored in the loop where every rank holds the whole model or an FSDP shard "
-                "of it (parallel.tp, pp and cp of 1); score this run's checkpoints with kiln eval RUN --tasks",
+                not self.eval.tasks or self.parallel.tp == 1,
+                "eval.tasks: sequence parallelism splits each forward's positions over the parallel.tp ranks, and "
+                "decoding feeds one position at a time; score this run's checkpoints with kiln eval RUN --tasks",
+            ),
+            (
+                not self.eval.tasks or pp == 1,
+                "eval.tasks: a pipeline returns the loss from its last stage, not the logits tasks are scored by; "
+                "score this run's checkpoints with kiln eval RUN --tasks",
             ),
             (
                 self.parallel.tp == 1 or bool(self.model.source) or self.data.seq_len % (self.parallel.tp * 2 * cp) == 0
@@ -1094,9 +1125,14 @@ class Config:
                 "train.precision: fp8 trains full linear layers; LoRA adapters (lora.rank) train in bf16",
             ),
             (
-                self.train.objective == "sft" or (pp == 1 and cp == 1),
-                f"train.objective: {self.train.objective} scores whole sequences of each pair, which pipeline stages "
-                "and context-parallel chunks (parallel.pp, parallel.cp > 1) do not hold; use FSDP, DDP or TP",
+                self.train.objective == "sft" or pp == 1,
+                f"train.objective: {self.train.objective} scores whole sequences, which pipeline stages (parallel.pp "
+                f"> 1) do not hold; use {'DDP' if self.train.objective == 'grpo' else 'FSDP, DDP, TP or CP'}",
+            ),
+            (
+                self.train.objective != "grpo" or cp == 1,
+                "train.objective: grpo samples completions of its own length on each rank, which context-parallel "
+                "ranks would have to share; set parallel.cp=1",
             ),
             (
                 self.train.objective != "grpo" or bool(self.grpo.reward) != bool(self.grpo.reward_model),

@@ -1,7 +1,8 @@
 """Batches as the loop handles them: moved to the device, built from dataset items outside a
 DataLoader, and cut into micro-batches. A batch is a tensor, a tuple, list or dict of them, or a
 ``RowBatch``: a ``TokenBatch`` (variable-length token rows that know their real lengths and loss
-tokens) or a ``PairBatch`` (preference pairs, a chosen and a rejected row each)."""
+tokens), a ``TextBatch`` (windows of a token stream whose documents attend only within
+themselves) or a ``PairBatch`` (preference pairs, a chosen and a rejected row each)."""
 
 from __future__ import annotations
 
@@ -103,6 +104,57 @@ class TokenBatch(RowBatch):
 
             out.append(self._map(cut, rows))
         return out
+
+
+@dataclass
+class TextBatch(RowBatch):
+    """Windows of a token stream whose documents attend only within themselves
+    (``data.document_mask``): ``inputs`` [B, T], their ``targets`` (IGNORE_INDEX where an input
+    ends a document: the next document's first token is not predicted across the boundary), each
+    token's ``positions`` in its document (0 where one starts), and per row, on the host, its loss
+    tokens."""
+
+    inputs: torch.Tensor
+    targets: torch.Tensor
+    positions: torch.Tensor
+    loss_tokens: list[int]
+
+    def __len__(self) -> int:
+        return len(self.inputs)
+
+    @property
+    def count(self) -> int:
+        return sum(self.loss_tokens)
+
+    @property
+    def tokens(self) -> int:
+        return self.inputs.numel()
+
+    def _map(self, fn: Callable[[torch.Tensor], torch.Tensor], rows: slice = slice(None)) -> TextBatch:
+        return TextBatch(fn(self.inputs), fn(self.targets), fn(self.positions), self.loss_tokens[rows])
+
+    def to(self, device: torch.device, non_blocking: bool = True) -> TextBatch:
+        return self._map(lambda t: t.to(device, non_blocking=non_blocking))
+
+    def pin_memory(self) -> TextBatch:
+        return self._map(torch.Tensor.pin_memory)
+
+    def split_rows(self, size: int) -> list[TextBatch]:
+        out = []
+        for start in range(0, len(self), size):
+            rows = slice(start, start + size)
+
+            def cut(t: torch.Tensor, r: slice = rows) -> torch.Tensor:
+                return t[r]
+
+            out.append(self._map(cut, rows))
+        return out
+
+    @staticmethod
+    def collate(items: Sequence[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]) -> TextBatch:
+        """Items ``(inputs, targets, positions)`` of a ``DocumentSequences`` as one batch."""
+        inputs, targets, positions = (torch.stack(t) for t in zip(*items, strict=True))
+        return TextBatch(inputs, targets, positions, (targets != IGNORE_INDEX).sum(1).tolist())
 
 
 @dataclass

@@ -154,6 +154,34 @@ class TokenSequences(Dataset):
         return state
 
 
+class DocumentSequences(Dataset):
+    """The windows of ``sequences`` as items ``(inputs, targets, positions)`` whose documents
+    attend only within themselves (``data.document_mask``; ``TextBatch.collate`` batches them):
+    an end-of-text token ``eot`` ends its document, the positions restart after it, and its
+    target, the next document's first token, is left out of the loss (IGNORE_INDEX)."""
+
+    def __init__(self, sequences: TokenSequences, eot: int):
+        self.sequences, self.eot, self.seq_len = sequences, eot, sequences.seq_len
+        self.num_tokens = sequences.num_tokens
+
+    def __len__(self) -> int:
+        return len(self.sequences)
+
+    def __getitem__(self, i: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        x, y = self.sequences[i]
+        ends = x == self.eot
+        return x, y.masked_fill(ends, IGNORE_INDEX), document_positions(ends)
+
+
+def document_positions(ends: torch.Tensor) -> torch.Tensor:
+    """Each token's position in its document [T], from where documents end ``ends`` [T] (a
+    document starts after each end; the window's first one at its first token)."""
+    at = torch.arange(len(ends))
+    starts = torch.zeros_like(at)
+    starts[1:] = torch.where(ends[:-1], at[1:], 0)
+    return at - starts.cummax(0).values
+
+
 def hashed_generator(*parts: object) -> torch.Generator:
     """A generator seeded by a hash of ``parts`` (seed, epoch, ...): nearby seeds or epochs give
     unrelated streams."""
@@ -360,9 +388,13 @@ class StepBatches:
 
 
 def val_batches(
-    dataset: TokenSequences, micro_batch_size: int, num_batches: int
-) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """A fixed validation sample: up to num_batches * micro_batch_size sequences evenly spaced over the set."""
+    dataset: TokenSequences | DocumentSequences,
+    micro_batch_size: int,
+    num_batches: int,
+    collate: Callable[[list], Any] | None = None,
+) -> list[Any]:
+    """A fixed validation sample: up to num_batches * micro_batch_size sequences evenly spaced over
+    the set, as ``(x, y)`` pairs or, given ``collate``, as it batches the items."""
     total = len(dataset)
     if total == 0:
         raise DataError(
@@ -373,7 +405,11 @@ def val_batches(
     indices = [k * total // n for k in range(n)]
     batches = []
     for start in range(0, n, micro_batch_size):
-        xs, ys = zip(*(dataset[i] for i in indices[start : start + micro_batch_size]), strict=True)
+        items = [dataset[i] for i in indices[start : start + micro_batch_size]]
+        if collate is not None:
+            batches.append(collate(items))
+            continue
+        xs, ys = zip(*items, strict=True)
         batches.append((torch.stack(xs), torch.stack(ys)))
     return batches
 

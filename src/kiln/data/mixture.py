@@ -18,7 +18,7 @@ import numpy as np
 import torch
 from torch.utils.data import Dataset
 
-from kiln.data.loader import TokenSequences, hashed_generator
+from kiln.data.loader import DocumentSequences, TokenSequences, hashed_generator
 
 BLOCK = 1000
 
@@ -38,7 +38,13 @@ class Mixture(Dataset):
     """The sequences of several sources as one dataset (source i's items follow those of the
     sources before it), with the data order of their weighted mixture (``item``)."""
 
-    def __init__(self, names: Sequence[str], sources: Sequence[TokenSequences], weights: Sequence[float], seed: int):
+    def __init__(
+        self,
+        names: Sequence[str],
+        sources: Sequence[TokenSequences | DocumentSequences],
+        weights: Sequence[float],
+        seed: int,
+    ):
         self.names, self.sources, self.seed = list(names), list(sources), seed
         self.sizes = [len(s) for s in sources]
         self.offsets = np.cumsum([0, *self.sizes[:-1]]).tolist()
@@ -50,7 +56,7 @@ class Mixture(Dataset):
     def __len__(self) -> int:
         return sum(self.sizes)
 
-    def __getitem__(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def __getitem__(self, i: int) -> tuple[torch.Tensor, ...]:
         source = int(np.searchsorted(self.offsets, i, side="right")) - 1
         return self.sources[source][i - self.offsets[source]]
 

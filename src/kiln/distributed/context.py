@@ -28,10 +28,14 @@ gives the gradient of the sequence's loss.
 from __future__ import annotations
 
 import inspect
-from typing import Any
+from dataclasses import dataclass
+from typing import Any, cast
 
 import torch
+import torch.nn.functional as F
 from torch import nn
+
+from kiln.models.lm import document_ids, document_mask
 
 IGNORE_INDEX = -100
 
@@ -114,11 +118,14 @@ class ContextParallelAttend(nn.Module):
         super().__init__()
         self.inner, self.group, self.cp, self.rank = inner, group, cp, rank
 
-    def forward(self, q, k, v, mask=None, causal=True):
+    def forward(self, q, k, v, mask=None, causal=True, documents=None):
         if mask is not None or not causal:  # decoding over a kv cache: not split
             return self.inner(q, k, v, mask, causal)
         from torch.nn.attention.bias import causal_lower_right
 
+        # Packed documents: which one each token of the whole sequences is in, from every rank's
+        # positions in them (a small all-gather of integers per layer).
+        ids = None if documents is None else document_ids(gather_sequence(documents, 1, self.group, self.cp))
         keys = gather_sequence(k, 2, self.group, self.cp)
         values = gather_sequence(v, 2, self.group, self.cp)
         if (group := q.size(1) // k.size(1)) > 1:
@@ -131,46 +138,105 @@ class ContextParallelAttend(nn.Module):
             # Query i of a chunk ending at ``end`` sees keys 0..end - chunk + i: a causal mask
             # aligned to the lower right corner, which flash kernels run without a mask tensor.
             queries = q[:, :, part * chunk : (part + 1) * chunk]
-            bias = causal_lower_right(chunk, end)
+            bias: Any
+            if ids is None:
+                bias = causal_lower_right(chunk, end)
+            else:  # the same triangle, within each document
+                bias = document_mask(
+                    ids[:, end - chunk : end], ids[:, :end], torch.arange(end - chunk, end, device=q.device)
+                )
             outs.append(self.inner(queries, keys[:, :, :end], values[:, :, :end], bias, False))
         return torch.cat(outs, dim=2)
+
+
+@dataclass(frozen=True)
+class Inputs:
+    """The arguments of a model's forward that the split cuts, by name: the tokens, the targets
+    (the next token of each), the positions; ``cache``: a KV cache, given when decoding (then
+    every rank runs the whole sequence); ``labels``: targets aligned with the tokens (shifted
+    inside the model; the split shifts them first); ``padding``: a padding mask, left out (rows
+    are padded on the right, which no earlier position sees); ``row_positions``: the model takes
+    positions per row [B, T] (transformers'), not one row [T] for all."""
+
+    tokens: str
+    targets: str
+    positions: str
+    cache: str | None = None
+    labels: str | None = None
+    padding: str | None = None
+    row_positions: bool = False
+
+
+GPT_INPUTS = Inputs("idx", "targets", "positions", cache="kv_cache")
+TRANSFORMERS_INPUTS = Inputs(
+    "input_ids", "targets", "position_ids", labels="labels", padding="attention_mask", row_positions=True
+)
 
 
 class _SplitSequences:
     """The hooks around a model's forward that give it this rank's chunks and make its result the
     whole sequences' (one forward's targets kept from the first for the second; activation
-    checkpointing does not recompute the model's own forward)."""
+    checkpointing does not recompute the model's own forward). ``packed``: the last forward's
+    rows pack documents (the caller gave their positions)."""
 
-    def __init__(self, model: nn.Module, group: Any, cp: int, rank: int):
+    def __init__(self, model: nn.Module, group: Any, cp: int, rank: int, names: Inputs):
         self.signature = inspect.signature(model.forward)
-        self.group, self.cp, self.rank = group, cp, rank
-        self.pending: list[tuple[torch.Tensor | None, torch.Tensor] | None] = []
+        self.group, self.cp, self.rank, self.names = group, cp, rank, names
+        self.pending: list[tuple[torch.Tensor | None, torch.Tensor, int | None] | None] = []
+        self.packed = False
 
     def before(self, module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
         bound = self.signature.bind(*args, **kwargs)
-        given = bound.arguments
-        if given.get("kv_cache") is not None:  # decoding: every rank runs the whole sequence
+        given, n = bound.arguments, self.names
+        if n.cache and given.get(n.cache) is not None:  # decoding: every rank runs the whole sequence
             self.pending.append(None)
             return args, kwargs
-        idx, targets = given["idx"], given.get("targets")
+        idx, targets, positions = given[n.tokens], given.get(n.targets), given.get(n.positions)
+        width, shifted = idx.size(1), False
+        if n.labels and (labels := given.pop(n.labels, None)) is not None:
+            targets, shifted = F.pad(labels[:, 1:], (0, 1), value=IGNORE_INDEX), True
+        if n.padding:
+            given.pop(n.padding, None)
+        self.packed = positions is not None and positions.dim() == 2
+        # What comes back whole, of how many positions: logits, or each target's log-probability
+        # (token_logps; one position fewer when the targets came as labels); else a mean loss.
+        whole = width if targets is None else (width - shifted if given.get("token_logps") else None)
+        if pad := -width % (2 * self.cp):
+            # Rows of any length (a benchmark task's, a padded batch's) padded on the right to
+            # whole chunks, which no earlier position sees under causal attention, and cut back.
+            idx = F.pad(idx, (0, pad))
+            targets = None if targets is None else F.pad(targets, (0, pad), value=IGNORE_INDEX)
+            positions = None if positions is None else F.pad(positions, (0, pad))
         held = local_positions(idx.size(1), self.cp, self.rank, idx.device)
-        given["idx"], given["positions"] = idx[:, held], held
+        # Positions per row (packed documents) are cut as the tokens are; else they are the held ones.
+        if positions is not None:
+            given[n.positions] = positions[:, held]
+        else:
+            given[n.positions] = held.expand(len(idx), -1) if n.row_positions else held
+        given[n.tokens] = idx[:, held]
         if targets is not None:
-            given["targets"] = targets[:, held]
-        self.pending.append((targets, held))
+            given[n.targets] = targets[:, held]
+        self.pending.append((targets, held, whole))
         return bound.args, bound.kwargs
 
     def after(self, module: nn.Module, args: tuple, kwargs: dict, out: torch.Tensor) -> torch.Tensor:
         split = self.pending.pop()
         if split is None:
             return out
-        targets, held = split
-        if targets is None:
-            return gather_sequence(out, 1, self.group, self.cp)
+        targets, held, whole = split
+        if whole is not None:
+            # Whole on every rank (the backward of the gather sums every rank's gradient of its
+            # chunk: cp times one loss's, which data-parallel averaging over the group divides).
+            return gather_sequence(out, 1, self.group, self.cp)[:, :whole]
+        assert targets is not None  # a mean loss is returned given targets
         # This rank's share of the sequences' mean loss: its mean over its counted tokens, weighed
         # by its part of them (a chunk can hold fewer, e.g. past a completion's end).
         share = (targets[:, held] != IGNORE_INDEX).sum() / (targets != IGNORE_INDEX).sum().clamp(min=1)
         return _SumOverGroup.apply(out * share, self.group, self.cp)
+
+    def install(self, model: nn.Module) -> None:
+        model.register_forward_pre_hook(self.before, with_kwargs=True)
+        model.register_forward_hook(self.after, with_kwargs=True)
 
 
 def apply_cp(model: nn.Module, blocks: list[nn.Module], core: str, cp_mesh: Any) -> None:
@@ -182,6 +248,57 @@ def apply_cp(model: nn.Module, blocks: list[nn.Module], core: str, cp_mesh: Any)
     for block in blocks:
         parent = block.get_submodule(owner)
         setattr(parent, leaf, ContextParallelAttend(getattr(parent, leaf), group, size, rank))
-    split = _SplitSequences(model, group, size, rank)
-    model.register_forward_pre_hook(split.before, with_kwargs=True)
-    model.register_forward_hook(split.after, with_kwargs=True)
+    _SplitSequences(model, group, size, rank, GPT_INPUTS).install(model)
+
+
+class _ScaledAttend(nn.Module):
+    """SDPA at a model's own scale (``transformers`` passes it: Gemma's is not 1 / sqrt(head_dim))."""
+
+    def __init__(self, scale: float | None):
+        super().__init__()
+        self.scale = scale
+
+    def forward(self, q, k, v, mask=None, causal=True):
+        k, v = k.to(q.dtype), v.to(q.dtype)
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal, scale=self.scale)
+
+
+def apply_cp_transformers(model: nn.Module, hf: nn.Module, cp_mesh: Any) -> None:
+    """Make ``model``, kiln's wrapper of the ``transformers`` causal LM ``hf``, split its sequences
+    over ``cp_mesh``: hooks around the wrapper's forward split its inputs, and ``hf`` computes
+    attention with a function registered for it (``transformers.AttentionInterface``, its public
+    way to plug one in) that gathers the group's keys and values as ``ContextParallelAttend``
+    does. Decoding with a KV cache (``use_cache``) runs transformers' SDPA on the whole sequence."""
+    from transformers import AttentionInterface
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    from kiln.config import ConfigError
+
+    c = cast(Any, hf).config
+    layers = set(getattr(c, "layer_types", None) or ())
+    windowed = bool(getattr(c, "sliding_window", None)) and getattr(c, "use_sliding_window", True)
+    if getattr(c, "attn_logit_softcapping", None) or "sliding_attention" in layers or windowed:
+        raise ConfigError(
+            [
+                f"parallel.cp: {type(hf).__name__}'s attention (a sliding window or capped logits) is not split "
+                "over context-parallel ranks; set parallel.cp=1"
+            ]
+        )
+    group, size, rank = cp_mesh.get_group(), cp_mesh.size(), cp_mesh.get_local_rank()
+    split = _SplitSequences(model, group, size, rank, TRANSFORMERS_INPUTS)
+
+    def attend(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
+        if kwargs.get("use_cache") is not False:  # decoding (or a call outside kiln's wrapper): whole
+            return sdpa_attention_forward(
+                module, query, key, value, attention_mask, scaling=scaling, dropout=dropout, **kwargs
+            )
+        documents = kwargs.get("position_ids") if split.packed else None
+        core = ContextParallelAttend(_ScaledAttend(scaling), group, size, rank)
+        return core(query, key, value, None, True, documents).transpose(1, 2).contiguous(), None
+
+    name = f"kiln_context_parallel_{id(model)}"
+    AttentionInterface.register(name, attend)
+    cast(Any, hf).set_attn_implementation(name)
+    if c._attn_implementation != name:
+        raise ConfigError([f"parallel.cp: {type(hf).__name__} does not take a plugged-in attention; set parallel.cp=1"])
+    split.install(model)

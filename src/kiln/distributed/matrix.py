@@ -50,6 +50,7 @@ FEATURES: dict[str, dict[str, dict[str, Any]]] = {
     "qk_norm": {"model": {"qk_norm": "true"}},
     "MoE": _MOE,
     "packing": {**_HF, "data": {"source": "records.jsonl", "packing": True}},
+    "document mask": {"data": {"document_mask": True}},
     "SFT": _HF,
     "DPO family": {**_HF, "train": {"objective": "dpo"}},
     "GRPO": {**_HF, "train": {"objective": "grpo"}, "grpo": {"reward": "rewards:exact"}},
@@ -63,7 +64,9 @@ _CP = "tests/distributed/test_context_ranks.py::"
 _QK = "tests/models/test_qk_norm.py::test_qk_norm_on_two_ranks_trains_as_one_process"
 _MUON = "tests/train/test_muon.py::test_muon_on_two_ranks_trains_as_one_process"
 _SFT = "tests/train/test_finetune.py::test_two_ranks_equal_one_process"
+_HF_CP = "tests/train/test_finetune.py::test_llama_class_models_split_their_sequences_over_two_context_parallel_ranks"
 _DPO = "tests/train/test_preference_objectives.py::test_dpo_on_two_ranks_equals_one_process"
+_TASKS = "tests/harness/test_tasks_in_training.py::test_task_scores_on_two_ranks_are_those_of_the_saved_model"
 PROOFS: dict[tuple[str, str], str] = {
     ("AdamW", "DDP"): _PARALLEL + "test_ddp_two_ranks_equal_one_process_with_twice_the_micro_batch",
     ("AdamW", "FSDP"): _PARALLEL + "test_fsdp_equals_one_process_and_saves_a_shard_per_rank",
@@ -75,6 +78,7 @@ PROOFS: dict[tuple[str, str], str] = {
     ("Muon", "DDP"): _MUON,
     ("Muon", "FSDP"): _MUON,
     ("Muon", "TP"): _MUON,
+    ("Muon", "HSDP"): _MUON,
     ("bf16", "FSDP"): _PARALLEL + "test_fsdp_bf16_computes_in_bf16_and_keeps_fp32_weights",
     ("qk_norm", "FSDP"): _QK,
     ("qk_norm", "TP"): _QK,
@@ -97,7 +101,18 @@ PROOFS: dict[tuple[str, str], str] = {
     ),
     ("LoRA", "TP"): "tests/train/test_lora.py::test_lora_on_two_tensor_parallel_ranks_trains_as_one_process",
     ("fp8", "TP"): "tests/train/test_fp8.py::test_fp8_on_two_tensor_parallel_ranks_trains_as_one_process",
+    (
+        "document mask",
+        "PP",
+    ): "tests/distributed/test_pipeline.py::test_packed_documents_in_two_stages_train_as_one_process",
+    ("document mask", "CP"): _CP + "test_packed_documents_split_over_two_ranks_train_as_one_process",
+    ("eval.tasks", "FSDP"): _TASKS,
+    ("eval.tasks", "CP"): _TASKS,
     ("DPO family", "DDP"): _DPO,
+    ("DPO family", "CP"): _DPO,
+    ("HF models", "CP"): _HF_CP,
+    ("SFT", "CP"): _HF_CP,
+    ("packing", "CP"): _HF_CP,
     ("DPO family", "FSDP"): _DPO,
 }
 

@@ -12,11 +12,11 @@ import torch
 from torch import nn
 
 from kiln.config import ConfigError, ParallelConfig
-from kiln.distributed.context import apply_cp
+from kiln.distributed.context import apply_cp, apply_cp_transformers
 from kiln.distributed.parallel import ParallelModel, apply_ddp, embedding_names, is_sharded, materialize, shard
 from kiln.distributed.pipeline import PipelineModel
 from kiln.distributed.world import World
-from kiln.models.family import ParallelPlan
+from kiln.models.family import TRANSFORMERS_ATTENTION, ParallelPlan
 from kiln.models.init import Values
 
 
@@ -38,7 +38,9 @@ def parallelize(
     check_layout(plan, world, pcfg, type(model).__name__)
     # Named before the model is cut: a pipeline stage may hold a tied output layer without its table.
     embeddings = embedding_names(model)
-    if world.cp > 1:
+    if world.cp > 1 and plan.attention == TRANSFORMERS_ATTENTION:
+        apply_cp_transformers(model, model.get_submodule("hf"), world.mesh["cp"])
+    elif world.cp > 1:
         apply_cp(model, plan.repeated_blocks(model), plan.attention, world.mesh["cp"])
     if world.pp > 1:
         return PipelineModel(model, plan, world, pcfg, bf16=bf16, embeddings=embeddings, initial=initial)
@@ -74,7 +76,7 @@ def check_layout(plan: ParallelPlan, world: World, pcfg: ParallelConfig, what: s
     if pcfg.cp > 1 and not plan.attention:
         errors.append(
             f"parallel.cp: {what} cannot split its sequences over ranks: its family's parallel plan names no "
-            "attention for context parallelism (kiln's GPT does); set parallel.cp=1"
+            "attention for context parallelism (kiln's GPT and Llama-class Hugging Face models do); set parallel.cp=1"
         )
     if pcfg.cp > 1 and world.dp % pcfg.cp:
         errors.append(

@@ -25,7 +25,7 @@ from torch import nn
 
 from kiln.checkpoint.store import StoredWeights
 from kiln.config import ConfigError, ParallelConfig
-from kiln.data.batch import IGNORE_INDEX
+from kiln.data.batch import IGNORE_INDEX, TextBatch
 from kiln.distributed.parallel import ParallelModel, StepCompute, clip_grad_norm_, load_whole, materialize, shard
 from kiln.distributed.world import World
 from kiln.models.family import ParallelPlan
@@ -38,13 +38,22 @@ SCHEDULES = {
 }
 
 
-def stage_layers(n_layers: int, stages: int) -> list[range]:
-    """The repeated layers of each stage: equal, consecutive runs."""
+def stage_layers(n_layers: int, stages: int, counts: tuple[int, ...] = ()) -> list[range]:
+    """The repeated layers of each stage: consecutive runs, of ``counts`` layers (one count per
+    stage, parallel.pp_layers) or equal."""
+    if counts:
+        if sum(counts) != n_layers:
+            raise ConfigError(
+                [f"parallel.pp_layers: {list(counts)} add up to {sum(counts)} layers; the model has {n_layers}"]
+            )
+        ends = [sum(counts[: s + 1]) for s in range(stages)]
+        return [range(end - count, end) for end, count in zip(ends, counts, strict=True)]
     if n_layers % stages:
         raise ConfigError(
             [
                 f"parallel.pp: the model's {n_layers} layers do not split into {stages} equal pipeline stages "
-                "(parallel.pp x parallel.pp_virtual_stages); choose a divisor of the layer count"
+                "(parallel.pp x parallel.pp_virtual_stages); choose a divisor of the layer count, or give "
+                "each stage's layers (parallel.pp_layers)"
             ]
         )
     size = n_layers // stages
@@ -125,7 +134,7 @@ class PipelineModel(ParallelModel):
 
         tied = _tied(model, plan)
         n_stages, pp, rank = pcfg.pp_stages, world.pp, world.pp_rank
-        layers = stage_layers(len(plan.repeated_blocks(model)), n_stages)
+        layers = stage_layers(len(plan.repeated_blocks(model)), n_stages, pcfg.pp_layers)
         mine = list(range(rank, n_stages, pp))
         # This rank's part: the model cut down to its stages' layers.
         part = _cut(model, plan, [i for s in mine for i in layers[s]], 0 in mine, n_stages - 1 in mine)
@@ -184,13 +193,16 @@ class PipelineModel(ParallelModel):
         and runs them through the stages; the last stage weighs each piece's loss by its share of
         the batch's loss tokens. The loss is returned on the last stage, times the pipeline's
         ranks, and zero on the others (the meter averages the loss over every rank)."""
-        inputs, targets = batch
+        inputs, targets, positions = _parts(batch)
         weight = 1 / divisor
         self._scale = weight / (targets != IGNORE_INDEX).sum()
         losses: list[torch.Tensor] = []
         with compute.autocast():
-            # Every stage gets the targets as a keyword: the last computes the loss with them.
-            self.schedule.step(inputs, target=targets, losses=losses, return_outputs=False, targets=targets)
+            # Every stage gets the targets as a keyword (the last computes the loss with them) and
+            # the positions of packed documents, whose attention each stage keeps apart.
+            self.schedule.step(
+                inputs, target=targets, losses=losses, return_outputs=False, targets=targets, **positions
+            )
         if last:
             self._reduce_gradients()
         if not self.is_last:
@@ -255,7 +267,9 @@ class PipelineModel(ParallelModel):
         return self._evaluate
 
     @torch.no_grad()
-    def _evaluate(self, inputs: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
+    def _evaluate(
+        self, inputs: torch.Tensor, targets: torch.Tensor | None = None, positions: torch.Tensor | None = None
+    ) -> torch.Tensor:
         """The mean loss of ``targets`` given ``inputs``, on every rank: the stages run in turn,
         each passing its hidden states to the next, and the last stage's loss is broadcast."""
         import torch.distributed as dist
@@ -271,13 +285,21 @@ class PipelineModel(ParallelModel):
                 shape, dtype = _recv_header(ranks[(s - 1) % self.pp], self.group)
                 x = torch.empty(shape, dtype=dtype, device=self.world.device)
                 dist.recv(x, ranks[(s - 1) % self.pp], group=self.group)
-            x = self._stage_modules[s](x, targets=targets)
+            x = self._stage_modules[s](x, targets=targets, positions=positions)
             if s < self.n_stages - 1:
                 _send_header(x, ranks[(s + 1) % self.pp], self.group)
                 dist.send(x.contiguous(), ranks[(s + 1) % self.pp], group=self.group)
         loss = x.float() if self.is_last else torch.zeros((), device=self.world.device)
         dist.broadcast(loss, ranks[(self.n_stages - 1) % self.pp], group=self.group)
         return loss
+
+
+def _parts(batch: tuple[torch.Tensor, torch.Tensor] | TextBatch) -> tuple[torch.Tensor, torch.Tensor, dict]:
+    """A text batch's inputs, targets and, where it packs documents, their positions (a keyword)."""
+    if isinstance(batch, TextBatch):
+        return batch.inputs, batch.targets, {"positions": batch.positions}
+    inputs, targets = batch
+    return inputs, targets, {}
 
 
 def _stage_class() -> type:

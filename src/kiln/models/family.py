@@ -30,6 +30,8 @@ from kiln.models.generate import collect
 from kiln.models.init import Initial, Values, keyed
 from kiln.models.lm import evaluate_lm, lm_loss
 
+TRANSFORMERS_ATTENTION = "transformers"
+
 
 @dataclass(frozen=True)
 class ParallelPlan:
@@ -64,7 +66,9 @@ class ParallelPlan:
     ``forward(q, k, v, mask, causal)`` computes it (kiln's GPT: ``attn.core``), in a model whose
     ``forward(idx, targets, ..., positions=...)`` takes the tokens' positions: context
     parallelism puts its own core in that one's place and splits the model's inputs around its
-    forward (``kiln.distributed.context``).
+    forward (``kiln.distributed.context``). Or ``TRANSFORMERS_ATTENTION``: the model is kiln's
+    wrapper of a ``transformers`` causal LM (under ``hf``) whose attention function context
+    parallelism plugs in through ``transformers.AttentionInterface``.
     """
 
     blocks: str | None = "blocks"
@@ -365,7 +369,7 @@ class ModelFamily:
         self, model: nn.Module, batches: list, token_bytes: torch.Tensor, device: torch.device
     ) -> dict[str, float]:
         """Validation metrics over fixed batches (eval mode, no_grad, the run's precision)."""
-        return evaluate_lm(model, batches, token_bytes, device)
+        return evaluate_lm(model, batches, token_bytes, device, self.loss)
 
     def stream(
         self, model: nn.Module, prompt: torch.Tensor, max_new_tokens: int, **sampling: Any

@@ -327,6 +327,7 @@ class Setup:
     pp_schedule: str = "1f1b"
     pp_microbatches: int = 0  # 0: one per stage, as parallel.pp_microbatches
     pp_virtual_stages: int = 1
+    pp_layers: tuple[int, ...] = ()  # each stage's layers (parallel.pp_layers); empty: equal
     ep: int = 1  # data-parallel ranks that split a mixture of experts' experts
     cp: int = 1  # data-parallel ranks that split each sequence
     optimizer: str = "adamw"  # or "muon": one momentum buffer for the hidden matrices
@@ -400,12 +401,14 @@ class Setup:
                 pp_schedule="parallel.pp_schedule",
                 microbatches="parallel.pp_microbatches",
                 pp_virtual_stages="parallel.pp_virtual_stages",
+                pp_layers="parallel.pp_layers",
             )
         out = []
         for attr, key in keys.items():
             value = getattr(self, attr)
             if value != getattr(base, attr):
-                out.append(f"{key}={str(value).lower() if isinstance(value, bool) else value}")
+                shown = str(value).lower() if isinstance(value, bool) else value
+                out.append(f"{key}={','.join(map(str, value)) if isinstance(value, tuple) else shown}")
         return out
 
 
@@ -462,7 +465,8 @@ def pipeline_stages(shape: ModelShape, s: Setup) -> list[Stage]:
     """The whole model without a pipeline; else its first and last stage (a middle stage holds
     the first's blocks, fewer micro-batches and no embedding: never more).
 
-    Layers split evenly (kiln refuses a pipeline they do not fill equally). In flight on the
+    Layers split evenly, or as ``parallel.pp_layers`` gives them: then a middle rank that holds
+    more layers than the first is a third stage to estimate. In flight on the
     first rank: every micro-batch under gpipe; p under 1f1b; under
     interleaved 1F1B with v stages per rank, (v + 1) p - 1 virtual-stage chunks, p + (p - 1) / v
     ranks' worth (Megatron-LM's warm-up; Korthikanti et al. 2022). On the last: one under 1f1b,
@@ -470,17 +474,24 @@ def pipeline_stages(shape: ModelShape, s: Setup) -> list[Stage]:
     if s.pp == 1:
         return [Stage("", shape.n_layer, shape.root, True, True)]
     p, v, m = s.pp, s.pp_virtual_stages, s.microbatches
-    blocks = shape.n_layer // p
+    # Each rank's layers: those of its stages r, r + p, ...
+    held = [sum(s.pp_layers[r::p]) for r in range(p)] if s.pp_layers else [shape.n_layer // p] * p
     if s.pp_schedule == "gpipe":
         first = last = float(m)
     elif s.pp_schedule == "interleaved_1f1b":
         first, last = p + (p - 1) / v, ((v - 1) * p + 1) / v
     else:
         first, last = float(min(m, p)), 1.0
-    return [
-        Stage("first stage", blocks, shape.before, True, False, first),
-        Stage("last stage", blocks, shape.after, False, True, last),
+    stages = [
+        Stage("first stage", held[0], shape.before, True, False, first),
+        Stage("last stage", held[-1], shape.after, False, True, last),
     ]
+    if max(held[1:-1], default=0) > held[0]:
+        r = max(range(1, p - 1), key=lambda r: held[r])
+        # In flight on rank r: p - r under 1f1b (the warm-up shortens down the pipeline).
+        flight = float(min(m, p - r)) if s.pp_schedule == "1f1b" else first
+        stages.append(Stage("heaviest middle stage", held[r], (), False, False, flight))
+    return stages
 
 
 # ---------------------------------------------------------------------------------------------

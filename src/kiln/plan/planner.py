@@ -228,7 +228,7 @@ def _check_layout(cfg: Config, shape: ModelShape, target: Target, world_size: in
     if p.pp > 1:
         if shape.pipeline_error:
             raise ConfigError([shape.pipeline_error])
-        stage_layers(shape.n_layer, p.pp_stages)
+        stage_layers(shape.n_layer, p.pp_stages, p.pp_layers)
     world = World(size=world_size, tp=p.tp, pp=p.pp, device=torch.device(target.kind))
     check_layout(shape.plan, world, p, f"model.family={cfg.model.family}")
 
@@ -261,7 +261,9 @@ def _base_setup(cfg: Config, world_size: int, world_flag: str) -> Setup:
     return Setup(
         1 if micro == "auto" else micro,
         t.precision,
-        t.activation_checkpointing,
+        # Selective checkpointing keeps most of a block's activations (its products' outputs):
+        # estimated as none, which bounds its memory from above.
+        t.activation_checkpointing is True,
         p.strategy,
         p.cpu_offload,
         world_size,
@@ -270,6 +272,7 @@ def _base_setup(cfg: Config, world_size: int, world_flag: str) -> Setup:
         p.pp_schedule,
         p.microbatches if p.pp > 1 else p.pp_microbatches,
         p.pp_virtual_stages,
+        pp_layers=p.pp_layers if p.pp > 1 else (),
         ep=p.ep,
         cp=p.cp,
         optimizer=t.optimizer,

@@ -130,6 +130,8 @@ def _candidates(job: Job, base: Setup, world_size: int) -> Iterator[Setup]:
             pp=pp,
             pp_schedule=schedule,
             pp_virtual_stages=virtual,
+            # The config's own stage sizes fit its own pipeline only.
+            pp_layers=base.pp_layers if (pp, virtual) == (base.pp, base.pp_virtual_stages) else (),
             ep=ep,
             cp=cp,
         )

@@ -28,8 +28,12 @@ NF4_BLOCK = 64
 NF4_SCALER_BLOCK = 256
 
 
-def apply_activation_checkpointing(model: nn.Module, plan: ParallelPlan | None = None) -> nn.Module:
-    """Recompute each repeated layer's activations during backward instead of keeping them.
+def apply_activation_checkpointing(
+    model: nn.Module, plan: ParallelPlan | None = None, *, selective: bool = False, every: int = 1
+) -> nn.Module:
+    """Recompute each repeated layer's activations during backward instead of keeping them; with
+    ``selective``, only those of cheap operations (``SAVED_OPS``' outputs are kept); of every
+    ``every``-th layer (the first, then each ``every`` later), the others keeping theirs.
 
     The layers are the plan's (by default: the model's ``blocks``). Each one's ``forward`` is
     replaced on the instance, so parameter names and state dicts stay exactly those of the plain
@@ -41,9 +45,35 @@ def apply_activation_checkpointing(model: nn.Module, plan: ParallelPlan | None =
             "train.activation_checkpointing: the model must expose its repeated layers as an "
             f"nn.ModuleList named `blocks` (or a model family's plan must name them); {type(model).__name__} has none"
         )
-    for block in blocks:
-        block.forward = functools.partial(checkpoint, block.forward, use_reentrant=False)
+    options: dict[str, Any] = {"use_reentrant": False}
+    if selective:
+        options["context_fn"] = _keep_products
+    for block in blocks[::every]:
+        block.forward = functools.partial(checkpoint, block.forward, **options)
     return model
+
+
+def _saved_ops() -> frozenset:
+    """The operations whose outputs selective checkpointing keeps: matrix products and attention
+    (the costly ones to recompute; what torchtitan's op-level policy keeps)."""
+    aten = torch.ops.aten
+    ops = [aten.mm.default, aten.addmm.default, aten.bmm.default, aten.linear.default]
+    for name in ("_scaled_dot_product_flash_attention", "_scaled_dot_product_efficient_attention",
+                 "_scaled_dot_product_cudnn_attention", "_scaled_dot_product_flash_attention_for_cpu"):  # fmt: skip
+        if hasattr(aten, name):
+            ops.append(getattr(aten, name).default)
+    return frozenset(ops)
+
+
+def _keep_products():
+    from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
+
+    saved = _saved_ops()
+
+    def policy(ctx, op, *args, **kwargs):
+        return CheckpointPolicy.MUST_SAVE if op in saved else CheckpointPolicy.PREFER_RECOMPUTE
+
+    return create_selective_checkpoint_contexts(policy)
 
 
 def apply_compile(fn: Callable) -> Callable:

@@ -4,9 +4,11 @@ function scores them, and each completion's advantage is its reward against its 
 loss raises the log-probability of the completion's tokens in proportion to it (optionally minus
 a KL estimate to the reference model, the model with its LoRA adapters off).
 
-Each group of completions is sampled and trained on in one step (on-policy: the policy ratio of
-the clipped surrogate is exactly 1, as in TRL with one iteration per generation, so no clip
-constant is offered). Every completion weighs the same in the mean, whatever the accumulation
+Sampling is the job's rollout, a phase of the loop before each step (``Job.rollout``) that turns
+the step's prompts into scored completions (a ``Rollout``), so the loss is an ordinary forward of
+whatever layout the model has. Each group of completions is sampled and trained on in one step
+(on-policy: the policy ratio of the clipped surrogate is exactly 1, as in TRL with one iteration
+per generation, so no clip constant is offered). Every completion weighs the same in the mean, whatever the accumulation
 and ranks. Sampling draws its seed from the global torch generator, which checkpoints keep, so a
 resumed run samples what the uninterrupted one did. Generation and training time are reported
 apart.
@@ -17,15 +19,16 @@ from __future__ import annotations
 import importlib
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 from torch import nn
-from torch.nn.parallel import DistributedDataParallel
 
 from kiln.config import Config, ConfigError
-from kiln.data.batch import IGNORE_INDEX, TokenBatch, pad_id, pad_rows
+from kiln.data.batch import IGNORE_INDEX, RowBatch, TokenBatch, pad_id, pad_rows
 from kiln.data.prompts import PromptBatch
 from kiln.distributed.world import World
 from kiln.models.family import ModelFamily
@@ -94,33 +97,94 @@ class RewardModel:
         return self.model(**encoded).logits.float().softmax(-1)[:, self.index].tolist()
 
 
+@dataclass
+class Rollout(RowBatch):
+    """A micro-batch's prompts after the rollout: each prompt's group of ``group`` sampled
+    completions as training rows (prompt + completion, only the completion labelled) and each
+    completion's advantage [rows] (float64, on the host until moved). It counts and cuts by
+    prompts, as the batch of prompts it came from did."""
+
+    rows: TokenBatch
+    advantages: torch.Tensor
+    group: int
+
+    def __len__(self) -> int:
+        return len(self.rows) // self.group
+
+    @property
+    def count(self) -> int:
+        return len(self)
+
+    @property
+    def tokens(self) -> int:
+        return self.rows.tokens
+
+    def to(self, device: torch.device, non_blocking: bool = True) -> Rollout:
+        return Rollout(
+            self.rows.to(device, non_blocking), self.advantages.to(device, non_blocking=non_blocking), self.group
+        )
+
+    def pin_memory(self) -> Rollout:
+        return Rollout(self.rows.pin_memory(), self.advantages.pin_memory(), self.group)
+
+    def split_rows(self, size: int) -> list[Rollout]:
+        rows = size * self.group
+        pieces = self.rows.split_rows(rows)
+        return [
+            Rollout(piece, self.advantages[i * rows : (i + 1) * rows], self.group) for i, piece in enumerate(pieces)
+        ]
+
+
 class GRPOLoss:
-    """``loss(model, batch)``: the GRPO loss of a micro-batch of prompts (mean over its
-    completions); ``metrics`` reports the interval's rewards, lengths and generation time."""
+    """``rollout(model, prompts, micro_batch_size)``: the job's phase before each step, which
+    samples and scores each prompt's completions; ``loss(model, rollout)``: the GRPO loss of a
+    micro-batch of them (mean over its completions), an ordinary forward of whatever layout the
+    model has; ``metrics`` reports the interval's rewards, lengths and generation time."""
 
     def __init__(self, cfg: Config, family: ModelFamily, tokenizer: Any, reward: Callable, world: World):
         self.g, self.family, self.tokenizer, self.reward, self.world = cfg.grpo, family, tokenizer, reward, world
         self.kl = cfg.grpo.kl_coef > 0
-        # METRICS' sums, the generation seconds and the completions: host values (rewards are).
+        # METRICS' sums but the KL's, the generation seconds and the completions: host values
+        # (rewards are); the KL's sum stays on the device, read when the metrics are.
         self.sums = torch.zeros(len(METRICS) + 2, dtype=torch.float64)
+        self.kl_sum: torch.Tensor | None = None
 
-    def __call__(self, model: nn.Module, batch: PromptBatch) -> torch.Tensor:
-        started = time.perf_counter()
-        rows, completions = self.sample(model, batch)
-        generation_s = time.perf_counter() - started
-        rewards = self.score(batch, completions)
+    def rollout(self, model: nn.Module, batch: PromptBatch, micro_batch_size: int) -> Rollout:
+        """Each prompt's group of completions, sampled by ``model`` (this rank's, unwrapped: the
+        whole model) a micro-batch of prompts at a time, scored, with their advantages."""
         g = self.g
-        grouped = rewards.view(len(batch), g.group_size)
-        advantages = grouped - grouped.mean(1, keepdim=True)
-        if g.scale_rewards:
-            advantages = advantages / (grouped.std(1, keepdim=True) + 1e-4)
+        started = time.perf_counter()
+        pieces, advantages = [], []
+        for piece in batch.split_rows(micro_batch_size):
+            rows, completions = self.sample(model, piece)
+            rewards = self.score(piece, completions)
+            grouped = rewards.view(len(piece), g.group_size)
+            advantage = grouped - grouped.mean(1, keepdim=True)
+            if g.scale_rewards:
+                advantage = advantage / (grouped.std(1, keepdim=True) + 1e-4)
+            pieces.append(rows)
+            advantages.append(advantage.flatten())
+            ended = [c[-1] == self.tokenizer.eos_token_id for c in completions]
+            self.sums[:4] += torch.tensor(
+                [
+                    rewards.sum().item(),
+                    grouped.std(1).sum().item() * g.group_size,
+                    float(sum(map(len, completions))),
+                    float(len(ended) - sum(ended)),
+                ],
+                dtype=torch.float64,
+            )
+            self.sums[-1] += len(completions)
+        self.sums[-2] += time.perf_counter() - started
         device = next(p.device for p in model.parameters())
-        rows = rows.to(device)
+        return Rollout(_stacked(pieces, pad_id(self.tokenizer)), torch.cat(advantages), g.group_size).to(device)
+
+    def __call__(self, model: nn.Module, batch: Rollout) -> torch.Tensor:
+        g, rows = self.g, batch.rows
         logps, scored = token_logps(model, rows)
         # The ratio to the policy that sampled (this one): 1, with the gradient of log p.
         ratio = torch.exp(logps - logps.detach())
-        per_token = -ratio * advantages.flatten().to(device=device, dtype=logps.dtype)[:, None]
-        kl = torch.zeros((), device=device)
+        per_token = -ratio * batch.advantages.to(dtype=logps.dtype)[:, None]
         if self.kl:
             with torch.no_grad(), adapters_disabled(model):
                 ref, _ = token_logps(model, rows)
@@ -128,23 +192,11 @@ class GRPOLoss:
             k3 = torch.exp(log_ratio) - log_ratio - 1  # unbiased and never negative
             per_token = per_token + g.kl_coef * k3
             kl = (k3 * scored).sum() / scored.sum().clamp(min=1)
+            total = kl.detach().double() * len(rows)
+            self.kl_sum = total if self.kl_sum is None else self.kl_sum + total
         lengths = scored.sum(1)
         norm = lengths.clamp(min=1) if g.length_norm == "sequence" else torch.full_like(lengths, g.max_new_tokens)
-        loss = ((per_token * scored).sum(1) / norm).mean()
-        ended = torch.tensor([c[-1] == self.tokenizer.eos_token_id for c in completions], dtype=torch.float64)
-        self.sums += torch.tensor(
-            [
-                rewards.sum().item(),
-                grouped.std(1).sum().item() * g.group_size,
-                float(lengths.sum().item()),
-                (1 - ended).sum().item(),
-                kl.item() * len(completions),
-                generation_s,
-                len(completions),
-            ],
-            dtype=torch.float64,
-        )
-        return loss
+        return ((per_token * scored).sum(1) / norm).mean()
 
     @torch.no_grad()
     def sample(self, model: nn.Module, batch: PromptBatch, greedy: bool = False) -> tuple[TokenBatch, list[list[int]]]:
@@ -152,8 +204,7 @@ class GRPOLoss:
         training rows (prompt + completion, only the completion labelled) and as token lists (up
         to and including the end-of-text token, when they reach one)."""
         g, eos = self.g, self.tokenizer.eos_token_id
-        inner = model.module if isinstance(model, DistributedDataParallel) else model
-        device = next(p.device for p in inner.parameters())
+        device = next(p.device for p in model.parameters())
         # One draw from the global generator (identical on every rank, and in checkpoints) seeds
         # this micro-batch's sampling; the rank makes the ranks' samples differ.
         generator = torch.Generator(device).manual_seed(int(torch.randint(2**62, (1,)).item()) + self.world.rank)
@@ -167,7 +218,7 @@ class GRPOLoss:
         sampled: list[list[list[int]]] = [[] for _ in batch.prompt_ids]
         for length, members in by_length.items():
             tokens = torch.tensor([batch.prompt_ids[i] for i in members for _ in range(group)], device=device)
-            out = self.family.generate(inner, tokens, g.max_new_tokens, eos_id=eos, generator=generator, **sampling)
+            out = self.family.generate(model, tokens, g.max_new_tokens, eos_id=eos, generator=generator, **sampling)
             if out is None:
                 raise ConfigError(
                     [f"train.objective: grpo samples from the model, which {self.family.name} models cannot"]
@@ -210,8 +261,11 @@ class GRPOLoss:
         the ranks), and a new interval. The rest of the interval's time is training."""
         if not self.sums[-1]:
             return {}
-        sums = world.mean(self.sums.to(world.device)).tolist()
-        self.sums = torch.zeros_like(self.sums)
+        local = self.sums.to(world.device)
+        if self.kl_sum is not None:
+            local[METRICS.index("kl")] = self.kl_sum.to(world.device)
+        sums = world.mean(local).tolist()
+        self.sums, self.kl_sum = torch.zeros_like(self.sums), None
         out = {name: v / sums[-1] for name, v in zip(METRICS, sums, strict=False)}
         out["time/generation_s"] = sums[-2]
         return out
@@ -230,3 +284,19 @@ class GRPOLoss:
             "val_reward": torch.cat(rewards).mean().item(),
             "val_completions/mean_length": sum(lengths) / len(lengths),
         }
+
+
+def _stacked(batches: list[TokenBatch], pad: int) -> TokenBatch:
+    """Row batches as one, each padded on the right to the widest."""
+    width = max(b.input_ids.size(1) for b in batches)
+
+    def cat(name: str, value: int) -> torch.Tensor:
+        return torch.cat([F.pad(getattr(b, name), (0, width - getattr(b, name).size(1)), value=value) for b in batches])
+
+    return TokenBatch(
+        input_ids=cat("input_ids", pad),
+        labels=cat("labels", IGNORE_INDEX),
+        attention_mask=cat("attention_mask", 0),
+        lengths=[n for b in batches for n in b.lengths],
+        loss_tokens=[n for b in batches for n in b.loss_tokens],
+    )

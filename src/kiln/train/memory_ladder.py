@@ -217,7 +217,9 @@ class MemoryLadder:
                 ]
             )
         rung = Rung(
-            self.options[0] if micro == "auto" else micro, t.activation_checkpointing, self.cfg.parallel.cpu_offload
+            self.options[0] if micro == "auto" else micro,
+            bool(t.activation_checkpointing),
+            self.cfg.parallel.cpu_offload,
         )
         saved = None if self.cfg.checkpoint.resume == "never" else read_rung_file(self.run_dir)
         if saved is not None:

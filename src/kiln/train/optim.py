@@ -4,12 +4,16 @@ from __future__ import annotations
 
 import math
 from collections.abc import Collection
+from typing import TYPE_CHECKING, cast
 
 import torch
 from torch import nn
 
 from kiln.config import TrainConfig
 from kiln.distributed.parallel import ParallelModel, embedding_names
+
+if TYPE_CHECKING:
+    from torch.distributed.tensor import DTensor
 
 
 def param_groups(model: nn.Module, weight_decay: float, embeddings: Collection[str] | None = None) -> list[dict]:
@@ -91,10 +95,14 @@ class Muon(torch.optim.Optimizer):
     AdamW with decoupled weight decay for the others, in one optimizer, so a checkpoint holds one
     optimizer state as with AdamW. A group's rate is ``lr * lr_scale`` (the schedule sets ``lr``).
 
-    Under FSDP or tensor parallelism a matrix is a DTensor: its update is gathered whole, every
-    rank orthogonalises it, and each keeps its own part. A step is skipped on the device, without
-    a host sync, when the non-finite guard sets ``found_inf`` (as on PyTorch's fused optimizers):
-    every change is scaled by 1 - found_inf."""
+    Under FSDP or tensor parallelism a matrix is a DTensor sharded over the ranks of one mesh
+    dimension: each matrix's update is orthogonalised once, by one of those ranks (round-robin by
+    matrix: an all-to-all brings each owner the shards of its matrix and another sends the result
+    back), so n ranks share the work instead of each doing all of it, as distributed Muon
+    implementations do (Moonlight; torchtitan's). A matrix sharded over two mesh dimensions (FSDP
+    with tensor parallelism) is gathered whole and orthogonalised on every rank. A step is skipped
+    on the device, without a host sync, when the non-finite guard sets ``found_inf`` (as on
+    PyTorch's fused optimizers): every change is scaled by 1 - found_inf."""
 
     skips_on_device = True
 
@@ -106,28 +114,35 @@ class Muon(torch.optim.Optimizer):
     def step(self, closure=None):
         found_inf = getattr(self, "found_inf", None)
         keep = 1.0 if found_inf is None else 1.0 - found_inf
+        # The Muon matrices' momentum first, then their orthogonalisation, all together: each
+        # sharded one by one owner rank.
+        muon = [
+            (p, group) for group in self.param_groups if group["muon"] for p in group["params"] if p.grad is not None
+        ]
+        nesterov = [self._momentum(p.grad, self.state[p], group["momentum"], keep) for p, group in muon]
+        updates = dict(zip([p for p, _ in muon], orthogonalize_all(nesterov), strict=True))
         for group in self.param_groups:
             lr, decay = group["lr"] * group["lr_scale"], group["weight_decay"]
             for p in group["params"]:
                 if p.grad is None:
                     continue
-                state = self.state[p]
                 if group["muon"]:
-                    update = self._muon_update(p.grad, state, group["momentum"], keep)
+                    update = updates[p]
                     scale = max(1.0, p.shape[0] / p.shape[1]) ** 0.5
                 else:
-                    update = self._adamw_update(p.grad, state, group, keep)
+                    update = self._adamw_update(p.grad, self.state[p], group, keep)
                     scale = 1.0
                 p.mul_(1 - lr * decay * keep)
                 p.add_(update * (-lr * scale * keep))
 
     @staticmethod
-    def _muon_update(grad: torch.Tensor, state: dict, momentum: float, keep) -> torch.Tensor:
+    def _momentum(grad: torch.Tensor, state: dict, momentum: float, keep) -> torch.Tensor:
+        """The Nesterov momentum of ``grad`` (the buffer updated): what Muon orthogonalises."""
         if "momentum_buffer" not in state:
             state["momentum_buffer"] = torch.zeros_like(grad)
         buf = state["momentum_buffer"]
         buf.lerp_(grad, (1 - momentum) * keep)
-        return orthogonalize(grad.lerp(buf, momentum))
+        return grad.lerp(buf, momentum)
 
     @staticmethod
     def _adamw_update(grad: torch.Tensor, state: dict, group: dict, keep) -> torch.Tensor:
@@ -141,6 +156,77 @@ class Muon(torch.optim.Optimizer):
         state["exp_avg_sq"].lerp_(grad * grad, (1 - beta2) * keep)
         denom = (state["exp_avg_sq"] / (1 - beta2**step)).sqrt() + group["eps"]
         return state["exp_avg"] / (1 - beta1**step) / denom
+
+
+def orthogonalize_all(updates: list[torch.Tensor]) -> list[torch.Tensor]:
+    """Each of ``updates`` orthogonalised: a plain tensor or one sharded over two mesh dimensions
+    by ``orthogonalize``; those sharded over one mesh dimension (the others replicated), in
+    rounds of one matrix per rank of that dimension's group (``_orthogonalize_round``)."""
+    from torch.distributed.tensor import DTensor, Replicate, Shard
+
+    out: list[torch.Tensor | None] = [None] * len(updates)
+    spread: dict[tuple, list[int]] = {}
+    for i, u in enumerate(updates):
+        if isinstance(u, DTensor):
+            sharded = [d for d, pl in enumerate(u.placements) if isinstance(pl, Shard)]
+            rest = [pl for d, pl in enumerate(u.placements) if d not in sharded]
+            if (
+                len(sharded) == 1
+                and all(isinstance(pl, Replicate) for pl in rest)
+                and u.device_mesh.size(sharded[0]) > 1
+            ):
+                spread.setdefault((id(u.device_mesh), sharded[0]), []).append(i)
+                continue
+        out[i] = orthogonalize(u)
+    for (_, dim), members in spread.items():
+        n = cast(DTensor, updates[members[0]]).device_mesh.size(dim)
+        for start in range(0, len(members), n):
+            batch = members[start : start + n]
+            round_ = [cast(DTensor, updates[i]) for i in batch]
+            for i, result in zip(batch, _orthogonalize_round(round_, dim), strict=True):
+                out[i] = result
+    return cast("list[torch.Tensor]", out)
+
+
+def _orthogonalize_round(updates: list[DTensor], mesh_dim: int) -> list[torch.Tensor]:
+    """Up to n DTensors sharded over mesh dimension ``mesh_dim`` (n ranks), matrix j
+    orthogonalised by rank j: one all-to-all sends every rank's shards to their owners, the
+    owner joins and orthogonalises its matrix, another all-to-all sends the shards back."""
+    import torch.distributed as dist
+    from torch.distributed.tensor import DTensor, Shard
+
+    mesh = updates[0].device_mesh
+    group, n, rank = mesh.get_group(mesh_dim), mesh.size(mesh_dim), mesh.get_local_rank(mesh_dim)
+    dims = [cast(Shard, u.placements[mesh_dim]).dim for u in updates]
+    # Every rank's shard of each matrix, the sharded dimension first: torch.chunk's cut, as DTensor's.
+    moved = [
+        tuple(u.shape[d : d + 1]) + tuple(s for k, s in enumerate(u.shape) if k != d)
+        for u, d in zip(updates, dims, strict=True)
+    ]
+    rows = [[len(c) for c in torch.empty(shape[0], device="meta").chunk(n)] for shape in moved]
+    rows = [r + [0] * (n - len(r)) for r in rows]
+    width = [math.prod(shape[1:]) for shape in moved]
+    mine = [u.to_local().movedim(d, 0).reshape(-1) for u, d in zip(updates, dims, strict=True)]
+    k = len(updates)
+    send = torch.cat(mine)
+    sent = [t.numel() for t in mine] + [0] * (n - k)
+    owned = rank < k
+    received = [rows[rank][r] * width[rank] for r in range(n)] if owned else [0] * n
+    gathered = send.new_empty(sum(received))
+    dist.all_to_all_single(gathered, send, received, sent, group=group)
+    back = send.new_empty(sum(sent))
+    if owned:
+        whole = orthogonalize(gathered.view(moved[rank]))
+        result = whole.reshape(-1)
+    else:
+        result = send.new_empty(0)
+    dist.all_to_all_single(back, result, sent, received, group=group)
+    out: list[torch.Tensor] = []
+    for j, (u, d) in enumerate(zip(updates, dims, strict=True)):
+        local_shape = (rows[j][rank],) + moved[j][1:]
+        piece = back[sum(sent[:j]) : sum(sent[: j + 1])].view(local_shape).movedim(0, d)
+        out.append(DTensor.from_local(piece, mesh, u.placements, shape=u.shape, stride=u.stride()))
+    return out
 
 
 def orthogonalize(update: torch.Tensor, steps: int = 5, eps: float = 1e-7) -> torch.Tensor:

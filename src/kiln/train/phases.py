@@ -24,6 +24,8 @@ class Phase(NamedTuple):
 PHASES = {
     "setup": Phase("setting up the loop (probes, run files)"),
     "data": Phase("loading the batch", "kiln/data", host_work=True),
+    # The job's work on the batch before the step (GRPO's sampling): long, and of other lengths on each rank.
+    "rollout": Phase("rollout (sampling and scoring the batch)", "kiln/rollout", patient=True),
     "forward_backward": Phase("forward/backward (gradient reduction)", "kiln/forward_backward"),
     "optimizer": Phase("optimizer step (gradient-norm reduction)", "kiln/optimizer"),
     "agree": Phase("step end (ranks agree to go on)"),

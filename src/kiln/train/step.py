@@ -16,6 +16,7 @@ gradients are reduced and how their norm is taken is the ``ParallelModel``'s bus
 from __future__ import annotations
 
 import contextlib
+import functools
 import math
 from collections.abc import Callable
 from typing import Any, cast
@@ -53,8 +54,12 @@ class TrainStep:
         faults: NoFaults = NO_FAULTS,
         busy: BusyClock | None = None,
         say: Callable[[str], None] = lambda _: None,
+        selective: bool = False,
+        checkpoint_every: int = 1,
     ):
         self.model = model
+        # How activation checkpointing recomputes, once it is on (train.activation_checkpointing).
+        self.recompute = functools.partial(apply_activation_checkpointing, selective=selective, every=checkpoint_every)
         self.say = say
         self.loss_fn = loss_fn
         # The step after which the loss function is compiled (None: never, or done).
@@ -88,7 +93,7 @@ class TrainStep:
     def recompute_activations(self) -> None:
         """Turn activation checkpointing on (once): recompute each layer in the backward pass."""
         if not self.checkpointing:
-            apply_activation_checkpointing(self.model.module, self.model.plan)
+            self.recompute(self.model.module, self.model.plan)
             self.checkpointing = True
 
     def _compile_when_due(self, step: int) -> None:

@@ -120,6 +120,8 @@ class Trainer:
             grad_clip=t.grad_clip,
             compile=t.compile is True,
             compile_after=t.compile_after,
+            selective=t.activation_checkpointing == "selective",
+            checkpoint_every=t.activation_checkpointing_every,
             faults=self.faults,
             busy=self.stragglers.clock,
             say=self._say,
@@ -187,6 +189,8 @@ class Trainer:
                 with phase("data", self.step):
                     # This rank's share of the batch, kept so that a retry after an OOM sees the same.
                     batch = to_device(next(batches), self.device)
+                with phase("rollout", self.step):
+                    batch = self.job.rollout(self.model.module, batch, self.micro_batch_size)
                 with phase("forward_backward", self.step):
                     loss = self.ladder.forward_backward(batch, self.step + 1, logger, save=self.save)
                 with phase("optimizer", self.step):
@@ -247,6 +251,7 @@ class Trainer:
         self._say("kiln: timing a checkpoint, a few steps and an evaluation to plan train.max_steps=auto ...")
 
         def train(batch: Any, i: int) -> None:
+            batch = self.job.rollout(self.model.module, batch, self.micro_batch_size)
             self.ladder.forward_backward(batch, self.step + i + 1, logger, save=self.save)
             self.train_step.update(0.0)
 

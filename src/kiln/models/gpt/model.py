@@ -20,6 +20,7 @@ from torch import nn
 from kiln.models.fused_loss import LinearCrossEntropy
 from kiln.models.gpt.moe import MoE
 from kiln.models.init import Initial
+from kiln.models.lm import document_ids, document_mask
 
 
 @dataclass
@@ -105,7 +106,7 @@ class Attention(nn.Module):
             self.k_norm = nn.RMSNorm(cfg.head_dim, eps=cfg.norm_eps)
         self.core = Attend()
 
-    def forward(self, x, rope_cos, rope_sin, cache=None, start_pos=0):
+    def forward(self, x, rope_cos, rope_sin, cache=None, start_pos=0, documents=None):
         B, T, _ = x.shape  # noqa: N806
         # Head counts are inferred (-1): under tensor parallelism a rank holds only some heads.
         q = self.wq(x).view(B, T, -1, self.head_dim)
@@ -115,25 +116,30 @@ class Attention(nn.Module):
         q, k = q.transpose(1, 2), k.transpose(1, 2)
         v = self.wv(x).view(B, T, -1, self.head_dim).transpose(1, 2)
         # The tables may run past these positions (see GPT.forward): their first T are these.
-        rope_cos, rope_sin = rope_cos[:T], rope_sin[:T]
+        rope_cos, rope_sin = rope_cos[..., :T, :], rope_sin[..., :T, :]
         q, k = apply_rope(q, rope_cos, rope_sin), apply_rope(k, rope_cos, rope_sin)
 
         mask, causal = None, True
         if cache is not None:
             k, v, mask = _attend_cached(cache, k, v, start_pos)
             causal = False
-        y = self.core(q, k, v, mask, causal)
+        y = self.core(q, k, v, mask, causal, documents)
         return self.wo(y.transpose(1, 2).reshape(B, T, -1))
 
 
 class Attend(nn.Module):
     """Attention of queries q [B, H, T, head_dim] over keys and values [B, H_kv, S, head_dim]:
-    causal (query i sees keys 0..i), or as ``mask`` says (a boolean mask or an attention bias).
-    A module of its own, without parameters, so that a layout can put another in its place
-    (context parallelism's sees the keys of the sequence's other chunks)."""
+    causal (query i sees keys 0..i), or as ``mask`` says (a boolean mask or an attention bias);
+    given ``documents`` (each token's position in its document [B, T]), causal within each
+    document only. A module of its own, without parameters, so that a layout can put another in
+    its place (context parallelism's sees the keys of the sequence's other chunks)."""
 
-    def forward(self, q, k, v, mask=None, causal=True):
+    def forward(self, q, k, v, mask=None, causal=True, documents=None):
         k, v = repeat_kv(k, q.size(1)), repeat_kv(v, q.size(1))
+        if documents is not None:
+            ids = document_ids(documents)
+            mask = document_mask(ids, ids, torch.arange(ids.size(1), device=ids.device))
+            causal = False
         return F.scaled_dot_product_attention(q, k.to(q.dtype), v.to(q.dtype), attn_mask=mask, is_causal=causal)
 
 
@@ -215,9 +221,10 @@ class Block(nn.Module):
         self.mlp_norm = nn.RMSNorm(cfg.d_model, eps=cfg.norm_eps)
         self.mlp = moe(cfg) if cfg.is_moe(layer) else MLP(cfg.d_model, cfg.d_ff, cfg.mlp)
 
-    def forward(self, x, rope_cos, rope_sin, cache=None, start_pos=0, losses=None):
-        """``losses``: where a mixture of experts appends its balance loss, when it has one."""
-        x = x + self.attn(self.attn_norm(x), rope_cos, rope_sin, cache, start_pos)
+    def forward(self, x, rope_cos, rope_sin, cache=None, start_pos=0, losses=None, documents=None):
+        """``losses``: where a mixture of experts appends its balance loss, when it has one;
+        ``documents``: each token's position in its document, where rows pack documents."""
+        x = x + self.attn(self.attn_norm(x), rope_cos, rope_sin, cache, start_pos, documents)
         return x + self.mlp(self.mlp_norm(x), losses)
 
 
@@ -318,6 +325,9 @@ class GPT(nn.Module):
         ``positions`` [T] (without a kv_cache): the tokens' positions, where they are not
         0..T - 1, e.g. a context-parallel rank's chunks of a longer sequence; attention is causal
         in the order of ``idx`` whatever they are (each attention's ``core`` decides what each sees).
+        ``positions`` [B, T]: each row packs documents, each token at its position in its own
+        document (0 where one starts, as ``transformers``' position_ids of packed rows), and
+        attention stays within each document.
 
         A pipeline stage is this model with some modules removed (None): without ``tok_emb`` it
         takes hidden states [B, T, d_model] instead of tokens, without ``norm`` and ``lm_head``
@@ -325,8 +335,11 @@ class GPT(nn.Module):
         """
         T = idx.size(1)  # noqa: N806
         end = start_pos + T
+        documents = positions if positions is not None and positions.dim() == 2 else None
         if positions is not None:
             rope_cos, rope_sin = self.rope_cos[positions], self.rope_sin[positions]
+            if documents is not None:  # [B, 1, T, head_dim / 2]: each row's, for every head
+                rope_cos, rope_sin = rope_cos.unsqueeze(1), rope_sin.unsqueeze(1)
         elif end <= self.config.max_seq_len:
             # From start_pos on: a pipeline stage given hidden states split by position (sequence
             # parallelism) holds a tp-th of the positions its attention gathers and rotates.
@@ -340,7 +353,7 @@ class GPT(nn.Module):
         losses: list[torch.Tensor] = []  # the mixtures of experts' balance losses, when they have them
         for i, block in enumerate(self.blocks.children()):  # a pipeline stage's: some, in order
             cache = None if kv_cache is None else (kv_cache.k[i], kv_cache.v[i])
-            x = block(x, rope_cos, rope_sin, cache, start_pos, losses)
+            x = block(x, rope_cos, rope_sin, cache, start_pos, losses, documents)
         if self.norm is None:
             # Sent to the next pipeline stage, which sends its gradient back into a buffer of the
             # same strides: a rank's positions of a sequence-parallel output are a strided view.

@@ -13,6 +13,7 @@ Qwen2/3) also split over tensor-parallel ranks.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import inspect
 import sys
 from collections.abc import Mapping
@@ -25,7 +26,15 @@ import torch.nn.functional as F
 from torch import nn
 
 from kiln.config import ConfigError, ModelConfig
-from kiln.models.family import MemoryModel, ModelFamily, ParallelPlan, StateDictAdapter, build_model
+from kiln.data.batch import TextBatch
+from kiln.models.family import (
+    TRANSFORMERS_ATTENTION,
+    MemoryModel,
+    ModelFamily,
+    ParallelPlan,
+    StateDictAdapter,
+    build_model,
+)
 from kiln.models.fused_loss import linear_cross_entropy, linear_log_probs
 from kiln.models.generate import decode
 from kiln.models.gpt.memory import GPTMemory
@@ -41,7 +50,7 @@ from kiln.models.hf.loading import (
 )
 from kiln.models.hf.memory import EncoderMemory, ffn_width
 from kiln.models.hf.moe import routed_weights, watch_routers
-from kiln.models.hf.parallelize import llama_styles
+from kiln.models.hf.parallelize import QK_NORM_HEADS, llama_styles
 from kiln.models.init import params_on_meta
 
 TASKS = {"causal_lm": "AutoModelForCausalLM", "sequence_classification": "AutoModelForSequenceClassification"}
@@ -50,7 +59,7 @@ MAPPINGS = {
     "sequence_classification": "MODEL_FOR_SEQUENCE_CLASSIFICATION_MAPPING",
 }
 # Architectures whose decoder layers split Megatron-style under the same projection names.
-LLAMA_CLASS = ("llama", "mistral", "qwen2", "qwen3")
+LLAMA_CLASS = ("llama", "mistral", "qwen2", "qwen3", "gemma3_text")
 # Architectures under which records packed into one row attend to each other (checked on
 # transformers 5: 16 others, Llama, Qwen, Gemma, Phi, GPT-2 and GPT-NeoX among them, keep them apart).
 MIXES_PACKED_RECORDS = ("opt", "bloom", "mamba", "mamba2", "falcon_mamba")
@@ -364,7 +373,13 @@ class HFFamily(ModelFamily):
             for k in ("num_attention_heads", "num_key_value_heads", "intermediate_size")
             if getattr(c, k, None) is not None
         }
-        return ParallelPlan(blocks=None, block_type=layer, tensor_parallel=llama_styles, tp_divisors=divisors)
+        return ParallelPlan(
+            blocks=None,
+            block_type=layer,
+            tensor_parallel=functools.partial(llama_styles, qk_norm_heads=QK_NORM_HEADS.get(args.config["model_type"])),
+            tp_divisors=divisors,
+            attention=TRANSFORMERS_ATTENTION,
+        )
 
     def flops_per_token(self, args: HFArgs, seq_len: int) -> float:
         """6 x the parameters of every matmul a token goes through (each nn.Linear; a tied output
@@ -407,10 +422,14 @@ class HFFamily(ModelFamily):
 
     def loss(self, model: nn.Module, batch: Any) -> torch.Tensor:
         """The mean loss of a ``kiln.data.batch.TokenBatch`` (padded or packed rows), or of text's
-        ``(inputs, targets)`` sequences (continued pretraining)."""
+        ``(inputs, targets)`` sequences or ``TextBatch`` (continued pretraining; its documents
+        marked by position_ids that restart, which ``transformers`` turns into a mask that keeps
+        each to itself)."""
         if isinstance(batch, (tuple, list)):
             inputs, targets = batch
             return model(inputs, targets=targets)
+        if isinstance(batch, TextBatch):
+            return model(batch.inputs, targets=batch.targets, position_ids=batch.positions)
         return model(
             batch.input_ids,
             labels=batch.labels,

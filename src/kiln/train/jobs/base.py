@@ -104,6 +104,12 @@ class Job:
         """The model to train, on the CPU, initialised from ``train.seed`` (or pretrained)."""
         raise NotImplementedError
 
+    def rollout(self, model: nn.Module, batch: Any, micro_batch_size: int) -> Any:
+        """The step's batch as the loss takes it: a phase before the step, with this rank's
+        unwrapped module (e.g. GRPO samples and scores its prompts' completions here, so that
+        its loss is an ordinary forward of whatever layout the model has). As given by default."""
+        return batch
+
     def evaluate(self, model: nn.Module, ctx: EvalContext) -> dict[str, Any] | None:
         """Validation metrics (None: the job has none)."""
         return None

@@ -10,9 +10,9 @@ from typing import Any
 from torch import nn
 
 from kiln.config import ConfigError
-from kiln.data.prompts import PromptData, prepare_prompts
+from kiln.data.prompts import PromptBatch, PromptData, prepare_prompts
 from kiln.distributed.world import World
-from kiln.train.grpo import GRPOLoss, RewardModel, load_reward
+from kiln.train.grpo import GRPOLoss, RewardModel, Rollout, load_reward
 from kiln.train.jobs.base import EvalContext, LoadedRun
 from kiln.train.jobs.finetune import FineTuneJob
 
@@ -51,6 +51,9 @@ class GRPOJob(FineTuneJob):
     def _reward(self, world: World) -> Callable[..., list[float | None]] | RewardModel:
         g = self.cfg.grpo
         return RewardModel(g.reward_model, g.reward_label, world.device) if g.reward_model else load_reward(g.reward)
+
+    def rollout(self, model: nn.Module, batch: PromptBatch, micro_batch_size: int) -> Rollout:
+        return self.objective.rollout(model, batch, micro_batch_size)
 
     def metrics(self, world: World) -> dict[str, float]:
         return self.objective.metrics(world)

@@ -12,6 +12,7 @@ import dataclasses
 import json
 import math
 import shutil
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -20,13 +21,14 @@ from torch import nn
 
 from kiln.config import ConfigError, DataConfig
 from kiln.data import PreparedData, TokenSequences, prepare, prepare_mix, val_batches
-from kiln.data.batch import IGNORE_INDEX, split_batch
-from kiln.data.loader import document_windows
+from kiln.data.batch import IGNORE_INDEX, TextBatch, split_batch
+from kiln.data.loader import DocumentSequences, document_windows
 from kiln.data.mixture import Mixture
 from kiln.data.tokenizer import Codec
 from kiln.distributed.world import World
 from kiln.models.family import ModelFamily
 from kiln.models.hf.loading import model_dir
+from kiln.models.lm import targets_of
 from kiln.train.jobs.base import EvalContext, Job, LoadedRun
 
 
@@ -40,8 +42,10 @@ class LMJob(Job):
         self.tokenizer = prepared.tokenizer
         seq_len = cfg.data.seq_len
         self.args = family.resolve(cfg.model, vocab_size=prepared.vocab_size, seq_len=seq_len)
-        train = {name: TokenSequences(p.tokens("train"), seq_len) for name, p in self.sources.items()}
-        val = {name: TokenSequences(p.tokens("val"), seq_len) for name, p in self.sources.items()}
+        train = {name: self.sequences(p, "train") for name, p in self.sources.items()}
+        val = {name: self.sequences(p, "val") for name, p in self.sources.items()}
+        if cfg.data.document_mask:
+            self.collate_fn = TextBatch.collate
         for name in train:
             if len(train[name]) < 1 or len(val[name]) < 1:
                 of = f" of data.mix source {name!r}" if cfg.data.mix else ""
@@ -60,13 +64,23 @@ class LMJob(Job):
         # A fixed validation sample (of each source), scored in chunks of the micro-batch in use at
         # the time (the out-of-memory ladder may lower it); with "auto", sized as if it were 8.
         self.fixed_val = {
-            name: val_batches(data, cfg.train.nominal_micro_batch, cfg.eval.batches) for name, data in val.items()
+            name: val_batches(data, cfg.train.nominal_micro_batch, cfg.eval.batches, self.val_collate)
+            for name, data in val.items()
         }
         self.token_bytes = torch.from_numpy(prepared.token_bytes())
         self.tokens_per_sample = seq_len
         self.flops_per_token = family.flops_per_token(self.args, seq_len)
         self.plan = family.parallel_plan(self.args)
         self.loss_fn = family.loss
+
+    def sequences(self, prepared: PreparedData, split: str) -> TokenSequences | DocumentSequences:
+        """The windows of ``split``; with data.document_mask, each knowing where its documents start."""
+        windows = TokenSequences(prepared.tokens(split), self.cfg.data.seq_len)
+        return DocumentSequences(windows, prepared.eot_id) if self.cfg.data.document_mask else windows
+
+    @property
+    def val_collate(self) -> Callable[[list], Any] | None:
+        return TextBatch.collate if self.cfg.data.document_mask else None
 
     def prepare_data(self, world: World, console: bool) -> dict[str, PreparedData]:
         """The corpus (by the name "") or each source of the mixture, tokenized into the cache, each
@@ -152,11 +166,10 @@ class LMJob(Job):
                 batches = document_windows(prepared.tokens("val"), prepared.eot_id, cfg.data.seq_len, batch)
                 batches = batches[:max_batches]
             else:
-                val = TokenSequences(prepared.tokens("val"), cfg.data.seq_len)
-                batches = val_batches(val, batch, max_batches or 100)
+                batches = val_batches(self.sequences(prepared, "val"), batch, max_batches or 100, self.val_collate)
             token_bytes = torch.from_numpy(prepared.token_bytes())
             scores[name] = self.family.evaluate(run.model, batches, token_bytes, device)
-            tokens += sum(int((y != IGNORE_INDEX).sum()) for _, y in batches)
+            tokens += sum(int((targets_of(b) != IGNORE_INDEX).sum()) for b in batches)
         metrics = by_source(scores, {m.label: m.weight for m in data_cfg.mix})
         return {**metrics, "step": run.step, "tokens": tokens}
 
