@@ -219,7 +219,7 @@ class DataConfig:
     token stream, each ended by the end-of-text token), positions restart at each document, and
     the end-of-text token's target, the next document's first token, is left out of the loss.
     Off by default: on the default run it changed val bpb by less than its seed-to-seed spread
-    and cost tokens/s (BENCHMARKS.md, "Document masking")."""
+    and cost about 1% of tokens/s (BENCHMARKS.md, "Document masking")."""
     tokenizer: str = "bpe"
     """'bpe' trains a byte-level BPE on the training split (cached), or a path to a tokenizer.json."""
     tokenizer_sample_bytes: int = 0
