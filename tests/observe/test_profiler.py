@@ -18,7 +18,7 @@ def test_profile_window_writes_trace_and_breakdown(tmp_path, capsys):
     breakdown = json.loads((out / "breakdown.json").read_text())
     assert breakdown["steps"] == [3, 6]
     phases = breakdown["phases_ms"]
-    assert set(phases) == {"data wait", "compute", "optimizer", "communication"}
+    assert set(phases) == {"data wait", "rollout", "compute", "optimizer", "communication"}
     assert phases["compute"] > phases["optimizer"] > 0
     # The phases, measured from the profiler's events, account for the step time measured around
     # each step by the clock.

@@ -3,6 +3,7 @@ reward; the loss and advantages are GRPO's; SIGKILL and resume is bitwise (the s
 comes from the checkpointed generator); bad settings are refused before anything is written."""
 
 import json
+import math
 import random
 import sys
 from pathlib import Path
@@ -171,6 +172,17 @@ def test_a_grpo_run_is_scored_by_kiln_eval(tmp_path, prompts, hf_llama, capsys):
     assert main(["eval", str(run)]) == 0
     scored = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert scored["val_reward"] == pytest.approx(val["val_reward"])
+
+
+def test_a_non_finite_step_is_skipped_and_located_by_rolling_its_prompts_out_again(tmp_path, prompts, hf_llama):
+    """The guard replays the bad step's batch on the whole model: its prompts go through the
+    job's rollout first (the loss takes scored completions), drawing apart from the run's seeds."""
+    run = tmp_path / "run"
+    items = grpo_sets(run, prompts, hf_llama, debug__nan_steps="2", train__log_every=2)
+    assert main(["train", *sets(items)]) == 0
+    event = next(r for r in records(run) if r.get("event") == "non_finite")
+    assert event["steps"] == [2] and event["module"], event
+    assert all(math.isfinite(r["loss"]) for r in records(run) if "loss" in r)
 
 
 def test_an_exported_kiln_classifier_run_is_a_reward_model(tmp_path, prompts, hf_llama, hf_bert, capsys):

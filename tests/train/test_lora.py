@@ -67,6 +67,15 @@ def test_qlora_with_tensor_parallelism_is_refused(tmp_path, corpus_dir, capsys):
     assert "lora.quantize_base: nf4 packs" in capsys.readouterr().err and not (tmp_path / "run").exists()
 
 
+def test_an_adapter_on_the_output_layer_is_refused(tmp_path, corpus_dir, capsys):
+    """The fused loss reads lm_head's weight itself: an adapter there would never train."""
+    sets = tiny_overrides(tmp_path / "run", corpus_dir) + ["lora.rank=4", "lora.target_modules=wq,lm_head"]
+    assert main(["train", *[a for item in sets for a in ("--set", item)]]) == 2
+    err = capsys.readouterr().err
+    assert "lora.target_modules: the output layer is adapted" in err, err
+    assert not (tmp_path / "run" / "checkpoints").exists()
+
+
 @pytest.mark.slow
 @pytest.mark.dist
 def test_fsdp_lora_in_bf16_keeps_a_bf16_base_trains_as_one_process_and_resumes_exactly(tmp_path, corpus_dir):

@@ -17,6 +17,12 @@ parallelism). Two places of the model take part, named by its family's plan:
   Llama 3 trained long context: with grouped-query attention the keys and values are the
   smaller half of the traffic).
 
+Rows that pack documents (positions per row that restart at each, ``data.document_mask`` or
+packed records) keep each document's attention to itself across the chunks: the core gathers
+the group's positions too. A Hugging Face Llama-class model takes part the same way, its
+attention function plugged in through ``transformers.AttentionInterface``
+(``apply_cp_transformers``) and the hooks cutting its wrapper's inputs, labels and positions.
+
 Decoding (a kv cache) runs the plain forward on every rank: generation is not split.
 
 Gradients: the group's loss is the sum over its ranks of each one's share, made by an all-reduce

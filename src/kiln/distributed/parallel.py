@@ -298,8 +298,8 @@ def adapted_styles(module: nn.Module, styles: Mapping[str, Any]) -> dict[str, An
         layout = style.input_layouts[0] if colwise else style.output_layouts[0]
         whole = SequenceParallel(sequence_dim=layout.dim, use_local_output=True) if isinstance(layout, Shard) else None
         out[f"{path}.base_layer"] = style
+        split, other = ("lora_B", "lora_A") if colwise else ("lora_A", "lora_B")
         for name in cast(nn.ModuleDict, wrapper.lora_A):
-            split, other = ("lora_B", "lora_A") if colwise else ("lora_A", "lora_B")
             out[f"{path}.{split}.{name}"] = style
             if whole is not None:
                 out[f"{path}.{other}.{name}"] = whole

@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
+from typing import Any
 
 import torch
 from torch import nn
 
-from kiln.data.batch import TextBatch, to_device
 from kiln.models.fused_loss import IGNORE_INDEX
 
 
@@ -26,18 +26,25 @@ def document_mask(queries: torch.Tensor, keys: torch.Tensor, at: torch.Tensor) -
     return ((queries[:, :, None] == keys[:, None, :]) & causal).unsqueeze(1)
 
 
-def lm_loss(model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor] | TextBatch) -> torch.Tensor:
-    """Mean next-token loss of ``(inputs, targets)`` or of a ``TextBatch`` (its documents each
-    attending only to itself); the model computes it given targets (kiln's GPT fuses it with its
-    output layer, in fp32)."""
-    if isinstance(batch, TextBatch):
+def lm_loss(model: nn.Module, batch: Any) -> torch.Tensor:
+    """Mean next-token loss of ``(inputs, targets)``, or of a batch of ``inputs``, ``targets`` and
+    ``positions`` (``kiln.data.batch.TextBatch``: each row's documents attending only to
+    themselves); the model computes it given targets (kiln's GPT fuses it with its output layer,
+    in fp32)."""
+    if packed(batch):
         return model(batch.inputs, batch.targets, positions=batch.positions)
     x, y = batch
     return model(x, y)
 
 
-def targets_of(batch: tuple[torch.Tensor, torch.Tensor] | TextBatch) -> torch.Tensor:
-    return batch.targets if isinstance(batch, TextBatch) else batch[1]
+def packed(batch: Any) -> bool:
+    """Whether ``batch`` is text whose rows pack documents (a ``TextBatch``, told by its fields:
+    the data layer is beside this one, not below it)."""
+    return hasattr(batch, "positions") and hasattr(batch, "targets")
+
+
+def targets_of(batch: Any) -> torch.Tensor:
+    return batch.targets if packed(batch) else batch[1]
 
 
 @torch.no_grad()
@@ -56,7 +63,7 @@ def evaluate_lm(
     nbytes = torch.zeros((), device=device, dtype=torch.int64)
     token_bytes = token_bytes.to(device)
     for batch in batches:
-        batch = to_device(batch, device)
+        batch = batch.to(device) if packed(batch) else tuple(t.to(device, non_blocking=True) for t in batch)
         y = targets_of(batch)
         keep = y != IGNORE_INDEX  # targets of -100 (padding) are left out of the mean and the bytes
         kept = keep.sum()

@@ -13,7 +13,7 @@ import math
 import sys
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -109,7 +109,23 @@ def _tensorboard_scalars(values: dict[str, Any]) -> Iterator[tuple[str, Any]]:
             yield key, value
 
 
-class MetricsLogger:
+class _Histograms:
+    """When weight and gradient histograms are due (observe.histograms_every; 0: never)."""
+
+    histograms_every = 0
+
+    def inspector(self, step: int) -> Callable[[torch.nn.Module], None] | None:
+        """What looks at the model before (1-based) ``step``'s update, its gradients in place: its
+        histograms when due, else None."""
+        if not self.histograms_every or step % self.histograms_every:
+            return None
+        return lambda model: self.histograms(step, model)
+
+    def histograms(self, step: int, model: torch.nn.Module) -> None:
+        raise NotImplementedError
+
+
+class MetricsLogger(_Histograms):
     """Writes each logged step to every sink. ``start_step`` > 0 means a resumed run: records
     of later steps (written before the interruption, and about to be redone) are dropped so
     the history stays one line per step. With ``wandb_project`` the records also go to that
@@ -126,8 +142,9 @@ class MetricsLogger:
         tensorboard: bool = True,
         wandb_project: str | None = None,
         config: dict[str, Any] | None = None,
+        histograms_every: int = 0,
     ):
-        self.run_dir = Path(run_dir)
+        self.run_dir, self.histograms_every = Path(run_dir), histograms_every
         # First: when wandb is missing, fail before any file is opened.
         self._wandb = _start_wandb(self.run_dir, wandb_project, config) if wandb_project else None
         self.run_dir.mkdir(parents=True, exist_ok=True)
@@ -293,10 +310,14 @@ class MetricsLogger:
         self.close()
 
 
-class NullLogger:
-    """The logger of ranks other than 0: takes every record and writes nothing."""
+class NullLogger(_Histograms):
+    """The logger of ranks other than 0: takes every record and writes nothing (its histograms
+    are due when the main rank's are, as they may gather what they show)."""
 
     total_steps: int  # set by the loop as on a MetricsLogger, read by nothing
+
+    def __init__(self, histograms_every: int = 0):
+        self.histograms_every = histograms_every
 
     def log(self, step: int, values: dict[str, Any]) -> None:
         pass
@@ -327,9 +348,9 @@ def open_logger(
     run_dir: str | Path, cfg: Config, *, main: bool, total_steps: int, start_step: int, console: bool
 ) -> MetricsLogger | NullLogger:
     """The logger of a run of ``cfg`` on its main rank (``main``), a ``NullLogger`` on the others."""
-    if not main:
-        return NullLogger()
     observe = cfg.observe
+    if not main:
+        return NullLogger(observe.histograms_every)
     return MetricsLogger(
         run_dir,
         total_steps=total_steps,
@@ -337,4 +358,5 @@ def open_logger(
         console=console,
         wandb_project=observe.wandb_project if observe.wandb else None,
         config=cfg.to_dict(),
+        histograms_every=observe.histograms_every,
     )

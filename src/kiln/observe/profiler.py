@@ -23,7 +23,12 @@ import torch
 
 from kiln.config import ProfileConfig, parse_step_range
 
-PHASES = {"kiln/data": "data wait", "kiln/forward_backward": "compute", "kiln/optimizer": "optimizer"}
+PHASES = {
+    "kiln/data": "data wait",
+    "kiln/rollout": "rollout",
+    "kiln/forward_backward": "compute",
+    "kiln/optimizer": "optimizer",
+}
 COLLECTIVES = ("all_reduce", "allreduce", "all_gather", "allgather", "reduce_scatter", "broadcast", "nccl:", "gloo:")
 
 
@@ -205,6 +210,7 @@ def render(b: dict) -> str:
     phases = b["phases_ms"]
     notes = {
         "data wait": "next batch from the loader, host-to-device copy",
+        "rollout": "the job's work on the batch before the step (GRPO's sampling)",
         "compute": "forward + backward",
         "optimizer": "clip, AdamW step, zero_grad",
         "communication": "collectives (all-reduce, all-gather, ...)",

@@ -135,6 +135,16 @@ def apply_lora(model: nn.Module, cfg: Config, family: ModelFamily, args: Any, *,
                 param.requires_grad_("lora_" in name)
     except ValueError as e:
         raise ConfigError([f"lora.target_modules: {str(e).splitlines()[0]}"]) from None
+    head = cast(Any, model.hf).get_output_embeddings() if hf is not None else getattr(model, "lm_head", None)
+    if hasattr(head, "lora_A") and getattr(model, "fused", True):
+        # The fused loss multiplies by the output layer's weight itself: an adapter there would
+        # stay at its initial zero, untrained, without a word.
+        raise ConfigError(
+            [
+                "lora.target_modules: the output layer is adapted, but the fused loss reads its weight directly "
+                "and its adapter would never train; leave the output layer (lm_head) out"
+            ]
+        )
     if quantize and lora.quantize_base == "nf4":
         # On the run's device: a GPU quantizes a large model far faster than the host.
         quantize_base(model, resolve_device(cfg.run.device))

@@ -24,6 +24,7 @@ from typing import Any, cast
 import torch
 from torch import nn
 
+from kiln.config import TrainConfig
 from kiln.data.batch import batch_rows, loss_count
 from kiln.distributed.parallel import ParallelModel
 from kiln.train.apply import apply_activation_checkpointing
@@ -36,10 +37,13 @@ LossFn = Callable[[nn.Module, Any], torch.Tensor]
 
 class TrainStep:
     """Steps ``model`` (a ``ParallelModel``) by ``loss_fn(module, batch)``, the mean loss of a
-    micro-batch; ``compile`` compiles the loss function with the model's forward, from the step
-    after ``compile_after`` (a step number, so that a run and its resumption switch at the same
-    step). ``faults`` is told of each forward pass; ``busy`` times this rank's forward passes (for
-    stragglers); ``say`` prints a line for the user."""
+    micro-batch. ``train`` (a run's TrainConfig; None: eager, and full activation checkpointing
+    once the memory ladder turns it on): ``compile`` compiles the loss function with the model's
+    forward from the step after ``compile_after`` (a step number, so that a run and its
+    resumption switch at the same step); ``activation_checkpointing`` and
+    ``activation_checkpointing_every`` say how it recomputes. ``faults`` is told of each forward
+    pass; ``busy`` times this rank's forward passes (for stragglers); ``say`` prints a line for
+    the user."""
 
     def __init__(
         self,
@@ -49,21 +53,20 @@ class TrainStep:
         precision: Precision,
         *,
         grad_clip: float,
-        compile: bool = False,
-        compile_after: int = 0,
+        train: TrainConfig | None = None,
         faults: NoFaults = NO_FAULTS,
         busy: BusyClock | None = None,
         say: Callable[[str], None] = lambda _: None,
-        selective: bool = False,
-        checkpoint_every: int = 1,
     ):
         self.model = model
-        # How activation checkpointing recomputes, once it is on (train.activation_checkpointing).
-        self.recompute = functools.partial(apply_activation_checkpointing, selective=selective, every=checkpoint_every)
+        t = train or TrainConfig(compile=False)
+        # How activation checkpointing recomputes, once it is on.
+        selective, every = t.activation_checkpointing == "selective", t.activation_checkpointing_every
+        self.recompute = functools.partial(apply_activation_checkpointing, selective=selective, every=every)
         self.say = say
         self.loss_fn = loss_fn
         # The step after which the loss function is compiled (None: never, or done).
-        self.compile_after: int | None = compile_after if compile else None
+        self.compile_after: int | None = t.compile_after if t.compile is True else None
         self.compile_held = False
         self.deterministic = False
         self._compile_when_due(0)

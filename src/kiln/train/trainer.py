@@ -118,10 +118,7 @@ class Trainer:
             self.optimizer,
             self.precision,
             grad_clip=t.grad_clip,
-            compile=t.compile is True,
-            compile_after=t.compile_after,
-            selective=t.activation_checkpointing == "selective",
-            checkpoint_every=t.activation_checkpointing_every,
+            train=t,
             faults=self.faults,
             busy=self.stragglers.clock,
             say=self._say,
@@ -194,7 +191,7 @@ class Trainer:
                 with phase("forward_backward", self.step):
                     loss = self.ladder.forward_backward(batch, self.step + 1, logger, save=self.save)
                 with phase("optimizer", self.step):
-                    grad_norm = self.train_step.update(lr, inspect=self._histograms(logger))
+                    grad_norm = self.train_step.update(lr, inspect=logger.inspector(self.step + 1))
                     self.expert_load.step_done()
                 self.step += 1
                 self.meter.end_step(loss, grad_norm, batch)
@@ -269,14 +266,6 @@ class Trainer:
                 step=self.step,
             )
 
-    def _histograms(self, logger) -> Callable[[nn.Module], None] | None:
-        """Weight and gradient histograms of this step, when they are due."""
-        every = self.cfg.observe.histograms_every
-        if not every or (self.step + 1) % every:
-            return None
-        step = self.step + 1
-        return lambda model: logger.histograms(step, model)
-
     def _log(self, logger, lr: float, elapsed_s: float) -> tuple[dict[str, float], bool]:
         """Log the interval ending now; whether the guard calls for a rollback."""
         with self.phases.phase("log", self.step):
@@ -296,13 +285,14 @@ class Trainer:
 
     def _locate_non_finite(self, step: int) -> str | None:
         """The first module whose output is non-finite when ``step``'s batch runs again."""
-        micro_batches = split_batch(self.batches.batch(step, self.device), self.micro_batch_size)
+        with torch.random.fork_rng(devices=[]):  # a job's rollout (GRPO's sampling) draws apart from the run
+            batch = self.job.rollout(self.model.module, self.batches.batch(step, self.device), self.micro_batch_size)
+        micro_batches = split_batch(batch, self.micro_batch_size)
         assert self.model.whole is not None  # only called where this rank holds the whole model (_log)
         return first_non_finite_module(self.model.whole, lambda: self.train_step.replay(micro_batches, step))
 
     def _evaluate(self, logger) -> dict[str, Any] | None:
-        module = self.model.module
-        was_training = module.training
+        module, was_training = self.model.module, self.model.module.training
         module.eval()
         ctx = EvalContext(self.step, self.device, self.micro_batch_size, self.precision, self.model.generates)
         try:

@@ -26,7 +26,6 @@ import torch.nn.functional as F
 from torch import nn
 
 from kiln.config import ConfigError, ModelConfig
-from kiln.data.batch import TextBatch
 from kiln.models.family import (
     TRANSFORMERS_ATTENTION,
     MemoryModel,
@@ -52,6 +51,7 @@ from kiln.models.hf.memory import EncoderMemory, ffn_width
 from kiln.models.hf.moe import routed_weights, watch_routers
 from kiln.models.hf.parallelize import QK_NORM_HEADS, llama_styles
 from kiln.models.init import params_on_meta
+from kiln.models.lm import packed
 
 TASKS = {"causal_lm": "AutoModelForCausalLM", "sequence_classification": "AutoModelForSequenceClassification"}
 MAPPINGS = {
@@ -428,7 +428,7 @@ class HFFamily(ModelFamily):
         if isinstance(batch, (tuple, list)):
             inputs, targets = batch
             return model(inputs, targets=targets)
-        if isinstance(batch, TextBatch):
+        if packed(batch):
             return model(batch.inputs, targets=batch.targets, position_ids=batch.positions)
         return model(
             batch.input_ids,
