@@ -21,7 +21,7 @@ from kiln.distributed.world import mesh_shape
 from kiln.models.gpt import FAMILY, GPTConfig
 
 from conftest import tiny_overrides
-from kilnrun import in_process
+from kilnrun import in_process, records
 from layouts import STEPS, assert_same_training, layout_sets, resumable_copy, started, train_on, weights
 
 # Four layers (two stages of two, or four of one), untied: the embedding and the output layer
@@ -83,6 +83,18 @@ def test_packed_documents_in_two_stages_train_as_one_process(tmp_path, short_doc
     in_process("train", *_pipe_sets(one, short_documents, micro=2, data__document_mask=True))
     train_on(2, _pipe_sets(pp, short_documents, micro=4, parallel__pp=2, data__document_mask=True))
     assert_same_training(pp, one)
+
+
+@pytest.mark.slow
+def test_fp16_in_two_stages_trains_as_one_process(tmp_path, corpus_dir):
+    """One loss scale for every stage (the last stage's scaled loss is what every stage's
+    gradients carry), decided from the global gradient norm."""
+    one, pp = tmp_path / "one", tmp_path / "pp"
+    in_process("train", *_pipe_sets(one, corpus_dir, micro=2, train__precision="fp16"))
+    train_on(2, _pipe_sets(pp, corpus_dir, micro=4, parallel__pp=2, train__precision="fp16"))
+    assert_same_training(pp, one)
+    scales = {r["loss_scale"] for run in (one, pp) for r in records(run) if "loss_scale" in r}
+    assert scales == {2.0**16}
 
 
 @pytest.mark.slow

@@ -120,6 +120,27 @@ def test_loss_spikes_are_reported_with_their_batch():
         Guard(GuardConfig(max_rollbacks=0)).start_rollback()
 
 
+def test_the_loss_scale_halves_on_an_overflow_doubles_after_2000_finite_steps_and_resumes():
+    from kiln.train.precision import LossScale
+
+    cpu = torch.device("cpu")
+    scale = LossScale(cpu, enabled=True)
+    assert scale(torch.tensor(1.0)).item() == 2.0**16
+    scale.update(torch.tensor(False))
+    assert scale.scale.item() == 2.0**15 and int(scale.skipped) == 1
+    for _ in range(1999):
+        scale.update(torch.tensor(True))
+    assert scale.scale.item() == 2.0**15 and int(scale.finite_steps) == 1999
+    scale.update(torch.tensor(True))
+    assert scale.scale.item() == 2.0**16 and int(scale.finite_steps) == 0
+    resumed = LossScale(cpu, enabled=True)
+    resumed.load_state_dict(scale.state_dict())
+    assert resumed.state_dict() == scale.state_dict() == {"scale": 2.0**16, "finite_steps": 0, "skipped": 1}
+    off = LossScale(cpu, enabled=False)
+    off.update(torch.tensor(False))
+    assert off(torch.tensor(3.0)).item() == 3.0 and off.scale.item() == 1.0
+
+
 def test_fp16_overflow_is_the_scalers_business():
     fp16 = Guard(GuardConfig(max_bad_steps=2), scaler_skips=True)
     review = fp16.review(1, [5.0, 5.0, 5.0], [math.inf, math.inf, math.inf])  # scaler skips while it finds its scale

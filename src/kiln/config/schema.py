@@ -1154,10 +1154,6 @@ class Config:
                 f"train.objective: {self.train.objective} is not compiled yet (its reference pass and metrics run in "
                 "the loss); set train.compile=false",
             ),
-            (
-                pp == 1 or self.train.precision != "fp16",
-                "train.precision: fp16 loss scaling is not supported under pipeline parallelism; use bf16",
-            ),
         ]
         return [message for section in order for message in section.errors()] + [
             message for ok, message in combinations if not ok

@@ -79,6 +79,7 @@ PROOFS: dict[tuple[str, str], str] = {
     ("Muon", "FSDP"): _MUON,
     ("Muon", "TP"): _MUON,
     ("Muon", "HSDP"): _MUON,
+    ("fp16", "PP"): "tests/distributed/test_pipeline.py::test_fp16_in_two_stages_trains_as_one_process",
     ("bf16", "FSDP"): _PARALLEL + "test_fsdp_bf16_computes_in_bf16_and_keeps_fp32_weights",
     ("qk_norm", "FSDP"): _QK,
     ("qk_norm", "TP"): _QK,

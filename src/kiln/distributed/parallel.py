@@ -44,6 +44,11 @@ class StepCompute(Protocol):
         """Gradients of ``loss`` (scaled for fp16), added to those held."""
         ...
 
+    def scaled(self, loss: torch.Tensor) -> torch.Tensor:
+        """``loss`` times fp16's loss scale (itself otherwise), for a backward pass run elsewhere
+        (a pipeline schedule's)."""
+        ...
+
 
 class _NoSync(Protocol):
     """A model whose gradient all-reduce can be put off (DDP's ``no_sync``)."""

@@ -175,6 +175,7 @@ class PipelineModel(ParallelModel):
         kwargs = {"n_microbatches": pcfg.microbatches, "loss_fn": self._weighed, "scale_grads": False}
         self.schedule = schedule(self.stages if len(self.stages) > 1 else self.stages[0], **kwargs)
         self._scale: torch.Tensor | None = None
+        self._compute: StepCompute | None = None
 
     def compile(self, loss_fn: Callable[[nn.Module, Any], torch.Tensor]) -> Callable[[nn.Module, Any], torch.Tensor]:
         """The schedule, not the loss function, runs the stages here: each layer is compiled instead."""
@@ -184,9 +185,10 @@ class PipelineModel(ParallelModel):
 
     def _weighed(self, loss: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         """A piece's mean loss (the last stage returns it, fused with its output layer) as its
-        part of the micro-batch's loss times the step's weight."""
-        assert self._scale is not None  # set by forward_backward before the schedule runs
-        return loss * (targets != IGNORE_INDEX).sum() * self._scale
+        part of the micro-batch's loss times the step's weight (and fp16's loss scale: the
+        schedule runs the backward pass)."""
+        assert self._scale is not None and self._compute is not None  # set by forward_backward
+        return self._compute.scaled(loss * (targets != IGNORE_INDEX).sum() * self._scale)
 
     def forward_backward(self, batch: Any, divisor: float, *, last: bool, compute: StepCompute) -> torch.Tensor:
         """The schedule cuts ``batch`` (inputs, targets) into ``parallel.pp_microbatches`` pieces
@@ -195,7 +197,7 @@ class PipelineModel(ParallelModel):
         ranks, and zero on the others (the meter averages the loss over every rank)."""
         inputs, targets, positions = _parts(batch)
         weight = 1 / divisor
-        self._scale = weight / (targets != IGNORE_INDEX).sum()
+        self._scale, self._compute = weight / (targets != IGNORE_INDEX).sum(), compute
         losses: list[torch.Tensor] = []
         with compute.autocast():
             # Every stage gets the targets as a keyword (the last computes the loss with them) and
@@ -207,7 +209,8 @@ class PipelineModel(ParallelModel):
             self._reduce_gradients()
         if not self.is_last:
             return torch.zeros((), device=self.world.device)
-        return torch.stack(losses).sum().detach() * (self.pp / weight)
+        scale = compute.scaled(torch.ones((), device=self.world.device))  # fp16's, taken back out
+        return torch.stack(losses).sum().detach() * (self.pp / weight) / scale
 
     def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
         """The norm sums over the stages; a tied weight's second copy is clipped but not counted."""

@@ -2,8 +2,8 @@
 
 A checkpoint is the model and optimizer (keyed by parameter name, so any strategy or world size
 can load it; each rank's shards when sharded) and one dict of the loop's stateful parts, each
-saved with its ``state_dict`` and restored with its ``load_state_dict``: precision (the loss
-scaler), the memory ladder's rung, the guard. Beside them: the step, the RNG state, the data
+saved with its ``state_dict`` and restored with its ``load_state_dict``: precision (fp16's loss
+scale), the memory ladder's rung, the guard. Beside them: the step, the RNG state, the data
 position (a pure function of seed and step), the config and the parallel layout.
 
 With ``checkpoint.async_save`` the training thread only copies that state to host memory and a

@@ -39,8 +39,8 @@ class StepReview:
 
 
 class Guard:
-    """``scaler_skips``: fp16's GradScaler skips steps whose gradients overflow, routinely while
-    it looks for its scale; those are its business, and only a non-finite loss counts here."""
+    """``scaler_skips``: fp16's loss scale skips steps whose gradients overflow, routinely while
+    it looks for its value; those are its business, and only a non-finite loss counts here."""
 
     def __init__(self, cfg: GuardConfig, *, scaler_skips: bool = False):
         self.cfg = cfg

@@ -15,13 +15,61 @@ from kiln.config import ConfigError
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16, "fp8": torch.bfloat16}
 
 
+class LossScale:
+    """fp16's dynamic loss scale (GradScaler's rule: from 2^16, halved after a step whose
+    gradients overflow, which is skipped, doubled after 2000 finite steps in a row), decided from
+    the step's global gradient norm, so that every rank takes the same decision and keeps the same
+    scale whatever the layout: a shard's or a pipeline stage's own gradients say nothing of the
+    others' (GradScaler decides per rank), and a pipeline's stages all unscale gradients that
+    carry the last stage's scale. Kept on the device: no host sync. Disabled, it is the identity."""
+
+    GROWTH_INTERVAL = 2000
+
+    def __init__(self, device: torch.device, enabled: bool):
+        self.enabled = enabled
+        self.scale = torch.full((), 2.0**16 if enabled else 1.0, device=device)
+        self.finite_steps = torch.zeros((), dtype=torch.int64, device=device)  # since the last change
+        self.skipped = torch.zeros((), dtype=torch.int64, device=device)
+
+    def __call__(self, loss: torch.Tensor) -> torch.Tensor:
+        return loss * self.scale if self.enabled else loss
+
+    def unscale_(self, optimizer: torch.optim.Optimizer) -> None:
+        if not self.enabled:
+            return
+        inverse = self.scale.double().reciprocal().float()
+        for group in optimizer.param_groups:
+            for param in group["params"]:
+                if param.grad is not None:
+                    local = param.grad.to_local() if hasattr(param.grad, "to_local") else param.grad
+                    local.mul_(inverse.to(local.dtype))
+
+    def update(self, finite: torch.Tensor) -> None:
+        """After the step: ``finite``, whether the step's global gradient norm was."""
+        if not self.enabled:
+            return
+        grown = finite & (self.finite_steps + 1 >= self.GROWTH_INTERVAL)
+        self.scale = torch.where(finite, torch.where(grown, self.scale * 2, self.scale), self.scale * 0.5)
+        self.finite_steps = torch.where(finite & ~grown, self.finite_steps + 1, 0)
+        self.skipped += (~finite).long()
+
+    def state_dict(self) -> dict:
+        return {"scale": self.scale.item(), "finite_steps": int(self.finite_steps), "skipped": int(self.skipped)}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.scale.fill_(state["scale"])
+        self.finite_steps.fill_(state["finite_steps"])
+        self.skipped.fill_(state["skipped"])
+
+
 class Precision:
     """fp32: plain. bf16: autocast (same exponent range as fp32, so no loss scaling).
-    fp16: autocast plus a GradScaler, whose skipped steps (inf/NaN gradients) are counted.
+    fp16: autocast plus a dynamic loss scale (``LossScale``), whose skipped steps (inf/NaN
+    gradients) are counted.
     fp8: bf16 autocast, with the model's linear layers made float8 ones by ``convert``.
 
-    A disabled GradScaler is a no-op pass-through, so the loop calls the same methods in every
-    mode instead of branching on it."""
+    A disabled loss scale is the identity, so the loop calls the same methods in every mode
+    instead of branching on it."""
 
     def __init__(self, mode: str, device: torch.device, fp8_recipe: str = "tensorwise"):
         self.mode = mode
@@ -29,8 +77,7 @@ class Precision:
         self.fp8_recipe = fp8_recipe
         self.float8: list[str] = []  # the layers ``convert`` made float8
         self.dtype = DTYPES[mode]
-        self.scaler = torch.amp.GradScaler(device.type, enabled=mode == "fp16")
-        self.skipped_steps = 0
+        self.loss_scale = LossScale(device, enabled=mode == "fp16")
 
     def convert(self, model: nn.Module) -> None:
         """Make ``model`` this precision's, in place, before it is sharded or compiled (and, when
@@ -91,45 +138,41 @@ class Precision:
         return torch.autocast(self.device.type, dtype=self.dtype)
 
     def backward(self, loss: torch.Tensor) -> None:
-        self.scaler.scale(loss).backward()
+        self.loss_scale(loss).backward()
 
     def unscale_(self, optimizer: torch.optim.Optimizer) -> None:
-        self.scaler.unscale_(optimizer)
+        self.loss_scale.unscale_(optimizer)
 
     def step(self, optimizer: torch.optim.Optimizer, finite: torch.Tensor) -> None:
-        """Apply the update unless ``finite`` (a 0-d bool tensor on the device) is false.
+        """Apply the update unless ``finite`` (a 0-d bool tensor on the device: whether the step's
+        global gradient norm is) is false; then fp16's loss scale follows it.
 
         The fused AdamW kernel takes the flag on the device, as it does from GradScaler, and
         leaves parameters and optimizer state (step count included) untouched when it is set:
         no host sync. Other optimizers make the host read the flag first."""
-        if not self.scaler.is_enabled():  # fp16's scaler has its own inf check and skip
-            if not (optimizer.defaults.get("fused") or getattr(optimizer, "skips_on_device", False)):
-                if finite.item():
-                    optimizer.step()
-                return
+        if optimizer.defaults.get("fused") or getattr(optimizer, "skips_on_device", False):
             step_unless(optimizer, found_inf=(~finite).float())
-            return
-        # GradScaler.step already waits for the device to read its inf check, so reading the
-        # scale here adds no further stall.
-        before = self.scaler.get_scale()
-        self.scaler.step(optimizer)
-        self.scaler.update()
-        if self.scaler.get_scale() < before:
-            self.skipped_steps += 1
+        elif finite.item():
+            optimizer.step()
+        self.loss_scale.update(finite)
 
     def metrics(self) -> dict[str, float]:
         """What the logged record says of the precision: fp16's skipped steps and loss scale."""
-        if not self.scaler.is_enabled():
+        if not self.loss_scale.enabled:
             return {}
-        return {"skipped_steps": self.skipped_steps, "loss_scale": self.scaler.get_scale()}
+        return {"skipped_steps": int(self.loss_scale.skipped), "loss_scale": self.loss_scale.scale.item()}
 
     def state_dict(self) -> dict:
-        return {"scaler": self.scaler.state_dict(), "skipped_steps": self.skipped_steps}
+        return {"loss_scale": self.loss_scale.state_dict()} if self.loss_scale.enabled else {}
 
     def load_state_dict(self, state: dict) -> None:
-        if state.get("scaler"):
-            self.scaler.load_state_dict(state["scaler"])
-        self.skipped_steps = state.get("skipped_steps", 0)
+        if state.get("loss_scale"):
+            self.loss_scale.load_state_dict(state["loss_scale"])
+        elif state.get("scaler"):  # a checkpoint of GradScaler's days
+            old = state["scaler"]
+            self.loss_scale.load_state_dict(
+                {"scale": old["scale"], "finite_steps": old["_growth_tracker"], "skipped": state["skipped_steps"]}
+            )
 
 
 def store_frozen(model: nn.Module, dtype: torch.dtype) -> None:

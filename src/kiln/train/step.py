@@ -91,6 +91,9 @@ class TrainStep:
     def backward(self, loss: torch.Tensor) -> None:
         self.precision.backward(loss)
 
+    def scaled(self, loss: torch.Tensor) -> torch.Tensor:
+        return self.precision.loss_scale(loss)
+
     # -- the step --------------------------------------------------------------------------------
 
     def recompute_activations(self) -> None:
