@@ -18,7 +18,7 @@ import torch
 from kiln.train.run import load_run
 
 from conftest import tiny_overrides
-from kilnrun import in_process, kiln, launch, losses, start
+from kilnrun import in_process, kiln, launch, losses, records, start
 from layouts import (
     GLOBAL,
     STEPS,
@@ -116,6 +116,19 @@ def test_fsdp_bf16_computes_in_bf16_and_keeps_fp32_weights(tmp_path, corpus_dir,
     meta = FileSystemReader(str(run_dir / "checkpoints" / f"step-{STEPS:08d}" / "state")).read_metadata()
     dtypes = {k: v.properties.dtype for k, v in meta.state_dict_metadata.items() if k.startswith("model.")}
     assert dtypes and set(dtypes.values()) == {torch.float32}, dtypes
+
+
+@pytest.mark.slow
+def test_fsdp_fp16_trains_as_ddp_with_one_loss_scale(tmp_path, corpus_dir):
+    """Each FSDP rank unscales its own shards of the gradients, where DDP's hold them whole; the
+    scale, its halving or growth and the skip follow the global gradient norm, the same on every
+    rank. Against DDP, whose ranks compute the same fp16 products on the same micro-batches (one
+    process's micro-batches of other shapes round apart by about 3e-5 in fp16)."""
+    ddp, fsdp = tmp_path / "ddp", tmp_path / "fsdp"
+    train_on(2, layout_sets(ddp, corpus_dir, micro=2, parallel__strategy="ddp", train__precision="fp16"))
+    train_on(2, layout_sets(fsdp, corpus_dir, micro=2, parallel__strategy="fsdp", train__precision="fp16"))
+    assert_same_training(fsdp, ddp, atol=5e-4)  # fp16 gradients: sums in another order round apart more
+    assert {r["loss_scale"] for r in records(fsdp) if "loss_scale" in r} == {2.0**16}
 
 
 @pytest.mark.slow
