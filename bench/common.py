@@ -1,4 +1,5 @@
-"""Pieces shared by the bench scripts: synthetic token data and reading kiln's own throughput."""
+"""Pieces shared by the bench scripts: synthetic token data, reading kiln's own throughput, and
+counting the activations autograd saves."""
 
 from __future__ import annotations
 
@@ -7,8 +8,38 @@ from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
+import torch
 
 from kiln.data import TokenSequences
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    """The plain tensor holding ``t``'s data on this rank: a DTensor's local shard; a functional
+    collective's result (a wrapper around the tensor it will hold) its tensor."""
+    from torch.distributed.tensor import DTensor
+
+    t = t.to_local() if isinstance(t, DTensor) else t
+    return _local(t.elem) if type(t).__name__ == "AsyncCollectiveTensor" else t
+
+
+class SavedTensors(torch.autograd.graph.saved_tensors_hooks):
+    """While entered, the bytes of the storages autograd saves for backward, each counted once
+    (a DTensor by its local shard); the model's parameters and buffers are state, not
+    activations, and are left out."""
+
+    def __init__(self, model: torch.nn.Module):
+        with torch.no_grad():
+            held = [_local(t) for t in (*model.parameters(), *model.buffers())]
+        self.state = {t.untyped_storage().data_ptr() for t in held}
+        self.storages: dict[int, int] = {}
+        super().__init__(self.pack, lambda t: t)
+
+    def pack(self, t: torch.Tensor) -> torch.Tensor:
+        with torch.no_grad():
+            storage = _local(t).untyped_storage()
+        if storage.data_ptr() not in self.state:
+            self.storages[storage.data_ptr()] = storage.nbytes()
+        return t
 
 
 def random_tokens(path: Path, vocab: int, n: int, seq_len: int) -> TokenSequences:

@@ -32,23 +32,9 @@ import torch.multiprocessing as mp
 from kiln.distributed.context import apply_cp
 from kiln.models.gpt.model import GPT, GPTConfig
 
+from common import SavedTensors
+
 MiB = 1 << 20
-
-
-class SavedTensors(torch.autograd.graph.saved_tensors_hooks):
-    """While entered, the bytes of the storages autograd saves for backward, each counted once."""
-
-    def __init__(self, model: GPT):
-        # The model's parameters and buffers are state, not activations.
-        self.state = {t.untyped_storage().data_ptr() for t in (*model.parameters(), *model.buffers())}
-        self.storages: dict[int, int] = {}
-        super().__init__(self.pack, lambda t: t)
-
-    def pack(self, t: torch.Tensor) -> torch.Tensor:
-        storage = t.untyped_storage()
-        if storage.data_ptr() not in self.state:
-            self.storages[storage.data_ptr()] = storage.nbytes()
-        return t
 
 
 def attention_bytes(loss: torch.Tensor) -> int:
@@ -82,7 +68,7 @@ def rank_main(rank: int, cp: int, args: argparse.Namespace, init: str, results) 
     )  # fmt: skip
     model = GPT(cfg)
     if cp > 1:
-        apply_cp(model, [b.attn for b in model.blocks], init_device_mesh("cpu", (cp,), mesh_dim_names=("cp",))["cp"])
+        apply_cp(model, list(model.blocks), "attn.core", init_device_mesh("cpu", (cp,), mesh_dim_names=("cp",))["cp"])
     tokens = torch.randint(0, 4096, (1, args.seq_len + 1), generator=torch.Generator().manual_seed(1))
     idx, targets = tokens[:, :-1], tokens[:, 1:]
 

@@ -33,34 +33,9 @@ from kiln.models.gpt import FAMILY
 from kiln.models.gpt.model import GPT, GPTConfig
 from kiln.models.gpt.presets import PRESETS
 
+from common import SavedTensors
+
 MiB = 1 << 20
-
-
-def local(t: torch.Tensor) -> torch.Tensor:
-    """The plain tensor holding ``t``'s data on this rank: a DTensor's local shard; a functional
-    collective's result (a wrapper around the tensor it will hold) its tensor."""
-    from torch.distributed.tensor import DTensor
-
-    t = t.to_local() if isinstance(t, DTensor) else t
-    return local(t.elem) if type(t).__name__ == "AsyncCollectiveTensor" else t
-
-
-class SavedTensors(torch.autograd.graph.saved_tensors_hooks):
-    """While entered, the bytes of the storages autograd saves for backward, each counted once."""
-
-    def __init__(self, model: GPT):
-        with torch.no_grad():
-            held = [local(t) for t in (*model.parameters(), *model.buffers())]
-        self.state = {t.untyped_storage().data_ptr() for t in held}
-        self.storages: dict[int, int] = {}
-        super().__init__(self.pack, lambda t: t)
-
-    def pack(self, t: torch.Tensor) -> torch.Tensor:
-        with torch.no_grad():
-            storage = local(t).untyped_storage()
-        if storage.data_ptr() not in self.state:
-            self.storages[storage.data_ptr()] = storage.nbytes()
-        return t
 
 
 def plain_styles(block: torch.nn.Module) -> dict:

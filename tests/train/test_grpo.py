@@ -118,7 +118,8 @@ def test_the_loss_is_grpos_on_the_sampled_completions(tmp_path, prompts, hf_llam
     # By hand: the same draws, the advantages of each group, the mean over completions of each
     # one's mean token log-probability times its advantage.
     torch.manual_seed(7)
-    rows, completions = job.objective.sample(model, batch)
+    completions = job.objective.sample(model, batch)
+    rows = job.objective.rows(batch.prompt_ids, completions)
     rewards = job.objective.score(batch, completions).view(3, 4)
     advantages = ((rewards - rewards.mean(1, keepdim=True)) / (rewards.std(1, keepdim=True) + 1e-4)).flatten()
     logps, scored = token_logps(model, rows)

@@ -292,6 +292,7 @@ def apply_cp_transformers(model: nn.Module, hf: nn.Module, cp_mesh: Any) -> None
         )
     group, size, rank = cp_mesh.get_group(), cp_mesh.size(), cp_mesh.get_local_rank()
     split = _SplitSequences(model, group, size, rank, TRANSFORMERS_INPUTS)
+    cores: dict[float | None, ContextParallelAttend] = {}  # by the scale each layer passes
 
     def attend(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
         if kwargs.get("use_cache") is not False:  # decoding (or a call outside kiln's wrapper): whole
@@ -299,8 +300,9 @@ def apply_cp_transformers(model: nn.Module, hf: nn.Module, cp_mesh: Any) -> None
                 module, query, key, value, attention_mask, scaling=scaling, dropout=dropout, **kwargs
             )
         documents = kwargs.get("position_ids") if split.packed else None
-        core = ContextParallelAttend(_ScaledAttend(scaling), group, size, rank)
-        return core(query, key, value, None, True, documents).transpose(1, 2).contiguous(), None
+        if scaling not in cores:
+            cores[scaling] = ContextParallelAttend(_ScaledAttend(scaling), group, size, rank)
+        return cores[scaling](query, key, value, None, True, documents).transpose(1, 2).contiguous(), None
 
     name = f"kiln_context_parallel_{id(model)}"
     AttentionInterface.register(name, attend)

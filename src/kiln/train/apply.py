@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING, Any, cast
 
 import torch
 from torch import nn
-from torch.utils.checkpoint import checkpoint
+from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
 from kiln.compat import quiet_library_imports, quiet_library_warnings
 from kiln.config import Config, ConfigError
@@ -32,7 +32,7 @@ def apply_activation_checkpointing(
     model: nn.Module, plan: ParallelPlan | None = None, *, selective: bool = False, every: int = 1
 ) -> nn.Module:
     """Recompute each repeated layer's activations during backward instead of keeping them; with
-    ``selective``, only those of cheap operations (``SAVED_OPS``' outputs are kept); of every
+    ``selective``, only those of cheap operations (``_saved_ops``' outputs are kept); of every
     ``every``-th layer (the first, then each ``every`` later), the others keeping theirs.
 
     The layers are the plan's (by default: the model's ``blocks``). Each one's ``forward`` is
@@ -53,6 +53,7 @@ def apply_activation_checkpointing(
     return model
 
 
+@functools.cache
 def _saved_ops() -> frozenset:
     """The operations whose outputs selective checkpointing keeps: matrix products and attention
     (the costly ones to recompute; what torchtitan's op-level policy keeps)."""
@@ -66,14 +67,12 @@ def _saved_ops() -> frozenset:
 
 
 def _keep_products():
-    from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
+    """The contexts of one checkpointed forward (and its recomputation) under the selective policy."""
+    return create_selective_checkpoint_contexts(_keep_product_outputs)
 
-    saved = _saved_ops()
 
-    def policy(ctx, op, *args, **kwargs):
-        return CheckpointPolicy.MUST_SAVE if op in saved else CheckpointPolicy.PREFER_RECOMPUTE
-
-    return create_selective_checkpoint_contexts(policy)
+def _keep_product_outputs(ctx, op, *args, **kwargs):
+    return CheckpointPolicy.MUST_SAVE if op in _saved_ops() else CheckpointPolicy.PREFER_RECOMPUTE
 
 
 def apply_compile(fn: Callable) -> Callable:

@@ -24,7 +24,6 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from kiln.config import Config, ConfigError
@@ -154,15 +153,15 @@ class GRPOLoss:
         whole model) a micro-batch of prompts at a time, scored, with their advantages."""
         g = self.g
         started = time.perf_counter()
-        pieces, advantages = [], []
+        sampled, advantages = [], []
         for piece in batch.split_rows(micro_batch_size):
-            rows, completions = self.sample(model, piece)
+            completions = self.sample(model, piece)
             rewards = self.score(piece, completions)
             grouped = rewards.view(len(piece), g.group_size)
             advantage = grouped - grouped.mean(1, keepdim=True)
             if g.scale_rewards:
                 advantage = advantage / (grouped.std(1, keepdim=True) + 1e-4)
-            pieces.append(rows)
+            sampled += completions
             advantages.append(advantage.flatten())
             ended = [c[-1] == self.tokenizer.eos_token_id for c in completions]
             self.sums[:4] += torch.tensor(
@@ -177,7 +176,8 @@ class GRPOLoss:
             self.sums[-1] += len(completions)
         self.sums[-2] += time.perf_counter() - started
         device = next(p.device for p in model.parameters())
-        return Rollout(_stacked(pieces, pad_id(self.tokenizer)), torch.cat(advantages), g.group_size).to(device)
+        rows = self.rows(batch.prompt_ids, sampled)
+        return Rollout(rows, torch.cat(advantages), g.group_size).to(device)
 
     def __call__(self, model: nn.Module, batch: Rollout) -> torch.Tensor:
         g, rows = self.g, batch.rows
@@ -199,10 +199,9 @@ class GRPOLoss:
         return ((per_token * scored).sum(1) / norm).mean()
 
     @torch.no_grad()
-    def sample(self, model: nn.Module, batch: PromptBatch, greedy: bool = False) -> tuple[TokenBatch, list[list[int]]]:
-        """Each prompt's group of completions (one greedy completion each with ``greedy``), as
-        training rows (prompt + completion, only the completion labelled) and as token lists (up
-        to and including the end-of-text token, when they reach one)."""
+    def sample(self, model: nn.Module, batch: PromptBatch, greedy: bool = False) -> list[list[int]]:
+        """Each prompt's group of completions (one greedy completion each with ``greedy``), in
+        order, as token lists (up to and including the end-of-text token, when they reach one)."""
         g, eos = self.g, self.tokenizer.eos_token_id
         device = next(p.device for p in model.parameters())
         # One draw from the global generator (identical on every rank, and in checkpoints) seeds
@@ -226,23 +225,23 @@ class GRPOLoss:
             new = out[:, length:].tolist()
             for k, i in enumerate(members):
                 sampled[i] = new[k * group : (k + 1) * group]
-        ids, labels, completions = [], [], []
-        for prompt, group_rows in zip(batch.prompt_ids, sampled, strict=True):
-            for row in group_rows:
-                completion = row[: row.index(eos) + 1] if eos in row else row
-                completions.append(completion)
-                ids.append(prompt + completion)
-                labels.append([IGNORE_INDEX] * len(prompt) + completion)
+        return [row[: row.index(eos) + 1] if eos in row else row for rows in sampled for row in rows]
+
+    def rows(self, prompt_ids: list[list[int]], completions: list[list[int]]) -> TokenBatch:
+        """Training rows of each prompt's group of ``completions`` (in order): prompt +
+        completion, only the completion labelled, padded on the right."""
+        group = len(completions) // len(prompt_ids)
+        prompts = [prompt_ids[i // group] for i in range(len(completions))]
+        ids = [p + c for p, c in zip(prompts, completions, strict=True)]
+        labels = [[IGNORE_INDEX] * len(p) + c for p, c in zip(prompts, completions, strict=True)]
         lengths = [len(r) for r in ids]
-        pad = pad_id(self.tokenizer)
-        rows = TokenBatch(
-            input_ids=pad_rows(ids, pad),
+        return TokenBatch(
+            input_ids=pad_rows(ids, pad_id(self.tokenizer)),
             labels=pad_rows(labels, IGNORE_INDEX),
             attention_mask=pad_rows([[1] * n for n in lengths], 0),
             lengths=lengths,
             loss_tokens=[len(c) for c in completions],
         )
-        return rows, completions
 
     def score(self, batch: PromptBatch, completions: list[list[int]], group: int | None = None) -> torch.Tensor:
         """The reward function's values [completions], float64 on the host."""
@@ -275,7 +274,7 @@ class GRPOLoss:
         ``val_completions/mean_length``."""
         rewards, lengths = [], []
         for batch in batches:
-            _, completions = self.sample(model, batch, greedy=True)
+            completions = self.sample(model, batch, greedy=True)
             rewards.append(self.score(batch, completions, group=1))
             lengths += [len(c) for c in completions]
         if not lengths:
@@ -284,19 +283,3 @@ class GRPOLoss:
             "val_reward": torch.cat(rewards).mean().item(),
             "val_completions/mean_length": sum(lengths) / len(lengths),
         }
-
-
-def _stacked(batches: list[TokenBatch], pad: int) -> TokenBatch:
-    """Row batches as one, each padded on the right to the widest."""
-    width = max(b.input_ids.size(1) for b in batches)
-
-    def cat(name: str, value: int) -> torch.Tensor:
-        return torch.cat([F.pad(getattr(b, name), (0, width - getattr(b, name).size(1)), value=value) for b in batches])
-
-    return TokenBatch(
-        input_ids=cat("input_ids", pad),
-        labels=cat("labels", IGNORE_INDEX),
-        attention_mask=cat("attention_mask", 0),
-        lengths=[n for b in batches for n in b.lengths],
-        loss_tokens=[n for b in batches for n in b.loss_tokens],
-    )

@@ -10,6 +10,7 @@ from torch import nn
 
 from kiln.compat import quiet_library_imports
 from kiln.config import ConfigError
+from kiln.distributed.parallel import local_part
 
 # The dtype autocast computes in; fp8's float8 matrix products live inside its linear layers.
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16, "fp8": torch.bfloat16}
@@ -41,7 +42,7 @@ class LossScale:
         for group in optimizer.param_groups:
             for param in group["params"]:
                 if param.grad is not None:
-                    local = param.grad.to_local() if hasattr(param.grad, "to_local") else param.grad
+                    local = local_part(param.grad)
                     local.mul_(inverse.to(local.dtype))
 
     def update(self, finite: torch.Tensor) -> None:
