@@ -67,6 +67,19 @@ def test_plan_flops_and_memory_come_from_the_config(hf_llama):
     linear = sum(m.weight.numel() for m in model.modules() if isinstance(m, torch.nn.Linear))
     assert FAMILY.flops_per_token(args, 64) == 6.0 * linear + 12.0 * 2 * 64 * 64
     assert FAMILY.memory_model(args).n_layer == 2
+    # Pipeline stages: the embedding first, the final norm and head last, found under kiln's wrapper.
+    assert plan.pipelined
+    assert plan.pipeline_paths(model) == (
+        "hf.model.layers",
+        {"model.embed_tokens": "hf.model.embed_tokens"},
+        {"model.norm": "hf.model.norm", "lm_head": "hf.lm_head"},
+    )
+    # Layers of mixed attention kinds are read by their number in the whole model: not pipelined.
+    mixed = dataclasses.replace(args, config={**args.config, "layer_types": ["sliding_attention", "full_attention"]})
+    assert not FAMILY.parallel_plan(mixed).pipelined
+    assert "its layers mix attention kinds (full_attention, sliding_attention" in FAMILY.parallel_plan(
+        mixed
+    ).pipeline_error("llama")
 
 
 def test_random_weights_need_no_weight_file(hf_llama, tmp_path):

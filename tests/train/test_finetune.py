@@ -381,22 +381,37 @@ def assert_trains_as(run: Path, reference: Path) -> None:
         torch.testing.assert_close(a[name], b[name], rtol=0, atol=1e-4, msg=name)
 
 
+@pytest.fixture(scope="module")
+def single_packed(tmp_path_factory, sft, hf_llama) -> Path:
+    run = tmp_path_factory.mktemp("single_packed") / "run"
+    in_process("train", *as_args(ft_sets(run, sft, hf_llama, data__packing="true")))
+    return run
+
+
 @pytest.mark.slow
 @pytest.mark.dist
 @pytest.mark.parametrize("packing", [False, True], ids=["padded", "packed"])
 def test_llama_class_models_split_their_sequences_over_two_context_parallel_ranks(
-    tmp_path, sft, hf_llama, single, packing
+    tmp_path, sft, hf_llama, single, single_packed, packing
 ):
     """Each record's tokens split over two ranks (padded rows cut to whole chunks; packed rows
     keeping each record's attention to itself across the chunks): one process's training."""
-    reference = single
-    if packing:
-        reference = tmp_path / "one"
-        in_process("train", *as_args(ft_sets(reference, sft, hf_llama, data__packing="true")))
     run = tmp_path / "cp"
     items = ft_sets(run, sft, hf_llama, parallel__cp=2, data__packing=str(packing).lower())
     launch(2, "train", *as_args(items))
-    assert_trains_as(run, reference)
+    assert_trains_as(run, single_packed if packing else single)
+
+
+@pytest.mark.slow
+@pytest.mark.dist
+@pytest.mark.parametrize("packing", [False, True], ids=["padded", "packed"])
+def test_llama_class_models_split_into_two_pipeline_stages(tmp_path, sft, hf_llama, single, single_packed, packing):
+    """A Llama's layers in two stages, padded rows (their attention mask passed to each stage) or
+    packed ones (their restarting positions): one process's training, evaluation included."""
+    run = tmp_path / "pp"
+    items = ft_sets(run, sft, hf_llama, parallel__pp=2, data__packing=str(packing).lower(), eval__every=4)
+    launch(2, "train", *as_args(items))
+    assert_trains_as(run, single_packed if packing else single)
 
 
 @pytest.mark.slow

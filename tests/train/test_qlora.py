@@ -219,6 +219,16 @@ def test_two_ddp_ranks_give_the_losses_of_one_process(qlora_run, tmp_path, sft, 
     assert got == pytest.approx(want, rel=1e-5)
 
 
+@pytest.mark.slow
+@pytest.mark.dist
+def test_two_pipeline_stages_give_the_losses_of_one_process_and_resume_exactly(qlora_run, tmp_path, sft, hf_llama):
+    """Each stage holds its layers' 4-bit base and adapters (PEFT's wrapper around the cut model)."""
+    run = tmp_path / "pp"
+    got = _train(run, sft, hf_llama, nproc=2, parallel__pp=2)
+    assert got == pytest.approx(losses(qlora_run), rel=1e-5)
+    _resume_and_export(run, tmp_path, sft, hf_llama, nproc=2, parallel__pp=2)
+
+
 # Two FSDP ranks: each keeps its rows of every 4-bit weight, one sequence a micro-batch each.
 FSDP = dict(parallel__strategy="fsdp", train__micro_batch_size=1)
 

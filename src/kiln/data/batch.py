@@ -63,6 +63,7 @@ class TokenBatch(RowBatch):
     lengths: list[int] = field(default_factory=list)
     loss_tokens: list[int] = field(default_factory=list)
     target_bytes: list[int] = field(default_factory=list)
+    fixed: bool = False  # padded to a width that its micro-batches keep (pipeline stages need one shape)
 
     _TENSORS = ("input_ids", "labels", "attention_mask", "position_ids", "token_type_ids")
 
@@ -84,7 +85,7 @@ class TokenBatch(RowBatch):
             name: None if (t := getattr(self, name)) is None else fn(t) for name in self._TENSORS
         }
         hosts: dict[str, Any] = {name: getattr(self, name)[rows] for name in ("lengths", "loss_tokens", "target_bytes")}
-        return TokenBatch(**tensors, **hosts)
+        return TokenBatch(**tensors, **hosts, fixed=self.fixed)
 
     def to(self, device: torch.device, non_blocking: bool = True) -> TokenBatch:
         return self._map(lambda t: t.to(device, non_blocking=non_blocking))
@@ -93,11 +94,12 @@ class TokenBatch(RowBatch):
         return self._map(torch.Tensor.pin_memory)
 
     def split_rows(self, size: int) -> list[TokenBatch]:
-        """Micro-batches of ``size`` rows, each cut to its own longest row (views, no copies)."""
+        """Micro-batches of ``size`` rows, each cut to its own longest row unless ``fixed`` (views, no copies)."""
         out = []
         for start in range(0, len(self), size):
             rows = slice(start, start + size)
-            width = max(self.lengths[rows]) if self.lengths and self.attention_mask is not None else None
+            cuts = self.lengths and self.attention_mask is not None and not self.fixed
+            width = max(self.lengths[rows]) if cuts else None
 
             def cut(t: torch.Tensor, r: slice = rows, w: int | None = width) -> torch.Tensor:
                 return t[r, :w] if t.dim() > 1 else t[r]
@@ -259,9 +261,10 @@ def pad_id(tokenizer: Any) -> int:
     return 0
 
 
-def pad_rows(rows: Sequence[Sequence[int]], value: int) -> torch.Tensor:
-    """Rows of different lengths as one [rows, longest] int64 tensor, padded on the right."""
-    width = max((len(r) for r in rows), default=0)
+def pad_rows(rows: Sequence[Sequence[int]], value: int, width: int = 0) -> torch.Tensor:
+    """Rows of different lengths as one [rows, longest] int64 tensor (or as wide as ``width``, if
+    wider), padded on the right."""
+    width = max(width, *(len(r) for r in rows)) if rows else width
     out = torch.full((len(rows), width), value, dtype=torch.long)
     for i, row in enumerate(rows):
         out[i, : len(row)] = torch.as_tensor(row, dtype=torch.long)

@@ -59,9 +59,10 @@ class FineTuneData:
     manifest: dict[str, Any] = field(default_factory=dict)
 
 
-def prepare_finetune(data_cfg, task: str, tokenizer, max_len: int) -> FineTuneData:
+def prepare_finetune(data_cfg, task: str, tokenizer, max_len: int, width: int = 0) -> FineTuneData:
     """Read, split, tokenize (and pack) ``data_cfg.source`` for ``task``; DataError on the first
-    bad record, naming its file, line and field."""
+    bad record, naming its file, line and field. ``width``: every batch padded to this many
+    tokens (``Collate``)."""
     if task not in TASKS:
         raise DataError(f"model.task: {task!r} has no fine-tuning records; choose one of {', '.join(TASKS)}")
     records, is_val, split = split_records(data_cfg)
@@ -78,7 +79,9 @@ def prepare_finetune(data_cfg, task: str, tokenizer, max_len: int) -> FineTuneDa
     if labels:
         counts = Counter(r["labels"] for r in rows["train"])
         manifest["labels"] = {name: counts[i] for i, name in enumerate(labels)}
-    return FineTuneData(task, Examples(train_rows), Examples(rows["val"]), Collate(task, tokenizer), labels, manifest)
+    return FineTuneData(
+        task, Examples(train_rows), Examples(rows["val"]), Collate(task, tokenizer, width), labels, manifest
+    )
 
 
 def split_rows(
@@ -305,11 +308,12 @@ def _loss_tokens(row: dict[str, Any], task: str) -> int:
 
 
 class Collate:
-    """Rows into one ``TokenBatch``, padded on the right to the longest row (a picklable callable,
-    so DataLoader workers can use it)."""
+    """Rows into one ``TokenBatch``, padded on the right to the longest row, or to ``width``
+    tokens (pipeline stages exchange activations of one shape every step); a picklable
+    callable, so DataLoader workers can use it."""
 
-    def __init__(self, task: str, tokenizer):
-        self.task = task
+    def __init__(self, task: str, tokenizer, width: int = 0):
+        self.task, self.width = task, width
         self.pad_id = pad_id(tokenizer)
 
     def __call__(self, rows: list[dict[str, Any]]) -> TokenBatch:
@@ -318,24 +322,25 @@ class Collate:
         lengths = [len(r["input_ids"]) for r in rows]
         packed = "position_ids" in rows[0]
         batch = TokenBatch(
-            input_ids=pad_rows([r["input_ids"] for r in rows], self.pad_id),
+            input_ids=pad_rows([r["input_ids"] for r in rows], self.pad_id, self.width),
             labels=(
                 torch.tensor([r["labels"] for r in rows])
                 if self.task == "sequence_classification"
-                else pad_rows([r["labels"] for r in rows], IGNORE_INDEX)
+                else pad_rows([r["labels"] for r in rows], IGNORE_INDEX, self.width)
             ),
             lengths=lengths,
             loss_tokens=[_loss_tokens(r, self.task) for r in rows],
             target_bytes=[r["target_bytes"] for r in rows],
+            fixed=bool(self.width),
         )
         if packed:
             # Padding after a pack is one more "record" of its own: positions restart there too.
-            width = max(lengths)
+            width = max(self.width, *lengths)
             batch.position_ids = pad_rows(
                 [r["position_ids"] + list(range(width - len(r["position_ids"]))) for r in rows], 0
             )
         else:
-            batch.attention_mask = pad_rows([[1] * n for n in lengths], 0)
+            batch.attention_mask = pad_rows([[1] * n for n in lengths], 0, self.width)
         if "token_type_ids" in rows[0]:
-            batch.token_type_ids = pad_rows([r["token_type_ids"] for r in rows], 0)
+            batch.token_type_ids = pad_rows([r["token_type_ids"] for r in rows], 0, self.width)
         return batch

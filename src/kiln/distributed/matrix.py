@@ -65,6 +65,7 @@ _QK = "tests/models/test_qk_norm.py::test_qk_norm_on_two_ranks_trains_as_one_pro
 _MUON = "tests/train/test_muon.py::test_muon_on_two_ranks_trains_as_one_process"
 _SFT = "tests/train/test_finetune.py::test_two_ranks_equal_one_process"
 _HF_CP = "tests/train/test_finetune.py::test_llama_class_models_split_their_sequences_over_two_context_parallel_ranks"
+_HF_PP = "tests/train/test_finetune.py::test_llama_class_models_split_into_two_pipeline_stages"
 _DPO = "tests/train/test_preference_objectives.py::test_dpo_on_two_ranks_equals_one_process"
 _TASKS = "tests/harness/test_tasks_in_training.py::test_task_scores_on_two_ranks_are_those_of_the_saved_model"
 PROOFS: dict[tuple[str, str], str] = {
@@ -115,6 +116,13 @@ PROOFS: dict[tuple[str, str], str] = {
     ("SFT", "CP"): _HF_CP,
     ("packing", "CP"): _HF_CP,
     ("DPO family", "FSDP"): _DPO,
+    ("HF models", "PP"): _HF_PP,
+    ("SFT", "PP"): _HF_PP,
+    ("packing", "PP"): _HF_PP,
+    (
+        "QLoRA",
+        "PP",
+    ): "tests/train/test_qlora.py::test_two_pipeline_stages_give_the_losses_of_one_process_and_resume_exactly",
 }
 
 

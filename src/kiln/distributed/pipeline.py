@@ -25,7 +25,7 @@ from torch import nn
 
 from kiln.checkpoint.store import StoredWeights
 from kiln.config import ConfigError, ParallelConfig
-from kiln.data.batch import IGNORE_INDEX, TextBatch
+from kiln.data.batch import IGNORE_INDEX, TextBatch, TokenBatch
 from kiln.distributed.parallel import ParallelModel, StepCompute, clip_grad_norm_, load_whole, materialize, shard
 from kiln.distributed.world import World
 from kiln.models.family import ParallelPlan
@@ -60,18 +60,34 @@ def stage_layers(n_layers: int, stages: int, counts: tuple[int, ...] = ()) -> li
     return [range(s * size, (s + 1) * size) for s in range(stages)]
 
 
+class StageLayers(nn.ModuleDict):
+    """A stage's repeated layers, keyed by their numbers in the whole model; sliced or iterated
+    like the ``nn.ModuleList`` they came from (``transformers``' decoders run
+    ``self.layers[: n]``), in order."""
+
+    def __getitem__(self, key: Any) -> Any:
+        if isinstance(key, slice):
+            return list(self.values())[key]
+        return super().__getitem__(key)
+
+
+def _set(model: nn.Module, path: str, module: nn.Module | None) -> None:
+    parent, _, name = path.rpartition(".")
+    setattr(model.get_submodule(parent), name, module)
+
+
 def _keep(model: nn.Module, plan: ParallelPlan, layers: Iterable[int], first: bool, last: bool) -> None:
     """Make ``model`` hold only ``layers`` of its repeated layers, under their numbers in the whole
-    model (a ModuleDict keyed by them, so that parameter names and checkpoints are the whole
-    model's), with the first stage's modules if ``first`` and the last's if ``last`` (the others
-    set to None), in place."""
-    assert plan.blocks is not None  # a pipelined plan names its blocks (check_layout)
-    kept, whole = set(layers), model.get_submodule(plan.blocks)
-    setattr(model, plan.blocks, nn.ModuleDict({n: layer for n, layer in whole.named_children() if int(n) in kept}))
-    for name in () if first else plan.pipeline_first:
-        setattr(model, name, None)
-    for name in () if last else plan.pipeline_last:
-        setattr(model, name, None)
+    model (``StageLayers``, so that parameter names and checkpoints are the whole model's), with
+    the first stage's modules if ``first`` and the last's if ``last`` (the others set to None, or
+    an identity where the plan says so), in place."""
+    container, first_paths, last_paths = plan.pipeline_paths(model)
+    kept, whole = set(layers), model.get_submodule(container)
+    _set(model, container, StageLayers({n: layer for n, layer in whole.named_children() if int(n) in kept}))
+    for path in () if first else first_paths.values():
+        _set(model, path, None)
+    for end, path in () if last else last_paths.items():
+        _set(model, path, nn.Identity() if end in plan.pipeline_identity else None)
 
 
 def _cut(module: nn.Module, plan: ParallelPlan, layers: Iterable[int], first: bool, last: bool) -> nn.Module:
@@ -79,11 +95,15 @@ def _cut(module: nn.Module, plan: ParallelPlan, layers: Iterable[int], first: bo
     ``layers`` of its repeated layers (and the first or last stage's modules: ``_keep``), so that
     what the layout does to its layers (FSDP, initial values) it does to ``module``'s, and
     ``module`` itself stays whole (its initial values are read from it). A deep copy that copies
-    only ``module`` itself and its container of layers (the rest given to ``copy.deepcopy`` as
-    already copied)."""
-    assert plan.blocks is not None  # a pipelined plan names its blocks (check_layout)
-    container = module.get_submodule(plan.blocks)
-    shared: dict[int, object] = {id(m): m for m in module.modules() if m is not module and m is not container}
+    only ``module``, the modules on the way to what it cuts and its container of layers (the
+    rest given to ``copy.deepcopy`` as already copied)."""
+    container, first_paths, last_paths = plan.pipeline_paths(module)
+    on_the_way = {""}
+    for path in (container, *first_paths.values(), *last_paths.values()):
+        parts = path.split(".")
+        on_the_way.update(".".join(parts[:i]) for i in range(1, len(parts)))
+    copied = {id(module.get_submodule(path)) for path in (*on_the_way, container)}
+    shared: dict[int, object] = {id(m): m for m in module.modules() if id(m) not in copied}
     shared.update({id(t): t for t in [*module.parameters(), *module.buffers()]})
     cut = copy.deepcopy(module, shared)
     _keep(cut, plan, layers, first, last)
@@ -107,7 +127,8 @@ def _tied(model: nn.Module, plan: ParallelPlan) -> dict[str, str]:
     def named(names):
         return {id(p): f"{name}.{key}" for name in names for key, p in model.get_submodule(name).named_parameters()}
 
-    first, last = named(plan.pipeline_first), named(plan.pipeline_last)
+    _, first_paths, last_paths = plan.pipeline_paths(model)
+    first, last = named(first_paths.values()), named(last_paths.values())
     return {first[key]: last[key] for key in first.keys() & last.keys()}
 
 
@@ -271,14 +292,28 @@ class PipelineModel(ParallelModel):
 
     @torch.no_grad()
     def _evaluate(
-        self, inputs: torch.Tensor, targets: torch.Tensor | None = None, positions: torch.Tensor | None = None
+        self,
+        inputs: torch.Tensor,
+        targets: torch.Tensor | None = None,
+        positions: torch.Tensor | None = None,
+        *,
+        labels: torch.Tensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+        position_ids: torch.Tensor | None = None,
+        token_type_ids: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """The mean loss of ``targets`` given ``inputs``, on every rank: the stages run in turn,
-        each passing its hidden states to the next, and the last stage's loss is broadcast."""
+        """The mean loss of ``targets`` (or of ``labels``, aligned with the inputs) given
+        ``inputs``, on every rank: the stages run in turn, each passing its hidden states to the
+        next, and the last stage's loss is broadcast."""
         import torch.distributed as dist
 
+        if labels is not None:
+            targets = _shifted(labels)
         if targets is None:
             raise ValueError("a pipelined model returns its loss, not logits: give it targets")
+        keywords = _row_keywords(attention_mask, position_ids)
+        if positions is not None:
+            keywords["positions"] = positions
         ranks = dist.get_process_group_ranks(self.group)
         x = inputs
         for s in range(self.n_stages):
@@ -288,7 +323,7 @@ class PipelineModel(ParallelModel):
                 shape, dtype = _recv_header(ranks[(s - 1) % self.pp], self.group)
                 x = torch.empty(shape, dtype=dtype, device=self.world.device)
                 dist.recv(x, ranks[(s - 1) % self.pp], group=self.group)
-            x = self._stage_modules[s](x, targets=targets, positions=positions)
+            x = self._stage_modules[s](x, targets=targets, **keywords)
             if s < self.n_stages - 1:
                 _send_header(x, ranks[(s + 1) % self.pp], self.group)
                 dist.send(x.contiguous(), ranks[(s + 1) % self.pp], group=self.group)
@@ -297,12 +332,29 @@ class PipelineModel(ParallelModel):
         return loss
 
 
-def _parts(batch: tuple[torch.Tensor, torch.Tensor] | TextBatch) -> tuple[torch.Tensor, torch.Tensor, dict]:
-    """A text batch's inputs, targets and, where it packs documents, their positions (a keyword)."""
+def _parts(
+    batch: tuple[torch.Tensor, torch.Tensor] | TextBatch | TokenBatch,
+) -> tuple[torch.Tensor, torch.Tensor, dict]:
+    """A batch's inputs, its targets (the next token of each input: a fine-tuning batch's labels
+    shifted) and the keywords every stage takes with them: packed documents' positions, padded
+    rows' attention mask."""
     if isinstance(batch, TextBatch):
         return batch.inputs, batch.targets, {"positions": batch.positions}
+    if isinstance(batch, TokenBatch):
+        return batch.input_ids, _shifted(batch.labels), _row_keywords(batch.attention_mask, batch.position_ids)
     inputs, targets = batch
     return inputs, targets, {}
+
+
+def _shifted(labels: torch.Tensor) -> torch.Tensor:
+    """The targets of rows labelled as ``transformers`` labels them (aligned with the inputs):
+    each input's next label, and none for the last."""
+    return torch.cat([labels[:, 1:], torch.full_like(labels[:, :1], IGNORE_INDEX)], 1)
+
+
+def _row_keywords(attention_mask: torch.Tensor | None, position_ids: torch.Tensor | None) -> dict[str, torch.Tensor]:
+    keywords = {"attention_mask": attention_mask, "position_ids": position_ids}
+    return {key: value for key, value in keywords.items() if value is not None}
 
 
 def _stage_class() -> type:

@@ -53,12 +53,15 @@ class ParallelPlan:
     those values.
     ``derived_buffers``: the model's buffers are computed from its config and equal on every rank,
     so DDP need not broadcast them before each forward.
-    ``pipeline_first`` and ``pipeline_last``: the modules (attributes of the model) that go with
-    the first pipeline stage (the embedding) and with the last (final norm, output layer); a
-    model that can be pipelined names them, and its ``forward`` runs with any of them set to
-    None: without the first it takes hidden states instead of tokens, without the last it
-    returns hidden states (given targets, the last stage returns the loss). ``unpipelined``: why
-    this model, though its family pipelines others, cannot be cut into stages (empty: it can).
+    ``pipeline_first`` and ``pipeline_last``: the modules that go with the first pipeline stage
+    (the embedding) and with the last (final norm, output layer), by path in the model or by the
+    end of it (``model.norm``: a Hugging Face model's under kiln's wrapper, and PEFT's); a model
+    that can be pipelined names them, and its ``forward`` runs with any of them set to None:
+    without the first it takes hidden states instead of tokens, without the last it returns
+    hidden states (given targets, the last stage returns the loss). ``pipeline_identity``: those
+    of the last stage's that a stage without them holds as ``nn.Identity`` instead (the final
+    norm ``transformers``' decoders always call). ``unpipelined``: why this model, though its
+    family pipelines others, cannot be cut into stages (empty: it can).
     ``experts``: where a block holds a mixture of experts' experts (``mlp.experts``; see
     ``kiln.distributed.experts`` for what such a module provides), which expert parallelism
     splits; ``n_experts``: how many each holds (the expert-parallel degree must divide it).
@@ -81,6 +84,7 @@ class ParallelPlan:
     derived_buffers: bool = False
     pipeline_first: tuple[str, ...] = ()
     pipeline_last: tuple[str, ...] = ()
+    pipeline_identity: tuple[str, ...] = ()
     unpipelined: str = ""
     experts: str = ""
     n_experts: int = 0
@@ -89,8 +93,8 @@ class ParallelPlan:
     @property
     def pipelined(self) -> bool:
         """Whether the model can be cut into pipeline stages: the plan names the first and last
-        stages' modules, and the repeated layers are an attribute of the model itself."""
-        named = bool(self.pipeline_first or self.pipeline_last) and bool(self.blocks and "." not in self.blocks)
+        stages' modules, and the repeated layers."""
+        named = bool(self.pipeline_first or self.pipeline_last) and bool(self.blocks or self.block_type)
         return named and not self.unpipelined
 
     def pipeline_error(self, what: str) -> str:
@@ -99,13 +103,36 @@ class ParallelPlan:
             return f"parallel.pp: {self.unpipelined}"
         return (
             f"parallel.pp: {what} cannot be split into pipeline stages: its family's parallel plan does not name "
-            "the modules of the first and last stage (kiln's GPT does); set parallel.pp=1"
+            "the modules of the first and last stage (kiln's GPT and Llama-class Hugging Face causal LMs do); set "
+            "parallel.pp=1"
         )
 
     @classmethod
     def infer(cls, model: nn.Module) -> ParallelPlan:
         """The plan of a model without a family: its ``blocks`` if it has them, no tensor parallelism."""
         return cls(blocks="blocks" if isinstance(getattr(model, "blocks", None), nn.ModuleList) else None)
+
+    def pipeline_paths(self, model: nn.Module) -> tuple[str, dict[str, str], dict[str, str]]:
+        """Where ``model`` holds them (their paths, as ``named_modules`` names them): the
+        container of the repeated layers, and the first and the last stage's modules it holds
+        (a stage may have none of them), each by the plan's name of it."""
+        names = {id(m): name for name, m in model.named_modules()}
+        if self.blocks is not None:
+            container = self.blocks
+        else:
+            first_block = names[id(self.repeated_blocks(model)[0])]
+            container = first_block.rpartition(".")[0]
+
+        def held(ends: tuple[str, ...]) -> dict[str, str]:
+            out = {}
+            for end in ends:
+                hits = [name for name in names.values() if name == end or name.endswith("." + end)]
+                if len(hits) > 1:
+                    raise ValueError(f"the parallel plan's {end!r} names {len(hits)} modules of {type(model).__name__}")
+                out.update({end: hits[0]} if hits else {})
+            return out
+
+        return container, held(self.pipeline_first), held(self.pipeline_last)
 
     def repeated_blocks(self, model: nn.Module) -> list[nn.Module]:
         """The repeated layers; an empty list if the plan names none."""

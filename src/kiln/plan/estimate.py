@@ -195,15 +195,15 @@ class ModelShape:
         # registration order, which puts the embedding before the blocks and the final norm and
         # output layer after them (what the output layer's FLOPs need).
         before, after, seen_block = [], [], False
+        _, first, last = plan.pipeline_paths(model) if plan.pipelined else ("", {}, {})
         for name, p in model.named_parameters(remove_duplicate=False):
             if id(p) in in_blocks:
                 seen_block = True
                 continue
             entry = param(name, p, None)
-            module = name.split(".")[0]
             if plan.pipelined:
-                before += [entry] * (module in plan.pipeline_first)
-                after += [entry] * (module in plan.pipeline_last)
+                before += [entry] * any(name.startswith(path + ".") for path in first.values())
+                after += [entry] * any(name.startswith(path + ".") for path in last.values())
             else:
                 (after if seen_block else before).append(entry)
         host_units = _host_units(largest, block) if largest else ()

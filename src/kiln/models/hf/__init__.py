@@ -94,6 +94,8 @@ class _Transformers(Protocol):
     @property
     def base_model(self) -> nn.Module: ...
 
+    def get_input_embeddings(self) -> nn.Module | None: ...
+
     def get_output_embeddings(self) -> nn.Module | None: ...
 
     def init_weights(self) -> None: ...
@@ -139,11 +141,21 @@ class CausalLM(nn.Module):
         token_type_ids=None,
         targets=None,
         token_logps=False,
+        positions=None,
     ):
         """Logits; or given ``labels`` (aligned with the inputs, shifted here) or ``targets`` (the
         next token of each input, as kiln's GPT takes them on text), the mean loss; with
-        ``token_logps``, each target's log-probability instead [B, T'] (0 where -100), in fp32."""
-        inputs = dict(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids)
+        ``token_logps``, each target's log-probability instead [B, T'] (0 where -100), in fp32.
+        ``positions``: packed documents' positions (kiln's name for ``position_ids``). A pipeline
+        stage without the embedding takes hidden states for ``input_ids``, and one without the
+        output layer returns hidden states."""
+        hf = cast(_Transformers, _base(self.hf))
+        position_ids = position_ids if position_ids is not None else positions
+        embedded = "input_ids" if hf.get_input_embeddings() is not None else "inputs_embeds"
+        inputs = {embedded: input_ids, "attention_mask": attention_mask, "position_ids": position_ids}
+        head = hf.get_output_embeddings()
+        if head is None:
+            return hf.base_model(**inputs, use_cache=False).last_hidden_state
         if labels is None and targets is None:
             return self.hf(**inputs, use_cache=False).logits
         keep = slice(None) if targets is not None else slice(None, -1)
@@ -154,9 +166,8 @@ class CausalLM(nn.Module):
                 nll = F.cross_entropy(logits, targets.flatten(), ignore_index=-100, reduction="none")
                 return -nll.view(targets.shape)
             return F.cross_entropy(logits, targets.flatten())
-        hf = cast(_Transformers, _base(self.hf))
         hidden = hf.base_model(**inputs, use_cache=False).last_hidden_state[:, keep].flatten(0, 1)
-        head = cast(nn.Linear, hf.get_output_embeddings())  # fused: a Linear head (checked in __init__)
+        head = cast(nn.Linear, head)  # fused: a Linear head (checked in __init__)
         if token_logps:
             return linear_log_probs(hidden, head.weight, targets.flatten()).view(targets.shape)
         return linear_cross_entropy(hidden, head.weight, targets.flatten())
@@ -373,12 +384,27 @@ class HFFamily(ModelFamily):
             for k in ("num_attention_heads", "num_key_value_heads", "intermediate_size")
             if getattr(c, k, None) is not None
         }
+        stages: dict[str, Any] = {}
+        if args.task == "causal_lm":
+            # transformers' decoders read each layer's kind by its index in the whole model.
+            kinds = sorted(set(getattr(c, "layer_types", None) or ()))
+            mixed = f"{args.path}: its layers mix attention kinds ({', '.join(kinds)}; layer_types in config.json), "
+            stages = dict(
+                pipeline_first=("model.embed_tokens",),
+                pipeline_last=("model.norm", "lm_head"),
+                pipeline_identity=("model.norm",),
+                unpipelined=mixed + "which transformers reads by each layer's number in the whole model; set "
+                "parallel.pp=1"
+                if len(kinds) > 1
+                else "",
+            )
         return ParallelPlan(
             blocks=None,
             block_type=layer,
             tensor_parallel=functools.partial(llama_styles, qk_norm_heads=QK_NORM_HEADS.get(args.config["model_type"])),
             tp_divisors=divisors,
             attention=TRANSFORMERS_ATTENTION,
+            **stages,
         )
 
     def flops_per_token(self, args: HFArgs, seq_len: int) -> float:

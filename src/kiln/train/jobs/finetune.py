@@ -50,7 +50,9 @@ class FineTuneJob(Job):
         """Resolve the model and tokenize its records (every rank: they are held in memory)."""
         cfg, family = self.cfg, self.family
         self.resolve_model()
-        self.data = data = prepare_finetune(cfg.data, cfg.model.task, self.tokenizer, cfg.data.seq_len)
+        # Pipeline stages exchange activations of one shape every step: rows padded to seq_len.
+        width = cfg.data.seq_len if cfg.parallel.pp > 1 else 0
+        self.data = data = prepare_finetune(cfg.data, cfg.model.task, self.tokenizer, cfg.data.seq_len, width)
         if data.labels:
             self.args = dataclasses.replace(self.args, labels=data.labels)
         self.train_data, self.collate_fn = data.train, data.collate
