@@ -350,7 +350,10 @@ def test_pairs_cut_to_the_sequence_length_are_counted_and_said(tmp_path, pairs, 
 @pytest.mark.parametrize(
     ("extra", "message"),
     [
-        ({"parallel.pp": 2}, "train.objective: dpo scores whole sequences"),
+        (
+            {"parallel.pp": 2, "train.micro_batch_size": 1},
+            "parallel.pp_microbatches: each micro-batch of train.micro_batch_size=1",
+        ),
         ({"train.compile": "true"}, "train.objective: dpo is not compiled yet"),
         ({"preference.beta": 0}, "preference.beta: must be > 0"),
         ({"preference.precompute_reference": "false"}, "preference.precompute_reference: dpo without LoRA"),
@@ -457,16 +460,22 @@ def test_a_lora_dpo_run_exports_to_transformers_and_peft(tmp_path, pairs, hf_lla
 @pytest.mark.dist
 @pytest.mark.parametrize(
     "layout",
-    [{"parallel__strategy": "ddp"}, {"parallel__strategy": "fsdp"}, {"parallel__cp": 2}],
-    ids=["ddp", "fsdp", "cp"],
+    [
+        {"parallel__strategy": "ddp"},
+        {"parallel__strategy": "fsdp"},
+        {"parallel__cp": 2},
+        {"parallel__pp": 2, "train__micro_batch_size": 2},
+    ],
+    ids=["ddp", "fsdp", "cp", "pp"],
 )
 def test_dpo_on_two_ranks_equals_one_process(tmp_path, pairs, hf_llama, layout):
-    """Replicas, shards, or each pair's sequences split over two ranks (their per-token
-    log-probabilities gathered whole on each). Every rank computes the reference over all pairs
-    in one order, in the run's own layout."""
+    """Replicas, shards, each pair's sequences split over two ranks (their per-token
+    log-probabilities gathered whole on each), or the layers in two pipeline stages (a pair's
+    two rows in one piece, the last stage scoring them). Every rank computes the reference over
+    all pairs in one order, in the run's own layout."""
     single, run = tmp_path / "single", tmp_path / "run"
     train(load_config(None, pref_sets(single, pairs, hf_llama, train__micro_batch_size=1)), console=False)
-    items = pref_sets(run, pairs, hf_llama, train__micro_batch_size=1, **layout)
+    items = pref_sets(run, pairs, hf_llama, **{"train__micro_batch_size": 1, **layout})
     launch(2, "train", *sets(items))
     got, want = losses(run), losses(single)
     assert got.keys() == want.keys()
@@ -474,6 +483,33 @@ def test_dpo_on_two_ranks_equals_one_process(tmp_path, pairs, hf_llama, layout):
         assert got[step] == pytest.approx(want[step], rel=1e-5), step
     for r in (r for r in records(run) if "loss" in r):
         assert {"rewards/accuracies", "rewards/margins"} <= r.keys()
+
+
+@pytest.mark.slow
+@pytest.mark.dist
+@pytest.mark.parametrize(
+    "extra",
+    [{"lora__rank": 4, "lora__dropout": 0}, {"train__objective": "simpo"}, {"train__objective": "kto"}],
+    ids=["lora-dpo", "simpo", "kto"],
+)
+def test_the_preference_family_in_two_pipeline_stages_equals_one_process(tmp_path, pairs, hf_llama, extra):
+    """The reference of LoRA's DPO (its adapters off) and KTO's KL baseline (mismatched answers
+    under the policy) come from forward passes through the stages before the step's; SimPO needs
+    neither."""
+    source = pairs
+    if extra.get("train__objective") == "kto":
+        source = write_jsonl(tmp_path / "kto.jsonl", kto_records(64))
+    single, run = tmp_path / "single", tmp_path / "run"
+    train(load_config(None, pref_sets(single, source, hf_llama, train__micro_batch_size=2, **extra)), console=False)
+    launch(2, "train", *sets(pref_sets(run, source, hf_llama, train__micro_batch_size=2, parallel__pp=2, **extra)))
+    got, want = losses(run), losses(single)
+    assert got.keys() == want.keys()
+    for step in want:
+        assert got[step] == pytest.approx(want[step], rel=1e-5), step
+    logged = [r for r in records(run) if "loss" in r]
+    theirs = [r for r in records(single) if "loss" in r]
+    for key in ("rewards/chosen", "rewards/margins"):
+        assert [r[key] for r in logged] == pytest.approx([r[key] for r in theirs], rel=1e-4, abs=1e-6), key
 
 
 def test_kiln_doctor_checks_a_dpo_config_and_writes_nothing(tmp_path, pairs, hf_llama, capsys):

@@ -1125,9 +1125,9 @@ class Config:
                 "train.precision: fp8 trains full linear layers; LoRA adapters (lora.rank) train in bf16",
             ),
             (
-                self.train.objective == "sft" or pp == 1,
-                f"train.objective: {self.train.objective} scores whole sequences, which pipeline stages (parallel.pp "
-                f"> 1) do not hold; use {'DDP' if self.train.objective == 'grpo' else 'FSDP, DDP, TP or CP'}",
+                self.train.objective != "grpo" or pp == 1,
+                "train.objective: grpo scores whole sequences, which pipeline stages (parallel.pp > 1) do not hold; "
+                "use DDP",
             ),
             (
                 self.train.objective != "grpo" or cp == 1,

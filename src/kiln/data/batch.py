@@ -261,6 +261,12 @@ def pad_id(tokenizer: Any) -> int:
     return 0
 
 
+def next_labels(labels: torch.Tensor) -> torch.Tensor:
+    """The targets of rows labelled as ``transformers`` labels them (aligned with the inputs):
+    each input's next label, and none for the last."""
+    return torch.cat([labels[:, 1:], torch.full_like(labels[:, :1], IGNORE_INDEX)], 1)
+
+
 def pad_rows(rows: Sequence[Sequence[int]], value: int, width: int = 0) -> torch.Tensor:
     """Rows of different lengths as one [rows, longest] int64 tensor (or as wide as ``width``, if
     wider), padded on the right."""

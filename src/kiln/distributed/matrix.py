@@ -117,6 +117,7 @@ PROOFS: dict[tuple[str, str], str] = {
     ("packing", "CP"): _HF_CP,
     ("DPO family", "FSDP"): _DPO,
     ("HF models", "PP"): _HF_PP,
+    ("DPO family", "PP"): _DPO,
     ("SFT", "PP"): _HF_PP,
     ("packing", "PP"): _HF_PP,
     (

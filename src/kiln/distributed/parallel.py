@@ -14,6 +14,7 @@ from __future__ import annotations
 import contextlib
 from collections import defaultdict
 from collections.abc import Callable, Iterable, Iterator, Mapping
+from dataclasses import dataclass
 from typing import Any, Protocol, cast
 
 import torch
@@ -26,6 +27,20 @@ from kiln.distributed.loss_parallel import VocabParallelCrossEntropy
 from kiln.distributed.world import World
 from kiln.models.family import ParallelPlan
 from kiln.models.init import Values
+
+
+@dataclass(frozen=True)
+class Staged:
+    """A micro-batch's loss as pipeline stages compute it: ``inputs`` go to the first stage and
+    ``keywords`` to every stage, both cut with ``target`` into pieces along their rows;
+    ``loss(output, target)`` is a piece's mean loss from the last stage's output and its rows of
+    ``target``, and ``count(target)`` what that mean is over (the pieces are weighed by it)."""
+
+    inputs: torch.Tensor
+    target: torch.Tensor
+    keywords: Mapping[str, Any]
+    loss: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+    count: Callable[[torch.Tensor], torch.Tensor]
 
 
 class StepCompute(Protocol):
@@ -47,6 +62,12 @@ class StepCompute(Protocol):
     def scaled(self, loss: torch.Tensor) -> torch.Tensor:
         """``loss`` times fp16's loss scale (itself otherwise), for a backward pass run elsewhere
         (a pipeline schedule's)."""
+        ...
+
+    def staged(self, model: nn.Module, batch: Any) -> Staged | None:
+        """The loss function's own form for pipeline stages (a preference objective's), computed
+        with ``model``, the pipeline's forward, where it needs one (a reference's
+        log-probabilities); None where the loss is the model's own loss of the batch's targets."""
         ...
 
 

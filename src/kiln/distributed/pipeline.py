@@ -25,8 +25,16 @@ from torch import nn
 
 from kiln.checkpoint.store import StoredWeights
 from kiln.config import ConfigError, ParallelConfig
-from kiln.data.batch import IGNORE_INDEX, TextBatch, TokenBatch
-from kiln.distributed.parallel import ParallelModel, StepCompute, clip_grad_norm_, load_whole, materialize, shard
+from kiln.data.batch import IGNORE_INDEX, TextBatch, TokenBatch, next_labels
+from kiln.distributed.parallel import (
+    ParallelModel,
+    Staged,
+    StepCompute,
+    clip_grad_norm_,
+    load_whole,
+    materialize,
+    shard,
+)
 from kiln.distributed.world import World
 from kiln.models.family import ParallelPlan
 from kiln.models.init import Values
@@ -186,8 +194,10 @@ class PipelineModel(ParallelModel):
                 _share_own_tensors(stage, part)
         self._tie(tied, 0 in mine, n_stages - 1 in mine)
         self._stage_modules = stages  # evaluation runs them one after the other, forward only
+        self._stand_in = False  # the schedule's next call of the loss is on stand-in tensors
         self.stages = [
-            _stage_class()(module, s, n_stages, world.device, group=self.group) for s, module in stages.items()
+            _stage_class(self._stand_in_next)(module, s, n_stages, world.device, group=self.group)
+            for s, module in stages.items()
         ]
         self.is_last = n_stages - 1 in mine
         schedule = getattr(pipelining, SCHEDULES[pcfg.pp_schedule])
@@ -197,6 +207,11 @@ class PipelineModel(ParallelModel):
         self.schedule = schedule(self.stages if len(self.stages) > 1 else self.stages[0], **kwargs)
         self._scale: torch.Tensor | None = None
         self._compute: StepCompute | None = None
+        self._staged: Staged | None = None
+        self._evaluator = _Evaluator(self)
+
+    def _stand_in_next(self) -> None:
+        self._stand_in = True
 
     def compile(self, loss_fn: Callable[[nn.Module, Any], torch.Tensor]) -> Callable[[nn.Module, Any], torch.Tensor]:
         """The schedule, not the loss function, runs the stages here: each layer is compiled instead."""
@@ -204,27 +219,30 @@ class PipelineModel(ParallelModel):
             block.compile()
         return loss_fn
 
-    def _weighed(self, loss: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        """A piece's mean loss (the last stage returns it, fused with its output layer) as its
-        part of the micro-batch's loss times the step's weight (and fp16's loss scale: the
-        schedule runs the backward pass)."""
-        assert self._scale is not None and self._compute is not None  # set by forward_backward
-        return self._compute.scaled(loss * (targets != IGNORE_INDEX).sum() * self._scale)
+    def _weighed(self, output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        """A piece's mean loss (by default the last stage's output: its loss, fused with its
+        output layer) as its part of the micro-batch's loss times the step's weight (and fp16's
+        loss scale: the schedule runs the backward pass)."""
+        staged = self._staged
+        assert staged is not None and self._scale is not None and self._compute is not None  # forward_backward's
+        if self._stand_in:  # not a piece: the shapes' inference (see _stage_class)
+            self._stand_in = False
+            return output.sum() * 0
+        return self._compute.scaled(staged.loss(output, target) * staged.count(target) * self._scale)
 
     def forward_backward(self, batch: Any, divisor: float, *, last: bool, compute: StepCompute) -> torch.Tensor:
-        """The schedule cuts ``batch`` (inputs, targets) into ``parallel.pp_microbatches`` pieces
-        and runs them through the stages; the last stage weighs each piece's loss by its share of
-        the batch's loss tokens. The loss is returned on the last stage, times the pipeline's
-        ranks, and zero on the others (the meter averages the loss over every rank)."""
-        inputs, targets, positions = _parts(batch)
+        """The schedule cuts ``batch`` (inputs, targets, or the loss function's ``Staged`` form
+        of it) into ``parallel.pp_microbatches`` pieces and runs them through the stages; the
+        last stage weighs each piece's loss by its share of the batch's loss tokens (or pairs).
+        The loss is returned on the last stage, times the pipeline's ranks, and zero on the
+        others (the meter averages the loss over every rank)."""
+        self._staged = staged = compute.staged(self._evaluator, batch) or _staged_lm(batch)
         weight = 1 / divisor
-        self._scale, self._compute = weight / (targets != IGNORE_INDEX).sum(), compute
+        self._scale, self._compute = weight / staged.count(staged.target), compute
         losses: list[torch.Tensor] = []
         with compute.autocast():
-            # Every stage gets the targets as a keyword (the last computes the loss with them) and
-            # the positions of packed documents, whose attention each stage keeps apart.
             self.schedule.step(
-                inputs, target=targets, losses=losses, return_outputs=False, targets=targets, **positions
+                staged.inputs, target=staged.target, losses=losses, return_outputs=False, **staged.keywords
             )
         if last:
             self._reduce_gradients()
@@ -288,7 +306,7 @@ class PipelineModel(ParallelModel):
 
     @property
     def eval_forward(self) -> Callable[..., torch.Tensor]:
-        return self._evaluate
+        return self._evaluator
 
     @torch.no_grad()
     def _evaluate(
@@ -301,19 +319,23 @@ class PipelineModel(ParallelModel):
         attention_mask: torch.Tensor | None = None,
         position_ids: torch.Tensor | None = None,
         token_type_ids: torch.Tensor | None = None,
+        token_logps: bool = False,
     ) -> torch.Tensor:
         """The mean loss of ``targets`` (or of ``labels``, aligned with the inputs) given
         ``inputs``, on every rank: the stages run in turn, each passing its hidden states to the
-        next, and the last stage's loss is broadcast."""
+        next, and the last stage's loss is broadcast. With ``token_logps``, each target's
+        log-probability instead, as the model gives them (fp32; [rows, length - 1] for labels)."""
         import torch.distributed as dist
 
         if labels is not None:
-            targets = _shifted(labels)
+            targets = next_labels(labels)
         if targets is None:
             raise ValueError("a pipelined model returns its loss, not logits: give it targets")
-        keywords = _row_keywords(attention_mask, position_ids)
+        keywords: dict[str, Any] = _row_keywords(attention_mask, position_ids)
         if positions is not None:
             keywords["positions"] = positions
+        if token_logps:
+            keywords["token_logps"] = True
         ranks = dist.get_process_group_ranks(self.group)
         x = inputs
         for s in range(self.n_stages):
@@ -327,9 +349,38 @@ class PipelineModel(ParallelModel):
             if s < self.n_stages - 1:
                 _send_header(x, ranks[(s + 1) % self.pp], self.group)
                 dist.send(x.contiguous(), ranks[(s + 1) % self.pp], group=self.group)
-        loss = x.float() if self.is_last else torch.zeros((), device=self.world.device)
-        dist.broadcast(loss, ranks[(self.n_stages - 1) % self.pp], group=self.group)
-        return loss
+        shape = targets.shape if token_logps else ()
+        out = x.float() if self.is_last else torch.zeros(shape, device=self.world.device)
+        dist.broadcast(out, ranks[(self.n_stages - 1) % self.pp], group=self.group)
+        return out[:, :-1] if token_logps and labels is not None else out
+
+
+class _Evaluator(nn.Module):
+    """A pipeline as one module, for evaluation and the forward passes a loss function makes
+    besides its own (a reference model's): calling it runs the stages in turn
+    (``PipelineModel._evaluate``); its parameters, modes and adapters are this rank's part's."""
+
+    def __init__(self, pipeline: PipelineModel):
+        super().__init__()
+        self.part = pipeline.module
+        self.run = pipeline._evaluate
+
+    def forward(self, *args: Any, **kwargs: Any) -> torch.Tensor:
+        return self.run(*args, **kwargs)
+
+
+def _staged_lm(batch: Any) -> Staged:
+    """A language model's loss of a text or fine-tuning batch: every stage takes the targets as a
+    keyword (the last computes its mean loss with them) with the positions of packed documents
+    or the attention mask of padded rows, and the last stage's output is the loss."""
+    inputs, targets, keywords = _parts(batch)
+    return Staged(
+        inputs,
+        targets,
+        {"targets": targets, **keywords},
+        loss=lambda output, target: output,
+        count=lambda target: (target != IGNORE_INDEX).sum(),
+    )
 
 
 def _parts(
@@ -341,15 +392,9 @@ def _parts(
     if isinstance(batch, TextBatch):
         return batch.inputs, batch.targets, {"positions": batch.positions}
     if isinstance(batch, TokenBatch):
-        return batch.input_ids, _shifted(batch.labels), _row_keywords(batch.attention_mask, batch.position_ids)
+        return batch.input_ids, next_labels(batch.labels), _row_keywords(batch.attention_mask, batch.position_ids)
     inputs, targets = batch
     return inputs, targets, {}
-
-
-def _shifted(labels: torch.Tensor) -> torch.Tensor:
-    """The targets of rows labelled as ``transformers`` labels them (aligned with the inputs):
-    each input's next label, and none for the last."""
-    return torch.cat([labels[:, 1:], torch.full_like(labels[:, :1], IGNORE_INDEX)], 1)
 
 
 def _row_keywords(attention_mask: torch.Tensor | None, position_ids: torch.Tensor | None) -> dict[str, torch.Tensor]:
@@ -357,14 +402,17 @@ def _row_keywords(attention_mask: torch.Tensor | None, position_ids: torch.Tenso
     return {key: value for key, value in keywords.items() if value is not None}
 
 
-def _stage_class() -> type:
+def _stage_class(inferred: Callable[[], None]) -> type:
     """PyTorch's ``PipelineStage``, learning the shapes it sends with its layers in eval mode.
 
     On its first step a stage runs one forward pass to learn them (2.13's private
     ``_forward_metadata_inference``), on the first piece again or, past the first stage, on empty
     tensors; in training mode it would add to what layers count in training, such as a mixture
-    of experts' load, which moves its routing bias. tests/distributed/test_moe_ranks.py fails
-    if the method is renamed."""
+    of experts' load, which moves its routing bias. The last stage then runs the loss once on
+    that pass's output to learn the gradients' shapes: ``inferred`` is called before, so that
+    this call is not counted as a piece (a loss's metrics). tests/distributed/test_moe_ranks.py
+    fails if the method is renamed, tests/train/test_preference_objectives.py (the metrics of
+    pipelined DPO) if the loss is no longer called so."""
     from torch.distributed.pipelining import PipelineStage
 
     class Stage(PipelineStage):
@@ -376,6 +424,8 @@ def _stage_class() -> type:
             finally:
                 for module, mode in training:
                     module.training = mode
+                if self.is_last:
+                    inferred()
 
     return Stage
 

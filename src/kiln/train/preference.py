@@ -32,8 +32,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from kiln.config import Config
-from kiln.data.batch import IGNORE_INDEX, PairBatch, TokenBatch
+from kiln.data.batch import IGNORE_INDEX, PairBatch, TokenBatch, next_labels
 from kiln.data.finetune import Examples
+from kiln.distributed.parallel import Staged
 from kiln.distributed.world import World
 from kiln.io import write_atomic
 from kiln.train.logps import completion_logps
@@ -69,6 +70,16 @@ def pair_logps(model: nn.Module, batch: PairBatch) -> tuple[torch.Tensor, torch.
     return logps[:n], logps[n:], counts[:n], counts[n:]
 
 
+def _interleaved(batch: PairBatch, width: int) -> TokenBatch:
+    """Pair i's chosen row at 2i and its rejected row at 2i + 1, padded to ``width``."""
+
+    def rows(name: str, value: int) -> torch.Tensor:
+        halves = [_pad(getattr(half, name), width, value) for half in (batch.chosen, batch.rejected)]
+        return torch.stack(halves, 1).flatten(0, 1)
+
+    return TokenBatch(rows("input_ids", 0), rows("labels", IGNORE_INDEX), rows("attention_mask", 0))
+
+
 def _pad(t: torch.Tensor | None, width: int, value: int) -> torch.Tensor:
     assert t is not None  # preference rows are padded, never packed: they carry an attention mask
     return F.pad(t, (0, width - t.size(1)), value=value)
@@ -81,12 +92,16 @@ class PreferenceLoss:
     def __init__(self, cfg: Config, reference: AdaptersOff | Precomputed | None):
         self.objective, self.p = cfg.train.objective, cfg.preference
         self.reference = reference
+        self.width = cfg.data.seq_len  # of the rows pipeline stages exchange
         self.sums: torch.Tensor | None = None  # the stats' sums over the interval, and its pairs
 
     def __call__(self, model: nn.Module, batch: PairBatch) -> torch.Tensor:
-        losses, stats = self.per_pair(model, batch)
-        # Each column's sum over the micro-batch, and its size: summed over the interval.
-        sums = torch.cat([stats.sum(0), torch.tensor([len(batch)], device=stats.device, dtype=stats.dtype)])
+        return self._counted(*self.per_pair(model, batch))
+
+    def _counted(self, losses: torch.Tensor, stats: torch.Tensor) -> torch.Tensor:
+        """The mean of ``losses``, with each column of ``stats`` summed and their number counted
+        over the interval."""
+        sums = torch.cat([stats.sum(0), torch.tensor([len(stats)], device=stats.device, dtype=stats.dtype)])
         self.sums = sums if self.sums is None else self.sums + sums
         return losses.mean()
 
@@ -95,6 +110,61 @@ class PreferenceLoss:
         if self.objective == "kto":
             return self._kto(model, batch, split)
         chosen, rejected, n_chosen, n_rejected = pair_logps(model, batch)
+        reference = self.reference.logps(model, batch, split) if self.reference is not None else None
+        return self._pairs(chosen, rejected, n_chosen, n_rejected, reference)
+
+    def staged(self, model: nn.Module, batch: PairBatch) -> Staged:
+        """The micro-batch as pipeline stages take it: each pair's chosen and rejected rows next to
+        each other (the schedule's pieces keep pairs whole), padded to ``data.seq_len`` (one
+        shape every step), the last stage giving each token's log-probability; the target holds
+        each row's scored tokens and its reference log-probability, computed first with
+        ``model``, the pipeline's forward."""
+        if self.sums is None:  # every rank's, for the mean of metrics only the last stage counts
+            self.sums = torch.zeros(len(METRICS) + 1 + (self.objective == "kto"), device=batch.chosen.input_ids.device)
+        if self.objective == "kto":
+            return self._staged_kto(model, batch)
+        both = _interleaved(batch, self.width)
+        zeros = torch.zeros(len(batch), device=both.input_ids.device)
+        reference = self.reference.logps(model, batch, "train") if self.reference is not None else (zeros, zeros)
+        counts = (both.labels[:, 1:] != IGNORE_INDEX).sum(1)
+        target = torch.stack([counts.float(), torch.stack(reference, 1).flatten().float()], 1)
+        keywords = {"targets": next_labels(both.labels), "attention_mask": both.attention_mask, "token_logps": True}
+
+        def loss(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+            logps, counts, reference = output.sum(1), target[:, 0], target[:, 1]
+            paired = (reference[0::2], reference[1::2]) if self.reference is not None else None
+            return self._counted(*self._pairs(logps[0::2], logps[1::2], counts[0::2], counts[1::2], paired))
+
+        return Staged(both.input_ids, target, keywords, loss, count=lambda target: target.new_tensor(len(target) // 2))
+
+    def _staged_kto(self, model: nn.Module, batch: PairBatch) -> Staged:
+        """KTO's answers as pipeline stages take them, with the micro-batch's KL baseline computed
+        first (``model``: the pipeline's forward) and carried in the target."""
+        rows = batch.chosen
+        ref, kl, good = self._kto_baseline(model, batch, "train")
+        target = torch.stack([ref.float(), kl.float().expand_as(ref), good.float()], 1)
+        keywords = {
+            "targets": next_labels(_pad(rows.labels, self.width, IGNORE_INDEX)),
+            "attention_mask": _pad(rows.attention_mask, self.width, 0),
+            "token_logps": True,
+        }
+
+        def loss(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+            return self._counted(*self._kto_losses(output.sum(1), target[:, 0], target[0, 1], target[:, 2].bool()))
+
+        inputs = _pad(rows.input_ids, self.width, 0)
+        return Staged(inputs, target, keywords, loss, count=lambda target: target.new_tensor(len(target)))
+
+    def _pairs(
+        self,
+        chosen: torch.Tensor,
+        rejected: torch.Tensor,
+        n_chosen: torch.Tensor,
+        n_rejected: torch.Tensor,
+        reference: tuple[torch.Tensor, torch.Tensor] | None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Each pair's loss and metrics from its completions' summed log-probabilities, their
+        token counts and (DPO, IPO) the reference's log-probabilities."""
         p = self.p
         if self.objective in ("simpo", "orpo"):
             # Per-token mean log-probabilities, and no reference.
@@ -108,8 +178,8 @@ class PreferenceLoss:
                 losses = -mean_chosen - p.beta * F.logsigmoid(log_odds)
             reward_chosen, reward_rejected = p.beta * mean_chosen, p.beta * mean_rejected
         else:
-            assert self.reference is not None  # dpo and ipo are given one
-            ref_chosen, ref_rejected = self.reference.logps(model, batch, split)
+            assert reference is not None  # dpo and ipo are given one
+            ref_chosen, ref_rejected = reference
             chosen_ratio, rejected_ratio = chosen - ref_chosen, rejected - ref_rejected
             delta = chosen_ratio - rejected_ratio
             if self.objective == "ipo":
@@ -144,15 +214,25 @@ class PreferenceLoss:
         beta z), an undesirable one's 1 - sigmoid(beta z - reward), with z the micro-batch's mean
         log-ratio of its mismatched prompt + answer rows (``batch.rejected``), clamped at 0 and not
         differentiated."""
-        assert self.reference is not None and batch.desirable is not None  # kto is given both
-        p = self.p
         logps, _ = completion_logps(model, batch.chosen)
+        ref, kl, good = self._kto_baseline(model, batch, split)
+        return self._kto_losses(logps, ref, kl, good)
+
+    def _kto_baseline(self, model: nn.Module, batch: PairBatch, split: str) -> tuple[torch.Tensor, ...]:
+        """The reference's log-probabilities of the answers, the KL baseline (clamped at 0, not
+        differentiated) and which answers are desirable."""
+        assert self.reference is not None and batch.desirable is not None  # kto is given both
         with torch.no_grad():
             kl_logps, _ = completion_logps(model, batch.rejected)
         ref, ref_kl = self.reference.logps(model, batch, split)
         kl = (kl_logps - ref_kl).mean().clamp(min=0)
+        return ref, kl, torch.as_tensor(batch.desirable, device=ref.device)
+
+    def _kto_losses(
+        self, logps: torch.Tensor, ref: torch.Tensor, kl: torch.Tensor, good: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        p = self.p
         ratio = logps - ref
-        good = torch.as_tensor(batch.desirable, device=ratio.device)
         losses = torch.where(
             good,
             p.desirable_weight * (1 - torch.sigmoid(p.beta * (ratio - kl))),

@@ -26,7 +26,7 @@ from torch import nn
 
 from kiln.config import TrainConfig
 from kiln.data.batch import batch_rows, loss_count
-from kiln.distributed.parallel import ParallelModel
+from kiln.distributed.parallel import ParallelModel, Staged
 from kiln.train.apply import apply_activation_checkpointing
 from kiln.train.faults import NO_FAULTS, NoFaults
 from kiln.train.precision import Precision
@@ -93,6 +93,13 @@ class TrainStep:
 
     def scaled(self, loss: torch.Tensor) -> torch.Tensor:
         return self.precision.loss_scale(loss)
+
+    def staged(self, model: nn.Module, batch: Any) -> Staged | None:
+        form = getattr(self.loss_fn, "staged", None)
+        if form is None:
+            return None
+        with self.busy.device(), self.precision.autocast():
+            return form(model, batch)
 
     # -- the step --------------------------------------------------------------------------------
 
