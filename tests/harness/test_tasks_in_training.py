@@ -10,7 +10,7 @@ import torch
 from tasksets import write_tasks
 
 from conftest import tiny_overrides
-from kilnrun import in_process, records, sets
+from kilnrun import in_process, launch, records, sets
 from layouts import train_on
 
 pytest.importorskip("lm_eval")
@@ -48,37 +48,46 @@ def test_task_scores_are_logged_and_change_nothing_of_the_run(tmp_path, corpus_d
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("layout", [{"parallel__strategy": "fsdp"}, {"parallel__cp": 2}], ids=["fsdp", "cp"])
+@pytest.mark.parametrize(
+    "layout",
+    [{"parallel__strategy": "fsdp"}, {"parallel__cp": 2}, {"parallel__tp": 2}, {"parallel__pp": 2}],
+    ids=["fsdp", "cp", "tp", "pp"],
+)
 def test_task_scores_on_two_ranks_are_those_of_the_saved_model(tmp_path, corpus_dir, layout):
     """Two FSDP ranks score the tasks through the sharded model, two context-parallel ranks
-    through the model that splits each row (padded to whole chunks) and decodes whole on each;
-    the scores at the end are those ``kiln eval --tasks`` gives the run's last checkpoint."""
+    through the model that splits each row (padded to whole chunks) and decodes whole on each,
+    two tensor-parallel ranks through rows padded to whole shares of positions (their logits
+    gathered from the ranks' shares of the vocabulary), two pipeline stages through the stages
+    in turn (the last one's logits sent to the other); the scores at the end are those ``kiln
+    eval --tasks`` gives the run's last checkpoint. Tensor-parallel ranks and pipeline stages
+    do not generate text: they score the multiple-choice task only."""
     tasks = write_tasks(tmp_path / "tasks")
     run = tmp_path / "run"
+    generates = not {"parallel__tp", "parallel__pp"} & layout.keys()
+    asked = "kiln_mc,kiln_gen" if generates else "kiln_mc"
     items = tiny_overrides(run, corpus_dir, data__seq_len=64, train__max_steps=6, **layout)
-    items += ["eval.tasks=kiln_mc,kiln_gen", f"eval.tasks_include={tasks}", "eval.tasks_limit=8"]
+    items += [f"eval.tasks={asked}", f"eval.tasks_include={tasks}", "eval.tasks_limit=8"]
     train_on(2, sets(items))
     [logged] = [r for r in records(run) if "tasks/kiln_mc/acc" in r]
     assert logged["step"] == 6
-    in_process("eval", run, "--tasks", "kiln_mc,kiln_gen", "--include-path", tasks, "--limit", "8")
+    in_process("eval", run, "--tasks", asked, "--include-path", tasks, "--limit", "8")
     saved = json.loads((run / "eval" / "kiln_mc.json").read_text())["results"]["kiln_mc"]
     assert logged["tasks/kiln_mc/acc"] == saved["acc,none"]
     assert logged["tasks/kiln_mc/acc_norm"] == saved["acc_norm,none"]
-    generated = json.loads((run / "eval" / "kiln_gen.json").read_text())["results"]["kiln_gen"]
-    assert logged["tasks/kiln_gen/exact_match"] == generated["exact_match,none"]
+    if generates:
+        generated = json.loads((run / "eval" / "kiln_gen.json").read_text())["results"]["kiln_gen"]
+        assert logged["tasks/kiln_gen/exact_match"] == generated["exact_match,none"]
 
 
-@pytest.mark.parametrize(
-    ("layout", "message"),
-    [
-        ({"parallel__tp": 2}, "eval.tasks: sequence parallelism splits each forward's positions"),
-        ({"parallel__pp": 2}, "eval.tasks: a pipeline returns the loss from its last stage"),
-    ],
-)
-def test_tasks_in_the_loop_need_the_logits_of_whole_rows(tmp_path, corpus_dir, layout, message):
-    items = tiny_overrides(tmp_path / "run", corpus_dir, eval__tasks="kiln_mc", **layout)
-    proc = in_process("train", *sets(items), check=False)
-    assert proc.returncode == 2 and message in proc.stderr
+@pytest.mark.parametrize("layout", [{"parallel__tp": 2}, {"parallel__pp": 2}], ids=["tp", "pp"])
+def test_generation_tasks_need_ranks_that_hold_whole_layers(tmp_path, corpus_dir, layout):
+    tasks = write_tasks(tmp_path / "tasks")
+    items = tiny_overrides(tmp_path / "run", corpus_dir, **layout)
+    items += ["eval.tasks=kiln_mc,kiln_gen", f"eval.tasks_include={tasks}"]
+    proc = launch(2, "train", *sets(items), check=False)
+    assert proc.returncode == 2, proc.stderr
+    assert "eval.tasks: kiln_gen generates text (generate_until)" in proc.stderr, proc.stderr
+    assert not (tmp_path / "run").exists()
 
 
 def test_an_unknown_task_stops_the_run_before_it_trains(tmp_path, corpus_dir):

@@ -594,7 +594,8 @@ class EvalConfig:
     """Prompt for the generated sample."""
     tasks: tuple[str, ...] = ()
     """lm-evaluation-harness tasks scored during training (needs kiln[eval]), logged as
-    tasks/<task>/<metric>; e.g. ["hellaswag", "my_task"]. Their data must be on this machine."""
+    tasks/<task>/<metric>; e.g. ["hellaswag", "my_task"]. Their data must be on this machine. With
+    parallel.tp or parallel.pp > 1, tasks that generate text (generate_until) are refused."""
     tasks_every: int = 0
     """Score eval.tasks every N steps (and at the end); 0 only at the end."""
     tasks_limit: int = 0
@@ -1086,16 +1087,6 @@ class Config:
                 cp == 1 or micro != "auto",
                 "train.micro_batch_size: auto is not probed under context parallelism (parallel.cp > 1), whose "
                 "forward passes wait for one another; give a number",
-            ),
-            (
-                not self.eval.tasks or self.parallel.tp == 1,
-                "eval.tasks: sequence parallelism splits each forward's positions over the parallel.tp ranks, and "
-                "decoding feeds one position at a time; score this run's checkpoints with kiln eval RUN --tasks",
-            ),
-            (
-                not self.eval.tasks or pp == 1,
-                "eval.tasks: a pipeline returns the loss from its last stage, not the logits tasks are scored by; "
-                "score this run's checkpoints with kiln eval RUN --tasks",
             ),
             (
                 self.parallel.tp == 1 or bool(self.model.source) or self.data.seq_len % (self.parallel.tp * 2 * cp) == 0

@@ -110,6 +110,8 @@ PROOFS: dict[tuple[str, str], str] = {
     ("document mask", "CP"): _CP + "test_packed_documents_split_over_two_ranks_train_as_one_process",
     ("eval.tasks", "FSDP"): _TASKS,
     ("eval.tasks", "CP"): _TASKS,
+    ("eval.tasks", "TP"): _TASKS,
+    ("eval.tasks", "PP"): _TASKS,
     ("DPO family", "DDP"): _DPO,
     ("DPO family", "CP"): _DPO,
     ("HF models", "CP"): _HF_CP,

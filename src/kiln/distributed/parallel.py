@@ -108,8 +108,11 @@ class ParallelModel:
         self.generates = world.tp == 1
 
     @property
-    def eval_forward(self) -> Callable[..., Any]:
-        """What evaluation calls: ``eval_forward(inputs, targets=targets)`` is the mean loss."""
+    def eval_forward(self) -> nn.Module:
+        """What evaluation calls: ``eval_forward(inputs, targets=targets)`` is the mean loss, and
+        ``eval_forward(tokens)`` the logits of rows of any length (a module)."""
+        if self.world.tp > 1 and self.plan.sequence_parallel:
+            return _WholeShares(self.module, self.world.tp)
         return self.module
 
     def parameters(self) -> list[torch.Tensor]:
@@ -140,6 +143,27 @@ class ParallelModel:
         rank's share, one tensor at a time and only the slices it holds, so that no rank holds
         the whole model; the optimizer state as this rank holds it, for the optimizer to load."""
         return load_whole(self.module, weights, optim_state)
+
+
+class _WholeShares(nn.Module):
+    """A sequence-parallel model whose logits are asked for rows of any length: sequence
+    parallelism splits each forward's positions into ``multiple`` equal shares, so the rows are
+    padded on the right to a multiple of it, and the logits cut back (under causal attention the
+    padding changes no earlier position's)."""
+
+    def __init__(self, module: nn.Module, multiple: int):
+        super().__init__()
+        self.module, self.multiple = module, multiple
+
+    def forward(self, tokens: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+        length = tokens.size(1)
+        if not length % self.multiple:
+            return self.module(tokens, *args, **kwargs)
+        if args or kwargs:
+            raise ValueError(
+                f"rows of {length} positions: only logits are given for rows that parallel.tp does not divide"
+            )
+        return self.module(torch.nn.functional.pad(tokens, (0, -length % self.multiple)))[:, :length]
 
 
 @contextlib.contextmanager

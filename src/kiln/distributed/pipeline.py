@@ -305,7 +305,7 @@ class PipelineModel(ParallelModel):
             grad.copy_(reduced.view_as(grad))
 
     @property
-    def eval_forward(self) -> Callable[..., torch.Tensor]:
+    def eval_forward(self) -> nn.Module:
         return self._evaluator
 
     @torch.no_grad()
@@ -324,13 +324,14 @@ class PipelineModel(ParallelModel):
         """The mean loss of ``targets`` (or of ``labels``, aligned with the inputs) given
         ``inputs``, on every rank: the stages run in turn, each passing its hidden states to the
         next, and the last stage's loss is broadcast. With ``token_logps``, each target's
-        log-probability instead, as the model gives them (fp32; [rows, length - 1] for labels)."""
+        log-probability instead, as the model gives them (fp32; [rows, length - 1] for labels);
+        without targets, the logits (as the last stage computes them: benchmark tasks)."""
         import torch.distributed as dist
 
         if labels is not None:
             targets = next_labels(labels)
-        if targets is None:
-            raise ValueError("a pipelined model returns its loss, not logits: give it targets")
+        if token_logps and targets is None:
+            raise ValueError("token log-probabilities are those of targets: give them")
         keywords: dict[str, Any] = _row_keywords(attention_mask, position_ids)
         if positions is not None:
             keywords["positions"] = positions
@@ -349,9 +350,16 @@ class PipelineModel(ParallelModel):
             if s < self.n_stages - 1:
                 _send_header(x, ranks[(s + 1) % self.pp], self.group)
                 dist.send(x.contiguous(), ranks[(s + 1) % self.pp], group=self.group)
+        last = ranks[(self.n_stages - 1) % self.pp]
+        if targets is None:  # logits, of a shape only the last stage knows
+            header: list[Any] = [tuple(x.shape), x.dtype] if self.is_last else [None, None]
+            dist.broadcast_object_list(header, last, group=self.group)
+            out = x.contiguous() if self.is_last else torch.empty(header[0], dtype=header[1], device=self.world.device)
+            dist.broadcast(out, last, group=self.group)
+            return out
         shape = targets.shape if token_logps else ()
         out = x.float() if self.is_last else torch.zeros(shape, device=self.world.device)
-        dist.broadcast(out, ranks[(self.n_stages - 1) % self.pp], group=self.group)
+        dist.broadcast(out, last, group=self.group)
         return out[:, :-1] if token_logps and labels is not None else out
 
 

@@ -51,8 +51,9 @@ def task_manager(include_path: str | os.PathLike | None = None):
     return TaskManager(include_path=str(Path(include_path).expanduser()) if include_path else None)
 
 
-def check_tasks(names: list[str], manager) -> None:
-    """TaskError naming the first task that is not known or whose data cannot be read here."""
+def check_tasks(names: list[str], manager, *, generates: bool = True) -> None:
+    """TaskError naming the first task that is not known or whose data cannot be read here, or
+    (``generates`` off: the run's ranks each hold part of the layers) that generates text."""
     known = set(manager.all_tasks)
     for name in names:
         if name not in known:
@@ -62,10 +63,27 @@ def check_tasks(names: list[str], manager) -> None:
                 f"(lm-eval knows {len(known):,} tasks; `lm-eval ls tasks` lists them)"
             )
         try:
-            manager.load([name])
+            loaded = manager.load([name])
         except Exception as e:  # datasets and lm-eval raise many kinds for data they cannot read
             first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
             raise TaskError(f"task {name!r}: its data cannot be read on this machine ({first})") from None
+        if not generates and "generate_until" in _output_types(loaded):
+            raise TaskError(
+                f"eval.tasks: {name} generates text (generate_until), which tensor-parallel ranks (parallel.tp > 1) "
+                "and pipeline stages (parallel.pp > 1) do not: each holds a part of the layers; score it with kiln "
+                "eval RUN --tasks"
+            )
+
+
+def _output_types(loaded: Any) -> set[str]:
+    """The kinds of request (``output_type``) of the tasks in what lm-eval's ``TaskManager.load``
+    returns (tasks, nested under their groups)."""
+    if isinstance(loaded, dict):
+        return set().union(*map(_output_types, loaded.values()))
+    if isinstance(loaded, (list, tuple)):
+        return set().union(*map(_output_types, loaded))
+    kind = getattr(loaded, "OUTPUT_TYPE", None)
+    return {kind} if isinstance(kind, str) else set()
 
 
 def run_tasks(

@@ -2,12 +2,13 @@
 being trained every eval.tasks_every steps and at the end, its scores logged as
 ``tasks/<task>/<metric>``.
 
-Every rank scores the same documents with its own model: a whole replica (one process, DDP) or
-an FSDP shard, whose forward passes gather the parameters together, so all ranks run the same
-collectives; rank 0's logger writes the scores. The run is not changed by it: the model is in
-eval mode without gradients while it is scored, and every random generator lm-eval seeds (Python's,
-NumPy's, PyTorch's) is put back as it was, so the per-step losses are bitwise those of the same
-run without task scores.
+Every rank scores the same documents with its own model: a whole replica (one process, DDP), an
+FSDP shard, whose forward passes gather the parameters together, so all ranks run the same
+collectives, or the layout's forward of whole rows (tensor-parallel ranks, pipeline stages:
+``ParallelModel.eval_forward``, which do not generate text); rank 0's logger writes the scores.
+The run is not changed by it: the model is in eval mode without gradients while it is scored,
+and every random generator lm-eval seeds (Python's, NumPy's, PyTorch's) is put back as it was,
+so the per-step losses are bitwise those of the same run without task scores.
 """
 
 from __future__ import annotations
@@ -32,7 +33,8 @@ class TaskScores:
             from kiln.harness import check_tasks, task_manager
 
             self.manager = task_manager(e.tasks_include or None)
-            check_tasks(self.names, self.manager)
+            # Ranks holding part of every layer, or some of the layers, score whole rows but do not decode.
+            check_tasks(self.names, self.manager, generates=cfg.parallel.tp == 1 and cfg.parallel.pp == 1)
 
     def due(self, step: int, final: bool) -> bool:
         return bool(self.names) and (final or (self.every > 0 and step % self.every == 0))

@@ -15,7 +15,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any, cast
+from typing import Any
 
 import torch
 from torch import nn
@@ -221,7 +221,9 @@ class Trainer:
                         if self._halt_after(metrics) and not final:
                             stop.requested = True  # set, never cleared: a signal may have set it meanwhile
                     if self.tasks.due(self.step, final):
-                        self.tasks.score(self.model.module, self.step, self.micro_batch_size, logger, self.precision)
+                        self.tasks.score(
+                            self.model.eval_forward, self.step, self.micro_batch_size, logger, self.precision
+                        )
                     if self.checkpointer.due(self.step, final or stop.requested):
                         self.save()
                 if out_of_time and self.step < plan.steps:
@@ -297,12 +299,12 @@ class Trainer:
         ctx = EvalContext(self.step, self.device, self.micro_batch_size, self.precision, self.model.generates)
         try:
             with torch.no_grad(), self.precision.autocast():
-                metrics = self.job.evaluate(cast(nn.Module, self.model.eval_forward), ctx)  # or a stand-in called alike
+                metrics = self.job.evaluate(self.model.eval_forward, ctx)
                 if metrics is not None:
                     # Scalars as floats; a confusion matrix, say, stays a list (metrics.jsonl only).
                     metrics = {k: v if isinstance(v, (list, dict)) else float(v) for k, v in metrics.items()}
                     logger.log(self.step, metrics)
-                if (sample := self.job.sample(cast(nn.Module, self.model.eval_forward), ctx)) is not None:
+                if (sample := self.job.sample(self.model.eval_forward, ctx)) is not None:
                     logger.text(self.step, "sample", sample)
         finally:
             module.train(was_training)
