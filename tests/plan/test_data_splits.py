@@ -178,7 +178,10 @@ def test_the_output_shows_the_split_and_its_communication(capsys):
     "items, message",
     [
         ([*QWEN3, "parallel.ep=3"], "parallel.ep: 3 must divide the data-parallel ranks, 8"),
-        ([*QWEN3, "parallel.ep=8", "model.n_experts=12"], "parallel.ep: 8 must divide model.n_experts=12"),
+        (
+            [*QWEN3, "parallel.ep=8", "model.n_experts=12"],
+            "parallel.ep: 8 must divide the model's 12 experts a layer (model.n_experts",
+        ),
         ([*QWEN3, "parallel.ep=2", "parallel.strategy=ddp"], "parallel.ep: experts split over ranks need"),
         (["model.preset=tiny", "parallel.ep=2", "parallel.strategy=fsdp"], "parallel.ep: the model has no experts"),
         (["model.preset=tiny", "parallel.cp=3", "data.seq_len=96"], "parallel.cp: 3 must divide the data-parallel"),

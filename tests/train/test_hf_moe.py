@@ -97,9 +97,13 @@ def test_lora_adapts_attention_by_default_and_the_experts_when_named(qwen_moe):
             ["lora.dropout=0", "lora.quantize_base=nf4"],
             r"lora\.quantize_base: hf\..*\.layers\.0\.mlp\.experts is a Qwen3MoeExperts; nf4 quantizes linear layers",
         ),
+        (
+            ["lora.dropout=0", "parallel.strategy=fsdp", "parallel.ep=2"],
+            r"lora\.target_modules: adapters on the expert weights gate_up_proj are not split over the expert-parallel",
+        ),
     ],
 )
-def test_expert_targets_with_lora_dropout_or_nf4_are_refused(qwen_moe, items, message):
+def test_expert_targets_with_lora_dropout_or_nf4_or_expert_parallelism_are_refused(qwen_moe, items, message):
     cfg, args = _args(qwen_moe, "lora.rank=8", "lora.target_modules=gate_up_proj", *items)
     with pytest.raises(ConfigError, match=message):
         apply_lora(FAMILY.create(args, "cpu", seed=0), cfg, FAMILY, args)
@@ -178,3 +182,74 @@ def test_fsdp_two_ranks_equal_one_process_and_export(tmp_path, sft, qwen_moe, lo
     merged = transformers.AutoModelForCausalLM.from_pretrained(out).eval()
     with torch.no_grad():
         torch.testing.assert_close(merged(ids).logits, load_run(lora_run, device="cpu").model(ids), rtol=0, atol=1e-4)
+
+
+@pytest.fixture(scope="module")
+def full_run(tmp_path_factory, sft, qwen_moe) -> Path:
+    """One process: every weight trained, the experts' too."""
+    run = tmp_path_factory.mktemp("full") / "run"
+    in_process("train", *sets(ft_sets(run, sft, qwen_moe)))
+    return run
+
+
+@pytest.mark.slow
+@pytest.mark.dist
+@pytest.mark.parametrize("packing", [False, True], ids=["padded", "packed"])
+def test_experts_split_over_two_ranks_train_as_one_process_and_export(tmp_path, sft, qwen_moe, full_run, packing):
+    """Each rank holds two of the four experts of every layer (its halves of the fused weights),
+    gets the rows its experts are chosen for from both ranks and sends the results back; the
+    rest of the model is sharded by FSDP. Saved in shards, the run exports whole."""
+    extra = {"data.packing": str(packing).lower()}
+    reference = full_run
+    if packing:
+        reference = tmp_path / "one"
+        in_process("train", *sets(ft_sets(reference, sft, qwen_moe, **extra)))
+    run = tmp_path / "ep"
+    items = ft_sets(run, sft, qwen_moe, **extra, **{"train.micro_batch_size": 1, "parallel.strategy": "fsdp"})
+    launch(2, "train", *sets([*items, "parallel.ep=2"]))
+    got, want = losses(run), losses(reference)
+    assert got.keys() == want.keys()
+    for step in want:
+        assert got[step] == pytest.approx(want[step], rel=1e-5), step
+    a, b = load_run(run, device="cpu").model.state_dict(), load_run(reference, device="cpu").model.state_dict()
+    for name in a:
+        torch.testing.assert_close(a[name], b[name], rtol=0, atol=1e-4, msg=name)
+    if not packing:
+        out = tmp_path / "export"
+        assert main(["export", str(run), "--format", "hf", "--out", str(out)]) == 0
+        ids = torch.randint(0, 300, (2, 20), generator=torch.Generator().manual_seed(1))
+        exported = transformers.AutoModelForCausalLM.from_pretrained(out).eval()
+        with torch.no_grad():
+            torch.testing.assert_close(exported(ids).logits, load_run(run, device="cpu").model(ids), rtol=0, atol=1e-5)
+
+
+@pytest.mark.slow
+@pytest.mark.dist
+@pytest.mark.parametrize(
+    "extra",
+    [
+        {"lora.rank": 8, "lora.dropout": 0, "lora.quantize_base": "nf4"},
+        {"train.objective": "dpo", "data.seq_len": 48, "train.lr": 1e-3},
+    ],
+    ids=["qlora", "dpo"],
+)
+def test_objectives_and_adapters_with_experts_split_over_two_ranks_equal_one_process(tmp_path, sft, qwen_moe, extra):
+    """QLoRA (a 4-bit base under the attention's adapters, its projections wide enough for FSDP to
+    split their NF4 scales; the experts' fused weights, frozen, split over the ranks) and DPO (its
+    reference precomputed in the run's own layout)."""
+    from test_preference_objectives import preference_records
+
+    source, model = sft, qwen_moe
+    if extra.get("train.objective") == "dpo":
+        source = write_jsonl(tmp_path / "pairs.jsonl", preference_records(64))
+    else:
+        wide = dict(hidden_size=128, head_dim=64, num_key_value_heads=4)
+        model = tiny_qwen3_moe(tmp_path / "wide", experts=EXPERTS, **wide)
+    one, run = tmp_path / "one", tmp_path / "ep"
+    in_process("train", *sets(ft_sets(one, source, model, **extra)))
+    items = ft_sets(run, source, model, **extra, **{"train.micro_batch_size": 1, "parallel.strategy": "fsdp"})
+    launch(2, "train", *sets([*items, "parallel.ep=2"]))
+    got, want = losses(run), losses(one)
+    assert got.keys() == want.keys()
+    for step in want:
+        assert got[step] == pytest.approx(want[step], rel=1e-5), step

@@ -14,6 +14,13 @@ that checkpoints, DCP and initialisation see whole tensors), and two hooks aroun
    then by expert; regrouped by expert alone, they are the forward's rows;
 2. after it, send the results back the same way, in the order the rows came.
 
+A ``transformers`` experts module (the plan's ``experts_call``) is called with each token's
+chosen experts and their weights instead: the hook before it sends each (token, expert) pair's
+row, grouped by expert, the same way, and calls it with the rows of this rank's experts, each
+row's expert and a weight of 1; it computes them with its weights' local parts through
+``transformers``' experts interface (``local_experts``, registered there under
+``EXPERT_PARALLEL``); the hook after it brings the rows back and sums each token's, weighed.
+
 Each rank's experts see the tokens of all ``ep`` ranks, so their gradients sum what ``ep`` ranks'
 losses give; data-parallel training averages each rank's gradients over the data-parallel ranks
 (FSDP over "ep_shard" averages over the rest), so the weights' gradients are divided by ``ep``
@@ -26,7 +33,13 @@ from __future__ import annotations
 from typing import Any, cast
 
 import torch
+import torch.nn.functional as F
 from torch import nn
+
+from kiln.models.family import TRANSFORMERS_EXPERTS
+
+# The name kiln's experts function has in transformers' experts interface.
+EXPERT_PARALLEL = "kiln_expert_parallel"
 
 
 def exchange(x: torch.Tensor, out_splits: list[int], in_splits: list[int], group: Any) -> torch.Tensor:
@@ -87,10 +100,60 @@ class _Routes:
         return exchange(back, sends, takes, mesh.get_group())
 
 
-def apply_ep(experts: list[nn.Module], ep_mesh: Any) -> None:
+class _Pairs(_Routes):
+    """The routes of a ``transformers`` experts module, called with (hidden states [tokens, d],
+    each token's experts [tokens, k], their weights [tokens, k])."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.pairs: list[tuple[torch.Tensor, torch.Tensor, torch.dtype]] = []
+
+    def dispatch_pairs(self, module: nn.Module, inputs: tuple[Any, ...], mesh: Any) -> tuple[torch.Tensor, ...]:
+        x, chosen, weights = inputs
+        flat = chosen.flatten()
+        order = flat.argsort(stable=True)  # the (token, expert) pairs grouped by expert
+        ends = torch.bincount(flat, minlength=cast(Any, module).num_experts).cumsum(0)
+        rows, local_ends = self.dispatch(module, (x[order // chosen.size(1)], ends), mesh)
+        self.pairs.append((order, weights, x.dtype))
+        expert = torch.repeat_interleave(torch.diff(local_ends, prepend=local_ends.new_zeros(1)))
+        return rows, expert[:, None], torch.ones(len(rows), 1, dtype=weights.dtype, device=rows.device)
+
+    def combine_pairs(self, module: nn.Module, out: torch.Tensor, mesh: Any) -> torch.Tensor:
+        order, weights, dtype = self.pairs.pop(0)
+        back = self.combine(module, out, mesh)
+        pairs = torch.empty_like(back).index_copy_(0, order, back).view(*weights.shape, -1)
+        return (pairs * weights[..., None]).sum(1).to(dtype)
+
+
+def local_experts(
+    module: nn.Module, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor
+) -> torch.Tensor:
+    """A ``transformers`` experts module's forward on its weights' local parts, for rows grouped
+    by this rank's experts (``top_k_index`` [rows, 1], ascending) as ``_Pairs`` sends them."""
+    experts: Any = module
+    gate_up, down = experts.gate_up_proj.to_local(), experts.down_proj.to_local()
+    counts = torch.bincount(top_k_index.flatten(), minlength=gate_up.size(0)).tolist()
+    out = [
+        F.linear(experts._apply_gate(F.linear(rows, gate_up[e])), down[e])
+        for e, rows in enumerate(hidden_states.split(counts))
+    ]
+    return torch.cat(out) * top_k_weights
+
+
+def _use_local_experts(experts: list[nn.Module]) -> None:
+    """Make ``experts`` (``transformers`` modules sharing their model's config) compute through
+    ``local_experts``, registered in ``transformers``' experts interface."""
+    from transformers.integrations.moe import ExpertsInterface
+
+    ExpertsInterface.register(EXPERT_PARALLEL, local_experts)
+    for module in experts:
+        cast(Any, module).config._experts_implementation = EXPERT_PARALLEL
+
+
+def apply_ep(experts: list[nn.Module], ep_mesh: Any, call: str = "") -> None:
     """Split each experts module's weights over ``ep_mesh`` (a 1-D mesh of the "ep" ranks) by
     their first dimension and route its rows to the ranks of their experts (in place; the model
-    may be on ``meta``)."""
+    may be on ``meta``). ``call``: the plan's ``experts_call``."""
     from torch.distributed.tensor import Shard, distribute_module, distribute_tensor
 
     def split(name: str, module: nn.Module, mesh: Any) -> None:
@@ -99,8 +162,15 @@ def apply_ep(experts: list[nn.Module], ep_mesh: Any) -> None:
             module.register_parameter(key, nn.Parameter(parts, requires_grad=param.requires_grad))
 
     for module in experts:
-        routes = _Routes()
         # The hooks return the forward's new inputs and the module's new output (distribute_module
         # installs them as its forward hooks; its annotations say None).
-        hooks: dict[str, Any] = {"input_fn": routes.dispatch, "output_fn": routes.combine}
+        hooks: dict[str, Any]
+        if call == TRANSFORMERS_EXPERTS:
+            pairs = _Pairs()
+            hooks = {"input_fn": pairs.dispatch_pairs, "output_fn": pairs.combine_pairs}
+        else:
+            routes = _Routes()
+            hooks = {"input_fn": routes.dispatch, "output_fn": routes.combine}
         distribute_module(module, ep_mesh, split, **hooks)
+    if call == TRANSFORMERS_EXPERTS:
+        _use_local_experts(experts)

@@ -4,8 +4,8 @@ says what kiln does and cannot drift from it (tests/distributed/test_matrix.py r
 fails when the doc disagrees).
 
 A cell is a run's config: the feature's settings on top of the layout's, on the model the feature
-trains (kiln's GPT, its mixture-of-experts preset under expert parallelism, or a Hugging Face
-Llama). It is "✓" with the test that shows that layout computing what one process computes, or
+trains (kiln's GPT, or a Hugging Face Llama; under expert parallelism, their mixtures of experts:
+kiln's preset, a Qwen3-MoE). It is "✓" with the test that shows that layout computing what one process computes, or
 "runs" where no test shows it yet, or the first reason a run of it is refused, as the run says it.
 """
 
@@ -66,6 +66,10 @@ _MUON = "tests/train/test_muon.py::test_muon_on_two_ranks_trains_as_one_process"
 _SFT = "tests/train/test_finetune.py::test_two_ranks_equal_one_process"
 _HF_CP = "tests/train/test_finetune.py::test_llama_class_models_split_their_sequences_over_two_context_parallel_ranks"
 _HF_PP = "tests/train/test_finetune.py::test_llama_class_models_split_into_two_pipeline_stages"
+_HF_EP = "tests/train/test_hf_moe.py::test_experts_split_over_two_ranks_train_as_one_process_and_export"
+_HF_EP_OBJECTIVES = (
+    "tests/train/test_hf_moe.py::test_objectives_and_adapters_with_experts_split_over_two_ranks_equal_one_process"
+)
 _DPO = "tests/train/test_preference_objectives.py::test_dpo_on_two_ranks_equals_one_process"
 _TASKS = "tests/harness/test_tasks_in_training.py::test_task_scores_on_two_ranks_are_those_of_the_saved_model"
 PROOFS: dict[tuple[str, str], str] = {
@@ -111,6 +115,11 @@ PROOFS: dict[tuple[str, str], str] = {
     ("eval.tasks", "FSDP"): _TASKS,
     ("eval.tasks", "CP"): _TASKS,
     ("eval.tasks", "TP"): _TASKS,
+    ("HF models", "EP"): _HF_EP,
+    ("SFT", "EP"): _HF_EP,
+    ("packing", "EP"): _HF_EP,
+    ("QLoRA", "EP"): _HF_EP_OBJECTIVES,
+    ("DPO family", "EP"): _HF_EP_OBJECTIVES,
     ("eval.tasks", "PP"): _TASKS,
     ("DPO family", "DDP"): _DPO,
     ("DPO family", "CP"): _DPO,
@@ -171,16 +180,20 @@ def _plan(cfg: Config):
         from kiln.models.hf import FAMILY, HFArgs
 
         transformers = __import__("transformers")
-        config = transformers.LlamaConfig(
-            hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2
-        )
-        return FAMILY.parallel_plan(HFArgs("LLAMA", cfg.model.task, config.to_dict()))
+        dims = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2)
+        if cfg.parallel.ep > 1:  # a mixture of experts, whose experts expert parallelism splits
+            config = transformers.Qwen3MoeConfig(**dims, moe_intermediate_size=32, num_experts=4, num_experts_per_tok=2)
+        else:
+            config = transformers.LlamaConfig(**dims, intermediate_size=128)
+        return FAMILY.parallel_plan(HFArgs(_model_name(cfg), cfg.model.task, config.to_dict()))
     family = family_of(cfg.model)
     return family.parallel_plan(family.resolve(cfg.model, vocab_size=512, seq_len=cfg.data.seq_len))
 
 
 def _model_name(cfg: Config) -> str:
-    return "LlamaForCausalLM" if cfg.model.source else "GPT"
+    if not cfg.model.source:
+        return "GPT"
+    return "Qwen3MoeForCausalLM" if cfg.parallel.ep > 1 else "LlamaForCausalLM"
 
 
 def table() -> str:

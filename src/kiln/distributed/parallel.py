@@ -266,7 +266,7 @@ def shard(
         apply_tp(module, plan, world.mesh["tp"])
     experts = plan.block_parts(module, plan.experts) if world.ep > 1 else []
     if experts:
-        apply_ep(experts, world.mesh["ep"])
+        apply_ep(experts, world.mesh["ep"], plan.experts_call)
     if pcfg.strategy == "ddp" or (world.dp == 1 and not pcfg.cpu_offload):
         return
     for root in fsdp_roots or [module]:

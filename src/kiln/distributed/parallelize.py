@@ -102,7 +102,7 @@ def _expert_layout_errors(plan: ParallelPlan, world: World, pcfg: ParallelConfig
     if not plan.experts:
         return [
             "parallel.ep: the model has no experts to split: its family's plan names none (kiln's GPT with "
-            "model.n_experts > 0 does; a Hugging Face mixture of experts trains with FSDP, without ep)"
+            "model.n_experts > 0 and transformers' fused experts, Qwen3-MoE or Mixtral, do); set parallel.ep=1"
         ]
     errors = []
     if world.dp % pcfg.ep:
@@ -111,7 +111,10 @@ def _expert_layout_errors(plan: ParallelPlan, world: World, pcfg: ParallelConfig
             f"(the world's {world.size} over parallel.pp x parallel.tp = {world.pp} x {world.tp})"
         )
     if plan.n_experts % pcfg.ep:
-        errors.append(f"parallel.ep: {pcfg.ep} must divide model.n_experts={plan.n_experts}")
+        errors.append(
+            f"parallel.ep: {pcfg.ep} must divide the model's {plan.n_experts} experts a layer (model.n_experts, or "
+            "a Hugging Face model's config.json)"
+        )
     if pcfg.strategy == "ddp":
         errors.append("parallel.ep: experts split over ranks need parallel.strategy fsdp or fsdp_grad_op")
     return errors

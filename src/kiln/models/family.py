@@ -31,6 +31,7 @@ from kiln.models.init import Initial, Values, keyed
 from kiln.models.lm import evaluate_lm, lm_loss
 
 TRANSFORMERS_ATTENTION = "transformers"
+TRANSFORMERS_EXPERTS = "transformers"
 
 
 @dataclass(frozen=True)
@@ -64,7 +65,11 @@ class ParallelPlan:
     family pipelines others, cannot be cut into stages (empty: it can).
     ``experts``: where a block holds a mixture of experts' experts (``mlp.experts``; see
     ``kiln.distributed.experts`` for what such a module provides), which expert parallelism
-    splits; ``n_experts``: how many each holds (the expert-parallel degree must divide it).
+    splits; ``n_experts``: how many each holds (the expert-parallel degree must divide it);
+    ``experts_call``: how they are called, kiln's ``forward(x, ends)`` (empty) or
+    ``TRANSFORMERS_EXPERTS``: a ``transformers`` experts module (3-D ``gate_up_proj`` and
+    ``down_proj``) called with each token's chosen experts and their weights, which computes
+    through ``transformers``' experts interface.
     ``attention``: where a block holds its attention's core, a module without parameters whose
     ``forward(q, k, v, mask, causal)`` computes it (kiln's GPT: ``attn.core``), in a model whose
     ``forward(idx, targets, ..., positions=...)`` takes the tokens' positions: context
@@ -88,6 +93,7 @@ class ParallelPlan:
     unpipelined: str = ""
     experts: str = ""
     n_experts: int = 0
+    experts_call: str = ""
     attention: str = ""
 
     @property

@@ -114,6 +114,13 @@ def apply_lora(model: nn.Module, cfg: Config, family: ModelFamily, args: Any, *,
                 "(lora.target_modules) without dropout; set lora.dropout=0"
             ]
         )
+    if parameters and cfg.parallel.ep > 1:
+        raise ConfigError(
+            [
+                f"lora.target_modules: adapters on the expert weights {', '.join(parameters)} are not split over the "
+                "expert-parallel ranks with them; adapt the other layers, or set parallel.ep=1"
+            ]
+        )
     config = peft.LoraConfig(
         r=lora.rank,
         lora_alpha=lora.alpha,  # type: ignore[arg-type]  # peft annotates it int; a float works (scaling = alpha / r)

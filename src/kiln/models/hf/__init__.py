@@ -28,6 +28,7 @@ from torch import nn
 from kiln.config import ConfigError, ModelConfig
 from kiln.models.family import (
     TRANSFORMERS_ATTENTION,
+    TRANSFORMERS_EXPERTS,
     MemoryModel,
     ModelFamily,
     ParallelPlan,
@@ -48,7 +49,7 @@ from kiln.models.hf.loading import (
     weights_error,
 )
 from kiln.models.hf.memory import EncoderMemory, ffn_width
-from kiln.models.hf.moe import routed_weights, watch_routers
+from kiln.models.hf.moe import routed_weights, split_experts, watch_routers
 from kiln.models.hf.parallelize import QK_NORM_HEADS, llama_styles
 from kiln.models.init import params_on_meta
 from kiln.models.lm import packed
@@ -375,9 +376,12 @@ class HFFamily(ModelFamily):
 
     def parallel_plan(self, args: HFArgs) -> ParallelPlan:
         with torch.device("meta"):
-            layer = _layer_type(self.build(args))
+            model = self.build(args)
+        layer = _layer_type(model)
+        experts, n_experts = split_experts(self.transformers_model(model), layer)
+        split: dict[str, Any] = dict(experts=experts, n_experts=n_experts, experts_call=TRANSFORMERS_EXPERTS)
         if args.config["model_type"] not in LLAMA_CLASS:
-            return ParallelPlan(blocks=None, block_type=layer)
+            return ParallelPlan(blocks=None, block_type=layer, **split)
         c = args.hf_config()
         divisors = {
             f"{k} (config.json)": getattr(c, k)
@@ -405,6 +409,7 @@ class HFFamily(ModelFamily):
             tp_divisors=divisors,
             attention=TRANSFORMERS_ATTENTION,
             **stages,
+            **split,
         )
 
     def flops_per_token(self, args: HFArgs, seq_len: int) -> float:

@@ -119,3 +119,18 @@ def routed_weights(hf: nn.Module) -> int:
     router_weights = sum(p.numel() for router in plain for p in router.parameters() if p.dim() == 2)
     per_expert = sum(p.numel() // experts for p in hf.parameters() if p.dim() == 3 and p.shape[0] == experts)
     return router_weights + k * per_expert
+
+
+def split_experts(hf: nn.Module, layer_type: type | None) -> tuple[str, int]:
+    """Where a repeated layer of ``hf`` holds experts that expert parallelism can split (their
+    path in the layer, e.g. ``mlp.experts``) and how many: ``transformers``' fused experts that
+    compute through its experts interface, with gate and up projections concatenated, not
+    transposed, without biases or a norm after each expert (Qwen2/3-MoE, Mixtral, OLMoE, ...);
+    ("", 0) for any other model."""
+    layer = next((m for m in hf.modules() if type(m) is layer_type), None)
+    for path, module in layer.named_modules() if layer is not None else ():
+        layout = [getattr(module, flag, None) for flag in ("is_concatenated", "is_transposed", "has_bias", "has_gate")]
+        post_norm = getattr(module, "has_post_expert_norm", False)
+        if hasattr(module, "gate_up_proj") and layout == [True, False, False, True] and not post_norm:
+            return path, int(cast(Any, module).num_experts)
+    return "", 0
