@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from test_finetune import assert_trains_as
 from test_finetune import ft_sets as finetune_sets
 
 from kiln.cli import main
@@ -207,13 +208,7 @@ def test_experts_split_over_two_ranks_train_as_one_process_and_export(tmp_path, 
     run = tmp_path / "ep"
     items = ft_sets(run, sft, qwen_moe, **extra, **{"train.micro_batch_size": 1, "parallel.strategy": "fsdp"})
     launch(2, "train", *sets([*items, "parallel.ep=2"]))
-    got, want = losses(run), losses(reference)
-    assert got.keys() == want.keys()
-    for step in want:
-        assert got[step] == pytest.approx(want[step], rel=1e-5), step
-    a, b = load_run(run, device="cpu").model.state_dict(), load_run(reference, device="cpu").model.state_dict()
-    for name in a:
-        torch.testing.assert_close(a[name], b[name], rtol=0, atol=1e-4, msg=name)
+    assert_trains_as(run, reference)
     if not packing:
         out = tmp_path / "export"
         assert main(["export", str(run), "--format", "hf", "--out", str(out)]) == 0
@@ -249,7 +244,4 @@ def test_objectives_and_adapters_with_experts_split_over_two_ranks_equal_one_pro
     in_process("train", *sets(ft_sets(one, source, model, **extra)))
     items = ft_sets(run, source, model, **extra, **{"train.micro_batch_size": 1, "parallel.strategy": "fsdp"})
     launch(2, "train", *sets([*items, "parallel.ep=2"]))
-    got, want = losses(run), losses(one)
-    assert got.keys() == want.keys()
-    for step in want:
-        assert got[step] == pytest.approx(want[step], rel=1e-5), step
+    assert_trains_as(run, one)
