@@ -354,7 +354,6 @@ def test_pairs_cut_to_the_sequence_length_are_counted_and_said(tmp_path, pairs, 
             {"parallel.pp": 2, "train.micro_batch_size": 1},
             "parallel.pp_microbatches: each micro-batch of train.micro_batch_size=1",
         ),
-        ({"train.compile": "true"}, "train.objective: dpo is not compiled yet"),
         ({"preference.beta": 0}, "preference.beta: must be > 0"),
         ({"preference.precompute_reference": "false"}, "preference.precompute_reference: dpo without LoRA"),
         ({"data.packing": "true"}, "data.packing: preference pairs are padded"),
@@ -510,6 +509,20 @@ def test_the_preference_family_in_two_pipeline_stages_equals_one_process(tmp_pat
     theirs = [r for r in records(single) if "loss" in r]
     for key in ("rewards/chosen", "rewards/margins"):
         assert [r[key] for r in logged] == pytest.approx([r[key] for r in theirs], rel=1e-4, abs=1e-6), key
+
+
+@pytest.mark.slow
+def test_dpo_compiled_trains_as_eager(tmp_path, pairs, hf_llama):
+    """Compiled, the model's layers are: the loss (the policy's and the reference's passes, the
+    metrics) stays eager around them."""
+    eager, compiled = tmp_path / "eager", tmp_path / "compiled"
+    extra = {"lora__rank": 4, "lora__dropout": 0, "train__max_steps": 3}
+    train(load_config(None, pref_sets(eager, pairs, hf_llama, **extra)), console=False)
+    train(load_config(None, pref_sets(compiled, pairs, hf_llama, train__compile="true", **extra)), console=False)
+    got, want = losses(compiled), losses(eager)
+    assert got.keys() == want.keys()
+    for step in want:
+        assert got[step] == pytest.approx(want[step], rel=1e-5), step
 
 
 def test_kiln_doctor_checks_a_dpo_config_and_writes_nothing(tmp_path, pairs, hf_llama, capsys):

@@ -1141,9 +1141,9 @@ class Config:
                 "(FSDP, TP) would have to keep in step; use one process or parallel.strategy=ddp",
             ),
             (
-                self.train.objective == "sft" or self.train.compile is not True,
-                f"train.objective: {self.train.objective} is not compiled yet (its reference pass and metrics run in "
-                "the loss); set train.compile=false",
+                self.train.objective != "grpo" or self.train.compile is not True,
+                "train.objective: grpo is not compiled yet (its rollout decodes completions of every length); set "
+                "train.compile=false",
             ),
         ]
         return [message for section in order for message in section.errors()] + [

@@ -121,7 +121,14 @@ class ParallelModel:
 
     def compile(self, loss_fn: Callable[[nn.Module, Any], torch.Tensor]) -> Callable[[nn.Module, Any], torch.Tensor]:
         """``loss_fn`` compiled with the forward it calls, so the compiler can fuse the output
-        projection with the cross-entropy; the module stays plain and keeps its state-dict names."""
+        projection with the cross-entropy; the module stays plain and keeps its state-dict names.
+        A loss that says ``compiled_by_layer`` (one that runs several forward passes, a
+        reference's, and keeps Python state, its metrics) stays eager and each repeated layer
+        is compiled instead."""
+        if getattr(loss_fn, "compiled_by_layer", False):
+            for block in self.plan.repeated_blocks(self.module):
+                block.compile()
+            return loss_fn
         return torch.compile(loss_fn)
 
     def forward_backward(self, batch: Any, divisor: float, *, last: bool, compute: StepCompute) -> torch.Tensor:

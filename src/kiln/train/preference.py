@@ -87,7 +87,10 @@ def _pad(t: torch.Tensor | None, width: int, value: int) -> torch.Tensor:
 
 class PreferenceLoss:
     """``loss(model, batch)``: the mean preference loss of a micro-batch's pairs. Also sums, on
-    the device, what the log reports (``metrics``), without a host sync."""
+    the device, what the log reports (``metrics``), without a host sync. Compiled, its model's
+    layers are (``ParallelModel.compile``), as it runs the reference's forward too."""
+
+    compiled_by_layer = True
 
     def __init__(self, cfg: Config, reference: AdaptersOff | Precomputed | None):
         self.objective, self.p = cfg.train.objective, cfg.preference
