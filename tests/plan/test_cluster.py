@@ -259,7 +259,7 @@ def test_json_reports_the_cluster_the_assumptions_and_the_time_parts(capsys):
     out = capsys.readouterr().out
     for words in (
         "8 nodes x 8 GPUs",
-        "tensor-parallel all-reduces (nvlink)",
+        "tensor-parallel all-gathers and reduce-scatters (nvlink)",
         "MFU",
         "scaling efficiency",
         "assumptions",
@@ -315,3 +315,32 @@ def test_bad_cluster_input_exits_2_naming_the_option(capsys, args, message):
     assert main(["plan", "--gpu", "h100", *args]) == 2
     err = capsys.readouterr().err
     assert message in err and len(err.strip().splitlines()) == 1
+
+
+def test_selective_checkpointing_compile_float8_and_tensor_parallel_splits_are_modelled():
+    from kiln.models.family import MemoryContext
+    from kiln.plan.estimate import COMPILED_SPEEDUP, FP8_SPEEDUP, SELECTIVE_TIME
+
+    items = [*EIGHT_B, "train.compile=false"]
+
+    def compute(*more):
+        return plan_of([*items, *more], world_size=8).time.compute
+
+    none = compute("train.activation_checkpointing=false")
+    selective = compute("train.activation_checkpointing=selective")  # the blocks recomputed in part, not the head
+    assert none < selective < none * SELECTIVE_TIME < compute("train.activation_checkpointing=true")
+    assert compute("train.activation_checkpointing=false", "train.compile=true") == pytest.approx(
+        none / COMPILED_SPEEDUP
+    )
+    assert compute("train.activation_checkpointing=false", "train.precision=fp8") == pytest.approx(none / FP8_SPEEDUP)
+    # Under tensor parallelism with sequence parallelism a rank keeps its positions of the residual
+    # stream and norms, and its share of the vocabulary's logits; loss parallelism splits the
+    # output layer's FLOPs too.
+    plan = plan_of([*items, "parallel.tp=2", "parallel.strategy=fsdp"], world_size=8)
+    assert plan.job.shape.head_split
+    memory = plan.job.shape.memory
+    ctx = dict(tokens=8192, autocast=True, residual_bytes=2, tp=2, casts_weights=False)
+    whole, split = MemoryContext(**ctx), MemoryContext(**ctx, sequence_parallel=True)
+    assert memory.block_activations(split) < memory.block_activations(whole)
+    assert memory.after_blocks(split) * 2 == pytest.approx(memory.after_blocks(whole), rel=1e-3)
+    assert memory.head(split).saved < memory.head(whole).saved

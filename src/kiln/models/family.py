@@ -192,7 +192,9 @@ class MemoryContext:
     whose attention sees the keys of all of them); ``device``: the kind of device ("cpu",
     "cuda"), where kernels' working sizes depend on it; ``compiled``: the forward and backward are
     torch.compile's graph from the first step, which keeps fewer activations (it recomputes
-    cheap pointwise results in the backward)."""
+    cheap pointwise results in the backward); ``sequence_parallel``: the plan's tensor
+    parallelism splits the activations between the blocks' projections by position, and the
+    output layer and loss by vocabulary (loss parallelism)."""
 
     tokens: int
     autocast: bool
@@ -203,6 +205,7 @@ class MemoryContext:
     cp: int = 1
     device: str = "cpu"
     compiled: bool = False
+    sequence_parallel: bool = False
 
     @property
     def act_bytes(self) -> int:

@@ -69,8 +69,21 @@ NF4_BYTES = 0.5 + 1 / NF4_BLOCK + 4 / (NF4_BLOCK * NF4_SCALER_BLOCK)
 COMPUTE_EFFICIENCY = 0.40
 COMPUTE_EFFICIENCY_BY_GPU = {"A100": 0.60}
 RECOMPUTE_TIME = 4 / 3  # activation checkpointing runs each block's forward twice: 3 -> 4 units
+# Selective checkpointing recomputes a block's norms, activation functions and elementwise
+# products, memory-bound operations of a few percent of a step (a rule of thumb).
+SELECTIVE_TIME = 1.05
+# On a GPU, compiled steps run faster than eager ones: torchtitan's published Llama 3.1 8B on 8
+# H100s goes from 5,762 to 6,667 tokens/s per GPU with torch.compile (kiln's own gpt2-124m, whose
+# small kernels leave more to fuse, 1.83x: BENCHMARKS.md).
+COMPILED_SPEEDUP = 6667 / 5762
+# float8 matmuls (train.precision=fp8) against bf16, compiled: kiln's 1b preset on an H200 (BENCHMARKS.md).
+FP8_SPEEDUP = 1.259
 FULL_MICRO_TOKENS = 8192  # below this many tokens a micro-batch's matmuls lose efficiency:
 SMALL_MICRO_TIME = 0.05  # this much more time per halving
+# Tensor parallelism narrows each rank's matmuls: below this many columns (d_model / tp) they lose
+# efficiency, SMALL_MICRO_TIME per halving as well (a rule of thumb; docs/plan.md's published
+# tensor-parallel runs are within 15% with it).
+FULL_WIDTH = 4096
 FP32_TIME = 4.0  # fp32 matmuls skip the bf16 tensor-core rate (PyTorch keeps TF32 off)
 CPU_ADAM_BYTES_PER_S = 10e9  # memory traffic of the AdamW step when it runs on the CPU
 NOMINAL_PEAK_FLOPS = PEAK_FLOPS["H100"]  # orders recommendations when the device's peak is unknown
@@ -261,9 +274,14 @@ class ModelShape:
     @property
     def head_flops_per_token(self) -> float:
         """Training FLOPs per token of the matrices after the blocks (the output layer): 6 per
-        weight, as in the family's count. They run on the pipeline's last stage, and whole on
-        every tensor-parallel rank (kiln splits only the blocks)."""
+        weight, as in the family's count. They run on the pipeline's last stage, whole on every
+        tensor-parallel rank unless the plan splits the loss by vocabulary (``head_split``)."""
         return 6.0 * sum(math.prod(p.shape) for p in self.after if len(p.shape) == 2)
+
+    @property
+    def head_split(self) -> bool:
+        """Tensor parallelism splits the output layer and its loss by vocabulary (loss parallelism)."""
+        return bool(self.plan.loss)
 
     def pipelines(self, stages: int) -> bool:
         """Whether kiln can cut the model into ``stages`` pipeline stages: its plan names the
@@ -271,9 +289,9 @@ class ModelShape:
         return self.pipeline_error is None and self.n_layer % stages == 0
 
     def splits(self, tp: int) -> bool:
-        """Whether the family's plan can split the blocks over ``tp`` ranks (and kiln can: LoRA
-        adapters do not split, the config refuses them with tensor parallelism)."""
-        if self.lora and tp > 1:
+        """Whether the family's plan can split the blocks over ``tp`` ranks (and kiln can: a
+        QLoRA base's 4-bit blocks do not split, the config refuses them with tensor parallelism)."""
+        if tp > 1 and any(p.kind == "nf4" for p in (*self.block, *self.root)):
             return False
         try:
             self.plan.check_tensor_parallel(tp, "")
@@ -334,6 +352,14 @@ class Setup:
     # Compiled from the first step: Inductor's graph keeps less than eager autograd. (Compiled
     # after eager steps, the eager ones set the peak.)
     compiled: bool = False
+    compiled_steps: bool = False  # the steps that set the pace are compiled (train.compile)
+    compile_auto: bool = False  # train.compile = "auto", which a pipeline turns off
+    selective: bool = False  # train.activation_checkpointing = "selective"
+
+    @property
+    def checkpointing(self) -> bool | str:
+        """train.activation_checkpointing's value."""
+        return "selective" if self.selective else self.activation_checkpointing
 
     @property
     def dp(self) -> int:
@@ -388,7 +414,7 @@ class Setup:
         keys = {
             "micro_batch_size": "train.micro_batch_size",
             "precision": "train.precision",
-            "activation_checkpointing": "train.activation_checkpointing",
+            "checkpointing": "train.activation_checkpointing",
             "strategy": "parallel.strategy",
             "cpu_offload": "parallel.cpu_offload",
             "tp": "parallel.tp",
@@ -655,6 +681,7 @@ def memory_phases(
         cp=s.cp,
         device=device,
         compiled=s.compiled,
+        sequence_parallel=s.tp > 1 and shape.plan.sequence_parallel,
     )
     state = model_state(shape, s, stage)
     on_device = {k: 0 if s.offload else v for k, v in state.items()}
@@ -864,6 +891,11 @@ def _micro_batch_time(tokens: int) -> float:
     return 1.0 + SMALL_MICRO_TIME * max(0.0, math.log2(FULL_MICRO_TOKENS / tokens))
 
 
+def _width_time(width: int) -> float:
+    """How much longer matmuls of ``width`` columns take than wide ones."""
+    return 1.0 + SMALL_MICRO_TIME * max(0.0, math.log2(FULL_WIDTH / width))
+
+
 def offload_seconds(shape: ModelShape, s: Setup, micro_batches: int, pcie: float = PCIE_BYTES_PER_S) -> float:
     """CPU offload, per step: every all-gather first copies the rank's fp32 shards up (twice
     per micro-batch under fsdp, once under fsdp_grad_op), every reduce-scatter copies gradient
@@ -1011,12 +1043,16 @@ class Job:
         rate = (self.target.peak_flops or NOMINAL_PEAK_FLOPS) * c.efficiency
         if s.precision == "fp32" and self.target.kind == "cuda":
             rate /= FP32_TIME
-        recompute = RECOMPUTE_TIME if s.activation_checkpointing else 1.0
+        if self.target.kind == "cuda":
+            rate *= (COMPILED_SPEEDUP if s.compiled_steps else 1.0) * (FP8_SPEEDUP if s.precision == "fp8" else 1.0)
+        recompute = RECOMPUTE_TIME if s.activation_checkpointing else SELECTIVE_TIME if s.selective else 1.0
         head_flops = self.shape.head_flops_per_token
         block_flops = (self.flops_per_token - head_flops) / self.shape.n_layer
 
+        head_share = head_flops / (s.tp if self.shape.head_split else 1)
+
         def stage_flops(stage: Stage) -> float:  # per token, on one rank of the stage
-            return stage.blocks * block_flops * recompute / s.tp + (head_flops if stage.head else 0.0)
+            return stage.blocks * block_flops * recompute / s.tp + (head_share if stage.head else 0.0)
 
         busiest = max(self.stages(s), key=stage_flops)
         rounds = self.rank_batch(s) // s.micro_batch_size  # micro-batches (pipeline schedules) per step
@@ -1030,7 +1066,8 @@ class Job:
         links = {}
 
         # One slot: a pipeline micro-batch's forward and backward on the busiest rank.
-        slot_compute = tokens * stage_flops(busiest) / rate * _micro_batch_time(tokens)
+        narrow = _width_time(d // s.tp) if s.tp > 1 else 1.0
+        slot_compute = tokens * stage_flops(busiest) / rate * _micro_batch_time(tokens) * narrow
         slot_tp = slot_ep = slot_cp = slot_sends = 0.0
         if s.tp > 1:
             # Column-wise then row-wise projections: an all-reduce of the [tokens, d_model]

@@ -3,7 +3,18 @@
 from __future__ import annotations
 
 from kiln.observe.memory import GIB
-from kiln.plan.estimate import ALLOCATOR_SLACK, LINKS, RECOMPUTE_TIME, Job, MemoryEstimate, Setup, StepTime
+from kiln.plan.estimate import (
+    ALLOCATOR_SLACK,
+    COMPILED_SPEEDUP,
+    FP8_SPEEDUP,
+    LINKS,
+    RECOMPUTE_TIME,
+    SELECTIVE_TIME,
+    Job,
+    MemoryEstimate,
+    Setup,
+    StepTime,
+)
 from kiln.plan.planner import Plan
 from kiln.plan.recommend import Recommendation, sequences
 
@@ -66,7 +77,7 @@ def _setup_lines(s: Setup, job: Job, auto_micro: bool, fits: bool) -> list[str]:
         f"parallel.cpu_offload={str(s.cpu_offload).lower()}",
         f"  train.micro_batch_size={micro} x {job.seq_len:,} tokens, train.global_batch_size={job.global_batch} "
         f"(accumulation {accumulation}), train.precision={s.precision}, "
-        f"train.activation_checkpointing={str(s.activation_checkpointing).lower()}",
+        f"train.activation_checkpointing={str(s.checkpointing).lower()}",
     ]
     if s.pp > 1:
         lines.append(f"  pipeline: {_pipeline(s)}")
@@ -159,9 +170,14 @@ def _time_lines(plan: Plan) -> list[str]:
     c, peak, width = job.cluster, job.target.peak_flops, 70
     assert peak is not None  # a bound needs the peak
     recompute = f", x{RECOMPUTE_TIME:.3g} blocks recomputed" if s.activation_checkpointing else ""
+    recompute += f", x{SELECTIVE_TIME:.3g} cheap operations recomputed" if s.selective else ""
+    recompute += f", compiled x{COMPILED_SPEEDUP:.3g}" if s.compiled_steps and job.target.kind == "cuda" else ""
+    recompute += f", float8 x{FP8_SPEEDUP:.3g}" if s.precision == "fp8" and job.target.kind == "cuda" else ""
     parts = [(f"compute at {c.efficiency:.0%} of the {peak / 1e12:.0f} TFLOP/s peak{recompute}", t.compute)]
     if s.tp > 1:
-        parts.append((f"tensor-parallel all-reduces ({t.links['tensor_parallel']}), not overlapped", t.tensor_parallel))
+        collectives = "all-gathers and reduce-scatters" if job.shape.plan.sequence_parallel else "all-reduces"
+        tp_line = f"tensor-parallel {collectives} ({t.links['tensor_parallel']}), not overlapped"
+        parts.append((tp_line, t.tensor_parallel))
     if s.ep > 1:
         parts.append((f"expert-parallel all-to-alls ({t.links['expert_parallel']}), not overlapped", t.expert_parallel))
     if s.cp > 1:
@@ -215,7 +231,7 @@ def _summary(rec: Recommendation, job: Job) -> str:
         f"pp {s.pp} x dp {s.dp}{_data_split(s, 'ep', 'cp')} x tp {s.tp}",
         (s.strategy if s.dp > 1 or s.cpu_offload else "no data parallelism")
         + (" + CPU offload" if s.cpu_offload else ""),
-        f"checkpointing {'on' if s.activation_checkpointing else 'off'}",
+        f"checkpointing {'selective' if s.selective else 'on' if s.activation_checkpointing else 'off'}",
         f"micro-batch {s.micro_batch_size} (accumulation {accumulation})",
     ]
     if s.pp > 1:
@@ -292,7 +308,7 @@ def _setup_json(s: Setup, job: Job) -> dict:
         "global_batch_size": job.global_batch,
         "accumulation": job.rank_batch(s) // s.micro_batch_size,
         "precision": s.precision,
-        "activation_checkpointing": s.activation_checkpointing,
+        "activation_checkpointing": s.checkpointing,
         "strategy": s.strategy,
         "cpu_offload": s.cpu_offload,
         "world_size": s.world_size,

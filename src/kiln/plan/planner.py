@@ -262,7 +262,7 @@ def _base_setup(cfg: Config, world_size: int, world_flag: str) -> Setup:
         1 if micro == "auto" else micro,
         t.precision,
         # Selective checkpointing keeps most of a block's activations (its products' outputs):
-        # estimated as none, which bounds its memory from above.
+        # its memory estimated as none's, which bounds it from above; its time with SELECTIVE_TIME.
         t.activation_checkpointing is True,
         p.strategy,
         p.cpu_offload,
@@ -277,6 +277,8 @@ def _base_setup(cfg: Config, world_size: int, world_flag: str) -> Setup:
         cp=p.cp,
         optimizer=t.optimizer,
         compiled=t.compile is True and not t.compile_after,
+        compiled_steps=t.compile is True,
+        selective=t.activation_checkpointing == "selective",
     )
 
 
@@ -304,11 +306,12 @@ def make_plan(
         precision: Literal["bf16", "fp32"] = "bf16" if target.kind == "cuda" else "fp32"
         cfg = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, precision=precision))
     built = job_for(cfg)
+    compile_auto = cfg.train.compile == "auto"
     family, cfg = built.family, dataclasses.replace(cfg, train=built.cfg.train)  # compile = "auto" resolved
     args = family.resolve(cfg.model, vocab_size=cfg.data.vocab_size, seq_len=cfg.data.seq_len)
     shape = ModelShape.of(family, args, cfg)
     _check_layout(cfg, shape, target, world, world_flag)
-    base = _base_setup(cfg, world, world_flag)
+    base = dataclasses.replace(_base_setup(cfg, world, world_flag), compile_auto=compile_auto)
     # global_batch_size = "auto" is planned at the batch the run starts with.
     job = Job(shape, cfg.data.seq_len, cfg.train.global_batch(base.data_ranks), target, cluster)
     auto_micro = cfg.train.micro_batch_size == "auto"

@@ -123,6 +123,8 @@ def _candidates(job: Job, base: Setup, world_size: int) -> Iterator[Setup]:
             base,
             precision=precision,
             activation_checkpointing=checkpointing,
+            selective=base.selective and not checkpointing,
+            compiled_steps=base.compiled_steps and not (base.compile_auto and pp > 1),
             strategy=strategy,
             cpu_offload=offload,
             world_size=world_size,
@@ -202,8 +204,10 @@ def _costs(job: Job, base: Setup, s: Setup, auto_micro: bool) -> list[str]:
     if s.precision != base.precision:
         costs.append("bf16 autocast runs the matmuls on the tensor cores: faster (numerics change slightly)")
     if s.tp > 1 and s.tp != base.tp:
+        sequence = job.shape.plan.sequence_parallel
+        collectives = "with sequence parallelism: all-gathers and reduce-scatters" if sequence else "all-reduces"
         costs.append(
-            f"tensor parallelism over {s.tp} GPUs ({t.links['tensor_parallel']}): all-reduces inside every "
+            f"tensor parallelism over {s.tp} GPUs ({t.links['tensor_parallel']}) {collectives} inside every "
             f"block, {t.tensor_parallel:.3g} s per step, not overlapped"
         )
     if s.ep > 1 and s.ep != base.ep:

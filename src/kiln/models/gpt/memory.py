@@ -44,11 +44,14 @@ class GPTMemory(MemoryModel):
         d = cfg.d_model
         heads = cfg.n_head // ctx.tp
         width = heads * cfg.head_dim  # q, and k and v once repeated to every head
+        # Under sequence parallelism the residual stream and the norms hold a rank's positions;
+        # the projections' inputs are gathered whole.
+        split = ctx.tp if ctx.sequence_parallel else 1
         if ctx.compiled:
             kv = cfg.n_kv_head // ctx.tp * cfg.head_dim
-            per_token = 2 * ctx.residual_bytes * d + 2 * act * d + act * (2 * width + 2 * kv) + 4 * heads
+            per_token = (2 * ctx.residual_bytes * d + 2 * act * d) // split + act * (2 * width + 2 * kv) + 4 * heads
         else:
-            per_token = 2 * ctx.residual_bytes * d + 2 * (4 * d + 4) + (5 if ctx.autocast else 2) * act * d
+            per_token = (2 * ctx.residual_bytes * d + 2 * (4 * d + 4)) // split + (5 if ctx.autocast else 2) * act * d
             per_token += act * 3 * width + 4 * heads
         per_token += self._mlp(ctx)
         # Under context parallelism SDPA keeps the keys and values of the whole sequences,
@@ -73,8 +76,10 @@ class GPTMemory(MemoryModel):
         return 4 * ctx.tokens * self.d_model + 2 * ctx.act_bytes * ctx.tokens * (self.cfg.d_ff // ctx.tp)
 
     def after_blocks(self, ctx: MemoryContext) -> int:
-        """The final RMSNorm keeps its input (the last block's output), x / rms and 1 / rms."""
-        return ctx.tokens * (ctx.residual_bytes * self.d_model + 4 * self.d_model + 4)
+        """The final RMSNorm keeps its input (the last block's output), x / rms and 1 / rms (a
+        rank's positions under sequence parallelism)."""
+        split = ctx.tp if ctx.sequence_parallel else 1
+        return ctx.tokens * (ctx.residual_bytes * self.d_model + 4 * self.d_model + 4) // split
 
     def head(self, ctx: MemoryContext) -> HeadMemory:
         """kiln's fused output projection + cross-entropy (models/fused_loss.py): what it keeps
@@ -86,7 +91,9 @@ class GPTMemory(MemoryModel):
         that use it. Its backward only scales copies of the two saved gradients. Compiled, a
         chunk's softmax and gradient are fused: one chunk's fp32 logits and their 16-bit copy
         at a time."""
-        tokens, d, vocab = ctx.tokens, self.d_model, self.vocab_size
+        # Under loss parallelism each rank computes its share of the vocabulary.
+        tokens, d = ctx.tokens, self.d_model
+        vocab = self._vocab(ctx)
         saved = 4 * tokens * d + 4 * vocab * d
         chunk = min(default_chunk_size(vocab, ctx.device), tokens)
         held = 4 * chunk * vocab if tokens > chunk else 0
@@ -96,12 +103,17 @@ class GPTMemory(MemoryModel):
         transient = (4 + low) * chunk * vocab if ctx.compiled else max(making_logits, using_gradient)
         return HeadMemory(saved, 4 * tokens * (d + 1) + transient, 2 * saved)
 
+    def _vocab(self, ctx: MemoryContext) -> int:
+        """The rows of the embedding and output layer a rank holds (split by vocabulary under
+        sequence and loss parallelism)."""
+        return self.vocab_size // ctx.tp if ctx.sequence_parallel else self.vocab_size
+
     def head_weight_copy(self, ctx: MemoryContext) -> int:
-        return 2 * self.vocab_size * self.d_model if ctx.casts_weights else 0
+        return 2 * self._vocab(ctx) * self.d_model if ctx.casts_weights else 0
 
     def embedding_backward(self, ctx: MemoryContext, accumulating: bool) -> int:
         """The embedding's gradient is a new dense tensor. Tied to the output layer, autograd adds
         the two gradients out of place before storing the sum; earlier micro-batches' one is
         added to in place."""
         copies = 2 if self.cfg.tie_embeddings else 1 if accumulating else 0
-        return 4 * ctx.tokens * self.d_model + 4 * self.vocab_size * self.d_model * copies
+        return 4 * ctx.tokens * self.d_model + 4 * self._vocab(ctx) * self.d_model * copies
