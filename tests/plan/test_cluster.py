@@ -344,3 +344,15 @@ def test_selective_checkpointing_compile_float8_and_tensor_parallel_splits_are_m
     assert memory.block_activations(split) < memory.block_activations(whole)
     assert memory.after_blocks(split) * 2 == pytest.approx(memory.after_blocks(whole), rel=1e-3)
     assert memory.head(split).saved < memory.head(whole).saved
+
+
+def test_hsdp_shards_within_a_node_and_all_reduces_over_the_replicas():
+    """HSDP 8 x 8 on 64 GPUs: each replica's shards gathered over NVLink, only the gradients'
+    shards all-reduced over the network; more memory a rank (its shards are 1/8, not 1/64)."""
+    items = [*EIGHT_B, "parallel.strategy=fsdp", "train.global_batch_size=64", "train.activation_checkpointing=true"]
+    fsdp = plan_of(items, nodes=8, gpus_per_node=8)
+    hsdp = plan_of([*items, "parallel.dp_replicate=8"], nodes=8, gpus_per_node=8)
+    assert hsdp.time.links["data_parallel"] == "nvlink" and hsdp.time.links["data_parallel_replicas"] == "network"
+    assert fsdp.time.links["data_parallel"] == "network"
+    assert hsdp.time.data_parallel_traffic < fsdp.time.data_parallel_traffic
+    assert hsdp.memory.components["parameters"] == pytest.approx(8 * fsdp.memory.components["parameters"], rel=0.01)

@@ -347,6 +347,7 @@ class Setup:
     pp_virtual_stages: int = 1
     pp_layers: tuple[int, ...] = ()  # each stage's layers (parallel.pp_layers); empty: equal
     ep: int = 1  # data-parallel ranks that split a mixture of experts' experts
+    dp_replicate: int = 1  # HSDP: replicas of the model, each sharded over dp / dp_replicate ranks
     cp: int = 1  # data-parallel ranks that split each sequence
     optimizer: str = "adamw"  # or "muon": one momentum buffer for the hidden matrices
     # Compiled from the first step: Inductor's graph keeps less than eager autograd. (Compiled
@@ -421,6 +422,7 @@ class Setup:
             "pp": "parallel.pp",
             "ep": "parallel.ep",
             "cp": "parallel.cp",
+            "dp_replicate": "parallel.dp_replicate",
         }
         if self.pp > 1:
             keys.update(
@@ -536,9 +538,11 @@ def _split_dims(param: Param, s: Setup) -> list[int]:
 
 
 def _shards(param: Param, s: Setup) -> int:
-    """The ranks FSDP shards a parameter over: all data-parallel ranks, and an expert-parallel
-    rank's experts over the dp / ep ranks that hold the same experts."""
-    return s.dp // s.ep if param.expert else s.dp
+    """The ranks FSDP shards a parameter over: the data-parallel ranks of one replica (all of
+    them but under HSDP), and an expert-parallel rank's experts over those of them that hold the
+    same experts."""
+    ranks = s.dp // s.dp_replicate
+    return max(1, ranks // s.ep) if param.expert else ranks
 
 
 def _local_numel(param: Param, s: Setup) -> int:
@@ -915,13 +919,15 @@ def ring(n: int) -> float:
     return (n - 1) / n
 
 
-def _fsdp_sent(params: tuple[Param, ...], s: Setup) -> tuple[float, float]:
+def _fsdp_sent(params: tuple[Param, ...], s: Setup) -> tuple[float, float, float]:
     """Bytes a rank sends to all-gather ``params`` in the dtype it computes with, and to
     reduce-scatter the fp32 gradients of those that train: each over the ranks FSDP shards it
-    over (none for an expert-parallel rank's own experts where no other rank holds them)."""
+    over (none for an expert-parallel rank's own experts where no other rank holds them); and
+    under HSDP, to all-reduce its gradients' shard over the replicas."""
     gather = sum(ring(_shards(p, s)) * _gathered_bytes((p,), s) for p in params)
     scatter = sum(ring(_shards(p, s)) * 4 * math.prod(_split_dims(p, s)) for p in _trained(params))
-    return gather, scatter
+    shard_bytes = sum(4 * math.prod(_split_dims(p, s)) / _shards(p, s) for p in _trained(params))
+    return gather, scatter, 2 * ring(s.dp_replicate) * shard_bytes
 
 
 @dataclass(frozen=True)
@@ -1102,11 +1108,18 @@ class Job:
 
         traffic = exposed = 0.0
         if s.dp > 1:
-            links["data_parallel"], bandwidth = c.link(s.tp * s.dp)
-            root_params, root_grads = _fsdp_sent(busiest.root, s)
-            block_params, block_grads = _fsdp_sent(self.shape.block, s)
+            # The ranks of one replica are adjacent (HSDP's replicas span the nodes).
+            links["data_parallel"], bandwidth = c.link(s.tp * (s.dp // s.dp_replicate))
+            root_params, root_grads, root_replicas = _fsdp_sent(busiest.root, s)
+            block_params, block_grads, block_replicas = _fsdp_sent(self.shape.block, s)
             params = root_params + busiest.blocks * block_params
             grads = root_grads + busiest.blocks * block_grads
+            # HSDP: each reduce-scatter's shard all-reduced over the replicas, on their own link.
+            replicas = last_replicas = 0.0
+            if s.dp_replicate > 1:
+                links["data_parallel_replicas"], across = c.link(s.tp * s.dp)
+                replicas = (root_replicas + busiest.blocks * block_replicas) / across
+                last_replicas = (root_replicas + block_replicas) / across
             if s.sharded:
                 # Per micro-batch: all-gathers of the parameters in their compute dtype (forward,
                 # and backward again under fsdp), one reduce-scatter of fp32 gradients. In a
@@ -1116,8 +1129,8 @@ class Job:
                 # not the root's and the first block's all-gather before it nor the last
                 # reduce-scatters after it.
                 gathers = (m if p > 1 else 2) if s.strategy == "fsdp" else 1
-                per_round = (gathers * params + grads) / bandwidth
-                unhidden = (root_params + root_grads + block_params + block_grads) / bandwidth
+                per_round = (gathers * params + grads) / bandwidth + replicas
+                unhidden = (root_params + root_grads + block_params + block_grads) / bandwidth + last_replicas
                 traffic = rounds * per_round
                 exposed = rounds * (max(0.0, per_round - round_compute) + unhidden)
             else:

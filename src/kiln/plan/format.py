@@ -42,10 +42,14 @@ LABELS = {
 
 
 def _data_split(s: Setup, expert: str, context: str) -> str:
-    """How the data-parallel ranks split the experts or the sequences, if they do."""
+    """How the data-parallel ranks split the experts or the sequences, if they do, and their
+    HSDP replicas."""
+    replicas = f", {s.dp_replicate} replicas" if s.dp_replicate > 1 else ""
     if s.ep > 1:
-        return f" ({expert} {s.ep})"
-    return f" ({context} {s.cp})" if s.cp > 1 else ""
+        return f" ({expert} {s.ep}{replicas})"
+    if s.cp > 1:
+        return f" ({context} {s.cp}{replicas})"
+    return f" ({s.dp_replicate} replicas)" if replicas else ""
 
 
 def _layout(s: Setup) -> str:
@@ -55,7 +59,8 @@ def _layout(s: Setup) -> str:
 
 def _layout_keys(s: Setup) -> str:
     keys = [f"parallel.pp={s.pp}", f"parallel.tp={s.tp}"]
-    keys += [f"parallel.{key}={value}" for key, value in (("ep", s.ep), ("cp", s.cp)) if value > 1]
+    splits = (("ep", s.ep), ("cp", s.cp), ("dp_replicate", s.dp_replicate))
+    keys += [f"parallel.{key}={value}" for key, value in splits if value > 1]
     return ", ".join(keys)
 
 
@@ -185,8 +190,12 @@ def _time_lines(plan: Plan) -> list[str]:
         parts.append((label, t.context_parallel))
     if s.dp > 1:
         what = "DDP all-reduce" if not s.sharded else f"{s.strategy} collectives"
+        link = t.links["data_parallel"]
+        if s.dp_replicate > 1:  # HSDP: the replicas' all-reduces on their own link
+            what = f"hsdp collectives over {s.dp_replicate} replicas"
+            link = f"{link}; {t.links['data_parallel_replicas']}"
         traffic = _seconds(t.data_parallel_traffic)
-        parts.append((f"{what} ({t.links['data_parallel']}): {traffic} in all, not hidden", t.data_parallel))
+        parts.append((f"{what} ({link}): {traffic} in all, not hidden", t.data_parallel))
     if s.pp > 1:
         parts += [
             (f"pipeline sends between stages ({t.links['pipeline']}), not overlapped", t.pipeline_sends),

@@ -275,6 +275,7 @@ def _base_setup(cfg: Config, world_size: int, world_flag: str) -> Setup:
         pp_layers=p.pp_layers if p.pp > 1 else (),
         ep=p.ep,
         cp=p.cp,
+        dp_replicate=p.dp_replicate,
         optimizer=t.optimizer,
         compiled=t.compile is True and not t.compile_after,
         compiled_steps=t.compile is True,

@@ -136,6 +136,8 @@ def _candidates(job: Job, base: Setup, world_size: int) -> Iterator[Setup]:
             pp_layers=base.pp_layers if (pp, virtual) == (base.pp, base.pp_virtual_stages) else (),
             ep=ep,
             cp=cp,
+            # HSDP's replicas as the config has them, where they divide the candidate's data-parallel ranks.
+            dp_replicate=base.dp_replicate if (world_size // (pp * tp)) % (base.dp_replicate * cp) == 0 else 1,
         )
         fastest = fastest_fitting_micro_batch(job, s)
         if fastest:
