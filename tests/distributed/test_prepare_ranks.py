@@ -87,7 +87,7 @@ def two_nodes(tmp_path: Path, corpus: Path, *missing: str) -> list[tuple[int, st
 @pytest.mark.slow
 def test_nodes_without_a_shared_file_system_each_get_what_one_process_prepares(tmp_path, big_corpus, one_process):
     nodes = two_nodes(tmp_path, big_corpus)
-    assert [code for code, _ in nodes] == [0, 0], nodes[0][1][-2000:]
+    assert [code for code, _ in nodes] == [0, 0], nodes[0][1][-2000:] + "\n--- node 1 ---\n" + nodes[1][1][-3000:]
     for node in (0, 1):
         assert prepared_files(tmp_path / f"node{node}" / "cache") == one_process
 
