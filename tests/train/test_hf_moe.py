@@ -177,12 +177,18 @@ def test_fsdp_two_ranks_equal_one_process_and_export(tmp_path, sft, qwen_moe, lo
     for name in a:
         torch.testing.assert_close(a[name], b[name], rtol=0, atol=1e-4, msg=name)
     # Saved in shards, exported layer by layer: the adapters on the experts fold in there too.
-    out = tmp_path / "export"
+    assert_exports_as(run, tmp_path / "export", lora_run, atol=1e-4)
+
+
+def assert_exports_as(run: Path, out: Path, reference: Path, atol: float) -> None:
+    """``kiln export RUN --format hf`` writes a model transformers loads whose logits are those
+    of the ``reference`` run loaded back (within ``atol``)."""
     assert main(["export", str(run), "--format", "hf", "--out", str(out)]) == 0
     ids = torch.randint(0, 300, (2, 20), generator=torch.Generator().manual_seed(1))
-    merged = transformers.AutoModelForCausalLM.from_pretrained(out).eval()
+    exported = transformers.AutoModelForCausalLM.from_pretrained(out).eval()
     with torch.no_grad():
-        torch.testing.assert_close(merged(ids).logits, load_run(lora_run, device="cpu").model(ids), rtol=0, atol=1e-4)
+        want = load_run(reference, device="cpu").model(ids)
+        torch.testing.assert_close(exported(ids).logits, want, rtol=0, atol=atol)
 
 
 @pytest.fixture(scope="module")
@@ -210,12 +216,7 @@ def test_experts_split_over_two_ranks_train_as_one_process_and_export(tmp_path, 
     launch(2, "train", *sets([*items, "parallel.ep=2"]))
     assert_trains_as(run, reference)
     if not packing:
-        out = tmp_path / "export"
-        assert main(["export", str(run), "--format", "hf", "--out", str(out)]) == 0
-        ids = torch.randint(0, 300, (2, 20), generator=torch.Generator().manual_seed(1))
-        exported = transformers.AutoModelForCausalLM.from_pretrained(out).eval()
-        with torch.no_grad():
-            torch.testing.assert_close(exported(ids).logits, load_run(run, device="cpu").model(ids), rtol=0, atol=1e-5)
+        assert_exports_as(run, tmp_path / "export", run, atol=1e-5)
 
 
 @pytest.mark.slow
