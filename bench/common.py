@@ -3,6 +3,8 @@ counting the activations autograd saves."""
 
 from __future__ import annotations
 
+import ctypes
+import gc
 import json
 from collections.abc import Callable
 from pathlib import Path
@@ -40,6 +42,26 @@ class SavedTensors(torch.autograd.graph.saved_tensors_hooks):
         if storage.data_ptr() not in self.state:
             self.storages[storage.data_ptr()] = storage.nbytes()
         return t
+
+
+_MALLINFO2 = "arena ordblks smblks hblks hblkhd usmblks fsmblks uordblks fordblks keepcost"
+
+
+class _MallInfo2(ctypes.Structure):
+    _fields_ = [(name, ctypes.c_size_t) for name in _MALLINFO2.split(" ")]
+
+
+def allocated_bytes() -> int:
+    """The bytes this process has allocated from the C heap and not freed (glibc's ``mallinfo2``:
+    the heap's chunks in use plus the mmapped ones), after a garbage collection. PyTorch's CPU
+    tensors come from malloc without a cache, so the difference across a forward pass is what the
+    forward left alive for the backward: saved tensors, the inputs an activation checkpoint holds,
+    autograd's nodes. Linux with glibc only."""
+    libc = ctypes.CDLL("libc.so.6")
+    libc.mallinfo2.restype = _MallInfo2
+    gc.collect()
+    info = libc.mallinfo2()
+    return info.uordblks + info.hblkhd
 
 
 def random_tokens(path: Path, vocab: int, n: int, seq_len: int) -> TokenSequences:
