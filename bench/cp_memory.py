@@ -68,7 +68,8 @@ def rank_main(rank: int, cp: int, args: argparse.Namespace, init: str, results) 
     )  # fmt: skip
     model = GPT(cfg)
     if cp > 1:
-        apply_cp(model, list(model.blocks), "attn.core", init_device_mesh("cpu", (cp,), mesh_dim_names=("cp",))["cp"])
+        cp_mesh = init_device_mesh("cpu", (cp,), mesh_dim_names=("cp",))["cp"]
+        apply_cp(list(model.blocks), "attn.core", cp_mesh).install(model)
     tokens = torch.randint(0, 4096, (1, args.seq_len + 1), generator=torch.Generator().manual_seed(1))
     idx, targets = tokens[:, :-1], tokens[:, 1:]
 

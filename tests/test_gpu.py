@@ -276,7 +276,8 @@ def test_context_parallel_attention_runs_the_flash_kernel_lower_right(tmp_path):
         torch.manual_seed(0)
         whole = GPT(GPTConfig(**{**TINY, "max_seq_len": 256}, tie_embeddings=True)).cuda()
         split = copy.deepcopy(whole)
-        apply_cp(split, list(split.blocks), "attn.core", init_device_mesh("cuda", (1,), mesh_dim_names=("cp",))["cp"])
+        cp_mesh = init_device_mesh("cuda", (1,), mesh_dim_names=("cp",))["cp"]
+        apply_cp(list(split.blocks), "attn.core", cp_mesh).install(split)
         idx = torch.randint(0, 256, (2, 256), device="cuda")
         with sdpa_kernel(SDPBackend.FLASH_ATTENTION), torch.autocast("cuda", dtype=torch.bfloat16):
             want, got = whole(idx, idx), split(idx, idx)

@@ -30,7 +30,8 @@ def _whole_and_split() -> tuple[GPT, GPT]:
     shape = dict(vocab_size=64, n_layer=2, d_model=32, n_head=4, n_kv_head=2, d_ff=64, max_seq_len=32)
     whole = GPT(GPTConfig(**shape, tie_embeddings=True))
     split = copy.deepcopy(whole)
-    apply_cp(split, list(split.blocks), "attn.core", init_device_mesh("cpu", (2,), mesh_dim_names=("cp",))["cp"])
+    cp_mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("cp",))["cp"]
+    apply_cp(list(split.blocks), "attn.core", cp_mesh).install(split)
     return whole, split
 
 

@@ -51,14 +51,29 @@ def test_sequences_split_over_two_ranks_with_tensor_parallel_pairs_train_as_one_
 
 
 @pytest.mark.slow
-def test_packed_documents_split_over_two_ranks_train_as_one_process(tmp_path, short_documents):
+def test_sequences_split_over_two_ranks_in_two_pipeline_stages_train_as_one_process(tmp_path, corpus_dir, one_process):
+    """Each stage takes and passes on its rank's chunks; past the first, a stage learns the
+    sequences' length from the targets every stage takes."""
+    run_dir = tmp_path / "cp2pp2"
+    train_on(4, layout_sets(run_dir, corpus_dir, micro=2, parallel__cp=2, parallel__pp=2, **LONG))
+    assert_same_training(run_dir, one_process)
+    assert val_losses(run_dir) == pytest.approx(val_losses(one_process), rel=1e-5)
+
+
+@pytest.mark.slow
+def test_packed_documents_split_over_two_ranks_and_into_pipeline_stages_train_as_one_process(tmp_path, short_documents):
     masked = dict(LONG, data__document_mask=True)
     one, plain, cp = tmp_path / "one", tmp_path / "plain", tmp_path / "cp2"
     in_process("train", *layout_sets(one, short_documents, micro=2, **masked))
     in_process("train", *layout_sets(plain, short_documents, micro=2, train__max_steps=1, **LONG))
     train_on(2, layout_sets(cp, short_documents, micro=2, parallel__cp=2, **masked))
-    assert_same_training(cp, one)
-    assert val_losses(cp) == pytest.approx(val_losses(one), rel=1e-5)
+    # In pipeline stages too: every stage cuts the documents' positions it takes as the tokens.
+    train_on(
+        4, layout_sets(cp_pp := tmp_path / "cp2pp2", short_documents, micro=2, parallel__cp=2, parallel__pp=2, **masked)
+    )
+    for run_dir in (cp, cp_pp):
+        assert_same_training(run_dir, one)
+        assert val_losses(run_dir) == pytest.approx(val_losses(one), rel=1e-5)
     # The mask is in force: the first step's loss is not the unmasked run's.
     assert abs(losses(one)[1] - losses(plain)[1]) > 1e-5
 
@@ -69,7 +84,6 @@ def test_packed_documents_split_over_two_ranks_train_as_one_process(tmp_path, sh
         (dict(parallel__cp=2), "parallel.cp: 2 must divide the data-parallel ranks, 1"),
         (dict(parallel__cp=3, data__seq_len=32), "parallel.cp: each sequence is cut into 2 x parallel.cp = 6 equal"),
         (dict(parallel__cp=2, parallel__ep=3), "parallel.ep: with parallel.cp = 2 the experts are split over"),
-        (dict(parallel__cp=2, parallel__pp=2), "parallel.cp: context parallelism does not run in a pipeline"),
         (dict(parallel__cp=2, train__micro_batch_size="auto"), "train.micro_batch_size: auto is not probed under"),
     ],
 )

@@ -399,13 +399,16 @@ def test_llama_class_models_split_their_sequences_over_two_context_parallel_rank
 
 @pytest.mark.slow
 @pytest.mark.dist
-@pytest.mark.parametrize("packing", [False, True], ids=["padded", "packed"])
-def test_llama_class_models_split_into_two_pipeline_stages(tmp_path, sft, hf_llama, single, single_packed, packing):
+@pytest.mark.parametrize(("packing", "cp"), [(False, 1), (True, 1), (True, 2)], ids=["padded", "packed", "packed-cp2"])
+def test_llama_class_models_split_into_two_pipeline_stages(tmp_path, sft, hf_llama, single, single_packed, packing, cp):
     """A Llama's layers in two stages, padded rows (their attention mask passed to each stage) or
-    packed ones (their restarting positions): one process's training, evaluation included."""
+    packed ones (their restarting positions), and each stage's sequences split over two
+    context-parallel ranks: one process's training, evaluation included."""
     run = tmp_path / "pp"
-    items = ft_sets(run, sft, hf_llama, parallel__pp=2, data__packing=str(packing).lower(), eval__every=4)
-    launch(2, "train", *as_args(items))
+    items = ft_sets(
+        run, sft, hf_llama, parallel__pp=2, parallel__cp=cp, data__packing=str(packing).lower(), eval__every=4
+    )
+    launch(2 * cp, "train", *as_args(items))
     assert_trains_as(run, single_packed if packing else single)
 
 

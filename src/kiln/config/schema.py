@@ -675,8 +675,8 @@ class ParallelConfig:
     hold its tokens in 2 x cp chunks (rank r the r-th and the r-th from the end, so that causal
     attention costs each the same) and gather each layer's keys and values from one another. The
     activations of a rank are those of seq_len / cp tokens; the loss is the whole sequence's. It
-    must divide the data-parallel ranks, and 2 x cp must divide data.seq_len; kiln's GPT only,
-    without data.packing or parallel.pp. With parallel.ep, the experts are split over the
+    must divide the data-parallel ranks, and 2 x cp must divide data.seq_len; kiln's GPT and
+    Llama-class Hugging Face models, in pipeline stages too. With parallel.ep, the experts are split over the
     context-parallel ranks and more (ep a multiple of cp)."""
     pp_schedule: Literal["gpipe", "1f1b", "interleaved_1f1b"] = "1f1b"
     """How the pipeline orders its micro-batches: gpipe (all forwards, then all backwards: the
@@ -722,10 +722,6 @@ class ParallelConfig:
                 self.cp == 1 or self.ep == 1 or self.ep % self.cp == 0,
                 f"parallel.ep: with parallel.cp = {self.cp} the experts are split over the context-parallel ranks "
                 f"and, beyond them, over more data-parallel ranks: parallel.ep must be a multiple of {self.cp}",
-            ),
-            (
-                self.cp == 1 or self.pp == 1,
-                "parallel.cp: context parallelism does not run in a pipeline yet; set parallel.pp=1",
             ),
             (
                 self.pp_microbatches >= 0,

@@ -179,82 +179,101 @@ TRANSFORMERS_INPUTS = Inputs(
 )
 
 
-class _SplitSequences:
-    """The hooks around a model's forward that give it this rank's chunks and make its result the
-    whole sequences' (one forward's targets kept from the first for the second; activation
-    checkpointing does not recompute the model's own forward). ``packed``: the last forward's
-    rows pack documents (the caller gave their positions)."""
+class SequenceSplit:
+    """This rank's part of the sequences of the cp ranks of ``group``: installed around a model's
+    forward (``install``), or around each pipeline stage's, which it gives this rank's chunks of
+    the batch and whose result it makes the whole sequences'. ``packed``: the last forward's rows
+    pack documents (the caller gave their positions)."""
 
-    def __init__(self, model: nn.Module, group: Any, cp: int, rank: int, names: Inputs):
-        self.signature = inspect.signature(model.forward)
+    def __init__(self, group: Any, cp: int, rank: int, names: Inputs):
         self.group, self.cp, self.rank, self.names = group, cp, rank, names
-        self.pending: list[tuple[torch.Tensor | None, torch.Tensor, int | None] | None] = []
         self.packed = False
 
+    def install(self, module: nn.Module, *, first: bool = True, last: bool = True) -> None:
+        """Hooks around ``module``'s forward: a whole model's, or a pipeline stage's, whose input
+        is this rank's chunks already unless it is the ``first`` stage (the tokens), and whose
+        output is hidden states to pass on unless it is the ``last``."""
+        hooks = _SplitHooks(self, inspect.signature(module.forward), first, last)
+        module.register_forward_pre_hook(hooks.before, with_kwargs=True)
+        module.register_forward_hook(hooks.after, with_kwargs=True)
+
+
+class _SplitHooks:
+    """The hooks ``SequenceSplit.install`` puts around one module's forward (one forward's
+    targets kept from the first for the second; activation checkpointing does not recompute the
+    model's own forward)."""
+
+    def __init__(self, split: SequenceSplit, signature: inspect.Signature, first: bool, last: bool):
+        self.split, self.signature, self.first, self.last = split, signature, first, last
+        self.pending: list[tuple[torch.Tensor | None, torch.Tensor, int | None] | None] = []
+
     def before(self, module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        split = self.split
         bound = self.signature.bind(*args, **kwargs)
-        given, n = bound.arguments, self.names
+        given, n, cp = bound.arguments, split.names, split.cp
         if n.cache and given.get(n.cache) is not None:  # decoding: every rank runs the whole sequence
             self.pending.append(None)
             return args, kwargs
         idx, targets, positions = given[n.tokens], given.get(n.targets), given.get(n.positions)
-        width, shifted = idx.size(1), False
+        shifted = False
         if n.labels and (labels := given.pop(n.labels, None)) is not None:
             targets, shifted = F.pad(labels[:, 1:], (0, 1), value=IGNORE_INDEX), True
         if n.padding:
             given.pop(n.padding, None)
-        self.packed = positions is not None and positions.dim() == 2
+        split.packed = positions is not None and positions.dim() == 2
+        # The sequences' length: the tokens' in the first stage; past it, the inputs are hidden
+        # states of this rank's chunks, and the targets or positions every stage takes tell it.
+        whole_rows = idx if self.first else targets if targets is not None else positions if split.packed else None
+        width = idx.size(1) * cp if whole_rows is None else whole_rows.size(1)
         # What comes back whole, of how many positions: logits, or each target's log-probability
         # (token_logps; one position fewer when the targets came as labels); else a mean loss.
         whole = width if targets is None else (width - shifted if given.get("token_logps") else None)
-        if pad := -width % (2 * self.cp):
+        if pad := -width % (2 * cp):
             # Rows of any length (a benchmark task's, a padded batch's) padded on the right to
             # whole chunks, which no earlier position sees under causal attention, and cut back.
-            idx = F.pad(idx, (0, pad))
+            idx = F.pad(idx, (0, pad)) if self.first else idx
             targets = None if targets is None else F.pad(targets, (0, pad), value=IGNORE_INDEX)
             positions = None if positions is None else F.pad(positions, (0, pad))
-        held = local_positions(idx.size(1), self.cp, self.rank, idx.device)
+        held = local_positions(width + pad, cp, split.rank, idx.device)
         # Positions per row (packed documents) are cut as the tokens are; else they are the held ones.
         if positions is not None:
             given[n.positions] = positions[:, held]
         else:
             given[n.positions] = held.expand(len(idx), -1) if n.row_positions else held
-        given[n.tokens] = idx[:, held]
+        given[n.tokens] = idx[:, held] if self.first else idx
         if targets is not None:
             given[n.targets] = targets[:, held]
         self.pending.append((targets, held, whole))
         return bound.args, bound.kwargs
 
     def after(self, module: nn.Module, args: tuple, kwargs: dict, out: torch.Tensor) -> torch.Tensor:
-        split = self.pending.pop()
-        if split is None:
+        pending = self.pending.pop()
+        if pending is None or not self.last:  # decoding, or hidden states for the next stage
             return out
-        targets, held, whole = split
+        targets, held, whole = pending
+        split = self.split
         if whole is not None:
             # Whole on every rank (the backward of the gather sums every rank's gradient of its
             # chunk: cp times one loss's, which data-parallel averaging over the group divides).
-            return gather_sequence(out, 1, self.group, self.cp)[:, :whole]
+            return gather_sequence(out, 1, split.group, split.cp)[:, :whole]
         assert targets is not None  # a mean loss is returned given targets
         # This rank's share of the sequences' mean loss: its mean over its counted tokens, weighed
         # by its part of them (a chunk can hold fewer, e.g. past a completion's end).
         share = (targets[:, held] != IGNORE_INDEX).sum() / (targets != IGNORE_INDEX).sum().clamp(min=1)
-        return _SumOverGroup.apply(out * share, self.group, self.cp)
-
-    def install(self, model: nn.Module) -> None:
-        model.register_forward_pre_hook(self.before, with_kwargs=True)
-        model.register_forward_hook(self.after, with_kwargs=True)
+        return _SumOverGroup.apply(out * share, split.group, split.cp)
 
 
-def apply_cp(model: nn.Module, blocks: list[nn.Module], core: str, cp_mesh: Any) -> None:
-    """Make ``model`` split its sequences over ``cp_mesh`` (the 1-D mesh of this rank's "cp"
-    ranks): each of ``blocks`` gets a context-parallel attention core in place of its ``core``
-    (a path in the block), and hooks around the model's forward split its inputs (in place)."""
+def apply_cp(blocks: list[nn.Module], core: str, cp_mesh: Any) -> SequenceSplit:
+    """Make a model split its sequences over ``cp_mesh`` (the 1-D mesh of this rank's "cp"
+    ranks): each of its ``blocks`` gets a context-parallel attention core in place of its
+    ``core`` (a path in the block), in place; the split of its inputs is returned, to install
+    around the model's forward (or each of its pipeline stages')."""
     group, size, rank = cp_mesh.get_group(), cp_mesh.size(), cp_mesh.get_local_rank()
     owner, _, leaf = core.rpartition(".")
     for block in blocks:
         parent = block.get_submodule(owner)
         setattr(parent, leaf, ContextParallelAttend(getattr(parent, leaf), group, size, rank))
-    _SplitSequences(model, group, size, rank, GPT_INPUTS).install(model)
+    return SequenceSplit(group, size, rank, GPT_INPUTS)
 
 
 class _ScaledAttend(nn.Module):
@@ -269,12 +288,13 @@ class _ScaledAttend(nn.Module):
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal, scale=self.scale)
 
 
-def apply_cp_transformers(model: nn.Module, hf: nn.Module, cp_mesh: Any) -> None:
-    """Make ``model``, kiln's wrapper of the ``transformers`` causal LM ``hf``, split its sequences
-    over ``cp_mesh``: hooks around the wrapper's forward split its inputs, and ``hf`` computes
-    attention with a function registered for it (``transformers.AttentionInterface``, its public
-    way to plug one in) that gathers the group's keys and values as ``ContextParallelAttend``
-    does. Decoding with a KV cache (``use_cache``) runs transformers' SDPA on the whole sequence."""
+def apply_cp_transformers(hf: nn.Module, cp_mesh: Any) -> SequenceSplit:
+    """Make kiln's wrapper of the ``transformers`` causal LM ``hf`` split its sequences over
+    ``cp_mesh``: ``hf`` computes attention with a function registered for it
+    (``transformers.AttentionInterface``, its public way to plug one in) that gathers the group's
+    keys and values as ``ContextParallelAttend`` does; the split of the wrapper's inputs is
+    returned, to install as ``apply_cp``'s. Decoding with a KV cache (``use_cache``) runs
+    transformers' SDPA on the whole sequence."""
     from transformers import AttentionInterface
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
@@ -291,7 +311,7 @@ def apply_cp_transformers(model: nn.Module, hf: nn.Module, cp_mesh: Any) -> None
             ]
         )
     group, size, rank = cp_mesh.get_group(), cp_mesh.size(), cp_mesh.get_local_rank()
-    split = _SplitSequences(model, group, size, rank, TRANSFORMERS_INPUTS)
+    split = SequenceSplit(group, size, rank, TRANSFORMERS_INPUTS)
     cores: dict[float | None, ContextParallelAttend] = {}  # by the scale each layer passes
 
     def attend(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
@@ -304,9 +324,9 @@ def apply_cp_transformers(model: nn.Module, hf: nn.Module, cp_mesh: Any) -> None
             cores[scaling] = ContextParallelAttend(_ScaledAttend(scaling), group, size, rank)
         return cores[scaling](query, key, value, None, True, documents).transpose(1, 2).contiguous(), None
 
-    name = f"kiln_context_parallel_{id(model)}"
+    name = f"kiln_context_parallel_{id(hf)}"
     AttentionInterface.register(name, attend)
     cast(Any, hf).set_attn_implementation(name)
     if c._attn_implementation != name:
         raise ConfigError([f"parallel.cp: {type(hf).__name__} does not take a plugged-in attention; set parallel.cp=1"])
-    split.install(model)
+    return split

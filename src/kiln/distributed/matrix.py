@@ -111,7 +111,9 @@ PROOFS: dict[tuple[str, str], str] = {
         "document mask",
         "PP",
     ): "tests/distributed/test_pipeline.py::test_packed_documents_in_two_stages_train_as_one_process",
-    ("document mask", "CP"): _CP + "test_packed_documents_split_over_two_ranks_train_as_one_process",
+    ("document mask", "CP"): (
+        _CP + "test_packed_documents_split_over_two_ranks_and_into_pipeline_stages_train_as_one_process"
+    ),
     ("eval.tasks", "FSDP"): _TASKS,
     ("eval.tasks", "CP"): _TASKS,
     ("eval.tasks", "TP"): _TASKS,

@@ -38,12 +38,15 @@ def parallelize(
     check_layout(plan, world, pcfg, type(model).__name__)
     # Named before the model is cut: a pipeline stage may hold a tied output layer without its table.
     embeddings = embedding_names(model)
+    split = None
     if world.cp > 1 and plan.attention == TRANSFORMERS_ATTENTION:
-        apply_cp_transformers(model, model.get_submodule("hf"), world.mesh["cp"])
+        split = apply_cp_transformers(model.get_submodule("hf"), world.mesh["cp"])
     elif world.cp > 1:
-        apply_cp(model, plan.repeated_blocks(model), plan.attention, world.mesh["cp"])
-    if world.pp > 1:
-        return PipelineModel(model, plan, world, pcfg, bf16=bf16, embeddings=embeddings, initial=initial)
+        split = apply_cp(plan.repeated_blocks(model), plan.attention, world.mesh["cp"])
+    if world.pp > 1:  # the split goes around each stage
+        return PipelineModel(model, plan, world, pcfg, bf16=bf16, embeddings=embeddings, initial=initial, split=split)
+    if split is not None:
+        split.install(model)
     if pcfg.strategy == "ddp" and world.dp > 1:
         if initial is not None:
             materialize(model, initial, world.device)

@@ -26,6 +26,7 @@ from torch import nn
 from kiln.checkpoint.store import StoredWeights
 from kiln.config import ConfigError, ParallelConfig
 from kiln.data.batch import IGNORE_INDEX, TextBatch, TokenBatch, next_labels
+from kiln.distributed.context import SequenceSplit
 from kiln.distributed.parallel import (
     ParallelModel,
     Staged,
@@ -158,6 +159,7 @@ class PipelineModel(ParallelModel):
         bf16: bool,
         embeddings: frozenset[str],
         initial: Values | None = None,
+        split: SequenceSplit | None = None,
     ):
         from torch.distributed import pipelining
 
@@ -193,6 +195,11 @@ class PipelineModel(ParallelModel):
             for stage in stages.values():
                 _share_own_tensors(stage, part)
         self._tie(tied, 0 in mine, n_stages - 1 in mine)
+        # Context parallelism: each stage takes and passes on this rank's chunks of the
+        # sequences; the last one's result is the whole sequences' (the same on every cp rank).
+        for s, stage in stages.items():
+            if split is not None:
+                split.install(stage, first=s == 0, last=s == n_stages - 1)
         self._stage_modules = stages  # evaluation runs them one after the other, forward only
         self._stand_in = False  # the schedule's next call of the loss is on stand-in tensors
         self.stages = [
@@ -356,7 +363,7 @@ class PipelineModel(ParallelModel):
             dist.broadcast_object_list(header, last, group=self.group)
             out = x.contiguous() if self.is_last else torch.empty(header[0], dtype=header[1], device=self.world.device)
             dist.broadcast(out, last, group=self.group)
-            return out
+            return out[:, : inputs.size(1)]  # context parallelism pads rows to whole chunks
         shape = targets.shape if token_logps else ()
         out = x.float() if self.is_last else torch.zeros(shape, device=self.world.device)
         dist.broadcast(out, last, group=self.group)
