@@ -71,7 +71,19 @@ def test_packed_documents_split_over_two_ranks_and_into_pipeline_stages_train_as
     train_on(
         4, layout_sets(cp_pp := tmp_path / "cp2pp2", short_documents, micro=2, parallel__cp=2, parallel__pp=2, **masked)
     )
-    for run_dir in (cp, cp_pp):
+    # And HSDP's two replicas of two shards.
+    train_on(
+        4,
+        layout_sets(
+            hsdp := tmp_path / "hsdp",
+            short_documents,
+            micro=2,
+            parallel__strategy="fsdp",
+            parallel__dp_replicate=2,
+            **masked,
+        ),
+    )
+    for run_dir in (cp, cp_pp, hsdp):
         assert_same_training(run_dir, one)
         assert val_losses(run_dir) == pytest.approx(val_losses(one), rel=1e-5)
     # The mask is in force: the first step's loss is not the unmasked run's.

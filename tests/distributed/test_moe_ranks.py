@@ -37,9 +37,12 @@ def ep_run(tmp_path_factory, corpus_dir):
 
 
 @pytest.mark.slow
-def test_a_mixture_of_experts_on_two_fsdp_ranks_equals_one_process(tmp_path, corpus_dir, moe_single):
+@pytest.mark.parametrize("replicas", [1, 2], ids=["fsdp", "hsdp"])
+def test_a_mixture_of_experts_on_two_fsdp_ranks_equals_one_process(tmp_path, corpus_dir, moe_single, replicas):
+    """Two FSDP ranks, or HSDP's two replicas of them (4 ranks)."""
     run_dir = tmp_path / "fsdp"
-    train_on(2, layout_sets(run_dir, corpus_dir, micro=2, parallel__strategy="fsdp", **MOE))
+    layout = dict(parallel__strategy="fsdp", parallel__dp_replicate=replicas)
+    train_on(2 * replicas, layout_sets(run_dir, corpus_dir, micro=2, **layout, **MOE))
     assert_same_training(run_dir, moe_single)
     bias = weights(run_dir)["blocks.1.mlp.expert_bias"]
     assert bias.abs().max() > 0 and torch.equal(bias, weights(moe_single)["blocks.1.mlp.expert_bias"])

@@ -103,9 +103,12 @@ def test_out_of_memory_on_ranks_restarts_at_the_smaller_micro_batch(tmp_path, co
 
 
 @pytest.mark.slow
-def test_fsdp_bf16_computes_in_bf16_and_keeps_fp32_weights(tmp_path, corpus_dir, single):
+@pytest.mark.parametrize("replicas", [1, 2], ids=["fsdp", "hsdp"])
+def test_fsdp_bf16_computes_in_bf16_and_keeps_fp32_weights(tmp_path, corpus_dir, single, replicas):
+    """Two FSDP ranks, or HSDP's two replicas of them (4 ranks)."""
     run_dir = tmp_path / "bf16"
-    train_on(2, layout_sets(run_dir, corpus_dir, micro=2, parallel__strategy="fsdp", train__precision="bf16"))
+    layout = dict(parallel__strategy="fsdp", parallel__dp_replicate=replicas, train__precision="bf16")
+    train_on(2 * replicas, layout_sets(run_dir, corpus_dir, micro=2, **layout))
     got, want = losses(run_dir), losses(single)
     for step in range(1, STEPS + 1):
         assert got[step] == pytest.approx(want[step], rel=2e-2), f"loss at step {step}"

@@ -50,8 +50,14 @@ def test_task_scores_are_logged_and_change_nothing_of_the_run(tmp_path, corpus_d
 @pytest.mark.slow
 @pytest.mark.parametrize(
     "layout",
-    [{"parallel__strategy": "fsdp"}, {"parallel__cp": 2}, {"parallel__tp": 2}, {"parallel__pp": 2}],
-    ids=["fsdp", "cp", "tp", "pp"],
+    [
+        {"parallel__strategy": "fsdp"},
+        {"parallel__cp": 2},
+        {"parallel__tp": 2},
+        {"parallel__pp": 2},
+        {"parallel__strategy": "fsdp", "parallel__dp_replicate": 2, "train__micro_batch_size": 2},
+    ],
+    ids=["fsdp", "cp", "tp", "pp", "hsdp"],
 )
 def test_task_scores_on_two_ranks_are_those_of_the_saved_model(tmp_path, corpus_dir, layout):
     """Two FSDP ranks score the tasks through the sharded model, two context-parallel ranks
@@ -60,14 +66,15 @@ def test_task_scores_on_two_ranks_are_those_of_the_saved_model(tmp_path, corpus_
     gathered from the ranks' shares of the vocabulary), two pipeline stages through the stages
     in turn (the last one's logits sent to the other); the scores at the end are those ``kiln
     eval --tasks`` gives the run's last checkpoint. Tensor-parallel ranks and pipeline stages
-    do not generate text: they score the multiple-choice task only."""
+    do not generate text: they score the multiple-choice task only. HSDP: two replicas of two
+    FSDP ranks (4 ranks)."""
     tasks = write_tasks(tmp_path / "tasks")
     run = tmp_path / "run"
     generates = not {"parallel__tp", "parallel__pp"} & layout.keys()
     asked = "kiln_mc,kiln_gen" if generates else "kiln_mc"
     items = tiny_overrides(run, corpus_dir, data__seq_len=64, train__max_steps=6, **layout)
     items += [f"eval.tasks={asked}", f"eval.tasks_include={tasks}", "eval.tasks_limit=8"]
-    train_on(2, sets(items))
+    train_on(4 if "parallel__dp_replicate" in layout else 2, sets(items))
     [logged] = [r for r in records(run) if "tasks/kiln_mc/acc" in r]
     assert logged["step"] == 6
     in_process("eval", run, "--tasks", asked, "--include-path", tasks, "--limit", "8")

@@ -55,15 +55,16 @@ def qk_one(tmp_path_factory, corpus_dir):
 
 @pytest.mark.parametrize(
     "layout",
-    [dict(parallel__strategy="fsdp"), dict(parallel__tp=2)],
-    ids=["fsdp", "tp-sequence-parallel"],
+    [dict(parallel__strategy="fsdp"), dict(parallel__tp=2), dict(parallel__strategy="fsdp", parallel__dp_replicate=2)],
+    ids=["fsdp", "tp-sequence-parallel", "hsdp"],
 )
 def test_qk_norm_on_two_ranks_trains_as_one_process(tmp_path, corpus_dir, qk_one, layout):
     """Under tensor parallelism each rank norms its own heads; the gains, shared by every head,
-    get the sum of every rank's gradient."""
+    get the sum of every rank's gradient. HSDP: two replicas of two shards (4 ranks)."""
     two = tmp_path / "two"
     micro = 2 if "parallel__strategy" in layout else 4
-    train_on(2, layout_sets(two, corpus_dir, micro=micro, model__qk_norm="true", **layout))
+    nproc = 4 if "parallel__dp_replicate" in layout else 2
+    train_on(nproc, layout_sets(two, corpus_dir, micro=micro, model__qk_norm="true", **layout))
     assert_same_training(two, qk_one)
 
 

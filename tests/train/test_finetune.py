@@ -289,6 +289,16 @@ def test_two_ranks_equal_one_process(tmp_path, sft, hf_llama, single, strategy):
     assert_trains_as(run, single)
 
 
+@pytest.mark.slow
+@pytest.mark.dist
+def test_hsdp_trains_packed_records_as_one_process(tmp_path, sft, hf_llama, single_packed):
+    """Two replicas of two FSDP ranks (4 ranks), on packed records."""
+    run = tmp_path / "hsdp"
+    layout = dict(parallel__strategy="fsdp", parallel__dp_replicate=2, data__packing="true")
+    launch(4, "train", *as_args(ft_sets(run, sft, hf_llama, train__micro_batch_size=1, **layout)))
+    assert_trains_as(run, single_packed)
+
+
 # -- bad input ---------------------------------------------------------------------------------
 
 

@@ -89,6 +89,10 @@ def test_fsdp_lora_in_bf16_keeps_a_bf16_base_trains_as_one_process_and_resumes_e
     # Both compute in bf16 from the same weights, but the ranks' gradients are rounded to bf16
     # before they are summed: the losses differ by about 4e-5 here, bf16's precision is 4e-3.
     assert losses(fsdp) == pytest.approx(losses(one), rel=1e-3)
+    # HSDP, two replicas of two shards (4 ranks), alike.
+    hsdp = tmp_path / "hsdp"
+    train_on(4, layout_sets(hsdp, corpus_dir, micro=2, parallel__strategy="fsdp", parallel__dp_replicate=2, **lora))
+    assert losses(hsdp) == pytest.approx(losses(one), rel=1e-3)
 
     def dtype(name: str) -> torch.dtype:
         return torch.float32 if "lora_" in name else torch.bfloat16

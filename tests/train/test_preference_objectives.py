@@ -464,18 +464,20 @@ def test_a_lora_dpo_run_exports_to_transformers_and_peft(tmp_path, pairs, hf_lla
         {"parallel__strategy": "fsdp"},
         {"parallel__cp": 2},
         {"parallel__pp": 2, "train__micro_batch_size": 2},
+        {"parallel__strategy": "fsdp", "parallel__dp_replicate": 2},
     ],
-    ids=["ddp", "fsdp", "cp", "pp"],
+    ids=["ddp", "fsdp", "cp", "pp", "hsdp"],
 )
 def test_dpo_on_two_ranks_equals_one_process(tmp_path, pairs, hf_llama, layout):
     """Replicas, shards, each pair's sequences split over two ranks (their per-token
     log-probabilities gathered whole on each), or the layers in two pipeline stages (a pair's
-    two rows in one piece, the last stage scoring them). Every rank computes the reference over
-    all pairs in one order, in the run's own layout."""
+    two rows in one piece, the last stage scoring them); or HSDP's two replicas of two shards
+    (4 ranks). Every rank computes the reference over all pairs in one order, in the run's own
+    layout."""
     single, run = tmp_path / "single", tmp_path / "run"
     train(load_config(None, pref_sets(single, pairs, hf_llama, train__micro_batch_size=1)), console=False)
     items = pref_sets(run, pairs, hf_llama, **{"train__micro_batch_size": 1, **layout})
-    launch(2, "train", *sets(items))
+    launch(4 if "parallel__dp_replicate" in layout else 2, "train", *sets(items))
     got, want = losses(run), losses(single)
     assert got.keys() == want.keys()
     for step in want:

@@ -23,7 +23,7 @@ from kiln.train.run import load_run
 from kiln.train.trainer import Trainer
 
 from conftest import sft_records, write_jsonl
-from kilnrun import in_process
+from kilnrun import in_process, launch
 from layouts import layout_sets, train_on, weights
 
 GPT_FAMILY, HF_FAMILY = get_family("gpt"), get_family("hf")
@@ -266,6 +266,10 @@ def test_two_fsdp_ranks_share_the_4_bit_base_and_give_the_losses_of_one_process(
     for (name, a), b in zip(sharded.state_dict().items(), whole.state_dict().values(), strict=True):
         if "lora_" not in name:
             assert torch.equal(a, b), name
+    # HSDP: two replicas of the two ranks sharing the base (4 ranks).
+    hsdp = tmp_path / "hsdp"
+    launch(4, "train", *as_args(sets(hsdp, sft, wide_llama, parallel__dp_replicate=2, **FSDP)))
+    assert losses(hsdp) == pytest.approx(losses(one), rel=1e-5)
 
 
 @pytest.mark.slow

@@ -71,6 +71,7 @@ _HF_EP_OBJECTIVES = (
     "tests/train/test_hf_moe.py::test_objectives_and_adapters_with_experts_split_over_two_ranks_equal_one_process"
 )
 _DPO = "tests/train/test_preference_objectives.py::test_dpo_on_two_ranks_equals_one_process"
+_HSDP_SFT = "tests/train/test_finetune.py::test_hsdp_trains_packed_records_as_one_process"
 _TASKS = "tests/harness/test_tasks_in_training.py::test_task_scores_on_two_ranks_are_those_of_the_saved_model"
 PROOFS: dict[tuple[str, str], str] = {
     ("AdamW", "DDP"): _PARALLEL + "test_ddp_two_ranks_equal_one_process_with_twice_the_micro_batch",
@@ -84,6 +85,23 @@ PROOFS: dict[tuple[str, str], str] = {
     ("Muon", "FSDP"): _MUON,
     ("Muon", "TP"): _MUON,
     ("Muon", "HSDP"): _MUON,
+    ("bf16", "HSDP"): _PARALLEL + "test_fsdp_bf16_computes_in_bf16_and_keeps_fp32_weights",
+    ("qk_norm", "HSDP"): _QK,
+    ("MoE", "HSDP"): _EXPERTS + "test_a_mixture_of_experts_on_two_fsdp_ranks_equals_one_process",
+    ("LoRA", "HSDP"): (
+        "tests/train/test_lora.py::test_fsdp_lora_in_bf16_keeps_a_bf16_base_trains_as_one_process_and_resumes_exactly"
+    ),
+    ("QLoRA", "HSDP"): (
+        "tests/train/test_qlora.py::test_two_fsdp_ranks_share_the_4_bit_base_and_give_the_losses_of_one_process"
+    ),
+    ("document mask", "HSDP"): (
+        _CP + "test_packed_documents_split_over_two_ranks_and_into_pipeline_stages_train_as_one_process"
+    ),
+    ("SFT", "HSDP"): _HSDP_SFT,
+    ("HF models", "HSDP"): _HSDP_SFT,
+    ("packing", "HSDP"): _HSDP_SFT,
+    ("DPO family", "HSDP"): _DPO,
+    ("eval.tasks", "HSDP"): _TASKS,
     ("fp16", "PP"): "tests/distributed/test_pipeline.py::test_fp16_in_two_stages_trains_as_one_process",
     ("bf16", "FSDP"): _PARALLEL + "test_fsdp_bf16_computes_in_bf16_and_keeps_fp32_weights",
     ("qk_norm", "FSDP"): _QK,

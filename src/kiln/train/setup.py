@@ -74,7 +74,7 @@ def start_model(
         model = job.model()
         precision.convert(model)
     if sharded:
-        check_quantized_shards(model, world.dp)
+        check_quantized_shards(model, world.dp_shard * world.cp)  # HSDP's replicas hold whole shards
     for line in job.describe(model) + (job.initial.describe() if job.initial else []) + precision.describe():
         times.say(f"kiln: {line}")
     faults.attach(model)
