@@ -71,6 +71,15 @@ def test_bad_values_name_the_key(override, expected):
     assert expected in str(e.value)
 
 
+def test_sequence_parallel_rows_of_a_pipeline_must_split_into_whole_shares():
+    """A Hugging Face model's rows are padded to whole shares of positions in each forward, but
+    to data.seq_len in a pipeline."""
+    hf = ["model.source=hf:somewhere", "data.seq_len=63", "parallel.tp=2"]
+    load_config(None, hf)
+    with pytest.raises(ConfigError, match="parallel.tp: sequence parallelism splits the positions"):
+        load_config(None, [*hf, "parallel.pp=2"])
+
+
 def test_all_errors_reported_together():
     with pytest.raises(ConfigError) as e:
         load_config(None, ["train.lr=0", "train.max_steps=0"])

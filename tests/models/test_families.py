@@ -50,7 +50,7 @@ def test_gpt_plan_names_its_layers_and_tp_splits():
     assert plan.repeated_blocks(model) == list(model.blocks)
     block, names = model.blocks[0], ("attn.wq.weight", "attn.wo.weight", "mlp.w1.weight", "mlp.w2.weight")
     assert [tp_split_dim(plan, block, n) for n in (*names, "attn_norm.weight")] == [0, 1, 0, 1, None]
-    assert plan.tp_root is not None and {"tok_emb", "norm", "lm_head"} <= plan.tp_root().keys()
+    assert plan.tp_root is not None and {"tok_emb", "norm", "lm_head"} <= plan.tp_root(model).keys()
     assert plan.loss == "head_loss" and plan.sequence_parallel
     plan.check_tensor_parallel(2, "gpt")
     with pytest.raises(ConfigError, match=r"parallel.tp: 4 must divide model.n_kv_head=2"):

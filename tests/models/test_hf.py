@@ -67,6 +67,10 @@ def test_plan_flops_and_memory_come_from_the_config(hf_llama):
     linear = sum(m.weight.numel() for m in model.modules() if isinstance(m, torch.nn.Linear))
     assert FAMILY.flops_per_token(args, 64) == 6.0 * linear + 12.0 * 2 * 64 * 64
     assert FAMILY.memory_model(args).n_layer == 2
+    # Sequence, vocabulary and loss parallelism: the modules outside the layers at their paths.
+    assert plan.sequence_parallel and plan.loss == "loss" and isinstance(model.loss, torch.nn.Module)
+    assert plan.tp_root is not None
+    assert set(plan.tp_root(model)) == {"hf.model", "hf.model.embed_tokens", "hf.model.norm", "hf.lm_head"}
     # Pipeline stages: the embedding first, the final norm and head last, found under kiln's wrapper.
     assert plan.pipelined
     assert plan.pipeline_paths(model) == (

@@ -191,7 +191,6 @@ def test_the_output_shows_the_split_and_its_communication(capsys):
             "train.global_batch_size: 6 is not divisible by the 4 data-parallel ranks (--world-size 8 / "
             "parallel.pp 1 / parallel.tp 1 / parallel.cp 2)",
         ),
-        (["model.preset=tiny", "parallel.cp=2", "parallel.pp=2"], "parallel.cp: context parallelism does not run"),
     ],
 )
 def test_layouts_kiln_train_refuses_exit_2_naming_the_key(capsys, items, message):

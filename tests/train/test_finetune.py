@@ -365,13 +365,27 @@ def test_bf16_fine_tuning_runs(tmp_path, sft, hf_llama):
 
 @pytest.mark.slow
 @pytest.mark.dist
-def test_llama_class_models_split_over_two_tensor_parallel_ranks(tmp_path, sft, hf_llama, single):
+@pytest.mark.parametrize(
+    "layout",
+    [{}, {"lora__rank": 4, "lora__alpha": 8, "lora__dropout": 0.0}, {"parallel__pp": 2}, {"parallel__cp": 2}],
+    ids=["tp", "tp-lora", "tp-pp", "tp-cp"],
+)
+def test_llama_class_models_split_over_two_tensor_parallel_ranks(tmp_path, sft, hf_llama, single, layout):
+    """Sequence, vocabulary and loss parallelism on padded rows of any length (padded again to
+    whole shares of positions); with LoRA adapters (a row-split layer's B added to its output
+    split by position), in two pipeline stages (each sending its positions on) and beside two
+    context-parallel ranks (4 ranks each)."""
     run = tmp_path / "tp"
+    nproc = 4 if {"parallel__pp", "parallel__cp"} & layout.keys() else 2
+    strategy = {"parallel__strategy": "fsdp"} if "parallel__cp" in layout else {}
     launch(
-        2,
+        nproc,
         "train",
-        *as_args(ft_sets(run, sft, hf_llama, train__micro_batch_size=2, parallel__tp=2)),
+        *as_args(ft_sets(run, sft, hf_llama, train__micro_batch_size=2, parallel__tp=2, **layout, **strategy)),
     )
+    if "lora__rank" in layout:  # against one process's LoRA run
+        single = tmp_path / "one"
+        in_process("train", *as_args(ft_sets(single, sft, hf_llama, train__micro_batch_size=2, **layout)))
     assert_trains_as(run, single)
 
 

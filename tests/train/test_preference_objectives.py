@@ -465,15 +465,17 @@ def test_a_lora_dpo_run_exports_to_transformers_and_peft(tmp_path, pairs, hf_lla
         {"parallel__cp": 2},
         {"parallel__pp": 2, "train__micro_batch_size": 2},
         {"parallel__strategy": "fsdp", "parallel__dp_replicate": 2},
+        {"parallel__tp": 2, "train__micro_batch_size": 2},
     ],
-    ids=["ddp", "fsdp", "cp", "pp", "hsdp"],
+    ids=["ddp", "fsdp", "cp", "pp", "hsdp", "tp"],
 )
 def test_dpo_on_two_ranks_equals_one_process(tmp_path, pairs, hf_llama, layout):
     """Replicas, shards, each pair's sequences split over two ranks (their per-token
     log-probabilities gathered whole on each), or the layers in two pipeline stages (a pair's
     two rows in one piece, the last stage scoring them); or HSDP's two replicas of two shards
-    (4 ranks). Every rank computes the reference over all pairs in one order, in the run's own
-    layout."""
+    (4 ranks); or two tensor-parallel ranks (each row's log-probabilities from the ranks' rows of
+    the vocabulary, its positions padded to whole shares). Every rank computes the reference
+    over all pairs in one order, in the run's own layout."""
     single, run = tmp_path / "single", tmp_path / "run"
     train(load_config(None, pref_sets(single, pairs, hf_llama, train__micro_batch_size=1)), console=False)
     items = pref_sets(run, pairs, hf_llama, **{"train__micro_batch_size": 1, **layout})

@@ -1085,9 +1085,11 @@ class Config:
                 "forward passes wait for one another; give a number",
             ),
             (
-                self.parallel.tp == 1 or bool(self.model.source) or self.data.seq_len % (self.parallel.tp * 2 * cp) == 0
-                if cp > 1
-                else self.parallel.tp == 1 or bool(self.model.source) or self.data.seq_len % self.parallel.tp == 0,
+                # Rows of records are padded to whole shares in each forward, but to data.seq_len
+                # in a pipeline (its stages exchange one shape).
+                self.parallel.tp == 1
+                or (bool(self.model.source) and self.parallel.pp == 1)
+                or self.data.seq_len % (self.parallel.tp * (2 * cp if cp > 1 else 1)) == 0,
                 f"parallel.tp: sequence parallelism splits the positions of each sequence (of each of its 2 x "
                 f"parallel.cp chunks) over the parallel.tp = {self.parallel.tp} ranks, so {self.parallel.tp} x "
                 f"{2 * cp if cp > 1 else 1} must divide data.seq_len={self.data.seq_len}",

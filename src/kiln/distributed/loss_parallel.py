@@ -6,7 +6,8 @@ model's loss module (``kiln.models.fused_loss.LinearCrossEntropy``, named by its
 each rank computes the logits of its own rows of the vocabulary, a chunk of tokens at a time,
 and the log-sum-exp and the target's logit are all-reduced across the group (three [tokens]
 vectors per chunk), so no rank ever holds a [tokens, vocab] buffer, nor computes the whole
-vocabulary's logits. With sequence parallelism the hidden states arrive split by position over
+vocabulary's logits. Each target's log-probability (what DPO and its family sum) is computed the
+same way (``log_probs``). With sequence parallelism the hidden states arrive split by position over
 the group: they are gathered first (whose backward reduce-scatters, summing each rank's part of
 their gradient); without it they are whole on every rank, and their gradient is all-reduced.
 """
@@ -18,7 +19,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from kiln.models.fused_loss import VocabShard, linear_cross_entropy
+from kiln.models.fused_loss import VocabShard, linear_cross_entropy, linear_log_probs
 
 
 class _Gather(torch.autograd.Function):
@@ -74,6 +75,17 @@ class VocabParallelCrossEntropy(nn.Module):
         self.group, self.size, self.rank = tp_mesh.get_group(), tp_mesh.size(), tp_mesh.get_local_rank()
 
     def forward(self, hidden: torch.Tensor, weight: Any, targets: torch.Tensor) -> torch.Tensor:
+        hidden, local, shard = self._parts(hidden, weight)
+        return linear_cross_entropy(hidden.flatten(0, 1), local, targets.flatten(), softcap=self.softcap, shard=shard)
+
+    def log_probs(self, hidden: torch.Tensor, weight: Any, targets: torch.Tensor) -> torch.Tensor:
+        """Each target's log-probability [B, T] (0 where it is -100), in fp32, as the loss module's."""
+        hidden, local, shard = self._parts(hidden, weight)
+        return linear_log_probs(hidden.flatten(0, 1), local, targets.flatten(), shard=shard).view(targets.shape)
+
+    def _parts(self, hidden: torch.Tensor, weight: Any) -> tuple[torch.Tensor, torch.Tensor, VocabShard]:
+        """Every position's hidden states (their gradient summed over the group), this rank's rows
+        of the output layer, and how they sit in the vocabulary."""
         import torch.distributed as dist
 
         hidden = hidden.to_local() if hasattr(hidden, "to_local") else hidden
@@ -91,5 +103,4 @@ class VocabParallelCrossEntropy(nn.Module):
         def reduce_sum(t: torch.Tensor) -> None:
             dist.all_reduce(t, group=self.group)
 
-        shard = VocabShard(start, reduce_max, reduce_sum)
-        return linear_cross_entropy(hidden.flatten(0, 1), local, targets.flatten(), softcap=self.softcap, shard=shard)
+        return hidden, local, VocabShard(start, reduce_max, reduce_sum)

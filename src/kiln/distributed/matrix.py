@@ -147,6 +147,7 @@ PROOFS: dict[tuple[str, str], str] = {
     ("SFT", "CP"): _HF_CP,
     ("packing", "CP"): _HF_CP,
     ("DPO family", "FSDP"): _DPO,
+    ("DPO family", "TP"): _DPO,
     ("HF models", "PP"): _HF_PP,
     ("DPO family", "PP"): _DPO,
     ("SFT", "PP"): _HF_PP,

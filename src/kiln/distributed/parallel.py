@@ -111,8 +111,6 @@ class ParallelModel:
     def eval_forward(self) -> nn.Module:
         """What evaluation calls: ``eval_forward(inputs, targets=targets)`` is the mean loss, and
         ``eval_forward(tokens)`` the logits of rows of any length (a module)."""
-        if self.world.tp > 1 and self.plan.sequence_parallel:
-            return _WholeShares(self.module, self.world.tp)
         return self.module
 
     def parameters(self) -> list[torch.Tensor]:
@@ -152,25 +150,57 @@ class ParallelModel:
         return load_whole(self.module, weights, optim_state)
 
 
-class _WholeShares(nn.Module):
-    """A sequence-parallel model whose logits are asked for rows of any length: sequence
-    parallelism splits each forward's positions into ``multiple`` equal shares, so the rows are
-    padded on the right to a multiple of it, and the logits cut back (under causal attention the
-    padding changes no earlier position's)."""
+class PaddedRows:
+    """Hooks around a sequence-parallel model's forward (``install``): sequence parallelism splits
+    each forward's positions into ``multiple`` equal shares, so rows of any length (a padded
+    fine-tuning batch's, a benchmark task's) are padded on the right to a multiple of it, and
+    what comes back per position is cut back. Under causal attention the padding changes no
+    earlier position's result; its targets and labels are -100 (no loss), its positions follow
+    the row's last. The model's arguments are known by name: kiln's GPT's and kiln's wrapper of
+    a ``transformers`` model's; the first is the tokens (past a pipeline's first stage, hidden
+    states: not padded, the pipeline's rows are as wide as data.seq_len already)."""
+
+    FILL = {"idx": 0, "input_ids": 0, "attention_mask": 0, "token_type_ids": 0, "targets": -100, "labels": -100}
+    POSITIONS = ("positions", "position_ids")
 
     def __init__(self, module: nn.Module, multiple: int):
-        super().__init__()
-        self.module, self.multiple = module, multiple
+        import inspect
 
-    def forward(self, tokens: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
-        length = tokens.size(1)
-        if not length % self.multiple:
-            return self.module(tokens, *args, **kwargs)
-        if args or kwargs:
-            raise ValueError(
-                f"rows of {length} positions: only logits are given for rows that parallel.tp does not divide"
-            )
-        return self.module(torch.nn.functional.pad(tokens, (0, -length % self.multiple)))[:, :length]
+        self.signature, self.multiple = inspect.signature(module.forward), multiple
+        self.pending: list[tuple[int, int] | None] = []
+
+    def install(self, module: nn.Module) -> None:
+        # Outermost: before any other hook's input split (context parallelism's), after its output.
+        module.register_forward_pre_hook(self.before, with_kwargs=True, prepend=True)
+        module.register_forward_hook(self.after)
+
+    def before(self, module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        bound = self.signature.bind(*args, **kwargs)
+        tokens = next(iter(bound.arguments.values()))
+        pad = -tokens.size(1) % self.multiple if tokens.dtype in (torch.int32, torch.int64) else 0
+        if not pad:
+            self.pending.append(None)
+            return args, kwargs
+        import torch.nn.functional as F
+
+        for name, value in bound.arguments.items():
+            if not isinstance(value, torch.Tensor) or value.dim() == 0:
+                continue
+            if name in self.POSITIONS:
+                after = value[..., -1:] + torch.arange(1, pad + 1, device=value.device)
+                bound.arguments[name] = torch.cat([value, after.to(value.dtype)], dim=-1)
+            elif name in self.FILL:
+                bound.arguments[name] = F.pad(value, (0, pad), value=self.FILL[name])
+        self.pending.append((tokens.size(1), pad))
+        return bound.args, bound.kwargs
+
+    def after(self, module: nn.Module, args: tuple, output: Any) -> Any:
+        pending = self.pending.pop()
+        if pending is None or not isinstance(output, torch.Tensor) or output.dim() < 2:
+            return output  # a loss
+        length, pad = pending
+        # Per position: logits or log-probabilities, one fewer for labels (the last has no next).
+        return output[:, : length - (length + pad - output.size(1))]
 
 
 @contextlib.contextmanager
@@ -304,7 +334,8 @@ def apply_tp(model: nn.Module, plan: ParallelPlan, tp_mesh) -> None:
     frozen = {name for name, param in model.named_parameters() if not param.requires_grad}
     if plan.tp_root is not None:
         # A pipeline stage holds the embedding, or the output layer, or neither.
-        held = {path: style for path, style in plan.tp_root().items() if _holds(model, path)}
+        styles = plan.tp_root(model)
+        held = {path: styles[end] for end, path in plan.find(model, styles).items()}
         parallelize_module(model, tp_mesh, adapted_styles(model, held))
     for block in plan.repeated_blocks(model):
         parallelize_module(block, tp_mesh, adapted_styles(block, dict(plan.tensor_parallel(block))))
@@ -353,7 +384,9 @@ def adapted_styles(module: nn.Module, styles: Mapping[str, Any]) -> dict[str, An
         colwise = isinstance(style, ColwiseParallel)
         # The factor that is not split sees the positions of the layer's input (A) or output (B).
         layout = style.input_layouts[0] if colwise else style.output_layouts[0]
-        whole = SequenceParallel(sequence_dim=layout.dim, use_local_output=True) if isinstance(layout, Shard) else None
+        # B's output is added to the layer's: a DTensor where the layer's is one.
+        local = colwise or style.use_local_output
+        whole = SequenceParallel(sequence_dim=layout.dim, use_local_output=local) if isinstance(layout, Shard) else None
         out[f"{path}.base_layer"] = style
         split, other = ("lora_B", "lora_A") if colwise else ("lora_A", "lora_B")
         for name in cast(nn.ModuleDict, wrapper.lora_A):
@@ -361,14 +394,6 @@ def adapted_styles(module: nn.Module, styles: Mapping[str, Any]) -> dict[str, An
             if whole is not None:
                 out[f"{path}.{other}.{name}"] = whole
     return out
-
-
-def _holds(model: nn.Module, path: str) -> bool:
-    """Whether ``model`` has the submodule ``path`` (a pipeline stage sets the others' to None)."""
-    try:
-        return model.get_submodule(path) is not None
-    except AttributeError:
-        return False
 
 
 def _tied_pairs(model: nn.Module) -> list[tuple[str, str]]:

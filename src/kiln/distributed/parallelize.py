@@ -13,7 +13,15 @@ from torch import nn
 
 from kiln.config import ConfigError, ParallelConfig
 from kiln.distributed.context import apply_cp, apply_cp_transformers
-from kiln.distributed.parallel import ParallelModel, apply_ddp, embedding_names, is_sharded, materialize, shard
+from kiln.distributed.parallel import (
+    PaddedRows,
+    ParallelModel,
+    apply_ddp,
+    embedding_names,
+    is_sharded,
+    materialize,
+    shard,
+)
 from kiln.distributed.pipeline import PipelineModel
 from kiln.distributed.world import World
 from kiln.models.family import TRANSFORMERS_ATTENTION, ParallelPlan
@@ -47,6 +55,9 @@ def parallelize(
         return PipelineModel(model, plan, world, pcfg, bf16=bf16, embeddings=embeddings, initial=initial, split=split)
     if split is not None:
         split.install(model)
+    if world.tp > 1 and plan.sequence_parallel:
+        # Whole shares of positions for tensor parallelism, of context parallelism's chunks too.
+        PaddedRows(model, world.tp * (2 * world.cp if world.cp > 1 else 1)).install(model)
     if pcfg.strategy == "ddp" and world.dp > 1:
         if initial is not None:
             materialize(model, initial, world.device)

@@ -18,7 +18,7 @@ family; families are for the built-in jobs.
 from __future__ import annotations
 
 import importlib
-from collections.abc import Callable, Generator, Mapping
+from collections.abc import Callable, Generator, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple, Protocol, cast
 
@@ -46,7 +46,8 @@ class ParallelPlan:
     over tensor-parallel ranks, as PyTorch's ``ParallelStyle`` objects by module path in the layer
     (a function of the layer, which builds them when asked: the family's ``parallelize.py``,
     never the model's code, imports what is distributed); ``tp_root``: those of the modules outside the
-    layers, by path in the model (the embedding, the final norm, the output layer); ``loss``: the
+    layers (the embedding, the final norm, the output layer), by the end of their path in the
+    model (a function of the model, or of the pipeline stage it is cut to); ``loss``: the
     model's loss module (``kiln.models.fused_loss.LinearCrossEntropy``, called with the output
     layer's weight), which tensor parallelism computes on that weight's rows split over the
     ranks; ``sequence_parallel``: the styles split the activations between layers by position.
@@ -82,7 +83,7 @@ class ParallelPlan:
     blocks: str | None = "blocks"
     block_type: type | None = None
     tensor_parallel: Callable[[nn.Module], Mapping[str, Any]] | None = None
-    tp_root: Callable[[], Mapping[str, Any]] | None = None
+    tp_root: Callable[[nn.Module], Mapping[str, Any]] | None = None
     loss: str = ""
     sequence_parallel: bool = False
     tp_divisors: Mapping[str, int] = field(default_factory=dict)
@@ -122,23 +123,26 @@ class ParallelPlan:
         """Where ``model`` holds them (their paths, as ``named_modules`` names them): the
         container of the repeated layers, and the first and the last stage's modules it holds
         (a stage may have none of them), each by the plan's name of it."""
-        names = {id(m): name for name, m in model.named_modules()}
         if self.blocks is not None:
             container = self.blocks
         else:
+            names = {id(m): name for name, m in model.named_modules()}
             first_block = names[id(self.repeated_blocks(model)[0])]
             container = first_block.rpartition(".")[0]
+        return container, self.find(model, self.pipeline_first), self.find(model, self.pipeline_last)
 
-        def held(ends: tuple[str, ...]) -> dict[str, str]:
-            out = {}
-            for end in ends:
-                hits = [name for name in names.values() if name == end or name.endswith("." + end)]
-                if len(hits) > 1:
-                    raise ValueError(f"the parallel plan's {end!r} names {len(hits)} modules of {type(model).__name__}")
-                out.update({end: hits[0]} if hits else {})
-            return out
-
-        return container, held(self.pipeline_first), held(self.pipeline_last)
+    @staticmethod
+    def find(model: nn.Module, ends: Iterable[str]) -> dict[str, str]:
+        """The path in ``model`` of each module the plan names by the end of its path (wrappers,
+        PEFT's, add to the front), of those ``model`` holds."""
+        names = [name for name, _ in model.named_modules()]
+        out = {}
+        for end in ends:
+            hits = [name for name in names if name == end or name.endswith("." + end)]
+            if len(hits) > 1:
+                raise ValueError(f"the parallel plan's {end!r} names {len(hits)} modules of {type(model).__name__}")
+            out.update({end: hits[0]} if hits else {})
+        return out
 
     def repeated_blocks(self, model: nn.Module) -> list[nn.Module]:
         """The repeated layers; an empty list if the plan names none."""

@@ -114,26 +114,42 @@ class _LinearCrossEntropy(torch.autograd.Function):
 class _LinearLogProbs(torch.autograd.Function):
     """Each row's log-probability of its target (0 where ignored), a chunk of rows at a time. The
     gradient depends on each row's weight in the caller's loss, so backward recomputes each
-    chunk's logits (one more projection) rather than keeping [N, V] of them."""
+    chunk's logits (one more projection) rather than keeping [N, V] of them. With ``shard``,
+    ``weight`` holds some of the vocabulary's rows (see VocabShard): the log-sum-exp and the
+    target's logit are reduced over the ranks, and each row's log-sum-exp kept for the backward."""
 
     @staticmethod
-    def forward(ctx, hidden, weight, targets, chunk_size):
+    def forward(ctx, hidden, weight, targets, chunk_size, shard):
         acc = torch.promote_types(weight.dtype, torch.float32)
         out = torch.zeros(hidden.size(0), dtype=acc, device=hidden.device)
+        lse = torch.zeros(hidden.size(0) if shard else 0, dtype=acc, device=hidden.device)
         w = _matmul_weight(weight, hidden.device)
         for start in range(0, hidden.size(0), chunk_size):
             end = start + chunk_size
             logits = (hidden[start:end].to(w.dtype) @ w.t()).to(acc)
             t = targets[start:end]
-            picked = logits.gather(1, t.clamp(min=0)[:, None]).squeeze(1)
-            out[start:end] = (picked - logits.logsumexp(dim=-1)) * (t != IGNORE_INDEX)
-        ctx.save_for_backward(hidden, weight, targets)
-        ctx.chunk_size = chunk_size
+            if shard is None:
+                picked = logits.gather(1, t.clamp(min=0)[:, None]).squeeze(1)
+                out[start:end] = (picked - logits.logsumexp(dim=-1)) * (t != IGNORE_INDEX)
+                continue
+            local = t - shard.start
+            here = (local >= 0) & (local < weight.size(0))
+            picked = logits.gather(1, torch.where(here, local, 0)[:, None]).squeeze(1) * here
+            top = logits.amax(dim=-1)
+            shard.reduce_max(top)
+            sums = (logits - top[:, None]).exp().sum(dim=-1)
+            shard.reduce_sum(sums)
+            shard.reduce_sum(picked)
+            lse[start:end] = sums.log() + top
+            out[start:end] = (picked - lse[start:end]) * (t != IGNORE_INDEX)
+        ctx.save_for_backward(hidden, weight, targets, lse)
+        ctx.chunk_size, ctx.shard = chunk_size, shard
         return out
 
     @staticmethod
     def backward(ctx, grad_out):
-        hidden, weight, targets = ctx.saved_tensors
+        hidden, weight, targets, lse = ctx.saved_tensors
+        shard = ctx.shard
         acc = torch.promote_types(weight.dtype, torch.float32)
         want_h, want_w = ctx.needs_input_grad[:2]
         grad_h = torch.zeros(hidden.shape, dtype=acc, device=hidden.device) if want_h else None
@@ -145,8 +161,15 @@ class _LinearLogProbs(torch.autograd.Function):
             t = targets[start:end]
             g = (grad_out[start:end] * (t != IGNORE_INDEX)).to(acc)
             # d log p(t) / d logits = one-hot(t) - softmax, times the row's weight in the loss.
-            grad = (h @ w.t()).to(acc).softmax(dim=-1).mul_(-g[:, None])
-            grad.scatter_add_(1, t.clamp(min=0)[:, None], g[:, None])
+            logits = (h @ w.t()).to(acc)
+            if shard is None:
+                grad = logits.softmax(dim=-1).mul_(-g[:, None])
+                grad.scatter_add_(1, t.clamp(min=0)[:, None], g[:, None])
+            else:  # this rank's columns of the softmax, and of the one-hot where it holds the target
+                local = t - shard.start
+                here = (local >= 0) & (local < weight.size(0))
+                grad = logits.sub_(lse[start:end, None]).exp_().mul_(-g[:, None])
+                grad.scatter_add_(1, torch.where(here, local, 0)[:, None], (g * here)[:, None])
             grad = grad.to(w.dtype)
             if grad_h is not None:
                 grad_h[start:end] = grad @ w
@@ -157,17 +180,23 @@ class _LinearLogProbs(torch.autograd.Function):
             None if grad_w is None else grad_w.to(weight.dtype),
             None,
             None,
+            None,
         )
 
 
 def linear_log_probs(
-    hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, chunk_size: int | None = None
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    targets: torch.Tensor,
+    chunk_size: int | None = None,
+    shard: VocabShard | None = None,
 ) -> torch.Tensor:
     """log p(target) [N] of each row of ``hidden [N, D] @ weight[V, D].T`` under its softmax, in
     fp32, chunk by chunk (0 where the target is -100): what preference and RL objectives sum, with
-    no [N, V] buffer outliving its chunk in the forward or the backward pass."""
+    no [N, V] buffer outliving its chunk in the forward or the backward pass. With ``shard``,
+    ``weight`` is this rank's rows of a vocabulary split over ranks (see VocabShard)."""
     chunk_size = chunk_size or default_chunk_size(weight.size(0), hidden.device.type)
-    return _LinearLogProbs.apply(hidden, weight, targets, chunk_size)
+    return _LinearLogProbs.apply(hidden, weight, targets, chunk_size, shard)
 
 
 def default_chunk_size(vocab_size: int, device: str = "cpu") -> int:
@@ -217,3 +246,7 @@ class LinearCrossEntropy(nn.Module):
 
     def forward(self, hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         return linear_cross_entropy(hidden.flatten(0, 1), weight, targets.flatten(), softcap=self.softcap)
+
+    def log_probs(self, hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        """Each target's log-probability [B, T] (0 where it is -100), in fp32: ``linear_log_probs``."""
+        return linear_log_probs(hidden.flatten(0, 1), weight, targets.flatten()).view(targets.shape)

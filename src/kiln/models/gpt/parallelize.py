@@ -26,8 +26,8 @@ from torch import nn
 from kiln.models.gpt.moe import MoE
 
 
-def root_styles() -> dict[str, Any]:
-    """The styles of the modules outside the blocks, by their name in the model."""
+def root_styles(model: nn.Module) -> dict[str, Any]:
+    """The styles of the modules outside the blocks, by their name in the model (any GPT's)."""
     from torch.distributed.tensor import Replicate, Shard
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, SequenceParallel
 

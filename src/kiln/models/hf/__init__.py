@@ -35,7 +35,7 @@ from kiln.models.family import (
     StateDictAdapter,
     build_model,
 )
-from kiln.models.fused_loss import linear_cross_entropy, linear_log_probs
+from kiln.models.fused_loss import LinearCrossEntropy
 from kiln.models.generate import decode
 from kiln.models.gpt.memory import GPTMemory
 from kiln.models.gpt.model import GPTConfig
@@ -50,7 +50,7 @@ from kiln.models.hf.loading import (
 )
 from kiln.models.hf.memory import EncoderMemory, ffn_width
 from kiln.models.hf.moe import routed_weights, split_experts, watch_routers
-from kiln.models.hf.parallelize import QK_NORM_HEADS, llama_styles
+from kiln.models.hf.parallelize import QK_NORM_HEADS, llama_root_styles, llama_styles
 from kiln.models.init import params_on_meta
 from kiln.models.lm import packed
 
@@ -113,6 +113,14 @@ def _base(hf: nn.Module) -> nn.Module:
     return cast(_PeftWrapper, hf).get_base_model() if hasattr(hf, "get_base_model") else hf
 
 
+def _root_styles(model: nn.Module) -> dict[str, Any]:
+    """``llama_root_styles`` of kiln's wrapper ``model`` of a causal LM, at the paths its decoder
+    and output layer have there (PEFT's wrapper moves them)."""
+    names = {id(module): name for name, module in model.named_modules()}
+    hf = cast(_Transformers, _base(cast(CausalLM, model).hf))
+    return llama_root_styles(names[id(hf.base_model)], names[id(hf)] + ".lm_head")
+
+
 class CausalLM(nn.Module):
     """A ``transformers`` causal LM with kiln's convention: given labels (aligned with the inputs,
     -100 where no loss is wanted; shifted here), the mean loss of the counted tokens."""
@@ -129,6 +137,8 @@ class CausalLM(nn.Module):
             # The decoder under the head is found (Llama 4's base_model_prefix names none: itself).
             and cast(_Transformers, hf).base_model is not hf
         )
+        # The fused loss, a module a layout can replace (loss parallelism).
+        self.loss = LinearCrossEntropy() if self.fused else None
 
     def init_weights(self) -> None:
         cast(_Transformers, self.hf).init_weights()
@@ -159,19 +169,20 @@ class CausalLM(nn.Module):
             return hf.base_model(**inputs, use_cache=False).last_hidden_state
         if labels is None and targets is None:
             return self.hf(**inputs, use_cache=False).logits
-        keep = slice(None) if targets is not None else slice(None, -1)
-        targets = targets if targets is not None else labels[:, 1:]
+        # Labels' targets are the next tokens, the last position's none (-100): every position
+        # is scored, so the hidden states are never cut (sequence parallelism splits positions).
+        given = targets if targets is not None else F.pad(labels[:, 1:], (0, 1), value=-100)
+        cut = slice(None) if targets is not None else slice(None, -1)
         if not self.fused:
-            logits = self.hf(**inputs, use_cache=False).logits[:, keep].flatten(0, 1).float()
+            logits = self.hf(**inputs, use_cache=False).logits.flatten(0, 1).float()
             if token_logps:
-                nll = F.cross_entropy(logits, targets.flatten(), ignore_index=-100, reduction="none")
-                return -nll.view(targets.shape)
-            return F.cross_entropy(logits, targets.flatten())
-        hidden = hf.base_model(**inputs, use_cache=False).last_hidden_state[:, keep].flatten(0, 1)
-        head = cast(nn.Linear, head)  # fused: a Linear head (checked in __init__)
-        if token_logps:
-            return linear_log_probs(hidden, head.weight, targets.flatten()).view(targets.shape)
-        return linear_cross_entropy(hidden, head.weight, targets.flatten())
+                nll = F.cross_entropy(logits, given.flatten(), ignore_index=-100, reduction="none")
+                return -nll.view(given.shape)[:, cut]
+            return F.cross_entropy(logits, given.flatten())
+        hidden = hf.base_model(**inputs, use_cache=False).last_hidden_state
+        weight = cast(nn.Linear, head).weight  # fused: a Linear head (checked in __init__)
+        loss = cast(LinearCrossEntropy, self.loss)
+        return loss.log_probs(hidden, weight, given)[:, cut] if token_logps else loss(hidden, weight, given)
 
 
 class SequenceClassifier(nn.Module):
@@ -389,7 +400,13 @@ class HFFamily(ModelFamily):
             if getattr(c, k, None) is not None
         }
         stages: dict[str, Any] = {}
+        styles = functools.partial(llama_styles, qk_norm_heads=QK_NORM_HEADS.get(args.config["model_type"]))
         if args.task == "causal_lm":
+            # Sequence, vocabulary and loss parallelism (kiln.models.hf.parallelize); the loss
+            # where the wrapper's fused one computes it (no logit transform).
+            fused = not any(getattr(c, name, None) for name in LOGIT_TRANSFORMS)
+            split |= dict(tp_root=_root_styles, loss="loss" if fused else "", sequence_parallel=True)
+            styles = functools.partial(styles, sequence_parallel=True)
             # transformers' decoders read each layer's kind by its index in the whole model.
             kinds = sorted(set(getattr(c, "layer_types", None) or ()))
             mixed = f"{args.path}: its layers mix attention kinds ({', '.join(kinds)}; layer_types in config.json), "
@@ -405,7 +422,7 @@ class HFFamily(ModelFamily):
         return ParallelPlan(
             blocks=None,
             block_type=layer,
-            tensor_parallel=functools.partial(llama_styles, qk_norm_heads=QK_NORM_HEADS.get(args.config["model_type"])),
+            tensor_parallel=styles,
             tp_divisors=divisors,
             attention=TRANSFORMERS_ATTENTION,
             **stages,

@@ -1,9 +1,19 @@
 """How a Hugging Face Llama-class decoder (Llama, Mistral, Qwen2, Qwen3, Gemma 3) splits over
 tensor-parallel ranks, as PyTorch's ``ParallelStyle`` objects: Megatron's layout under the
-projection names these architectures share. The attention's and MLP's input projections split
-column-wise (a rank owns whole heads and a slice of the hidden units), their output projections
-row-wise (one all-reduce each); norms (Gemma 3's per-head query and key norms too: a rank's
-heads are whole), embedding and output layer whole on every rank. Phi-3's fused projections
+projection names these architectures share, with sequence, vocabulary and loss parallelism as
+kiln's GPT has them (torchtitan's layout of Llama).
+
+The attention's and MLP's input projections split column-wise (a rank owns whole heads and a
+slice of the hidden units), their output projections row-wise. A causal LM's residual stream
+between them is split by position (sequence parallelism): each layer's norms run on a rank's
+positions, the attention's and the MLP's inputs are gathered from every rank's, and the output
+projections' sums are reduce-scattered back to positions. The stream stays a DTensor from the
+embedding to the final norm, because transformers reads the sequence's length (for the causal
+mask and the positions) from the embeddings' shape, and a DTensor's shape is the whole one. The
+embedding's and output layer's rows (the vocabulary) split over the ranks, and kiln's fused
+loss, put in place of the wrapper's, computes on them (``kiln.distributed.loss_parallel``).
+Per-head query and key norms (Qwen3, Gemma 3) norm a rank's own heads. A classifier keeps the
+layout without sequence parallelism (its head reads one position). Phi-3's fused projections
 (qkv_proj, gate_up_proj) would need each part split on its own: it has no plan yet."""
 
 from __future__ import annotations
@@ -19,17 +29,38 @@ ROWWISE = ("self_attn.o_proj", "mlp.down_proj")
 QK_NORM_HEADS = {"qwen3": 2, "gemma3_text": 1}
 
 
-def llama_styles(layer: nn.Module, qk_norm_heads: int | None = None) -> dict[str, Any]:
+def llama_styles(
+    layer: nn.Module, qk_norm_heads: int | None = None, *, sequence_parallel: bool = False
+) -> dict[str, Any]:
     """The styles of one decoder layer's modules, by their name in the layer. With per-head query
     and key norms (their heads at dim ``qk_norm_heads`` of the input), each rank norms its own
     heads with gains replicated over the ranks, whose gradients (a sum over each rank's heads)
-    are summed across them."""
-    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, SequenceParallel
+    are summed across them. ``sequence_parallel``: the layer's input and output are split by
+    position (DTensors), and its norms (every child named ``*layernorm``) run on a rank's."""
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.parallel import (
+        ColwiseParallel,
+        PrepareModuleInput,
+        RowwiseParallel,
+        SequenceParallel,
+    )
 
-    styles: dict[str, Any] = {
-        **{name: ColwiseParallel() for name in COLWISE},
-        **{name: RowwiseParallel() for name in ROWWISE},
-    }
+    styles: dict[str, Any] = {name: ColwiseParallel() for name in COLWISE}
+    if sequence_parallel:
+        styles |= {name: RowwiseParallel(output_layouts=Shard(1), use_local_output=False) for name in ROWWISE}
+        styles["self_attn"] = PrepareModuleInput(
+            input_kwarg_layouts={"hidden_states": Shard(1)},
+            desired_input_kwarg_layouts={"hidden_states": Replicate()},
+            use_local_output=True,
+        )
+        styles["mlp"] = PrepareModuleInput(
+            input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),), use_local_output=True
+        )
+        for name, _ in layer.named_children():
+            if name.endswith("layernorm"):
+                styles[name] = SequenceParallel(use_local_output=False)
+    else:
+        styles |= {name: RowwiseParallel() for name in ROWWISE}
     attn = layer.get_submodule("self_attn")
     norms = [f"self_attn.{name}" for name in ("q_norm", "k_norm") if hasattr(attn, name)]
     if norms and qk_norm_heads is None:
@@ -37,3 +68,32 @@ def llama_styles(layer: nn.Module, qk_norm_heads: int | None = None) -> dict[str
     for name in norms:
         styles[name] = SequenceParallel(sequence_dim=cast(int, qk_norm_heads), use_local_output=True)
     return styles
+
+
+def llama_root_styles(decoder: str, head: str) -> dict[str, Any]:
+    """A causal LM's modules outside its layers, by their paths (``decoder``: the decoder's, under
+    its output layer ``head``): the embedding's rows split, its output a DTensor split by
+    position; the final norm on a rank's positions (a plain tensor out, which a pipeline stage
+    without the output layer sends on), and a later stage's input, those positions, made a
+    DTensor again; the output layer's rows split (the logits gathered whole where they are
+    asked for: the loss computes on the split rows instead)."""
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.parallel import (
+        ColwiseParallel,
+        PrepareModuleInput,
+        RowwiseParallel,
+        SequenceParallel,
+    )
+
+    return {
+        decoder: PrepareModuleInput(
+            input_kwarg_layouts={"inputs_embeds": Shard(1)},
+            desired_input_kwarg_layouts={"inputs_embeds": Shard(1)},
+            use_local_output=False,
+        ),
+        f"{decoder}.embed_tokens": RowwiseParallel(
+            input_layouts=Replicate(), output_layouts=Shard(1), use_local_output=False
+        ),
+        f"{decoder}.norm": SequenceParallel(use_local_output=True),
+        head: ColwiseParallel(input_layouts=Shard(1), output_layouts=Replicate()),
+    }
