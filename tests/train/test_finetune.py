@@ -438,11 +438,12 @@ def test_llama_class_models_split_into_two_pipeline_stages(tmp_path, sft, hf_lla
 
 @pytest.mark.slow
 @pytest.mark.dist
-@pytest.mark.parametrize("model_type", ["qwen3", "gemma3_text"])
-def test_models_with_query_and_key_norms_split_over_two_tensor_parallel_ranks(tmp_path, sft, model_type):
+@pytest.mark.parametrize("model_type", ["qwen3", "gemma3_text", "phi3"])
+def test_other_llama_class_models_split_over_two_tensor_parallel_ranks(tmp_path, sft, model_type):
     """Llama's plan with per-head query and key norms (their gains replicated, their gradients
     summed over the ranks' heads): Qwen3's, and Gemma 3's after it moves the heads first (with
-    its four norms per layer and its sliding-window layers)."""
+    its four norms per layer and its sliding-window layers); and Phi-3's fused projections, each
+    rank's slice of their outputs gathered whole."""
     from hf_models import save_tiny
 
     model = save_tiny(tmp_path / model_type, model_type, tokenizer=True)

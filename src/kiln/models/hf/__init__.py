@@ -60,7 +60,7 @@ MAPPINGS = {
     "sequence_classification": "MODEL_FOR_SEQUENCE_CLASSIFICATION_MAPPING",
 }
 # Architectures whose decoder layers split Megatron-style under the same projection names.
-LLAMA_CLASS = ("llama", "mistral", "qwen2", "qwen3", "gemma3_text")
+LLAMA_CLASS = ("llama", "mistral", "qwen2", "qwen3", "gemma3_text", "phi3")
 # Architectures under which records packed into one row attend to each other (checked on
 # transformers 5: 16 others, Llama, Qwen, Gemma, Phi, GPT-2 and GPT-NeoX among them, keep them apart).
 MIXES_PACKED_RECORDS = ("opt", "bloom", "mamba", "mamba2", "falcon_mamba")

@@ -13,8 +13,13 @@ mask and the positions) from the embeddings' shape, and a DTensor's shape is the
 embedding's and output layer's rows (the vocabulary) split over the ranks, and kiln's fused
 loss, put in place of the wrapper's, computes on them (``kiln.distributed.loss_parallel``).
 Per-head query and key norms (Qwen3, Gemma 3) norm a rank's own heads. A classifier keeps the
-layout without sequence parallelism (its head reads one position). Phi-3's fused projections
-(qkv_proj, gate_up_proj) would need each part split on its own: it has no plan yet."""
+layout without sequence parallelism (its head reads one position).
+
+Phi-3 fuses its projections (qkv_proj: queries, keys and values; gate_up_proj: the MLP's two
+input halves), which the model cuts by their sizes in the whole model: each rank computes a
+slice of the fused output's columns, gathered whole (transformers' own "colwise_rep" plan for
+Phi-3), and its output projections take their whole input and split it by rows. The weights and
+the projections' work split over the ranks; the attention itself runs whole on every rank."""
 
 from __future__ import annotations
 
@@ -24,6 +29,7 @@ from torch import nn
 
 COLWISE = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "mlp.gate_proj", "mlp.up_proj")
 ROWWISE = ("self_attn.o_proj", "mlp.down_proj")
+FUSED = ("self_attn.qkv_proj", "mlp.gate_up_proj")  # Phi-3's
 # Where the per-head query and key norms of a model type find the heads in their input: Qwen3
 # norms [B, T, heads, head_dim], Gemma 3 after moving the heads first, [B, heads, T, head_dim].
 QK_NORM_HEADS = {"qwen3": 2, "gemma3_text": 1}
@@ -45,9 +51,16 @@ def llama_styles(
         SequenceParallel,
     )
 
-    styles: dict[str, Any] = {name: ColwiseParallel() for name in COLWISE}
+    fused = all(_has(layer, name) for name in FUSED)
+    # The output projections' inputs: a rank's heads and hidden units, or (fused) every one.
+    given: dict[str, Any] = {"input_layouts": Replicate()} if fused else {}
+    styles: dict[str, Any] = (
+        {name: ColwiseParallel(output_layouts=Replicate()) for name in FUSED}
+        if fused
+        else {name: ColwiseParallel() for name in COLWISE}
+    )
     if sequence_parallel:
-        styles |= {name: RowwiseParallel(output_layouts=Shard(1), use_local_output=False) for name in ROWWISE}
+        styles |= {name: RowwiseParallel(output_layouts=Shard(1), use_local_output=False, **given) for name in ROWWISE}
         styles["self_attn"] = PrepareModuleInput(
             input_kwarg_layouts={"hidden_states": Shard(1)},
             desired_input_kwarg_layouts={"hidden_states": Replicate()},
@@ -60,7 +73,7 @@ def llama_styles(
             if name.endswith("layernorm"):
                 styles[name] = SequenceParallel(use_local_output=False)
     else:
-        styles |= {name: RowwiseParallel() for name in ROWWISE}
+        styles |= {name: RowwiseParallel(**given) for name in ROWWISE}
     attn = layer.get_submodule("self_attn")
     norms = [f"self_attn.{name}" for name in ("q_norm", "k_norm") if hasattr(attn, name)]
     if norms and qk_norm_heads is None:
@@ -97,3 +110,11 @@ def llama_root_styles(decoder: str, head: str) -> dict[str, Any]:
         f"{decoder}.norm": SequenceParallel(use_local_output=True),
         head: ColwiseParallel(input_layouts=Shard(1), output_layouts=Replicate()),
     }
+
+
+def _has(layer: nn.Module, path: str) -> bool:
+    try:
+        layer.get_submodule(path)
+    except AttributeError:
+        return False
+    return True
