@@ -305,7 +305,7 @@ def _eval_tasks(args) -> int:
     from kiln.train.run import load_run
 
     names = [name.strip() for name in args.tasks.split(",") if name.strip()]
-    manager = task_manager(args.include_path)
+    manager = task_manager(args.include_path, names)
     check_tasks(names, manager)
     from kiln.harness.model import KilnLM
 

@@ -33,7 +33,7 @@ def kiln_results(run: Path, tasks: Path, names: list[str]) -> dict:
     from kiln.harness.model import KilnLM
     from kiln.train.run import load_run
 
-    manager = task_manager(tasks)
+    manager = task_manager(tasks, names)
     check_tasks(names, manager)
     saved = load_run(run, device="cpu")
     lm = KilnLM(saved.model, saved.family, saved.tokenizer, SEQ_LEN, batch_size=4)
@@ -87,6 +87,15 @@ def test_kiln_eval_tasks_writes_lm_eval_results(trained):
     assert "bits_per_byte,none" in json.loads((run / "eval" / "kiln_ppl.json").read_text())["results"]["kiln_ppl"]
 
 
+def test_the_tasks_of_an_include_path_are_found_without_indexing_lm_evals_own(tmp_path):
+    """lm-eval's own registry (thousands of files, seconds to index) is read only for a task the
+    include path does not hold (``test_bad_tasks_are_one_line_errors``: its count in the error)."""
+    from kiln.harness import task_manager
+
+    own = task_manager(write_tasks(tmp_path / "tasks"), ["kiln_mc"])
+    assert "kiln_mc" in own.all_tasks and "hellaswag" not in own.all_tasks
+
+
 @pytest.mark.slow
 def test_bad_tasks_are_one_line_errors(trained, tmp_path):
     run, _, tasks = trained
@@ -135,7 +144,7 @@ def test_a_hugging_face_lora_run_unmerged_scores_as_its_merged_export(tmp_path, 
     in_process("export", run, "--format", "hf", "--out", export)
     saved = load_run(run, device="cpu")
     assert any("lora_" in name for name in saved.model.state_dict())  # scored unmerged
-    manager = task_manager(tasks)
+    manager = task_manager(tasks, ["kiln_mc"])
     lm = KilnLM(saved.model, saved.family, saved.tokenizer, saved.family.context_length(saved.args) or 64)
     ours = run_tasks(lm, ["kiln_mc"], manager, log_samples=True, bootstrap_iters=0)
     theirs = lm_eval.simple_evaluate(

@@ -601,7 +601,8 @@ class EvalConfig:
     tasks_limit: int = 0
     """At most this many documents of each task at each scoring; 0 all of them."""
     tasks_include: str = ""
-    """A directory of lm-eval task YAML files, beside lm-eval's own tasks."""
+    """A directory of lm-eval task YAML files, beside lm-eval's own tasks (whose thousands of
+    files are indexed only when a task asked for is not in this directory)."""
 
     def errors(self) -> list[str]:
         return _failed(

@@ -32,7 +32,7 @@ class TaskScores:
         if self.names:  # checked before training starts: a bad task name is an error at once
             from kiln.harness import check_tasks, task_manager
 
-            self.manager = task_manager(e.tasks_include or None)
+            self.manager = task_manager(e.tasks_include or None, self.names)
             # Ranks holding part of every layer, or some of the layers, score whole rows but do not decode.
             check_tasks(self.names, self.manager, generates=cfg.parallel.tp == 1 and cfg.parallel.pp == 1)
 
