@@ -41,9 +41,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from kiln.data.batch import IGNORE_INDEX
 from kiln.models.lm import document_ids, document_mask
-
-IGNORE_INDEX = -100
 
 
 def local_positions(length: int, cp: int, rank: int, device: torch.device | None = None) -> torch.Tensor:

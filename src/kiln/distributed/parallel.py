@@ -22,6 +22,7 @@ from torch import nn
 
 from kiln.checkpoint.store import StoredWeights
 from kiln.config import ConfigError, ParallelConfig
+from kiln.data.batch import IGNORE_INDEX
 from kiln.distributed.experts import apply_ep
 from kiln.distributed.loss_parallel import VocabParallelCrossEntropy
 from kiln.distributed.world import World
@@ -160,7 +161,10 @@ class PaddedRows:
     a ``transformers`` model's; the first is the tokens (past a pipeline's first stage, hidden
     states: not padded, the pipeline's rows are as wide as data.seq_len already)."""
 
-    FILL = {"idx": 0, "input_ids": 0, "attention_mask": 0, "token_type_ids": 0, "targets": -100, "labels": -100}
+    FILL = {
+        **{"idx": 0, "input_ids": 0, "attention_mask": 0, "token_type_ids": 0},
+        **{"targets": IGNORE_INDEX, "labels": IGNORE_INDEX},
+    }
     POSITIONS = ("positions", "position_ids")
 
     def __init__(self, module: nn.Module, multiple: int):

@@ -5,7 +5,6 @@ from __future__ import annotations
 import copy
 import functools
 import math
-from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, cast
 
 import torch
@@ -73,11 +72,6 @@ def _keep_products():
 
 def _keep_product_outputs(ctx, op, *args, **kwargs):
     return CheckpointPolicy.MUST_SAVE if op in _saved_ops() else CheckpointPolicy.PREFER_RECOMPUTE
-
-
-def apply_compile(fn: Callable) -> Callable:
-    """Compile ``fn`` (a model, or a loss function that calls one) with torch.compile."""
-    return torch.compile(fn)
 
 
 def apply_lora(model: nn.Module, cfg: Config, family: ModelFamily, args: Any, *, quantize: bool = True) -> nn.Module:

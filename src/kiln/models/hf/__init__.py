@@ -35,7 +35,7 @@ from kiln.models.family import (
     StateDictAdapter,
     build_model,
 )
-from kiln.models.fused_loss import LinearCrossEntropy
+from kiln.models.fused_loss import IGNORE_INDEX, LinearCrossEntropy
 from kiln.models.generate import decode
 from kiln.models.gpt.memory import GPTMemory
 from kiln.models.gpt.model import GPTConfig
@@ -171,12 +171,12 @@ class CausalLM(nn.Module):
             return self.hf(**inputs, use_cache=False).logits
         # Labels' targets are the next tokens, the last position's none (-100): every position
         # is scored, so the hidden states are never cut (sequence parallelism splits positions).
-        given = targets if targets is not None else F.pad(labels[:, 1:], (0, 1), value=-100)
+        given = targets if targets is not None else F.pad(labels[:, 1:], (0, 1), value=IGNORE_INDEX)
         cut = slice(None) if targets is not None else slice(None, -1)
         if not self.fused:
             logits = self.hf(**inputs, use_cache=False).logits.flatten(0, 1).float()
             if token_logps:
-                nll = F.cross_entropy(logits, given.flatten(), ignore_index=-100, reduction="none")
+                nll = F.cross_entropy(logits, given.flatten(), ignore_index=IGNORE_INDEX, reduction="none")
                 return -nll.view(given.shape)[:, cut]
             return F.cross_entropy(logits, given.flatten())
         hidden = hf.base_model(**inputs, use_cache=False).last_hidden_state
