@@ -48,7 +48,7 @@ def test_nan_step_is_skipped_located_and_the_run_goes_on(tmp_path):
     assert all(math.isfinite(r["loss"]) for r in logged)  # the interval's mean leaves the bad step out
     assert logged[1]["nonfinite_steps"] == 1
     # The update of step 4 was not applied: AdamW counted 7 steps of 8.
-    assert trainer.optimizer.state[trainer.params[0]]["step"].item() == 7
+    assert trainer.optimizer.state[trainer.train_step.params[0]]["step"].item() == 7
 
 
 def test_a_non_finite_expert_is_named_with_its_layer():

@@ -123,7 +123,7 @@ class Trainer:
             busy=self.stragglers.clock,
             say=self._say,
         )
-        self.params, self.expert_load = self.train_step.params, ExpertLoad(self.model.module, world)
+        self.expert_load = ExpertLoad(self.model.module, world)
         self.sources = SourceUse(job.train_data, schedule, cfg.data.max_epochs)
         self.ladder.bind(self.train_step)
         self.meter = StepMeter(
