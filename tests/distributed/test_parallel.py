@@ -75,7 +75,10 @@ def test_a_sharded_checkpoint_exports_like_a_whole_one(tmp_path, fsdp_run, singl
     [
         ("fsdp_grad_op", 2, {}),
         ("ddp", 4, {"parallel__tp": 2}),  # tensor parallel over both ranks, data-parallel degree 1
+        # Compiled: the layers around the vocabulary-parallel loss, which stays eager.
+        ("ddp", 4, {"parallel__tp": 2, "train__compile": "true"}),
     ],
+    ids=["fsdp_grad_op", "tp", "tp-compiled"],
 )
 @pytest.mark.slow
 def test_sharded_strategies_equal_one_process(tmp_path, corpus_dir, single, strategy, micro, extra):

@@ -74,10 +74,14 @@ class VocabParallelCrossEntropy(nn.Module):
         self.softcap, self.sequence_parallel = softcap, sequence_parallel
         self.group, self.size, self.rank = tp_mesh.get_group(), tp_mesh.size(), tp_mesh.get_local_rank()
 
+    # Eager under torch.compile: the chunks' loop and its in-place collectives are not traced
+    # (dynamo hands the collectives DTensors); the layers around it compile.
+    @torch.compiler.disable
     def forward(self, hidden: torch.Tensor, weight: Any, targets: torch.Tensor) -> torch.Tensor:
         hidden, local, shard = self._parts(hidden, weight)
         return linear_cross_entropy(hidden.flatten(0, 1), local, targets.flatten(), softcap=self.softcap, shard=shard)
 
+    @torch.compiler.disable
     def log_probs(self, hidden: torch.Tensor, weight: Any, targets: torch.Tensor) -> torch.Tensor:
         """Each target's log-probability [B, T] (0 where it is -100), in fp32, as the loss module's."""
         hidden, local, shard = self._parts(hidden, weight)

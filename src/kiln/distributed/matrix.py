@@ -78,6 +78,7 @@ PROOFS: dict[tuple[str, str], str] = {
     ("AdamW", "FSDP"): _PARALLEL + "test_fsdp_equals_one_process_and_saves_a_shard_per_rank",
     ("AdamW", "HSDP"): "tests/distributed/test_world.py::test_hsdp_two_replicas_of_two_shards_equal_one_process",
     ("AdamW", "TP"): _PARALLEL + "test_sharded_strategies_equal_one_process",
+    ("compile", "TP"): _PARALLEL + "test_sharded_strategies_equal_one_process",
     ("AdamW", "PP"): "tests/distributed/test_pipeline.py::test_two_stages_train_as_one_process",
     ("AdamW", "EP"): _EXPERTS + "test_experts_split_over_two_ranks_train_as_one_process",
     ("AdamW", "CP"): _CP + "test_two_ranks_splitting_each_sequence_train_as_one_process",
