@@ -12,12 +12,14 @@ nothing of either: what to split comes from its plan.
 from __future__ import annotations
 
 import contextlib
+import inspect
 from collections import defaultdict
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any, Protocol, cast
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from kiln.checkpoint.store import StoredWeights
@@ -162,16 +164,18 @@ class PaddedRows:
     states: not padded, the pipeline's rows are as wide as data.seq_len already)."""
 
     FILL = {
-        **{"idx": 0, "input_ids": 0, "attention_mask": 0, "token_type_ids": 0},
-        **{"targets": IGNORE_INDEX, "labels": IGNORE_INDEX},
+        "idx": 0,
+        "input_ids": 0,
+        "attention_mask": 0,
+        "token_type_ids": 0,
+        "targets": IGNORE_INDEX,
+        "labels": IGNORE_INDEX,
     }
     POSITIONS = ("positions", "position_ids")
 
     def __init__(self, module: nn.Module, multiple: int):
-        import inspect
-
         self.signature, self.multiple = inspect.signature(module.forward), multiple
-        self.pending: list[tuple[int, int] | None] = []
+        self.pads: list[int] = []  # of the forwards under way, innermost last
 
     def install(self, module: nn.Module) -> None:
         # Outermost: before any other hook's input split (context parallelism's), after its output.
@@ -182,11 +186,9 @@ class PaddedRows:
         bound = self.signature.bind(*args, **kwargs)
         tokens = next(iter(bound.arguments.values()))
         pad = -tokens.size(1) % self.multiple if tokens.dtype in (torch.int32, torch.int64) else 0
+        self.pads.append(pad)
         if not pad:
-            self.pending.append(None)
             return args, kwargs
-        import torch.nn.functional as F
-
         for name, value in bound.arguments.items():
             if not isinstance(value, torch.Tensor) or value.dim() == 0:
                 continue
@@ -195,16 +197,14 @@ class PaddedRows:
                 bound.arguments[name] = torch.cat([value, after.to(value.dtype)], dim=-1)
             elif name in self.FILL:
                 bound.arguments[name] = F.pad(value, (0, pad), value=self.FILL[name])
-        self.pending.append((tokens.size(1), pad))
         return bound.args, bound.kwargs
 
     def after(self, module: nn.Module, args: tuple, output: Any) -> Any:
-        pending = self.pending.pop()
-        if pending is None or not isinstance(output, torch.Tensor) or output.dim() < 2:
+        pad = self.pads.pop()
+        if not pad or not isinstance(output, torch.Tensor) or output.dim() < 2:
             return output  # a loss
-        length, pad = pending
-        # Per position: logits or log-probabilities, one fewer for labels (the last has no next).
-        return output[:, : length - (length + pad - output.size(1))]
+        # Per position: logits or log-probabilities (one fewer for labels: the last has no next).
+        return output[:, : output.size(1) - pad]
 
 
 @contextlib.contextmanager
@@ -483,8 +483,6 @@ def host_units(block: nn.Module) -> list[nn.Module]:
 
 
 def apply_ddp(model: nn.Module, plan: ParallelPlan, dp_mesh, device: torch.device, bucket_mb: int) -> nn.Module:
-    import inspect
-
     from torch.nn.parallel import DistributedDataParallel
 
     group = dp_mesh.get_group()

@@ -51,11 +51,12 @@ def task_manager(include_path: str | os.PathLike | None = None, names: Sequence[
     offline()
     from lm_eval.tasks import TaskManager
 
-    if include_path and names:
-        own = TaskManager(include_path=str(Path(include_path).expanduser()), include_defaults=False)
+    where = str(Path(include_path).expanduser()) if include_path else None
+    if where and names:
+        own = TaskManager(include_path=where, include_defaults=False)
         if set(names) <= set(own.all_tasks):
             return own
-    return TaskManager(include_path=str(Path(include_path).expanduser()) if include_path else None)
+    return TaskManager(include_path=where)
 
 
 def check_tasks(names: list[str], manager, *, generates: bool = True) -> None:
