@@ -12,6 +12,7 @@ SRC = Path(__file__).parents[1] / "src"
 LAYERS = {
     "io": 0,
     "compat": 0,
+    "labels": 0,
     "config": 1,
     "device": 2,
     "checkpoint": 3,

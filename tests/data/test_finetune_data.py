@@ -10,10 +10,10 @@ import pyarrow.parquet as pq
 import pytest
 
 from kiln.config import DataConfig
-from kiln.data.batch import IGNORE_INDEX
 from kiln.data.corpus import DataError
 from kiln.data.finetune import causal_row, pack, prepare_finetune
 from kiln.data.records import Record, read_records
+from kiln.labels import IGNORE_INDEX
 
 from conftest import sft_records, write_jsonl
 

@@ -9,10 +9,11 @@ import pytest
 import torch
 
 from kiln.config import DataConfig
-from kiln.data.batch import IGNORE_INDEX, PairBatch, batch_rows, loss_count, split_batch, to_device
+from kiln.data.batch import PairBatch, batch_rows, loss_count, split_batch, to_device
 from kiln.data.corpus import DataError
 from kiln.data.preference import PairCollate, preference_row, prepare_preference
 from kiln.data.records import Record
+from kiln.labels import IGNORE_INDEX
 
 from conftest import write_jsonl
 

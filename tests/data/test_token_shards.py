@@ -12,7 +12,16 @@ import torch
 from kiln.config import DataConfig
 from kiln.data.corpus import DataError
 from kiln.data.loader import TokenSequences, TokenShards, document_windows, make_train_loader, val_batches
-from kiln.data.shards import FORMAT_VERSION, _assemble, _Job, _Reporter, open_prepared, prepare, shard_files, verify
+from kiln.data.shards import (
+    FORMAT_VERSION,
+    _assemble,
+    _Preparation,
+    _Reporter,
+    open_prepared,
+    prepare,
+    shard_files,
+    verify,
+)
 from kiln.data.team import ALONE
 from kiln.doctor.data import _document_spans
 
@@ -152,7 +161,7 @@ def test_parts_are_cut_into_shards_every_shard_bytes(tmp_path, parts):
     stream = np.arange(sum(parts), dtype=dtype)
     for r, (a, b) in enumerate(itertools.pairwise([0, *np.cumsum(parts).tolist()])):
         (tmp_path / f"rank-{r:05d}.train.bin").write_bytes(stream[a:b].tobytes())
-    job = _Job(DataConfig(shard_bytes=4 * 4 + 3), ALONE, _Reporter(False), 0.0)
+    job = _Preparation(DataConfig(shard_bytes=4 * 4 + 3), ALONE, _Reporter(False), 0.0)
     shards = _assemble(job, tmp_path, "train", parts, dtype, [0])
     counts = [s["tokens"] for s in shards]
     assert counts == ([4] * (len(stream) // 4) + ([len(stream) % 4] if len(stream) % 4 else []) or [0])

@@ -7,8 +7,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kiln.data.batch import IGNORE_INDEX, TextBatch
+from kiln.data.batch import TextBatch
 from kiln.data.loader import DocumentSequences, TokenSequences, document_positions
+from kiln.labels import IGNORE_INDEX
 from kiln.models.gpt.model import GPT, GPTConfig
 
 EOT = 0

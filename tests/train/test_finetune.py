@@ -13,8 +13,8 @@ from tokenizers import Tokenizer
 
 from kiln.cli import main
 from kiln.config import DataConfig, load_config
-from kiln.data.batch import IGNORE_INDEX
 from kiln.data.finetune import pack, prepare_finetune
+from kiln.labels import IGNORE_INDEX
 from kiln.models.hf import FAMILY
 from kiln.train.evaluate import classification_metrics
 from kiln.train.jobs import job_for

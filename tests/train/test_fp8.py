@@ -57,14 +57,17 @@ def _fit(tmp_path, precision):
         # Small batches: float8 matmuls on a CPU run a slow reference path (about 18 ms each here).
         "train.micro_batch_size=4",
         "train.global_batch_size=4",
-        "train.lr=6e-3",
+        "train.lr=1e-2",
         "train.warmup_steps=3",
         "train.log_every=5",
         f"train.precision={precision}",
         "eval.every=0",
         "checkpoint.every=0",
     ]
-    trainer = Trainer(_gpt(), data, lm_loss, load_config(None, sets), tokens_per_sample=32, console=False)
+    # Narrow layers (a 32-wide model learns this stream as well): see the batch size above.
+    trainer = Trainer(
+        _gpt(d_model=32, d_ff=64), data, lm_loss, load_config(None, sets), tokens_per_sample=32, console=False
+    )
     return trainer.fit().metrics["loss"]
 
 
@@ -103,7 +106,9 @@ def test_fp8_on_two_tensor_parallel_ranks_trains_as_one_process(tmp_path, corpus
     follows the one-process run. Both compute in bf16 autocast, and the row-split products are
     summed over the ranks in another order, so they agree to bf16's rounding, not fp32's (the
     same pair in bf16 differs by up to 1.4e-3 over these steps)."""
-    fp8 = dict(train__precision="fp8", train__fp8_recipe=recipe)
+    # Half the width and the sequence of the other layouts' runs: a float8 product on the CPU
+    # takes the reference path, whose time grows with the multiply-adds (about 18 ms for 1M).
+    fp8 = dict(train__precision="fp8", train__fp8_recipe=recipe, model__d_model=32, model__d_ff=64, data__seq_len=16)
     one, tp = tmp_path / "one", tmp_path / "tp"
     in_process("train", *layout_sets(one, corpus_dir, micro=4, **fp8))
     proc = train_on(2, layout_sets(tp, corpus_dir, micro=4, parallel__strategy="ddp", parallel__tp=2, **fp8))

@@ -283,7 +283,9 @@ def test_auto_fills_the_budget_ends_the_schedule_and_resumes_exactly(tmp_path, c
     last = [r for r in records if "loss" in r][-1]
     assert last["step"] == steps
     assert last["lr"] == pytest.approx(1e-2 * 0.1)  # the schedule's final value, train.lr x min_lr_ratio
-    assert last["elapsed_s"] <= budget * 1.05
+    # It fills the budget to within a tenth, an evaluation every 40 steps and a checkpoint every
+    # 10 included, and stays under it by no more than the plan's margin.
+    assert abs(last["elapsed_s"] - budget) <= 0.1 * budget and last["elapsed_s"] <= budget * 1.05
     assert wall < budget + 10  # the interpreter's start and the data's fingerprint come on top
     # The probe's checkpoint is gone, and was not announced.
     assert not (auto / "checkpoints" / "step-00000000").exists() and "step-00000000" not in out
@@ -327,28 +329,6 @@ def test_auto_fills_the_budget_ends_the_schedule_and_resumes_exactly(tmp_path, c
     final = f"checkpoints/step-{planned:08d}/model.safetensors"
     a, b = load_file(fixed / final), load_file(killed / final)
     assert all((a[k] == b[k]).all() for k in a)
-
-
-@pytest.mark.slow
-def test_a_twenty_second_budget_ends_within_ten_percent(tmp_path, corpus_dir):
-    budget = 20
-    run = tmp_path / "run"
-    overrides = tiny_overrides(
-        run,
-        corpus_dir,
-        train__max_steps="auto",
-        train__time_budget=f"{budget}s",
-        train__log_every=10,
-        eval__every=500,
-        checkpoint__every=500,
-    )
-    started = time.perf_counter()
-    kiln("train", *sets(overrides))
-    wall = time.perf_counter() - started
-    last = [r for r in _records(run) if "loss" in r][-1]
-    # The interpreter's start comes on top of the loop's time.
-    assert abs(last["elapsed_s"] - budget) <= 0.1 * budget and wall < budget * 1.1 + 15
-    assert last["step"] == tomllib.loads((run / "config.toml").read_text())["train"]["max_steps"]
 
 
 def test_an_auto_batch_is_chosen_recorded_and_kept_on_resume(tmp_path, corpus_dir):

@@ -14,7 +14,7 @@ from typing import Any
 import torch
 from torch.utils.data import Dataset, default_collate
 
-IGNORE_INDEX = -100
+from kiln.labels import IGNORE_INDEX
 
 
 class RowBatch(ABC):

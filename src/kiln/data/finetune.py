@@ -24,9 +24,10 @@ from typing import Any
 
 from torch.utils.data import Dataset
 
-from kiln.data.batch import IGNORE_INDEX, TokenBatch, pad_id, pad_rows
+from kiln.data.batch import TokenBatch, pad_id, pad_rows
 from kiln.data.corpus import DataError
 from kiln.data.records import Record, read_records
+from kiln.labels import IGNORE_INDEX
 
 TASKS = ("causal_lm", "sequence_classification")
 

@@ -17,9 +17,10 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader, Dataset, Sampler, default_collate
 
-from kiln.data.batch import IGNORE_INDEX, collate
+from kiln.data.batch import collate
 from kiln.data.batch_schedule import BatchSchedule
 from kiln.data.corpus import DataError
+from kiln.labels import IGNORE_INDEX
 
 
 class TokenShards:

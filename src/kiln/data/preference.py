@@ -16,10 +16,11 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from kiln.data.batch import IGNORE_INDEX, PairBatch, TokenBatch, pad_id, pad_rows
+from kiln.data.batch import PairBatch, TokenBatch, pad_id, pad_rows
 from kiln.data.corpus import DataError
 from kiln.data.finetune import Examples, split_records, split_rows
 from kiln.data.records import Record
+from kiln.labels import IGNORE_INDEX
 
 # The fields of a pair (TRL's names), and what each holds, for errors about them.
 FIELDS = {

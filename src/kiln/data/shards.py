@@ -142,7 +142,7 @@ def prepare(data_cfg, progress: bool = True, team: Team = ALONE, slow_seconds: f
     the files and the shards come out as one process writes them (see :func:`_prepare`);
     ``slow_seconds`` delays rank 0's tokenization (a test's stand-in for a large corpus).
     """
-    job = _Job(data_cfg, team, _Reporter(progress and team.rank == 0), slow_seconds)
+    job = _Preparation(data_cfg, team, _Reporter(progress and team.rank == 0), slow_seconds)
     corpus = _open(job, data_cfg.source, data_cfg.text_field)
     return _prepare(job, corpus, _tokenizer(job, [corpus]))
 
@@ -153,14 +153,14 @@ def prepare_mix(
     """Each source of the mixture ``data_cfg.mix`` prepared as ``prepare`` does one corpus (its own
     train/val split and cache entry), all with one tokenizer trained on their train splits
     together; by the sources' names."""
-    job = _Job(data_cfg, team, _Reporter(progress and team.rank == 0), slow_seconds)
+    job = _Preparation(data_cfg, team, _Reporter(progress and team.rank == 0), slow_seconds)
     corpora = [_open(job, m.source, m.text_field or data_cfg.text_field) for m in data_cfg.mix]
     tok = _tokenizer(job, corpora)
     return {m.label: _prepare(job, c, tok) for m, c in zip(data_cfg.mix, corpora, strict=True)}
 
 
 @dataclass
-class _Job:
+class _Preparation:
     cfg: Any  # DataConfig
     team: Team
     report: _Reporter
@@ -193,7 +193,7 @@ class Corpora:
         return sum(c.count(split) for c in self.corpora)
 
 
-def _open(job: _Job, source: str, text_field: str) -> Corpus:
+def _open(job: _Preparation, source: str, text_field: str) -> Corpus:
     """The corpus ``source`` names, the same on every rank (DataError naming the rank, host and
     file where one sees other files), fingerprinted."""
     cfg, opened = job.cfg, []
@@ -249,7 +249,7 @@ def _difference(ours: dict[str, int], theirs: dict[str, int]) -> str:
     return f"{path} is {theirs[path]:,} bytes there, {ours[path]:,} on rank 0"
 
 
-def _tokenizer(job: _Job, corpora: list[Corpus]) -> Tokenizer:
+def _tokenizer(job: _Preparation, corpora: list[Corpus]) -> Tokenizer:
     """The tokenizer data.tokenizer names; a BPE is trained by rank 0 (the split of every corpus
     decided by all ranks first) and sent to the others, which cache it too."""
     cfg, team, root = job.cfg, job.team, cache_root(job.cfg)
@@ -275,7 +275,7 @@ def _tokenizer(job: _Job, corpora: list[Corpus]) -> Tokenizer:
     return Tokenizer.from_str(trained)
 
 
-def _prepare(job: _Job, corpus: Corpus, tok: Tokenizer) -> PreparedData:
+def _prepare(job: _Preparation, corpus: Corpus, tok: Tokenizer) -> PreparedData:
     """``corpus`` tokenized with ``tok`` into the cache, or found there.
 
     With several ranks: the ranks that see one directory as the cache (a shared file system, or
@@ -340,7 +340,7 @@ def _prepare(job: _Job, corpus: Corpus, tok: Tokenizer) -> PreparedData:
     return dataclasses.replace(open_prepared(final), tokenized=True)
 
 
-def _site(job: _Job, tmp: Path) -> tuple[list[int], int]:
+def _site(job: _Preparation, tmp: Path) -> tuple[list[int], int]:
     """The ranks that see ``tmp`` (this rank's view of the shared temporary directory) as this
     rank does, and how many such sites there are: each rank leaves a mark there, then each says
     whose marks it sees."""
@@ -375,7 +375,9 @@ def _size_problem(prepared: PreparedData) -> str | None:
     return None
 
 
-def _build(job: _Job, corpus: Corpus, tok: Tokenizer, tok_hash: str, out: Path, site: list[int], sites: int) -> dict:
+def _build(
+    job: _Preparation, corpus: Corpus, tok: Tokenizer, tok_hash: str, out: Path, site: list[int], sites: int
+) -> dict:
     cfg, team = job.cfg, job.team
     vocab_size = tok.get_vocab_size()
     # Token ids run from 0 to vocab_size - 1.
@@ -437,7 +439,7 @@ def _build(job: _Job, corpus: Corpus, tok: Tokenizer, tok_hash: str, out: Path, 
 
 
 def _tokenize(
-    job: _Job,
+    job: _Preparation,
     corpus: Corpus,
     split: str,
     pieces: range,
@@ -462,7 +464,7 @@ def _tokenize(
     return documents, nbytes, tokens
 
 
-def _exchange(job: _Job, out: Path, split: str, parts: list[int], dtype: np.dtype, site: list[int]) -> None:
+def _exchange(job: _Preparation, out: Path, split: str, parts: list[int], dtype: np.dtype, site: list[int]) -> None:
     """Every rank's part of ``split`` copied to the sites that do not see it, in pieces of
     _SEND_BYTES from its rank to all; the first rank of each such site writes it."""
     team = job.team
@@ -478,7 +480,9 @@ def _exchange(job: _Job, out: Path, split: str, parts: list[int], dtype: np.dtyp
                     sink.write(piece)
 
 
-def _assemble(job: _Job, out: Path, split: str, parts: list[int], dtype: np.dtype, site: list[int]) -> list[dict]:
+def _assemble(
+    job: _Preparation, out: Path, split: str, parts: list[int], dtype: np.dtype, site: list[int]
+) -> list[dict]:
     """The parts of ``split`` (token counts by rank), joined in rank order, cut every
     data.shard_bytes (rounded down to whole tokens) into ``SPLIT-00000.bin``, ...; each site's
     ranks write its shards in turn. Their manifest entries; a split always has one shard,

@@ -41,7 +41,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kiln.data.batch import IGNORE_INDEX
+from kiln.labels import IGNORE_INDEX
 from kiln.models.lm import document_ids, document_mask
 
 

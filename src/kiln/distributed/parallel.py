@@ -24,10 +24,10 @@ from torch import nn
 
 from kiln.checkpoint.store import StoredWeights
 from kiln.config import ConfigError, ParallelConfig
-from kiln.data.batch import IGNORE_INDEX
 from kiln.distributed.experts import apply_ep
 from kiln.distributed.loss_parallel import VocabParallelCrossEntropy
 from kiln.distributed.world import World
+from kiln.labels import IGNORE_INDEX
 from kiln.models.family import ParallelPlan
 from kiln.models.init import Values
 

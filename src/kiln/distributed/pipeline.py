@@ -25,7 +25,7 @@ from torch import nn
 
 from kiln.checkpoint.store import StoredWeights
 from kiln.config import ConfigError, ParallelConfig
-from kiln.data.batch import IGNORE_INDEX, TextBatch, TokenBatch, next_labels
+from kiln.data.batch import TextBatch, TokenBatch, next_labels
 from kiln.distributed.context import SequenceSplit
 from kiln.distributed.parallel import (
     ParallelModel,
@@ -37,6 +37,7 @@ from kiln.distributed.parallel import (
     shard,
 )
 from kiln.distributed.world import World
+from kiln.labels import IGNORE_INDEX
 from kiln.models.family import ParallelPlan
 from kiln.models.init import Values
 

@@ -23,6 +23,7 @@ here is a no-op and nothing distributed is imported. The world's hang watchdog
 from __future__ import annotations
 
 import atexit
+import contextlib
 import os
 import sys
 import threading
@@ -392,5 +393,22 @@ def close_world() -> None:
         import torch.distributed as dist
 
         if dist.is_initialized():
+            _meet_before_leaving(dist)
             dist.destroy_process_group()
         _OWN_GROUP = False
+
+
+# How long a rank leaving the group waits for the others at the door (a rank that failed never comes).
+LEAVE_WAIT_S = 5.0
+
+
+def _meet_before_leaving(dist: Any) -> None:
+    """Gloo sends asynchronously: a rank that tears its connections down while a peer is still
+    taking in its last messages aborts that peer's process ("terminate called without an active
+    exception", SIGABRT at exit). Meeting the others first lets every message land."""
+    if dist.get_world_size() == 1 or dist.get_backend() != "gloo":
+        return  # NCCL's destroy_process_group waits for its own pending work
+    from datetime import timedelta
+
+    with contextlib.suppress(RuntimeError):  # a rank that is gone or late: leave anyway
+        dist.monitored_barrier(timeout=timedelta(seconds=LEAVE_WAIT_S))

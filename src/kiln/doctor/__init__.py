@@ -1,5 +1,5 @@
-"""``kiln doctor``: preflight checks of a config before a long run. The job they examine
-(job.py), the checks by area (environment.py, data.py, model.py: model, input pipeline and
+"""``kiln doctor``: preflight checks of a config before a long run. What they examine, the
+subject (job.py), the checks by area (environment.py, data.py, model.py: model, input pipeline and
 determinism), running them (runner.py) and the report (report.py)."""
 
 from kiln.doctor.report import Check, DoctorReport

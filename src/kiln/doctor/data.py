@@ -23,7 +23,7 @@ from torch.utils.data import Dataset
 from kiln.data import DataError, TokenSequences, verify
 from kiln.data.loader import TokenShards, dataset_len
 from kiln.data.shards import shard_files
-from kiln.doctor.job import DoctorJob
+from kiln.doctor.job import Subject
 from kiln.doctor.report import fmt_bytes
 
 SCAN_TOKENS = 50_000_000
@@ -67,7 +67,7 @@ class Records:
 class DataScan:
     """Statistics of the job's datasets, computed on first use and shared by the checks."""
 
-    def __init__(self, job: DoctorJob):
+    def __init__(self, job: Subject):
         self.job = job
         self.datasets = {s: d for s, d in (("train", job.train_data), ("val", job.val_data)) if d is not None}
         self._sampled: dict[str, tuple[list[tuple[int, Any]], str]] = {}
@@ -167,7 +167,7 @@ class DataScan:
         return repr(text[:chars])
 
 
-def data_scan(job: DoctorJob) -> DataScan:
+def data_scan(job: Subject) -> DataScan:
     """The job's data statistics, computed once for every check that needs them."""
     return job.shared(DataScan)
 
@@ -175,7 +175,7 @@ def data_scan(job: DoctorJob) -> DataScan:
 # -- the checks -----------------------------------------------------------------------------------
 
 
-def check_source(job: DoctorJob):
+def check_source(job: Subject):
     if job.data_problem:
         return "fail", job.data_problem, "fix data.source (or the files it names) as the message says"
     empty = [s for s, d in (("train", job.train_data), ("val", job.val_data)) if d is not None and dataset_len(d) == 0]
@@ -189,7 +189,7 @@ def check_source(job: DoctorJob):
     return "pass", job.source, ""
 
 
-def check_checksums(job: DoctorJob):
+def check_checksums(job: Subject):
     if job.train_data is None:
         return "skip", _NO_DATA, ""
     prepared = job.prepared
@@ -216,7 +216,7 @@ def check_checksums(job: DoctorJob):
     )
 
 
-def check_token_ids(job: DoctorJob):
+def check_token_ids(job: Subject):
     if job.train_data is None:
         return "skip", _NO_DATA, ""
     scan, vocab = data_scan(job), job.vocab_size
@@ -245,7 +245,7 @@ def check_token_ids(job: DoctorJob):
     return "pass", evidence, ""
 
 
-def check_documents(job: DoctorJob):
+def check_documents(job: Subject):
     if job.train_data is None:
         return "skip", _NO_DATA, ""
     scan = data_scan(job)
@@ -279,7 +279,7 @@ def check_documents(job: DoctorJob):
     return "pass", evidence, ""
 
 
-def check_duplicates(job: DoctorJob):
+def check_duplicates(job: Subject):
     if job.train_data is None:
         return "skip", _NO_DATA, ""
     scan = data_scan(job)
@@ -312,7 +312,7 @@ def check_duplicates(job: DoctorJob):
     return "pass", evidence, ""
 
 
-def check_overlap(job: DoctorJob):
+def check_overlap(job: Subject):
     if job.train_data is None:
         return "skip", _NO_DATA, ""
     scan = data_scan(job)
@@ -337,7 +337,7 @@ def check_overlap(job: DoctorJob):
     return ("warn", evidence, fix) if shared else ("pass", evidence, "")
 
 
-def check_sample(job: DoctorJob):
+def check_sample(job: Subject):
     data, tok = job.train_data, job.tokenizer
     if data is None or dataset_len(data) == 0:
         return "skip", _NO_DATA, ""
@@ -370,7 +370,7 @@ def check_sample(job: DoctorJob):
     return "pass", evidence, ""
 
 
-def check_records(job: DoctorJob):
+def check_records(job: Subject):
     """Fine-tuning records: how many were cut to data.seq_len, how many tokens the loss covers,
     how full packed rows are, and how balanced a classifier's labels are."""
     data = job.finetune
@@ -486,7 +486,7 @@ def _digest(data: bytes) -> bytes:
     return hashlib.blake2b(data, digest_size=16).digest()
 
 
-def _no_documents(job: DoctorJob) -> str:
+def _no_documents(job: Subject) -> str:
     if job.eot is None:
         return "no end-of-text token known (run_doctor takes tokenizer=) to split the data into documents"
     return "documents are known only in token streams (TokenSequences)"

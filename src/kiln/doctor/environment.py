@@ -1,6 +1,6 @@
 """Environment checks of ``kiln doctor``: versions, the device and its features, disk space.
 
-Each check takes the DoctorJob and returns (status, evidence, fix)."""
+Each check takes the doctor's Subject (job.py) and returns (status, evidence, fix)."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from kiln.doctor.job import DoctorJob
+from kiln.doctor.job import Subject
 from kiln.doctor.report import first_line, fmt_bytes
 from kiln.train.optim import build_optimizer
 
@@ -23,7 +23,7 @@ from kiln.train.optim import build_optimizer
 CHECKPOINT_BYTES_PER_PARAM = 16
 
 
-def check_versions(job: DoctorJob):
+def check_versions(job: Subject):
     import numpy
     import tokenizers
 
@@ -36,7 +36,7 @@ def check_versions(job: DoctorJob):
     return "pass", evidence, ""
 
 
-def check_device(job: DoctorJob):
+def check_device(job: Subject):
     runtime = torch.version.cuda
     driver = _driver_cuda_version()
     if job.device_problem:
@@ -88,7 +88,7 @@ def check_device(job: DoctorJob):
     return "pass", evidence, ""
 
 
-def check_bf16(job: DoctorJob):
+def check_bf16(job: Subject):
     wanted = job.cfg.train.precision == "bf16"
     if job.device.type == "cuda":
         try:
@@ -122,7 +122,7 @@ def check_bf16(job: DoctorJob):
     )
 
 
-def check_flash_attention(job: DoctorJob):
+def check_flash_attention(job: Subject):
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
     device, precision = job.device, job.cfg.train.precision
@@ -156,7 +156,7 @@ def check_flash_attention(job: DoctorJob):
     return "pass", f"the SDPA flash kernel runs on {device} ({dtype}, head_dim {head_dim}){note}", ""
 
 
-def check_fused_adamw(job: DoctorJob):
+def check_fused_adamw(job: Subject):
     device = job.device
     param = torch.nn.Parameter(torch.zeros(8, device=device))
     try:
@@ -183,7 +183,7 @@ def check_fused_adamw(job: DoctorJob):
     return "pass", f"{available}; kiln's optimizer {used}", ""
 
 
-def check_disk(job: DoctorJob):
+def check_disk(job: Subject):
     run_dir = Path(job.cfg.run.dir).expanduser().absolute()
     existing = next(p for p in (run_dir, *run_dir.parents) if p.exists())
     free = shutil.disk_usage(existing).free

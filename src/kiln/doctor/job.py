@@ -1,6 +1,6 @@
-"""What ``kiln doctor`` examines: the job of a config (prepared data, the model family's model
-and loss), or a user's own model, loss and datasets. The checks share work through the job
-(``shared``), so that, say, the data scan several data checks use runs once.
+"""What ``kiln doctor`` examines, its ``Subject``: the job of a config (prepared data, the model
+family's model and loss), or a user's own model, loss and datasets. The checks share work through
+the subject (``shared``), so that, say, the data scan several data checks use runs once.
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ T = TypeVar("T")
 
 
 @dataclass
-class DoctorJob:
+class Subject:
     """Everything the checks look at. Models come from ``new_model`` so that every check starts
     from the same untrained weights and none of them changes the user's model."""
 
@@ -64,14 +64,14 @@ class DoctorJob:
     def micro_batch_size(self) -> int:
         return self.cfg.train.nominal_micro_batch
 
-    def shared(self, make: Callable[[DoctorJob], T]) -> T:
-        """``make(job)``, computed once and shared by every check that asks for it."""
+    def shared(self, make: Callable[[Subject], T]) -> T:
+        """``make(subject)``, computed once and shared by every check that asks for it."""
         if make not in self._shared:
             self._shared[make] = make(self)
         return self._shared[make]
 
 
-# -- the job ------------------------------------------------------------------------------------
+# -- the subject --------------------------------------------------------------------------------
 
 
 def _device(cfg: Config) -> tuple[torch.device, str | None]:
@@ -82,7 +82,7 @@ def _device(cfg: Config) -> tuple[torch.device, str | None]:
         return torch.device("cpu"), str(e)
 
 
-def _finetune_job(job: FineTuneJob, device: torch.device, device_problem: str | None) -> DoctorJob:
+def _finetune_job(job: FineTuneJob, device: torch.device, device_problem: str | None) -> Subject:
     """A fine-tuning job: its records, tokenized by the model's own tokenizer."""
     cfg, family = job.cfg, job.family
     try:
@@ -109,7 +109,7 @@ def _finetune_job(job: FineTuneJob, device: torch.device, device_problem: str | 
         if m
         else f"data.source={cfg.data.source!r}"
     )
-    return DoctorJob(
+    return Subject(
         cfg=cfg,
         device=device,
         device_problem=device_problem,
@@ -139,7 +139,7 @@ def build_job(
     tokenizer: Any,
     vocab_size: int | None,
     progress: bool,
-) -> DoctorJob:
+) -> Subject:
     """The job of ``cfg``, with any of its pieces replaced by the user's (see ``run_doctor``)."""
     device, device_problem = _device(cfg)
     # Its precision is what "auto" is on the device the doctor can use.
@@ -181,7 +181,7 @@ def build_job(
         num_params = sum(p.numel() for p in {id(p): p for p in model.parameters()}.values())
         head_dim = None
         uniform = math.log(vocab_size) if vocab_size else None
-    return DoctorJob(
+    return Subject(
         cfg=cfg,
         device=device,
         device_problem=device_problem,

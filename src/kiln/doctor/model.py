@@ -27,7 +27,7 @@ from kiln.data.loader import dataset_len, make_train_loader
 from kiln.distributed.parallelize import parallelize
 from kiln.distributed.world import World
 from kiln.doctor.data import data_scan
-from kiln.doctor.job import DoctorJob
+from kiln.doctor.job import Subject
 from kiln.models.family import ParallelPlan
 from kiln.train.optim import build_optimizer, lr_at
 from kiln.train.precision import Precision
@@ -57,7 +57,7 @@ def _rate(step: int, t: TrainConfig) -> float:
 class _Run:
     """A fresh model with kiln's optimizer and precision, stepped by the Trainer's own step."""
 
-    def __init__(self, job: DoctorJob):
+    def __init__(self, job: Subject):
         t = job.cfg.train
         assert job.new_model is not None  # model_blocker lets no check without a model get here
         self.model = job.new_model()
@@ -82,12 +82,12 @@ class _Run:
         return loss.item()
 
 
-def small_batch(job: DoctorJob, size: int = SMALL_BATCH) -> Any:
+def small_batch(job: Subject, size: int = SMALL_BATCH) -> Any:
     data = _train_data(job)
     return collate(data, range(min(size, dataset_len(data))), job.device, job.collate_fn)
 
 
-def _train_data(job: DoctorJob) -> Dataset:
+def _train_data(job: Subject) -> Dataset:
     """The training data of a check that runs the model: model_blocker lets none without it get here."""
     assert job.train_data is not None
     return job.train_data
@@ -100,7 +100,7 @@ class GradientProbe:
     Two steps, not one, so that a parameter whose gradient is zero only at initialisation (behind
     a zero-initialised layer) is not reported as cut off."""
 
-    def __init__(self, job: DoctorJob):
+    def __init__(self, job: Subject):
         run = _Run(job)
         batch = small_batch(job)
         self.names = [n for n, p in run.model.named_parameters() if p.requires_grad]
@@ -119,12 +119,12 @@ class GradientProbe:
                 self.norms[name] = None if p.grad is None else float(p.grad.detach().float().norm())
 
 
-def gradient_probe(job: DoctorJob) -> GradientProbe:
+def gradient_probe(job: Subject) -> GradientProbe:
     """The job's gradient probe, run once for the initial-loss and gradient checks."""
     return job.shared(GradientProbe)
 
 
-def model_blocker(job: DoctorJob) -> str | None:
+def model_blocker(job: Subject) -> str | None:
     """Why the model cannot be run on this data (then its checks are skipped), or None."""
     if job.device_problem:
         # Falling back to the CPU could take hours for a model sized for a GPU.
@@ -149,7 +149,7 @@ def model_blocker(job: DoctorJob) -> str | None:
 # -- model and optimizer --------------------------------------------------------------------------
 
 
-def check_initial_loss(job: DoctorJob):
+def check_initial_loss(job: Subject):
     if blocker := model_blocker(job):
         return "skip", blocker, ""
     loss, expected = gradient_probe(job).losses[0], job.uniform_loss
@@ -176,7 +176,7 @@ def check_initial_loss(job: DoctorJob):
     return "pass", evidence, ""
 
 
-def check_gradient_flow(job: DoctorJob):
+def check_gradient_flow(job: Subject):
     if blocker := model_blocker(job):
         return "skip", blocker, ""
     probe = gradient_probe(job)
@@ -194,7 +194,7 @@ def check_gradient_flow(job: DoctorJob):
     return "pass", f"all {len(probe.names)} trainable parameters got a non-zero gradient", ""
 
 
-def check_gradient_norms(job: DoctorJob):
+def check_gradient_norms(job: Subject):
     if blocker := model_blocker(job):
         return "skip", blocker, ""
     norms = gradient_probe(job).norms
@@ -229,7 +229,7 @@ _BROKEN = (
 )
 
 
-def check_overfit(job: DoctorJob):
+def check_overfit(job: Subject):
     """Memorise one small batch at train.lr. When that fails, one more run at a rate 10x lower
     (after divergence) or higher (after no progress) tells a bad rate from a broken model."""
     if blocker := model_blocker(job):
@@ -274,7 +274,7 @@ def check_overfit(job: DoctorJob):
     return "fail", f"{evidence}: the loss does not fall at either rate", _BROKEN
 
 
-def _overfit(job: DoctorJob, lr: float) -> list[float]:
+def _overfit(job: Subject, lr: float) -> list[float]:
     """Losses of a fresh model trained on one small batch at ``lr``, until it memorises the batch,
     clearly diverges, or runs out of steps or time."""
     run, batch = _Run(job), small_batch(job)
@@ -310,7 +310,7 @@ def _trajectory(lr: float, losses: list[float]) -> str:
 # -- input pipeline ---------------------------------------------------------------------------------
 
 
-def check_input_pipeline(job: DoctorJob):
+def check_input_pipeline(job: Subject):
     if blocker := model_blocker(job):
         return "skip", blocker, ""
     cfg = job.cfg
@@ -355,7 +355,7 @@ def check_input_pipeline(job: DoctorJob):
     return "pass", evidence, ""
 
 
-def _loader(job: DoctorJob, size: int, workers: int):
+def _loader(job: Subject, size: int, workers: int):
     return make_train_loader(
         _train_data(job),
         schedule=size,
@@ -367,7 +367,7 @@ def _loader(job: DoctorJob, size: int, workers: int):
     )
 
 
-def _load_seconds(job: DoctorJob, size: int, batches: int = 2) -> float:
+def _load_seconds(job: Subject, size: int, batches: int = 2) -> float:
     """Seconds to read and collate one batch in this process, the work a worker does per batch."""
     it = iter(_loader(job, size, 0))
     next(it)  # the first batch pays for opening memory maps and the like
@@ -388,7 +388,7 @@ _DETERMINISM_FIX = (
 )
 
 
-def check_determinism(job: DoctorJob):
+def check_determinism(job: Subject):
     if blocker := model_blocker(job):
         return "skip", blocker, ""
     (losses_a, weights_a), (losses_b, weights_b) = _short_run(job), _short_run(job)
@@ -409,7 +409,7 @@ def check_determinism(job: DoctorJob):
     return "fail", evidence, _DETERMINISM_FIX
 
 
-def _short_run(job: DoctorJob) -> tuple[list[float], str]:
+def _short_run(job: Subject) -> tuple[list[float], str]:
     t = job.cfg.train
     random.seed(t.seed)
     np.random.seed(t.seed)

@@ -25,7 +25,7 @@ from kiln.config import Config, load_config, validate
 from kiln.doctor import data as data_checks
 from kiln.doctor import environment as environment_checks
 from kiln.doctor import model as model_checks
-from kiln.doctor.job import DoctorJob, build_job
+from kiln.doctor.job import Subject, build_job
 from kiln.doctor.report import GROUPS, Check, DoctorReport, first_line
 from kiln.train.step import LossFn
 
@@ -60,12 +60,12 @@ def run_doctor(
         torch.set_num_threads(cfg.run.threads)
     rng = capture_rng()  # the checks seed and draw; the caller's random state is left as it was
     try:
-        job = build_job(cfg, model, loss_fn, train_data, val_data, tokenizer, vocab_size, progress)
+        subject = build_job(cfg, model, loss_fn, train_data, val_data, tokenizer, vocab_size, progress)
         report = DoctorReport()
         for group, name, check in (c for c in CHECKS if c[0] in wanted):
             if progress and (not report.checks or report.checks[-1].group != group):
                 print(f"kiln doctor: checking {group} ...", file=sys.stderr, flush=True)
-            report.checks.append(_run_check(group, name, check, job))
+            report.checks.append(_run_check(group, name, check, subject))
     finally:
         restore_rng(rng)
     report.seconds = time.perf_counter() - started
@@ -91,11 +91,11 @@ def _groups(groups: Iterable[str] | None) -> set[str]:
     return wanted
 
 
-def _run_check(group: str, name: str, check: Callable, job: DoctorJob) -> Check:
+def _run_check(group: str, name: str, check: Callable, subject: Subject) -> Check:
     """One check, timed; a check that raises is a failure that shows the error, not a crash."""
     started = time.perf_counter()
     try:
-        status, evidence, fix = check(job)
+        status, evidence, fix = check(subject)
     except Exception as e:  # noqa: BLE001 - any error inside a check is a finding about the setup
         status, evidence = "fail", f"the check raised {type(e).__name__}: {first_line(e)}"
         fix = "the setup cannot run this step; the error above names the cause"

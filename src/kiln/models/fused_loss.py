@@ -16,7 +16,7 @@ from typing import NamedTuple
 import torch
 from torch import nn
 
-IGNORE_INDEX = -100
+from kiln.labels import IGNORE_INDEX
 
 
 class VocabShard(NamedTuple):

@@ -9,7 +9,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from kiln.models.fused_loss import IGNORE_INDEX
+from kiln.labels import IGNORE_INDEX
 
 
 def document_ids(positions: torch.Tensor) -> torch.Tensor:

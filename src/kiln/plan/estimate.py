@@ -958,11 +958,11 @@ class StepTime:
 
 
 # ---------------------------------------------------------------------------------------------
-# One job, many setups
+# One workload, many setups
 
 
 @dataclass(frozen=True)
-class Job:
+class Workload:
     """What stays fixed while a plan compares setups: the model, the batch, the device and the
     cluster."""
 

@@ -10,10 +10,10 @@ from kiln.plan.estimate import (
     LINKS,
     RECOMPUTE_TIME,
     SELECTIVE_TIME,
-    Job,
     MemoryEstimate,
     Setup,
     StepTime,
+    Workload,
 )
 from kiln.plan.planner import Plan
 from kiln.plan.recommend import Recommendation, sequences
@@ -72,7 +72,7 @@ def _pipeline(s: Setup) -> str:
     )
 
 
-def _setup_lines(s: Setup, job: Job, auto_micro: bool, fits: bool) -> list[str]:
+def _setup_lines(s: Setup, job: Workload, auto_micro: bool, fits: bool) -> list[str]:
     micro = f"{s.micro_batch_size}"
     if auto_micro:
         micro += " (auto: the largest that fits)" if fits else " (auto: none fits; shown at the smallest)"
@@ -89,12 +89,12 @@ def _setup_lines(s: Setup, job: Job, auto_micro: bool, fits: bool) -> list[str]:
     return lines
 
 
-def _frozen_storage(job: Job, s: Setup) -> str:
+def _frozen_storage(job: Workload, s: Setup) -> str:
     """How a LoRA run's frozen base is stored: in the compute dtype, QLoRA's adapted weights in NF4."""
     return f"NF4 and {s.precision}" if any(p.kind == "nf4" for p in job.shape.block) else s.precision
 
 
-def _overhead_label(job: Job, s: Setup) -> str:
+def _overhead_label(job: Workload, s: Setup) -> str:
     target = job.target
     if target.kind != "cuda":
         return "overhead (the process: Python, PyTorch" + (", transformers, peft)" if job.shape.imports_hf else ")")
@@ -113,7 +113,7 @@ def _amount(n: int, unit: tuple[str, int]) -> str:
     return f"{n / unit[1]:,.2f} {unit[0]}"
 
 
-def _devices(job: Job, world_size: int) -> str:
+def _devices(job: Workload, world_size: int) -> str:
     nodes = job.cluster.nodes(world_size)
     if job.target.kind != "cuda":
         return f"{world_size} x {job.target.name}"
@@ -225,7 +225,7 @@ def bubble_fraction(s: Setup) -> float:
     return (s.pp - 1) / (s.pp_virtual_stages * s.microbatches + s.pp - 1)
 
 
-def _command(job: Job, world_size: int) -> str:
+def _command(job: Workload, world_size: int) -> str:
     nodes = job.cluster.nodes(world_size)
     per_node = min(world_size, job.cluster.gpus_per_node)
     if nodes == 1:
@@ -233,7 +233,7 @@ def _command(job: Job, world_size: int) -> str:
     return f"kiln launch --nnodes {nodes} --nproc-per-node {per_node} --rdzv-endpoint HOST:PORT -- train ..."
 
 
-def _summary(rec: Recommendation, job: Job) -> str:
+def _summary(rec: Recommendation, job: Workload) -> str:
     s = rec.setup
     accumulation = job.rank_batch(s) // s.micro_batch_size
     parts = [
@@ -311,7 +311,7 @@ def _memory_json(m: MemoryEstimate) -> dict:
     }
 
 
-def _setup_json(s: Setup, job: Job) -> dict:
+def _setup_json(s: Setup, job: Workload) -> dict:
     return {
         "micro_batch_size": s.micro_batch_size,
         "global_batch_size": job.global_batch,
@@ -333,7 +333,7 @@ def _setup_json(s: Setup, job: Job) -> dict:
     }
 
 
-def _time_json(job: Job, s: Setup, t: StepTime) -> dict:
+def _time_json(job: Workload, s: Setup, t: StepTime) -> dict:
     """Seconds of each part of a step; null without a known peak."""
     if job.target.peak_flops is None:
         return {"seconds": None, "mfu": None, "scaling_efficiency": None, "tokens_per_second_per_gpu": None}

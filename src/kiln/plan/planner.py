@@ -27,12 +27,12 @@ from kiln.plan.estimate import (
     NVLINK_BYTES_PER_S,
     PCIE_BYTES_PER_S,
     Cluster,
-    Job,
     MemoryEstimate,
     ModelShape,
     Setup,
     StepTime,
     Target,
+    Workload,
 )
 from kiln.plan.recommend import Recommendation, largest_fitting_micro_batch, needs_fixed_micro_batch, recommend
 from kiln.train.jobs import job_for
@@ -197,7 +197,7 @@ def resolve_cluster(
 @dataclass
 class Plan:
     config: Config
-    job: Job
+    job: Workload
     base: Setup
     auto_micro: bool  # train.micro_batch_size = "auto": base has the largest that fits (or 1)
     memory: MemoryEstimate
@@ -314,7 +314,7 @@ def make_plan(
     _check_layout(cfg, shape, target, world, world_flag)
     base = dataclasses.replace(_base_setup(cfg, world, world_flag), compile_auto=compile_auto)
     # global_batch_size = "auto" is planned at the batch the run starts with.
-    job = Job(shape, cfg.data.seq_len, cfg.train.global_batch(base.data_ranks), target, cluster)
+    job = Workload(shape, cfg.data.seq_len, cfg.train.global_batch(base.data_ranks), target, cluster)
     auto_micro = cfg.train.micro_batch_size == "auto"
     if auto_micro:
         base = largest_fitting_micro_batch(job, base) or base
@@ -325,7 +325,7 @@ def make_plan(
     return plan
 
 
-def _notes(cfg: Config, s: Setup, job: Job, auto_micro: bool) -> list[str]:
+def _notes(cfg: Config, s: Setup, job: Workload, auto_micro: bool) -> list[str]:
     target, notes = job.target, []
     if auto_micro and needs_fixed_micro_batch(s):
         notes.append(

@@ -11,7 +11,7 @@ import itertools
 from collections.abc import Iterator
 from dataclasses import dataclass
 
-from kiln.plan.estimate import Job, MemoryEstimate, Setup, StepTime
+from kiln.plan.estimate import MemoryEstimate, Setup, StepTime, Workload
 
 
 @dataclass
@@ -40,7 +40,7 @@ def _divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
-def _layouts(job: Job, base: Setup, world_size: int) -> Iterator[tuple[int, int]]:
+def _layouts(job: Workload, base: Setup, world_size: int) -> Iterator[tuple[int, int]]:
     """(pp, tp) degrees the world divides into, leaving a data-parallel degree that divides the
     global batch: stages the model's layers fill equally, tensor parallelism the model can
     split and no wider than a node (unless the config asks for it)."""
@@ -55,7 +55,7 @@ def _layouts(job: Job, base: Setup, world_size: int) -> Iterator[tuple[int, int]
             yield pp, tp
 
 
-def _schedules(job: Job, base: Setup, pp: int) -> list[tuple[str, int]]:
+def _schedules(job: Workload, base: Setup, pp: int) -> list[tuple[str, int]]:
     """Pipeline schedules with their virtual stages per rank: 1f1b, interleaved 1F1B over two
     stages per rank where the layers allow, and the config's own. gpipe is never faster than
     1f1b (the same bubble) and holds more activations."""
@@ -69,7 +69,7 @@ def _schedules(job: Job, base: Setup, pp: int) -> list[tuple[str, int]]:
     return sorted(options)
 
 
-def _strategies(job: Job, base: Setup, dp: int, pp: int, tp: int) -> list[tuple[str, bool]]:
+def _strategies(job: Workload, base: Setup, dp: int, pp: int, tp: int) -> list[tuple[str, bool]]:
     """(strategy, CPU offload) pairs that kiln runs: DDP not with tensor parallelism
     (kiln.distributed.pipeline); offload only without tensor or pipeline parallelism, on a GPU;
     with one data-parallel rank the strategy matters only to offload."""
@@ -85,7 +85,7 @@ def _strategies(job: Job, base: Setup, dp: int, pp: int, tp: int) -> list[tuple[
     return [(base.strategy, False)] + [("fsdp", True)] * (gpu and alone)
 
 
-def _data_splits(job: Job, base: Setup, dp: int, pp: int, strategy: str, offload: bool) -> list[tuple[int, int]]:
+def _data_splits(job: Workload, base: Setup, dp: int, pp: int, strategy: str, offload: bool) -> list[tuple[int, int]]:
     """(ep, cp) degrees that kiln runs on ``dp`` data-parallel ranks, one of them at a time and
     not in a pipeline: expert parallelism for a mixture of experts under FSDP, over degrees that
     divide its experts; context parallelism where the family's plan names the attention, over
@@ -103,7 +103,7 @@ def _data_splits(job: Job, base: Setup, dp: int, pp: int, strategy: str, offload
     return splits
 
 
-def _candidates(job: Job, base: Setup, world_size: int) -> Iterator[Setup]:
+def _candidates(job: Workload, base: Setup, world_size: int) -> Iterator[Setup]:
     """The fastest fitting micro-batch of every combination of the changes a plan may
     recommend, for ``world_size`` devices."""
     precisions = {base.precision}
@@ -144,7 +144,7 @@ def _candidates(job: Job, base: Setup, world_size: int) -> Iterator[Setup]:
             yield fastest
 
 
-def largest_fitting_micro_batch(job: Job, s: Setup) -> Setup | None:
+def largest_fitting_micro_batch(job: Workload, s: Setup) -> Setup | None:
     for micro in reversed(job.micro_batch_options(s)):
         candidate = dataclasses.replace(s, micro_batch_size=micro)
         if job.fits(candidate):
@@ -152,7 +152,7 @@ def largest_fitting_micro_batch(job: Job, s: Setup) -> Setup | None:
     return None
 
 
-def fastest_fitting_micro_batch(job: Job, s: Setup) -> Setup | None:
+def fastest_fitting_micro_batch(job: Workload, s: Setup) -> Setup | None:
     """Without a pipeline the largest micro-batch that fits is the fastest (fewer collectives,
     larger matmuls). In a pipeline, every micro-batch and count of pipeline micro-batches that
     fit are compared: more of them shrink the bubble, smaller ones compute less efficiently."""
@@ -174,7 +174,7 @@ def needs_fixed_micro_batch(s: Setup) -> bool:
     return s.world_size > 1 and (s.strategy != "ddp" or s.tp > 1 or s.pp > 1 or s.cp > 1)
 
 
-def _recommendation(job: Job, base: Setup, s: Setup, auto_micro: bool) -> Recommendation:
+def _recommendation(job: Workload, base: Setup, s: Setup, auto_micro: bool) -> Recommendation:
     overrides = s.overrides(base)
     if auto_micro:  # the run finds the micro-batch itself, where it can
         overrides = [o for o in overrides if not o.startswith("train.micro_batch_size=")]
@@ -185,7 +185,7 @@ def _recommendation(job: Job, base: Setup, s: Setup, auto_micro: bool) -> Recomm
     )
 
 
-def _costs(job: Job, base: Setup, s: Setup, auto_micro: bool) -> list[str]:
+def _costs(job: Workload, base: Setup, s: Setup, auto_micro: bool) -> list[str]:
     costs = []
     t = job.time(s)
     accumulation = job.rank_batch(s) // s.micro_batch_size
@@ -250,7 +250,9 @@ def _keys(overrides: list[str]) -> set[str]:
     return {item.split("=")[0] for item in overrides}
 
 
-def recommend(job: Job, base: Setup, auto_micro: bool, limit: int = 3, more_gpus: bool = True) -> list[Recommendation]:
+def recommend(
+    job: Workload, base: Setup, auto_micro: bool, limit: int = 3, more_gpus: bool = True
+) -> list[Recommendation]:
     """The fastest setups that fit on the config's devices, by estimated step time, then fewest
     changes: the config itself among them if it fits; each other one not merely adding changes
     to one listed before it (it would be slower and change more). Then, with ``more_gpus``
@@ -275,7 +277,7 @@ def recommend(job: Job, base: Setup, auto_micro: bool, limit: int = 3, more_gpus
     return chosen
 
 
-def _fewest_gpus(job: Job, base: Setup, auto_micro: bool, most: int = 4096) -> Recommendation | None:
+def _fewest_gpus(job: Workload, base: Setup, auto_micro: bool, most: int = 4096) -> Recommendation | None:
     """The smallest power-of-two multiple of the world size with a layout that fits without
     offload: the fastest of them."""
     if job.target.kind != "cuda":

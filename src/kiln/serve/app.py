@@ -19,7 +19,7 @@ try:
 except ImportError as e:
     raise ImportError(f"kiln serve needs fastapi and uvicorn ({e}): pip install 'kiln[serve]'") from None
 
-from kiln.serve.engine import Engine, Job, Score
+from kiln.serve.engine import Engine, GenerationRequest, Score
 from kiln.serve.protocol import (
     ApiError,
     Completion,
@@ -102,7 +102,7 @@ def run_server(app: FastAPI, sock: socket.socket) -> None:
         server.run(sockets=[sock])
 
 
-async def _answer(engine: Engine, job: Job, body: dict, reply: Reply):
+async def _answer(engine: Engine, job: GenerationRequest, body: dict, reply: Reply):
     stream, include_usage = streaming(body)
     if stream:
         return StreamingResponse(
@@ -122,7 +122,7 @@ async def _complete(engine: Engine, completion: Completion, reply: Reply) -> dic
     generated as alone, then, for log-probabilities, every prompt with what it generated scored
     in one turn of the worker."""
 
-    async def generate(job: Job) -> tuple[str, str, list[int]]:
+    async def generate(job: GenerationRequest) -> tuple[str, str, list[int]]:
         if job.max_tokens == 0:  # echo=true, max_tokens=0: the prompt scored, nothing generated
             return "", "length", []
         pieces, last = [], None
@@ -154,7 +154,7 @@ async def _complete(engine: Engine, completion: Completion, reply: Reply) -> dic
     return reply.choices(choices, counts)
 
 
-async def _events(engine: Engine, job: Job, reply: Reply, include_usage: bool) -> AsyncIterator[str]:
+async def _events(engine: Engine, job: GenerationRequest, reply: Reply, include_usage: bool) -> AsyncIterator[str]:
     """Server-sent events: a chunk per piece of text, the finish_reason in the last, then [DONE]."""
     if reply.chat:
         yield _sse(reply.chunk("", first=True))

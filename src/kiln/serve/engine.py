@@ -89,7 +89,7 @@ def _stop_prefix(text: str, stop: list[str]) -> int:
 
 
 @dataclass
-class Job:
+class GenerationRequest:
     """One request for the worker: a prompt's token ids and how to continue it."""
 
     prompt: list[int]
@@ -157,7 +157,7 @@ class Engine:
         if probe is None:
             raise ServeError(f"model family {run.cfg.model.family} ({run.cfg.model.task}) cannot generate text")
         probe.close()
-        self._inbox: queue.SimpleQueue[tuple[Job | list[Score], Emit] | None] = queue.SimpleQueue()
+        self._inbox: queue.SimpleQueue[tuple[GenerationRequest | list[Score], Emit] | None] = queue.SimpleQueue()
         # A mixture of experts whose experts take a limited share of a pass's tokens routes a
         # token differently beside others: such a model scores one sequence per pass, unpadded.
         self.score_alone = any(isinstance(m, MoE) and m.capacity for m in run.model.modules())
@@ -171,7 +171,7 @@ class Engine:
         self._inbox.put(None)
         self._thread.join()
 
-    async def generate(self, job: Job) -> AsyncIterator[Update]:
+    async def generate(self, job: GenerationRequest) -> AsyncIterator[Update]:
         """Queue the job and yield its updates up to the last; a failure in the worker is raised
         here. Leaving early (the client disconnected) cancels the job."""
         updates = self._submit(job)
@@ -197,7 +197,7 @@ class Engine:
         assert isinstance(answer, list)
         return answer
 
-    def _submit(self, work: Job | list[Score]) -> asyncio.Queue[Update | list[Scored] | Exception]:
+    def _submit(self, work: GenerationRequest | list[Score]) -> asyncio.Queue[Update | list[Scored] | Exception]:
         """Queue work for the worker: what it sends back arrives in the returned queue."""
         loop = asyncio.get_running_loop()
         answers: asyncio.Queue[Update | list[Scored] | Exception] = asyncio.Queue()
@@ -206,7 +206,7 @@ class Engine:
             try:
                 loop.call_soon_threadsafe(answers.put_nowait, answer)
             except RuntimeError:  # the event loop has closed: nobody is listening any more
-                if isinstance(work, Job):
+                if isinstance(work, GenerationRequest):
                     work.cancelled = True
 
         self._inbox.put((work, emit))
@@ -224,7 +224,9 @@ class Engine:
                     self._drop(active)
                     return
                 work, emit = item
-                active.append(_Decoding(self, work, emit) if isinstance(work, Job) else _Scoring(self, work, emit))
+                active.append(
+                    _Decoding(self, work, emit) if isinstance(work, GenerationRequest) else _Scoring(self, work, emit)
+                )
             active = [decoding for decoding in active if decoding.step()]
 
     def _drop(self, active: list[_Decoding | _Scoring]) -> None:
@@ -242,7 +244,7 @@ class Engine:
 class _Decoding:
     """One job being decoded: its token stream (opened at its first step) and its text."""
 
-    def __init__(self, engine: Engine, job: Job, emit: Emit):
+    def __init__(self, engine: Engine, job: GenerationRequest, emit: Emit):
         self.engine = engine
         self.job = job
         self.emit = emit

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from kiln.data.tokenizer import Codec
-from kiln.serve.engine import PROMPT_CONTEXT, Job, Scored
+from kiln.serve.engine import PROMPT_CONTEXT, GenerationRequest, Scored
 
 # OpenAI's default for /v1/completions; chat gets the rest of the context.
 DEFAULT_MAX_TOKENS = 16
@@ -59,7 +59,7 @@ class Completion:
     """A /v1/completions request: a job per prompt (each answered by its own choice, in order),
     the prompts' text as sent (None: sent as token ids), and what the answers carry."""
 
-    jobs: list[Job]
+    jobs: list[GenerationRequest]
     texts: list[str | None]
     echo: bool = False
     logprobs: int | None = None  # None: no log-probabilities; N: the N most likely tokens too
@@ -125,7 +125,7 @@ def _prompts(prompt: Any, codec: Codec) -> list[tuple[list[int], str | None]]:
     return out
 
 
-def chat_job(body: dict[str, Any], codec: Codec, context: int | None) -> Job:
+def chat_job(body: dict[str, Any], codec: Codec, context: int | None) -> GenerationRequest:
     """The job of a /v1/chat/completions request: ``messages`` rendered by the chat template."""
     _refuse(body, {**UNSUPPORTED, **COMPLETIONS_ONLY})
     messages = body.get("messages")
@@ -169,7 +169,7 @@ def _jobs(
     context: int | None,
     default_max: int | None,
     echo: bool = False,
-) -> list[Job]:
+) -> list[GenerationRequest]:
     """A job for each prompt from the sampling fields of a request, checked; ``default_max`` None:
     up to the end of the context. ``max_tokens=0`` asks for no tokens, which only an echo makes
     sense of (the prompt scored).
@@ -212,7 +212,7 @@ def _jobs(
         elif max_tokens is None:
             max_tokens = DEFAULT_MAX_TOKENS  # the context is unknown, so there is no end of it to fill
         jobs.append(
-            Job(
+            GenerationRequest(
                 prompt=ids,
                 max_tokens=max_tokens,
                 temperature=temperature,

@@ -27,9 +27,10 @@ import torch
 from torch import nn
 
 from kiln.config import Config, ConfigError
-from kiln.data.batch import IGNORE_INDEX, RowBatch, TokenBatch, pad_id, pad_rows
+from kiln.data.batch import RowBatch, TokenBatch, pad_id, pad_rows
 from kiln.data.prompts import PromptBatch
 from kiln.distributed.world import World
+from kiln.labels import IGNORE_INDEX
 from kiln.models.family import ModelFamily
 from kiln.train.logps import token_logps
 from kiln.train.preference import adapters_disabled

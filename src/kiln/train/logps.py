@@ -9,7 +9,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from kiln.data.batch import IGNORE_INDEX, TokenBatch
+from kiln.data.batch import TokenBatch
+from kiln.labels import IGNORE_INDEX
 
 
 def token_logps(model: nn.Module, rows: TokenBatch) -> tuple[torch.Tensor, torch.Tensor]:

@@ -32,11 +32,12 @@ import torch.nn.functional as F
 from torch import nn
 
 from kiln.config import Config
-from kiln.data.batch import IGNORE_INDEX, PairBatch, TokenBatch, next_labels
+from kiln.data.batch import PairBatch, TokenBatch, next_labels
 from kiln.data.finetune import Examples
 from kiln.distributed.parallel import Staged
 from kiln.distributed.world import World
 from kiln.io import write_atomic
+from kiln.labels import IGNORE_INDEX
 from kiln.train.logps import completion_logps
 
 REFERENCE_FILE = "reference_logps.pt"

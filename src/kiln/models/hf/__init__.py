@@ -26,6 +26,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from kiln.config import ConfigError, ModelConfig
+from kiln.labels import IGNORE_INDEX
 from kiln.models.family import (
     TRANSFORMERS_ATTENTION,
     TRANSFORMERS_EXPERTS,
@@ -35,7 +36,7 @@ from kiln.models.family import (
     StateDictAdapter,
     build_model,
 )
-from kiln.models.fused_loss import IGNORE_INDEX, LinearCrossEntropy
+from kiln.models.fused_loss import LinearCrossEntropy
 from kiln.models.generate import decode
 from kiln.models.gpt.memory import GPTMemory
 from kiln.models.gpt.model import GPTConfig

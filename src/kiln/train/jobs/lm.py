@@ -21,11 +21,12 @@ from torch import nn
 
 from kiln.config import ConfigError, DataConfig
 from kiln.data import PreparedData, TokenSequences, prepare, prepare_mix, val_batches
-from kiln.data.batch import IGNORE_INDEX, TextBatch, split_batch
+from kiln.data.batch import TextBatch, split_batch
 from kiln.data.loader import DocumentSequences, document_windows
 from kiln.data.mixture import Mixture
 from kiln.data.tokenizer import Codec
 from kiln.distributed.world import World
+from kiln.labels import IGNORE_INDEX
 from kiln.models.family import ModelFamily
 from kiln.models.hf.loading import model_dir
 from kiln.models.lm import targets_of
