@@ -338,7 +338,7 @@ def test_an_auto_batch_is_chosen_recorded_and_kept_on_resume(tmp_path, corpus_di
         train__max_steps="auto",
         train__global_batch_size="auto",
         train__micro_batch_size=64,  # the probe's batch; a short run chooses a smaller one
-        train__time_budget="6s",
+        train__time_budget="3s",
         train__log_every=5,
         checkpoint__every=4,  # resumed from step 4: before any decay of a plan of 6 steps or more
         checkpoint__keep=1000,

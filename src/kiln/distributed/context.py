@@ -69,7 +69,7 @@ class _GatherSequence(torch.autograd.Function):
     this rank's chunk summed over the ranks that used it (a reduce-scatter)."""
 
     @staticmethod
-    def forward(ctx, x: torch.Tensor, group: Any, size: int) -> torch.Tensor:
+    def forward(ctx: Any, x: torch.Tensor, group: Any, size: int) -> torch.Tensor:
         import torch.distributed as dist
 
         ctx.group, ctx.size = group, size
@@ -78,7 +78,7 @@ class _GatherSequence(torch.autograd.Function):
         return out
 
     @staticmethod
-    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
         import torch.distributed as dist
 
         out = grad.new_empty((grad.size(0) // ctx.size, *grad.shape[1:]))
@@ -92,7 +92,7 @@ class _SumOverGroup(torch.autograd.Function):
     group's size: data-parallel training averages it back over the group."""
 
     @staticmethod
-    def forward(ctx, x: torch.Tensor, group: Any, size: int) -> torch.Tensor:
+    def forward(ctx: Any, x: torch.Tensor, group: Any, size: int) -> torch.Tensor:
         import torch.distributed as dist
 
         ctx.size = size
@@ -101,7 +101,7 @@ class _SumOverGroup(torch.autograd.Function):
         return x
 
     @staticmethod
-    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
         return grad * ctx.size, None, None
 
 
@@ -123,7 +123,15 @@ class ContextParallelAttend(nn.Module):
         super().__init__()
         self.inner, self.group, self.cp, self.rank = inner, group, cp, rank
 
-    def forward(self, q, k, v, mask=None, causal=True, documents=None):
+    def forward(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        mask: torch.Tensor | None = None,
+        causal: bool = True,
+        documents: torch.Tensor | None = None,
+    ) -> torch.Tensor:
         if mask is not None or not causal:  # decoding over a kv cache: not split
             return self.inner(q, k, v, mask, causal)
         from torch.nn.attention.bias import causal_lower_right
@@ -282,7 +290,9 @@ class _ScaledAttend(nn.Module):
         super().__init__()
         self.scale = scale
 
-    def forward(self, q, k, v, mask=None, causal=True):
+    def forward(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None = None, causal: bool = True
+    ) -> torch.Tensor:
         k, v = k.to(q.dtype), v.to(q.dtype)
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal, scale=self.scale)
 
@@ -313,7 +323,16 @@ def apply_cp_transformers(hf: nn.Module, cp_mesh: Any) -> SequenceSplit:
     split = SequenceSplit(group, size, rank, TRANSFORMERS_INPUTS)
     cores: dict[float | None, ContextParallelAttend] = {}  # by the scale each layer passes
 
-    def attend(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
+    def attend(
+        module: nn.Module,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        attention_mask: torch.Tensor | None,
+        scaling: float | None = None,
+        dropout: float = 0.0,
+        **kwargs: Any,
+    ) -> tuple[torch.Tensor, None]:
         if kwargs.get("use_cache") is not False:  # decoding (or a call outside kiln's wrapper): whole
             return sdpa_attention_forward(
                 module, query, key, value, attention_mask, scaling=scaling, dropout=dropout, **kwargs

@@ -27,7 +27,7 @@ class _Gather(torch.autograd.Function):
     each rank's positions of the gradient summed over the group (a reduce-scatter)."""
 
     @staticmethod
-    def forward(ctx, x: torch.Tensor, group: Any, size: int) -> torch.Tensor:
+    def forward(ctx: Any, x: torch.Tensor, group: Any, size: int) -> torch.Tensor:
         import torch.distributed as dist
 
         ctx.group, ctx.size = group, size
@@ -37,7 +37,7 @@ class _Gather(torch.autograd.Function):
         return out.movedim(0, 1)
 
     @staticmethod
-    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
         import torch.distributed as dist
 
         whole = grad.movedim(1, 0).contiguous()
@@ -51,12 +51,12 @@ class _SumGradient(torch.autograd.Function):
     part of it from its rows of the vocabulary)."""
 
     @staticmethod
-    def forward(ctx, x: torch.Tensor, group: Any) -> torch.Tensor:
+    def forward(ctx: Any, x: torch.Tensor, group: Any) -> torch.Tensor:
         ctx.group = group
         return x.view_as(x)
 
     @staticmethod
-    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
         import torch.distributed as dist
 
         grad = grad.contiguous()

@@ -13,9 +13,12 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from kiln.config import Config, ConfigError, ParallelConfig, from_dict
+
+if TYPE_CHECKING:
+    from kiln.models.family import ParallelPlan
 
 
 @dataclass(frozen=True)
@@ -194,7 +197,7 @@ def refusal(feature: str, layout: Layout) -> str | None:
     return None
 
 
-def _plan(cfg: Config):
+def _plan(cfg: Config) -> ParallelPlan:
     """The parallel plan of the model ``cfg`` trains (a tiny Llama for a Hugging Face source)."""
     from kiln.models.family import family_of
 

@@ -323,7 +323,7 @@ def shard(
         )
 
 
-def apply_tp(model: nn.Module, plan: ParallelPlan, tp_mesh) -> None:
+def apply_tp(model: nn.Module, plan: ParallelPlan, tp_mesh: Any) -> None:
     """Lay the model out over the tensor-parallel ranks as its family's styles say (in place):
     the modules outside the repeated layers (``plan.tp_root``), then each layer's
     (``plan.tensor_parallel``); a tied output layer shares the embedding's split weight again;
@@ -413,13 +413,13 @@ def _tied_pairs(model: nn.Module) -> list[tuple[str, str]]:
 def apply_fsdp(
     model: nn.Module,
     plan: ParallelPlan,
-    dp_mesh,
+    dp_mesh: Any,
     *,
     reshard_after_forward: bool,
     bf16: bool,
     cpu_offload: bool,
     experts: list[nn.Module] | None = None,
-    experts_mesh=None,
+    experts_mesh: Any = None,
 ) -> None:
     """FSDP2 per repeated layer, then the root (embedding, final norm, output layer) as one more
     unit. A model whose plan names no repeated layers is sharded as one unit.
@@ -482,7 +482,7 @@ def host_units(block: nn.Module) -> list[nn.Module]:
     ]
 
 
-def apply_ddp(model: nn.Module, plan: ParallelPlan, dp_mesh, device: torch.device, bucket_mb: int) -> nn.Module:
+def apply_ddp(model: nn.Module, plan: ParallelPlan, dp_mesh: Any, device: torch.device, bucket_mb: int) -> nn.Module:
     from torch.nn.parallel import DistributedDataParallel
 
     group = dp_mesh.get_group()
@@ -507,7 +507,7 @@ def apply_ddp(model: nn.Module, plan: ParallelPlan, dp_mesh, device: torch.devic
 
 
 @torch.no_grad()
-def broadcast_trainable(model: nn.Module, group) -> None:
+def broadcast_trainable(model: nn.Module, group: Any) -> None:
     """Every trainable parameter and every buffer of ``model`` as the group's first rank has it."""
     import torch.distributed as dist
 
@@ -529,7 +529,7 @@ def is_sharded(model: nn.Module) -> bool:
 
 
 def clip_grad_norm_(
-    params: Iterable[torch.Tensor], max_norm: float, group=None, uncounted: Iterable[torch.Tensor] = ()
+    params: Iterable[torch.Tensor], max_norm: float, group: Any = None, uncounted: Iterable[torch.Tensor] = ()
 ) -> torch.Tensor:
     """Clip to a global L2 norm and return the norm, for plain tensors and DTensors alike.
 

@@ -134,7 +134,7 @@ def _tied(model: nn.Module, plan: ParallelPlan) -> dict[str, str]:
     """The weights the first and the last stage share (tied input and output embeddings): each
     one's name among the first stage's parameters and among the last's."""
 
-    def named(names):
+    def named(names: Iterable[str]) -> dict[int, str]:
         return {id(p): f"{name}.{key}" for name in names for key, p in model.get_submodule(name).named_parameters()}
 
     _, first_paths, last_paths = plan.pipeline_paths(model)
@@ -464,13 +464,13 @@ def _restrict(model_state: StoredWeights, optim_state: dict[str, Any], names: se
     return {"state": kept, "param_groups": groups}
 
 
-def _send_header(x: torch.Tensor, dst: int, group) -> None:
+def _send_header(x: torch.Tensor, dst: int, group: Any) -> None:
     import torch.distributed as dist
 
     dist.send_object_list([tuple(x.shape), x.dtype], dst, group=group)
 
 
-def _recv_header(src: int, group) -> tuple[tuple[int, ...], torch.dtype]:
+def _recv_header(src: int, group: Any) -> tuple[tuple[int, ...], torch.dtype]:
     import torch.distributed as dist
 
     header: list = [None, None]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import functools
 import math
@@ -9,7 +10,12 @@ from typing import TYPE_CHECKING, Any, cast
 
 import torch
 from torch import nn
-from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
+from torch.utils.checkpoint import (
+    CheckpointPolicy,
+    SelectiveCheckpointContext,
+    checkpoint,
+    create_selective_checkpoint_contexts,
+)
 
 from kiln.compat import quiet_library_imports, quiet_library_warnings
 from kiln.config import Config, ConfigError
@@ -65,12 +71,12 @@ def _saved_ops() -> frozenset:
     return frozenset(ops)
 
 
-def _keep_products():
+def _keep_products() -> tuple[contextlib.AbstractContextManager, contextlib.AbstractContextManager]:
     """The contexts of one checkpointed forward (and its recomputation) under the selective policy."""
     return create_selective_checkpoint_contexts(_keep_product_outputs)
 
 
-def _keep_product_outputs(ctx, op, *args, **kwargs):
+def _keep_product_outputs(ctx: SelectiveCheckpointContext, op: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
     return CheckpointPolicy.MUST_SAVE if op in _saved_ops() else CheckpointPolicy.PREFER_RECOMPUTE
 
 
@@ -176,7 +182,7 @@ def _split_targets(model: nn.Module, targets: list[str]) -> tuple[list[str], lis
     return modules, parameters
 
 
-def _nf4():
+def _nf4() -> tuple[Any, Any]:
     """torchao's NF4 tensor class and constructor (under ``torchao.dtypes`` up to 0.17)."""
     quiet_library_imports()
     try:
@@ -274,7 +280,7 @@ def _dequantized_state(module: nn.Module, state: dict, prefix: str, local_metada
     state[key] = plain.cpu()
 
 
-def _load_quantized(module: nn.Module, state: dict, prefix: str, *args) -> None:
+def _load_quantized(module: nn.Module, state: dict, prefix: str, *args: Any) -> None:
     key, current = prefix + "weight", cast(torch.Tensor, module.weight)
     quantized = local_part(current)
     if key not in state or not isinstance(quantized, _nf4()[0]):

@@ -20,7 +20,7 @@ import sys
 from collections.abc import Callable, Iterator, Mapping
 from concurrent.futures import Future
 from pathlib import Path
-from typing import Any, Protocol, cast
+from typing import TYPE_CHECKING, Any, Protocol, cast
 
 import torch
 from torch import nn
@@ -42,6 +42,9 @@ from kiln.data.loader import StepBatches
 from kiln.distributed.parallel import ParallelModel, local_part
 from kiln.distributed.world import World
 from kiln.train.faults import NO_FAULTS, NoFaults
+
+if TYPE_CHECKING:
+    from torch.distributed.checkpoint.state_dict import StateDictOptions
 
 
 class Stateful(Protocol):
@@ -268,7 +271,7 @@ class Checkpointer:
         return train_state["step"]
 
 
-def _options(sharded: bool):
+def _options(sharded: bool) -> StateDictOptions:
     """How model and optimizer state are laid out in a checkpoint. Sharded optimizer state is
     flat, one entry per parameter and setting ("param_groups.blocks.3.attn.wq.weight.lr"), so
     ranks that hold different layers never write the same key."""

@@ -16,7 +16,9 @@ LossFn = Callable[[nn.Module, TokenBatch], torch.Tensor]
 
 
 @torch.no_grad()
-def evaluate_causal_lm(model: nn.Module, loss_fn: LossFn, batches: Sequence[TokenBatch], device) -> dict[str, float]:
+def evaluate_causal_lm(
+    model: nn.Module, loss_fn: LossFn, batches: Sequence[TokenBatch], device: torch.device
+) -> dict[str, float]:
     """Loss per counted token, perplexity, and bits per byte of the targets' text."""
     nats = torch.zeros((), device=device, dtype=torch.float64)
     tokens = nbytes = 0
@@ -33,7 +35,9 @@ def evaluate_causal_lm(model: nn.Module, loss_fn: LossFn, batches: Sequence[Toke
 
 
 @torch.no_grad()
-def evaluate_classifier(model: nn.Module, batches: Sequence[TokenBatch], device, labels: Sequence[str]) -> dict:
+def evaluate_classifier(
+    model: nn.Module, batches: Sequence[TokenBatch], device: torch.device, labels: Sequence[str]
+) -> dict:
     """Loss, accuracy, macro-F1, per-class precision/recall/F1 and the confusion matrix (rows: the
     true class, columns: the predicted one)."""
     k = len(labels)

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import os
 import time
+from typing import Any
 
 import torch
 from torch import nn
@@ -85,7 +86,7 @@ class Faults(NoFaults):
         if not self.debug.nan_persist:
             self._cured |= {s for s in self.nan_steps if s <= reached}
 
-    def _poison(self, module, inputs, output):
+    def _poison(self, module: nn.Module, inputs: tuple[Any, ...], output: torch.Tensor) -> torch.Tensor:
         if self.step in self.nan_steps and (self.debug.nan_persist or self.step not in self._cured):
             return output * float("nan")
         return output

@@ -107,7 +107,7 @@ class Guard:
         return {"nonfinite_steps": self.bad_total} if self.bad_total else {}
 
     def report(
-        self, review: StepReview, logger, batches: StepBatches, locate: Callable[[int], str | None] | None
+        self, review: StepReview, logger: Any, batches: StepBatches, locate: Callable[[int], str | None] | None
     ) -> None:
         """Log the review's bad steps (with the first non-finite module, found by ``locate(step)``;
         None where no process can run the whole model to look) and loss spikes (with the batch,
@@ -151,7 +151,7 @@ class Guard:
         self.lr_scale *= self.cfg.lr_factor
         self.bad_streak = 0
 
-    def roll_back(self, step: int, checkpointer: Any, faults: Any, logger) -> int:
+    def roll_back(self, step: int, checkpointer: Any, faults: Any, logger: Any) -> int:
         """Back from ``step`` to the newest checkpoint with a lower learning rate, or stop the
         run with a report; the step the run goes on from."""
         path = checkpointer.latest()
@@ -193,8 +193,8 @@ def first_non_finite_module(model: nn.Module, run: Callable[[], Any]) -> str | N
     experts are named too: "blocks.2.mlp.experts (expert 5)"."""
     found: list[str] = []
 
-    def hook(name: str):
-        def check(module, inputs, output):
+    def hook(name: str) -> Callable[[nn.Module, tuple[Any, ...], Any], None]:
+        def check(module: nn.Module, inputs: tuple[Any, ...], output: Any) -> None:
             if found:
                 return
             tensors = (

@@ -170,7 +170,7 @@ class MemoryLadder:
             self._apply(self.rung.merge(replace(saved, cpu_offload=self.rung.cpu_offload)))
             self.probe_needed = False
 
-    def forward_backward(self, batch: Any, step: int, logger, save: Callable[[], Path]) -> torch.Tensor:
+    def forward_backward(self, batch: Any, step: int, logger: Any, save: Callable[[], Path]) -> torch.Tensor:
         """The gradients and mean loss of (1-based) ``step``'s batch, one rung down per
         out-of-memory error, always on the same sequences."""
         while True:
@@ -248,7 +248,7 @@ class MemoryLadder:
 
     # -- out of memory ----------------------------------------------------------------------------
 
-    def _step_down(self, error: str, step: int, logger, save: Callable[[], Path]) -> None:
+    def _step_down(self, error: str, step: int, logger: Any, save: Callable[[], Path]) -> None:
         """After an out-of-memory error in forward/backward: free, move one rung down, go on."""
         self._bound.discard_gradients()
         self.history.append((self.rung, error))
@@ -293,7 +293,7 @@ class MemoryLadder:
 
     # -- train.micro_batch_size = "auto" ------------------------------------------------------------
 
-    def find_micro_batch(self, batches: StepBatches, done: int, logger) -> None:
+    def find_micro_batch(self, batches: StepBatches, done: int, logger: Any) -> None:
         """The largest micro-batch whose forward and backward fit (with a margin on GPU), found by
         bisection over real passes on training data; ``done`` steps are already trained."""
         device = self.world.device

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import math
-from collections.abc import Collection
+from collections.abc import Callable, Collection
 from typing import TYPE_CHECKING, cast
 
 import torch
@@ -110,8 +110,9 @@ class Muon(torch.optim.Optimizer):
         defaults = {"lr": lr, "betas": betas, "eps": eps, "weight_decay": 0.0, "muon": False, "lr_scale": 1.0}
         super().__init__(groups, {**defaults, "momentum": 0.95})
 
+    # No closure is evaluated and no loss returned (Optimizer's overloads promise one for a closure).
     @torch.no_grad()
-    def step(self, closure=None):
+    def step(self, closure: Callable[[], float] | None = None) -> None:  # type: ignore[override]
         found_inf = getattr(self, "found_inf", None)
         keep = 1.0 if found_inf is None else 1.0 - found_inf
         # The Muon matrices' momentum first, then their orthogonalisation, all together: each
@@ -136,7 +137,7 @@ class Muon(torch.optim.Optimizer):
                 p.add_(update * (-lr * scale * keep))
 
     @staticmethod
-    def _momentum(grad: torch.Tensor, state: dict, momentum: float, keep) -> torch.Tensor:
+    def _momentum(grad: torch.Tensor, state: dict, momentum: float, keep: float | torch.Tensor) -> torch.Tensor:
         """The Nesterov momentum of ``grad`` (the buffer updated): what Muon orthogonalises."""
         if "momentum_buffer" not in state:
             state["momentum_buffer"] = torch.zeros_like(grad)
@@ -145,7 +146,7 @@ class Muon(torch.optim.Optimizer):
         return grad.lerp(buf, momentum)
 
     @staticmethod
-    def _adamw_update(grad: torch.Tensor, state: dict, group: dict, keep) -> torch.Tensor:
+    def _adamw_update(grad: torch.Tensor, state: dict, group: dict, keep: float | torch.Tensor) -> torch.Tensor:
         beta1, beta2 = group["betas"]
         if "step" not in state:
             state["step"] = torch.zeros((), dtype=torch.float32, device=grad.device)

@@ -23,7 +23,7 @@ import contextlib
 import hashlib
 import io
 import json
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -330,7 +330,7 @@ class Precomputed:
         run_dir: Path,
         fingerprint: dict[str, Any],
         splits: dict[str, Examples],
-        collate,
+        collate: Callable[[list[dict[str, Any]]], PairBatch],
         batch_size: int,
         world: World,
         *,

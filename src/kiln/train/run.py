@@ -10,6 +10,7 @@ import random
 import signal
 import time
 from pathlib import Path
+from types import FrameType
 from typing import Any
 
 import numpy as np
@@ -92,7 +93,7 @@ class StopRequest:
             pass
         return self
 
-    def _handle(self, signum, frame) -> None:
+    def _handle(self, signum: int, frame: FrameType | None) -> None:
         if self.requested:  # second signal: stop now
             raise KeyboardInterrupt
         self.requested = True
@@ -102,7 +103,7 @@ class StopRequest:
             flush=True,
         )
 
-    def __exit__(self, *exc) -> None:
+    def __exit__(self, *exc: object) -> None:
         for sig, handler in self._previous.items():
             signal.signal(sig, handler)
 

@@ -18,7 +18,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any, cast
 
 import torch
@@ -125,7 +125,7 @@ class TrainStep:
         self.deterministic = self.model.world.device.type == "cpu"
 
     @contextlib.contextmanager
-    def hold_compile(self):
+    def hold_compile(self) -> Iterator[None]:
         """Steps in here stay eager when the compile comes after some eager steps: the time plan's
         probe gauges the pace before the run, whose own compiled steps then fix the plan."""
         self.compile_held = bool(self.compile_after)
@@ -177,7 +177,7 @@ class TrainStep:
                 self.loss(self.model.whole, micro)
 
     @contextlib.contextmanager
-    def _deterministic(self):
+    def _deterministic(self) -> Iterator[None]:
         """Deterministic algorithms (warn-only: an op without a deterministic kernel warns) while
         the compiled code runs, where ``deterministic`` asks for them; the process's setting after."""
         if not self.deterministic:

@@ -18,6 +18,7 @@ import socket
 import statistics
 import time
 from collections.abc import Iterator
+from typing import Any
 
 import torch
 
@@ -82,7 +83,7 @@ class Stragglers:
         self.host = socket.gethostname()
         self.slow = [0] * world.size
 
-    def review(self, step: int, steps: int, logger) -> None:
+    def review(self, step: int, steps: int, logger: Any) -> None:
         """The log point after ``steps`` steps ending at ``step``: compare the ranks (a
         collective over the gloo group; every rank calls it at the same log points)."""
         seconds = self.clock.take()

@@ -21,6 +21,7 @@ import torch
 from torch import nn
 
 from kiln.config import Config
+from kiln.train.precision import Precision
 
 
 class TaskScores:
@@ -39,7 +40,9 @@ class TaskScores:
     def due(self, step: int, final: bool) -> bool:
         return bool(self.names) and (final or (self.every > 0 and step % self.every == 0))
 
-    def score(self, model: nn.Module, step: int, micro_batch_size: int, logger, precision) -> dict[str, float]:
+    def score(
+        self, model: nn.Module, step: int, micro_batch_size: int, logger: Any, precision: Precision
+    ) -> dict[str, float]:
         """Score the tasks with ``model`` (on every rank); rank 0's logger writes the scores."""
         from kiln.harness import run_tasks, scores
         from kiln.harness.model import KilnLM

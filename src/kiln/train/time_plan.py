@@ -291,7 +291,7 @@ class TimePlan:
         save: Callable[[], Path],
         device: torch.device,
         elapsed: Callable[[], float],
-        logger,
+        logger: Any,
         step: int,
     ) -> None:
         """Plan ``max_steps`` for "auto": time a checkpoint (``save``), training steps (``train(batch,
@@ -339,7 +339,13 @@ class TimePlan:
         )
 
     def _step_seconds(
-        self, world: World, batches: Callable[[], Iterator[Any]], train, device, warm=False, rough=False
+        self,
+        world: World,
+        batches: Callable[[], Iterator[Any]],
+        train: Callable[[Any, int], None],
+        device: torch.device,
+        warm: bool = False,
+        rough: bool = False,
     ) -> tuple[float, float]:
         """Seconds a training step takes once warm, and the loader's start before its first batch."""
         share = 0.25 if rough else 1.0
@@ -368,7 +374,7 @@ class TimePlan:
         assert timed_from is not None  # the loop ends only after timed steps
         return (now - timed_from) / steps, start_s
 
-    def correct_pace(self, world: World, step: int, elapsed_s: float, logger) -> None:
+    def correct_pace(self, world: World, step: int, elapsed_s: float, logger: Any) -> None:
         """Plan again with the pace this run has kept since its timing started (see
         loop_starts), ``step`` steps and ``elapsed_s`` seconds in: the slowest rank's pace and
         clock, so that every rank plans the same steps."""

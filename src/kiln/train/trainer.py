@@ -245,7 +245,7 @@ class Trainer:
     def save(self) -> Path:
         return self.checkpointer.save(self.step)
 
-    def _plan_steps(self, logger, clock: Budget) -> None:
+    def _plan_steps(self, logger: Any, clock: Budget) -> None:
         """``max_steps = "auto"``: the time plan measures this very run, which it then puts back."""
         self._say("kiln: timing a checkpoint, a few steps and an evaluation to plan train.max_steps=auto ...")
 
@@ -268,7 +268,7 @@ class Trainer:
                 step=self.step,
             )
 
-    def _log(self, logger, lr: float, elapsed_s: float) -> tuple[dict[str, float], bool]:
+    def _log(self, logger: Any, lr: float, elapsed_s: float) -> tuple[dict[str, float], bool]:
         """Log the interval ending now; whether the guard calls for a rollback."""
         with self.phases.phase("log", self.step):
             values = self.meter.flush()  # the one host sync of the interval
@@ -293,7 +293,7 @@ class Trainer:
         assert self.model.whole is not None  # only called where this rank holds the whole model (_log)
         return first_non_finite_module(self.model.whole, lambda: self.train_step.replay(micro_batches, step))
 
-    def _evaluate(self, logger) -> dict[str, Any] | None:
+    def _evaluate(self, logger: Any) -> dict[str, Any] | None:
         module, was_training = self.model.module, self.model.module.training
         module.eval()
         ctx = EvalContext(self.step, self.device, self.micro_batch_size, self.precision, self.model.generates)

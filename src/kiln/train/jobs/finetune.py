@@ -14,6 +14,7 @@ import json
 from pathlib import Path
 from typing import Any
 
+import torch
 from torch import nn
 
 from kiln.config import Config, ConfigError
@@ -133,7 +134,9 @@ class FineTuneJob(Job):
         return {**metrics, "step": run.step, "records": len(data.val.rows)}
 
 
-def evaluate(family: ModelFamily, model, data: FineTuneData, batch_size: int, device) -> dict[str, Any]:
+def evaluate(
+    family: ModelFamily, model: nn.Module, data: FineTuneData, batch_size: int, device: torch.device
+) -> dict[str, Any]:
     """The task's metrics over the whole validation split, ``batch_size`` rows at a time."""
     batches = data.val.batches(data.collate, batch_size)
     if data.task == "sequence_classification":

@@ -196,7 +196,7 @@ def rebatch(batches: list, size: int) -> list:
 def sample_text(
     family: ModelFamily,
     model: nn.Module,
-    tokenizer,
+    tokenizer: Any,
     prompt: str,
     max_new_tokens: int,
     *,
