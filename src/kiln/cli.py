@@ -13,6 +13,8 @@ import gc
 import json
 import os
 import sys
+from collections.abc import Callable
+from dataclasses import dataclass
 
 USAGE_ERROR = 2
 # The device ran out of memory: the run saved what it could and says how it will go on.
@@ -33,219 +35,16 @@ def _add_config_args(p: argparse.ArgumentParser) -> None:
     )
 
 
-def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="kiln", description="Train Transformer models with PyTorch, efficiently.")
-    sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
+@dataclass(frozen=True)
+class Command:
+    """One subcommand of ``kiln``: its name and help line, the function that adds its arguments,
+    the function that runs it (returning the exit status) and, optionally, its longer description."""
 
-    t = sub.add_parser("train", help="train a model (the embedded default corpus if no data is set)")
-    _add_config_args(t)
-    t.add_argument(
-        "--resume",
-        metavar="auto|never|PATH",
-        help="resume from the newest complete checkpoint (auto, the default), start fresh "
-        "(never), or from a checkpoint directory; same as --set checkpoint.resume=...",
-    )
-
-    pr = sub.add_parser("prepare", help="train the tokenizer and tokenize the data into shards (cached)")
-    _add_config_args(pr)
-
-    e = sub.add_parser(
-        "eval",
-        help="validation metrics of a run's checkpoint (loss, perplexity, bits per byte; a classifier's accuracy)",
-    )
-    e.add_argument("run_dir", help="run directory, checkpoint directory or kiln export directory")
-    e.add_argument(
-        "--data", help="evaluate on every token of every document of this source instead of the run's val split"
-    )
-    e.add_argument(
-        "--tasks",
-        help="lm-evaluation-harness tasks to score, comma-separated (needs kiln[eval]); results in RUN_DIR/eval/",
-    )
-    e.add_argument("--include-path", help="a directory of lm-eval task YAML files (beside lm-eval's own tasks)")
-    e.add_argument("--num-fewshot", type=int, help="examples in each prompt (default: each task's own)")
-    e.add_argument("--limit", type=float, help="at most this many documents of each task (a fraction if below 1)")
-    e.add_argument("--log-samples", action="store_true", help="also write each task's scored samples")
-    e.add_argument("--checkpoint", help="checkpoint directory (default: the newest complete one)")
-    e.add_argument(
-        "--max-batches", type=int, help="at most this many batches (default: 100 of the val split; all of --data)"
-    )
-    e.add_argument(
-        "--batch-size", type=int, help="sequences per batch (default: the run's micro-batch; 8 for one of auto)"
-    )
-    e.add_argument("--device", default="auto")
-
-    g = sub.add_parser("generate", help="sample text from a run's checkpoint")
-    g.add_argument("run_dir", help="run directory")
-    g.add_argument("--prompt", default="", help="text to continue")
-    g.add_argument("--max-new-tokens", type=int, default=200)
-    g.add_argument("--temperature", type=float, default=0.8, help="0 is greedy")
-    g.add_argument("--top-k", type=int, default=50, help="keep the k most likely tokens (0 = all)")
-    g.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass (1 = off)")
-    g.add_argument("--num-samples", type=int, default=1)
-    g.add_argument("--seed", type=int, default=0)
-    g.add_argument("--checkpoint", help="checkpoint directory (default: the newest complete one)")
-    g.add_argument("--device", default="auto")
-
-    c = sub.add_parser("config", help="print the resolved config as TOML, or the reference of every key")
-    _add_config_args(c)
-    c.add_argument(
-        "--reference",
-        action="store_true",
-        help="print every key with its default and meaning (Markdown, as in docs/config.md)",
-    )
-
-    sub.add_parser("presets", help="list the model presets with their parameter counts")
-
-    pl = sub.add_parser(
-        "plan",
-        help="estimate memory per device and time per step of a config, and the fastest layout that fits",
-        description="Estimate the memory each device needs for a config and its time per step "
-        "(compute, communication, pipeline bubble, MFU), without allocating the model; when it does "
-        "not fit, or runs on several GPUs, list the fastest setups that fit as --set changes "
-        "(docs/plan.md). The layout comes from the config: --set parallel.pp=4 --set parallel.tp=8 ...",
-    )
-    _add_config_args(pl)
-    pl.add_argument(
-        "--device-memory",
-        metavar="SIZE",
-        help="memory per device: 80GB, 80GiB, 24G, 512MB or bytes (default: this machine's GPU, else its RAM)",
-    )
-    pl.add_argument("--gpu", metavar="NAME", help="plan for this GPU, e.g. h100, a100 (default: this machine's GPU)")
-    pl.add_argument(
-        "--world-size", type=int, metavar="N", help="GPUs (processes) in all (default: nodes x GPUs per node, or 1)"
-    )
-    pl.add_argument("--nodes", type=int, metavar="N", help="nodes (default: as many as the world size fills)")
-    pl.add_argument(
-        "--gpus-per-node", type=int, metavar="N", help="GPUs per node, joined by NVLink (default 8; one node if fewer)"
-    )
-    pl.add_argument(
-        "--bandwidth",
-        action="append",
-        metavar="LINK=GB/s,...",
-        help="effective bandwidth per GPU and direction, in GB/s, of nvlink (inside a node), network (between "
-        "nodes) or pcie (host copies), e.g. nvlink=360,network=40 (default: 80%% of the GPU's NVLink, of "
-        "a 400 Gb/s NIC per GPU; pcie 25)",
-    )
-    pl.add_argument(
-        "--compute-efficiency",
-        type=float,
-        metavar="F",
-        help="fraction of the dense bf16 peak the kernels reach while nothing waits for communication "
-        "(default 0.40; 0.60 on A100)",
-    )
-    pl.add_argument("--top", type=int, default=3, metavar="N", help="how many setups to list (default 3)")
-    pl.add_argument("--json", action="store_true", help="print one JSON object (bytes, seconds) instead of the table")
-
-    pf = sub.add_parser(
-        "profile",
-        help="profile a few training steps: a trace and where the step time goes",
-        description="Train the config for a few steps in a throw-away run directory with "
-        "torch.profiler over --steps; keep only the trace and the breakdown "
-        "(docs/debugging.md). Same as kiln train --set profile.steps=START:END, "
-        "without the run.",
-    )
-    _add_config_args(pf)
-    pf.add_argument(
-        "--steps", default="5:8", metavar="START:END", help="steps to profile, 1-based, inclusive (default 5:8)"
-    )
-    pf.add_argument("--out", help="where the trace and breakdown.json go (default: RUN_DIR/profile)")
-
-    d = sub.add_parser(
-        "doctor",
-        help="preflight: environment, data, gradients, input pipeline and determinism",
-        description="Check a config before a long run: each check passes, warns or fails with its "
-        "evidence and the fix (docs/doctor.md). Exit status 1 when a check fails.",
-    )
-    _add_config_args(d)
-    d.add_argument("--json", action="store_true", help="print the report as one JSON object")
-
-    r = sub.add_parser(
-        "report",
-        help="plot a run's curves into a PNG and summarise it, or compare several runs in a table (no server needed)",
-    )
-    r.add_argument("run_dirs", nargs="+", metavar="RUN_DIR", help="run directory; several: a comparison table")
-    r.add_argument(
-        "--out",
-        help="figure path (.png, .svg or .pdf; default RUN_DIR/report.png); the summary goes beside it. "
-        "With several runs: the comparison table as markdown (.md)",
-    )
-    r.add_argument("--json", action="store_true", help="print the summary (or the comparison) as one JSON object")
-
-    x = sub.add_parser(
-        "export",
-        help="write a run's model in a format other tools load, checked against the model",
-        description="Export a run's checkpoint (RUN_DIR: its newest; or a checkpoint directory). "
-        "hf: a directory transformers loads with from_pretrained (for LoRA runs the merged model, and the "
-        "adapter in PEFT's format under adapter/); safetensors: kiln's weights with the run's config and "
-        "tokenizer (kiln generate/eval/serve load it); pt2: a torch.export program and an AOTInductor "
-        "package; onnx: an ONNX model checked in ONNX Runtime. export.json records the logit difference "
-        "from the PyTorch model on validation inputs (docs/export.md). A run saved in shards (FSDP, "
-        "tensor or pipeline parallel) is exported to hf or safetensors one layer at a time, never whole.",
-    )
-    x.add_argument("run_dir", metavar="RUN_DIR|CHECKPOINT", help="run directory or checkpoint directory")
-    x.add_argument("--format", required=True, choices=["hf", "safetensors", "pt2", "onnx"])
-    x.add_argument("--out", required=True, help="output directory (written whole, or not at all)")
-    x.add_argument(
-        "--quantize",
-        choices=["int8", "int8-static"],
-        help="int8: int8 weights and dynamically quantized activations (pt2 with torchao, onnx with "
-        "ONNX Runtime); int8-static: calibrated on validation batches (onnx)",
-    )
-    x.add_argument("--checkpoint", help="checkpoint directory (default: the newest complete one)")
-    x.add_argument("--force", action="store_true", help="replace --out if it exists and is not empty")
-    x.add_argument(
-        "--max-shard-size",
-        default="5GB",
-        help="hf and safetensors: split the weights into files of at most this size "
-        "(model-00001-of-0000N.safetensors with an index), e.g. 500MB or 2GiB (default: 5GB)",
-    )
-
-    sv = sub.add_parser(
-        "serve",
-        help="serve a run's model over an OpenAI-compatible HTTP API (docs/serve.md)",
-        description="Serve RUN_DIR (its newest checkpoint), a checkpoint directory, or a safetensors or hf "
-        "export: /v1/completions, /v1/chat/completions (streaming or not), /v1/models and /health.",
-    )
-    sv.add_argument("run_dir", metavar="RUN_DIR|EXPORT_DIR", help="run, checkpoint or export directory")
-    sv.add_argument("--host", default="127.0.0.1", help="address to listen on (0.0.0.0: every interface)")
-    sv.add_argument("--port", type=int, default=8000, help="port (0: any free one)")
-    sv.add_argument("--device", default="auto")
-    sv.add_argument("--model-name", help="the model's name in the API (default: the directory's name)")
-    sv.add_argument("--checkpoint", help="checkpoint directory (default: the newest complete one)")
-    sv.add_argument("--parallel", type=int, default=8, help="requests decoded at once; the others wait in a queue")
-
-    from kiln.sweep import add_arguments as add_sweep_arguments
-
-    sw = sub.add_parser(
-        "sweep",
-        help="search hyperparameters with Optuna; each trial is a kiln run (docs/sweep.md)",
-        description="Run an Optuna study over the config keys of --space (one TOML table per key), each "
-        "trial a kiln run in STUDY/trials/NNNN; prune trials that fall behind; continue the study when "
-        "run again; write trials.csv, best.toml and sweep.png (docs/sweep.md).",
-    )
-    _add_config_args(sw)
-    add_sweep_arguments(sw)
-
-    st = sub.add_parser(
-        "sweep-trial",
-        help="train one trial of a sweep, reporting its evaluations to the study (kiln sweep runs this)",
-        description="Train trial NUMBER of the sweep in STUDY_DIR: its config is STUDY_DIR/trials/NNNN/trial.toml "
-        "(kiln sweep writes it); rank 0 reports each evaluation to the study and asks its pruner, and a pruned "
-        "trial stops there with a checkpoint. kiln sweep starts each trial this way (under kiln launch for "
-        "several ranks); run by hand, it continues an interrupted trial (docs/sweep.md).",
-    )
-    st.add_argument("study_dir", metavar="STUDY_DIR", help="the study directory (kiln sweep --study-dir)")
-    st.add_argument("number", type=int, metavar="NUMBER", help="the trial's number")
-
-    from kiln.distributed.launch import add_arguments
-
-    la = sub.add_parser(
-        "launch",
-        help="run a kiln command on several processes/nodes with torchrun",
-        description="A thin wrapper over torchrun: kiln launch --nproc-per-node 2 -- train my.toml",
-    )
-    add_arguments(la)
-    return p
+    name: str
+    help: str
+    arguments: Callable[[argparse.ArgumentParser], None]
+    run: Callable[[argparse.Namespace], int]
+    description: str | None = None
 
 
 def _load(args):
@@ -256,6 +55,16 @@ def _load(args):
     cfg = load_config(args.config, args.overrides)
     check_model_config(cfg)
     return cfg
+
+
+def _train_args(p: argparse.ArgumentParser) -> None:
+    _add_config_args(p)
+    p.add_argument(
+        "--resume",
+        metavar="auto|never|PATH",
+        help="resume from the newest complete checkpoint (auto, the default), start fresh "
+        "(never), or from a checkpoint directory; same as --set checkpoint.resume=...",
+    )
 
 
 def cmd_train(args) -> int:
@@ -287,6 +96,29 @@ def cmd_prepare(args) -> int:
             print(f"  {split}: {s['documents']:,} documents, {s['tokens']:,} tokens, {s['bytes']:,} bytes")
         print(f"  vocab {prepared.vocab_size}, corpus fingerprint {m['corpus_fingerprint'][:16]}")
     return 0
+
+
+def _eval_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("run_dir", help="run directory, checkpoint directory or kiln export directory")
+    p.add_argument(
+        "--data", help="evaluate on every token of every document of this source instead of the run's val split"
+    )
+    p.add_argument(
+        "--tasks",
+        help="lm-evaluation-harness tasks to score, comma-separated (needs kiln[eval]); results in RUN_DIR/eval/",
+    )
+    p.add_argument("--include-path", help="a directory of lm-eval task YAML files (beside lm-eval's own tasks)")
+    p.add_argument("--num-fewshot", type=int, help="examples in each prompt (default: each task's own)")
+    p.add_argument("--limit", type=float, help="at most this many documents of each task (a fraction if below 1)")
+    p.add_argument("--log-samples", action="store_true", help="also write each task's scored samples")
+    p.add_argument("--checkpoint", help="checkpoint directory (default: the newest complete one)")
+    p.add_argument(
+        "--max-batches", type=int, help="at most this many batches (default: 100 of the val split; all of --data)"
+    )
+    p.add_argument(
+        "--batch-size", type=int, help="sequences per batch (default: the run's micro-batch; 8 for one of auto)"
+    )
+    p.add_argument("--device", default="auto")
 
 
 def cmd_eval(args) -> int:
@@ -322,6 +154,19 @@ def _eval_tasks(args) -> int:
     return 0
 
 
+def _generate_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("run_dir", help="run directory")
+    p.add_argument("--prompt", default="", help="text to continue")
+    p.add_argument("--max-new-tokens", type=int, default=200)
+    p.add_argument("--temperature", type=float, default=0.8, help="0 is greedy")
+    p.add_argument("--top-k", type=int, default=50, help="keep the k most likely tokens (0 = all)")
+    p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass (1 = off)")
+    p.add_argument("--num-samples", type=int, default=1)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--checkpoint", help="checkpoint directory (default: the newest complete one)")
+    p.add_argument("--device", default="auto")
+
+
 def cmd_generate(args) -> int:
     from kiln.train.jobs.lm import sample_text
     from kiln.train.run import load_run
@@ -352,6 +197,15 @@ def cmd_generate(args) -> int:
     return 0
 
 
+def _config_args(p: argparse.ArgumentParser) -> None:
+    _add_config_args(p)
+    p.add_argument(
+        "--reference",
+        action="store_true",
+        help="print every key with its default and meaning (Markdown, as in docs/config.md)",
+    )
+
+
 def cmd_config(args) -> int:
     from kiln.config import config_reference
 
@@ -360,6 +214,10 @@ def cmd_config(args) -> int:
         return 0
     print(_load(args).to_toml(), end="")
     return 0
+
+
+def _no_args(p: argparse.ArgumentParser) -> None:
+    """A command without arguments."""
 
 
 def cmd_presets(args) -> int:
@@ -381,6 +239,40 @@ def cmd_presets(args) -> int:
     return 0
 
 
+def _plan_args(p: argparse.ArgumentParser) -> None:
+    _add_config_args(p)
+    p.add_argument(
+        "--device-memory",
+        metavar="SIZE",
+        help="memory per device: 80GB, 80GiB, 24G, 512MB or bytes (default: this machine's GPU, else its RAM)",
+    )
+    p.add_argument("--gpu", metavar="NAME", help="plan for this GPU, e.g. h100, a100 (default: this machine's GPU)")
+    p.add_argument(
+        "--world-size", type=int, metavar="N", help="GPUs (processes) in all (default: nodes x GPUs per node, or 1)"
+    )
+    p.add_argument("--nodes", type=int, metavar="N", help="nodes (default: as many as the world size fills)")
+    p.add_argument(
+        "--gpus-per-node", type=int, metavar="N", help="GPUs per node, joined by NVLink (default 8; one node if fewer)"
+    )
+    p.add_argument(
+        "--bandwidth",
+        action="append",
+        metavar="LINK=GB/s,...",
+        help="effective bandwidth per GPU and direction, in GB/s, of nvlink (inside a node), network (between "
+        "nodes) or pcie (host copies), e.g. nvlink=360,network=40 (default: 80%% of the GPU's NVLink, of "
+        "a 400 Gb/s NIC per GPU; pcie 25)",
+    )
+    p.add_argument(
+        "--compute-efficiency",
+        type=float,
+        metavar="F",
+        help="fraction of the dense bf16 peak the kernels reach while nothing waits for communication "
+        "(default 0.40; 0.60 on A100)",
+    )
+    p.add_argument("--top", type=int, default=3, metavar="N", help="how many setups to list (default 3)")
+    p.add_argument("--json", action="store_true", help="print one JSON object (bytes, seconds) instead of the table")
+
+
 def cmd_plan(args) -> int:
     from kiln.plan import format_plan, make_plan, plan_json
 
@@ -397,6 +289,14 @@ def cmd_plan(args) -> int:
     )
     print(json.dumps(plan_json(plan), indent=2) if args.json else format_plan(plan))
     return 0
+
+
+def _profile_args(p: argparse.ArgumentParser) -> None:
+    _add_config_args(p)
+    p.add_argument(
+        "--steps", default="5:8", metavar="START:END", help="steps to profile, 1-based, inclusive (default 5:8)"
+    )
+    p.add_argument("--out", help="where the trace and breakdown.json go (default: RUN_DIR/profile)")
 
 
 def cmd_profile(args) -> int:
@@ -431,16 +331,51 @@ def cmd_profile(args) -> int:
     return 0
 
 
+def _doctor_args(p: argparse.ArgumentParser) -> None:
+    _add_config_args(p)
+    p.add_argument("--json", action="store_true", help="print the report as one JSON object")
+
+
 def cmd_doctor(args) -> int:
     from kiln.doctor import doctor_command
 
     return doctor_command(args.config, args.overrides, args.json)
 
 
+def _report_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("run_dirs", nargs="+", metavar="RUN_DIR", help="run directory; several: a comparison table")
+    p.add_argument(
+        "--out",
+        help="figure path (.png, .svg or .pdf; default RUN_DIR/report.png); the summary goes beside it. "
+        "With several runs: the comparison table as markdown (.md)",
+    )
+    p.add_argument("--json", action="store_true", help="print the summary (or the comparison) as one JSON object")
+
+
 def cmd_report(args) -> int:
     from kiln.observe.report import report_command
 
     return report_command(args.run_dirs, args.out, args.json)
+
+
+def _export_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("run_dir", metavar="RUN_DIR|CHECKPOINT", help="run directory or checkpoint directory")
+    p.add_argument("--format", required=True, choices=["hf", "safetensors", "pt2", "onnx"])
+    p.add_argument("--out", required=True, help="output directory (written whole, or not at all)")
+    p.add_argument(
+        "--quantize",
+        choices=["int8", "int8-static"],
+        help="int8: int8 weights and dynamically quantized activations (pt2 with torchao, onnx with "
+        "ONNX Runtime); int8-static: calibrated on validation batches (onnx)",
+    )
+    p.add_argument("--checkpoint", help="checkpoint directory (default: the newest complete one)")
+    p.add_argument("--force", action="store_true", help="replace --out if it exists and is not empty")
+    p.add_argument(
+        "--max-shard-size",
+        default="5GB",
+        help="hf and safetensors: split the weights into files of at most this size "
+        "(model-00001-of-0000N.safetensors with an index), e.g. 500MB or 2GiB (default: 5GB)",
+    )
 
 
 def cmd_export(args) -> int:
@@ -476,6 +411,16 @@ def cmd_export(args) -> int:
     return 0
 
 
+def _serve_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("run_dir", metavar="RUN_DIR|EXPORT_DIR", help="run, checkpoint or export directory")
+    p.add_argument("--host", default="127.0.0.1", help="address to listen on (0.0.0.0: every interface)")
+    p.add_argument("--port", type=int, default=8000, help="port (0: any free one)")
+    p.add_argument("--device", default="auto")
+    p.add_argument("--model-name", help="the model's name in the API (default: the directory's name)")
+    p.add_argument("--checkpoint", help="checkpoint directory (default: the newest complete one)")
+    p.add_argument("--parallel", type=int, default=8, help="requests decoded at once; the others wait in a queue")
+
+
 def cmd_serve(args) -> int:
     from kiln.serve import serve
 
@@ -490,10 +435,22 @@ def cmd_serve(args) -> int:
     )
 
 
+def _sweep_args(p: argparse.ArgumentParser) -> None:
+    from kiln.sweep import add_arguments
+
+    _add_config_args(p)
+    add_arguments(p)
+
+
 def cmd_sweep(args) -> int:
     from kiln.sweep import sweep_command
 
     return sweep_command(args)
+
+
+def _sweep_trial_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("study_dir", metavar="STUDY_DIR", help="the study directory (kiln sweep --study-dir)")
+    p.add_argument("number", type=int, metavar="NUMBER", help="the trial's number")
 
 
 def cmd_sweep_trial(args) -> int:
@@ -508,6 +465,12 @@ def cmd_sweep_trial(args) -> int:
     return 0 if not result.interrupted else 130
 
 
+def _launch_args(p: argparse.ArgumentParser) -> None:
+    from kiln.distributed.launch import add_arguments
+
+    add_arguments(p)
+
+
 def cmd_launch(args) -> int:
     from kiln.distributed.launch import launch, torchrun_args
 
@@ -519,23 +482,123 @@ def cmd_launch(args) -> int:
     return launch(argv)
 
 
-COMMANDS = {
-    "train": cmd_train,
-    "prepare": cmd_prepare,
-    "eval": cmd_eval,
-    "generate": cmd_generate,
-    "config": cmd_config,
-    "presets": cmd_presets,
-    "plan": cmd_plan,
-    "profile": cmd_profile,
-    "doctor": cmd_doctor,
-    "report": cmd_report,
-    "export": cmd_export,
-    "serve": cmd_serve,
-    "sweep": cmd_sweep,
-    "sweep-trial": cmd_sweep_trial,
-    "launch": cmd_launch,
-}
+COMMANDS: tuple[Command, ...] = (
+    Command(
+        "train",
+        help="train a model (the embedded default corpus if no data is set)",
+        arguments=_train_args,
+        run=cmd_train,
+    ),
+    Command(
+        "prepare",
+        help="train the tokenizer and tokenize the data into shards (cached)",
+        arguments=_add_config_args,
+        run=cmd_prepare,
+    ),
+    Command(
+        "eval",
+        help="validation metrics of a run's checkpoint (loss, perplexity, bits per byte; a classifier's accuracy)",
+        arguments=_eval_args,
+        run=cmd_eval,
+    ),
+    Command("generate", help="sample text from a run's checkpoint", arguments=_generate_args, run=cmd_generate),
+    Command(
+        "config",
+        help="print the resolved config as TOML, or the reference of every key",
+        arguments=_config_args,
+        run=cmd_config,
+    ),
+    Command("presets", help="list the model presets with their parameter counts", arguments=_no_args, run=cmd_presets),
+    Command(
+        "plan",
+        help="estimate memory per device and time per step of a config, and the fastest layout that fits",
+        description="Estimate the memory each device needs for a config and its time per step "
+        "(compute, communication, pipeline bubble, MFU), without allocating the model; when it does "
+        "not fit, or runs on several GPUs, list the fastest setups that fit as --set changes "
+        "(docs/plan.md). The layout comes from the config: --set parallel.pp=4 --set parallel.tp=8 ...",
+        arguments=_plan_args,
+        run=cmd_plan,
+    ),
+    Command(
+        "profile",
+        help="profile a few training steps: a trace and where the step time goes",
+        description="Train the config for a few steps in a throw-away run directory with "
+        "torch.profiler over --steps; keep only the trace and the breakdown "
+        "(docs/debugging.md). Same as kiln train --set profile.steps=START:END, "
+        "without the run.",
+        arguments=_profile_args,
+        run=cmd_profile,
+    ),
+    Command(
+        "doctor",
+        help="preflight: environment, data, gradients, input pipeline and determinism",
+        description="Check a config before a long run: each check passes, warns or fails with its "
+        "evidence and the fix (docs/doctor.md). Exit status 1 when a check fails.",
+        arguments=_doctor_args,
+        run=cmd_doctor,
+    ),
+    Command(
+        "report",
+        help="plot a run's curves into a PNG and summarise it, or compare several runs in a table (no server needed)",
+        arguments=_report_args,
+        run=cmd_report,
+    ),
+    Command(
+        "export",
+        help="write a run's model in a format other tools load, checked against the model",
+        description="Export a run's checkpoint (RUN_DIR: its newest; or a checkpoint directory). "
+        "hf: a directory transformers loads with from_pretrained (for LoRA runs the merged model, and the "
+        "adapter in PEFT's format under adapter/); safetensors: kiln's weights with the run's config and "
+        "tokenizer (kiln generate/eval/serve load it); pt2: a torch.export program and an AOTInductor "
+        "package; onnx: an ONNX model checked in ONNX Runtime. export.json records the logit difference "
+        "from the PyTorch model on validation inputs (docs/export.md). A run saved in shards (FSDP, "
+        "tensor or pipeline parallel) is exported to hf or safetensors one layer at a time, never whole.",
+        arguments=_export_args,
+        run=cmd_export,
+    ),
+    Command(
+        "serve",
+        help="serve a run's model over an OpenAI-compatible HTTP API (docs/serve.md)",
+        description="Serve RUN_DIR (its newest checkpoint), a checkpoint directory, or a safetensors or hf "
+        "export: /v1/completions, /v1/chat/completions (streaming or not), /v1/models and /health.",
+        arguments=_serve_args,
+        run=cmd_serve,
+    ),
+    Command(
+        "sweep",
+        help="search hyperparameters with Optuna; each trial is a kiln run (docs/sweep.md)",
+        description="Run an Optuna study over the config keys of --space (one TOML table per key), each "
+        "trial a kiln run in STUDY/trials/NNNN; prune trials that fall behind; continue the study when "
+        "run again; write trials.csv, best.toml and sweep.png (docs/sweep.md).",
+        arguments=_sweep_args,
+        run=cmd_sweep,
+    ),
+    Command(
+        "sweep-trial",
+        help="train one trial of a sweep, reporting its evaluations to the study (kiln sweep runs this)",
+        description="Train trial NUMBER of the sweep in STUDY_DIR: its config is STUDY_DIR/trials/NNNN/trial.toml "
+        "(kiln sweep writes it); rank 0 reports each evaluation to the study and asks its pruner, and a pruned "
+        "trial stops there with a checkpoint. kiln sweep starts each trial this way (under kiln launch for "
+        "several ranks); run by hand, it continues an interrupted trial (docs/sweep.md).",
+        arguments=_sweep_trial_args,
+        run=cmd_sweep_trial,
+    ),
+    Command(
+        "launch",
+        help="run a kiln command on several processes/nodes with torchrun",
+        description="A thin wrapper over torchrun: kiln launch --nproc-per-node 2 -- train my.toml",
+        arguments=_launch_args,
+        run=cmd_launch,
+    ),
+)
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="kiln", description="Train Transformer models with PyTorch, efficiently.")
+    sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    for c in COMMANDS:
+        c.arguments(sub.add_parser(c.name, help=c.help, description=c.description))
+    return p
 
 
 def _run(args) -> int:
@@ -555,7 +618,7 @@ def _run(args) -> int:
         else "kiln"
     )
     try:
-        return COMMANDS[args.command](args)
+        return {c.name: c.run for c in COMMANDS}[args.command](args)
     except ConfigError as e:
         for line in e.errors:
             print(f"{who}: config error: {line}", file=sys.stderr)

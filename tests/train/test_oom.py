@@ -42,6 +42,26 @@ def test_ladder_rungs_in_order():
     assert largest_fitting(options, lambda m: False) is None
 
 
+def test_the_ladder_follows_a_batch_the_time_plan_chooses(tmp_path):
+    """The time plan changes the run through its BatchSchedule alone (global_batch_size = "auto"):
+    the ladder's micro-batches then split each rank's share of the chosen batch, none larger."""
+    from kiln.config import load_config
+    from kiln.data.batch_schedule import BatchSchedule
+    from kiln.distributed.world import World
+    from kiln.train.memory_ladder import MemoryLadder, starting_rung
+
+    schedule = BatchSchedule(64)
+    cfg = load_config(None, [f"run.dir={tmp_path}", "train.micro_batch_size=16", "train.global_batch_size=64"])
+    start = starting_rung(cfg, World(), schedule, tmp_path, print)
+    assert start == (Rung(16), False)
+    ladder = MemoryLadder(cfg, World(), schedule, tmp_path, None, start)  # no step needed without recomputation
+    assert ladder.micro_batch_size == 16 and ladder.options[0] == 64
+    schedule.resize(12)  # what TimePlan does when it chooses the batch
+    assert ladder.micro_batch_size == 12 and ladder.options == [12, 6, 4, 3, 2, 1]
+    schedule.resize(24)
+    assert ladder.micro_batch_size == 12  # a rung is never raised
+
+
 def test_oom_mid_run_retries_the_same_step_at_smaller_micro_batches(tmp_path):
     data = token_sequences(tmp_path)
     ref, _, _ = train_tiny_gpt(tmp_path / "ref", data, micro=2, global_=16, steps=6)

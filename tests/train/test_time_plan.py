@@ -25,7 +25,7 @@ from kilnrun import in_process, kiln, sets, start
 
 def _plan(budget_s, **sets):
     cfg = load_config(None, ["train.max_steps=auto", f"train.time_budget={budget_s}s", *sets.values()])
-    return TimePlan(cfg, BatchSchedule(32), lambda: 32, 128)
+    return TimePlan(cfg, BatchSchedule(32), 128)
 
 
 def test_the_plan_is_the_most_steps_that_fit():
@@ -63,18 +63,18 @@ def test_a_planned_run_ends_when_it_has_read_its_data_max_epochs_times():
     the tokens those passes hold."""
     cfg = load_config(None, ["train.max_steps=auto", "train.time_budget=100s", "data.max_epochs=3"])
     costs = Costs(step_s=0.01, eval_s=0.1, save_s=0.1, start_s=0.1)
-    plan = TimePlan(cfg, BatchSchedule(32), lambda: 32, 128, data=range(1000))
+    plan = TimePlan(cfg, BatchSchedule(32), 128, data=range(1000))
     assert plan.fix(costs, elapsed_s=1) == 94 == plan.passes_steps()  # 3 x 1,000 sequences, 32 a step
     assert plan.data_bound and "1,000 training sequences 3 times (data.max_epochs)" in plan.describe()
     assert plan.correct(47, 0.005, 2.0) == 94  # faster steps do not add passes
     # A larger corpus: the budget ends the run first, as before.
-    big = TimePlan(cfg, BatchSchedule(32), lambda: 32, 128, data=range(10**7))
+    big = TimePlan(cfg, BatchSchedule(32), 128, data=range(10**7))
     assert big.fix(costs, elapsed_s=1) > 94 and not big.data_bound and "fill the 100s" in big.describe()
     # A batch ramp: the passes end where the ramp's and the final batches have held them.
-    ramp = TimePlan(cfg, BatchSchedule(32, [(8, 100)]), lambda: 32, 128, data=range(1000))
+    ramp = TimePlan(cfg, BatchSchedule(32, [(8, 100)]), 128, data=range(1000))
     assert ramp.passes_steps() == 100 + 69  # 800 in the ramp, 2,200 more at 32 a step
     # An iterable of unknown length: no end but the budget.
-    assert TimePlan(cfg, BatchSchedule(32), lambda: 32, 128, data=None).passes_steps() is None
+    assert TimePlan(cfg, BatchSchedule(32), 128, data=None).passes_steps() is None
 
 
 def test_a_planned_run_on_a_small_corpus_stops_after_its_passes(tmp_path, corpus_dir):
@@ -213,9 +213,9 @@ def test_a_budget_too_short_still_plans_one_step():
 def test_the_default_plan_fills_five_minutes_and_a_number_of_steps_has_no_budget():
     assert load_config(None, []).train.max_steps == "auto"
     assert _plan(300).budget_s == 300
-    assert TimePlan(load_config(None, []), BatchSchedule(32), lambda: 32, 128).budget_s == 300
+    assert TimePlan(load_config(None, []), BatchSchedule(32), 128).budget_s == 300
     fixed = load_config(None, ["train.max_steps=1050"])
-    assert fixed.train.budget == "" and TimePlan(fixed, BatchSchedule(32), lambda: 32, 128).budget_s == float("inf")
+    assert fixed.train.budget == "" and TimePlan(fixed, BatchSchedule(32), 128).budget_s == float("inf")
 
 
 def test_the_auto_batch_grows_as_the_square_root_of_the_run_s_tokens():
@@ -338,7 +338,7 @@ def test_an_auto_batch_is_chosen_recorded_and_kept_on_resume(tmp_path, corpus_di
         train__max_steps="auto",
         train__global_batch_size="auto",
         train__micro_batch_size=64,  # the probe's batch; a short run chooses a smaller one
-        train__time_budget="3s",
+        train__time_budget="6s",
         train__log_every=5,
         checkpoint__every=4,  # resumed from step 4: before any decay of a plan of 6 steps or more
         checkpoint__keep=1000,

@@ -8,8 +8,10 @@ Each rung keeps the global batch, and so the mathematics of training, unchanged:
 
 The rung reached is part of the run's state: it is saved in checkpoints and in
 ``RUN_DIR/memory.json`` (written at once, before any restart), and a resumed run starts there.
-``MemoryLadder`` is the loop's component for all of it: the micro-batch in use, the probe for
-``train.micro_batch_size = "auto"``, and the retry one rung down.
+``starting_rung`` decides where a run starts before anything is built (the rung's CPU offload
+decides how the model is sharded); ``MemoryLadder``, made around the run's ``TrainStep``, is the
+loop's component for the rest: the micro-batch in use, the probe for ``train.micro_batch_size =
+"auto"``, and the retry one rung down.
 """
 
 from __future__ import annotations
@@ -132,33 +134,91 @@ class RestartForRung(RuntimeError):  # noqa: N818
 PROBE_MARGIN = 0.10
 
 
+def micro_batch_choices(schedule: BatchSchedule, world: World) -> list[int]:
+    """Micro-batch sizes that split each data-parallel rank's share of every global batch of
+    ``schedule``, largest first (ConfigError where a batch does not split over the ranks)."""
+    dp = world.data_ranks
+    uneven = [b for b in schedule.sizes() if b % dp]
+    if uneven:
+        key = "train.global_batch_size" if uneven[0] == schedule.final else "train.batch_ramp_start/increment"
+        raise ConfigError(
+            [f"{key}: global batch {uneven[0]} is not a multiple of the {dp} data-parallel ranks (over cp)"]
+        )
+    return micro_batch_options([b // dp for b in schedule.sizes()])
+
+
+def starting_rung(
+    cfg: Config, world: World, schedule: BatchSchedule, run_dir: Path, say: Callable[[str], None]
+) -> tuple[Rung, bool]:
+    """Where the run starts, decided before anything is built: the config's settings, made more
+    frugal by a rung the run already reached (memory.json, said with ``say``); and whether the
+    micro-batch is still to be probed (``train.micro_batch_size = "auto"``)."""
+    t, options = cfg.train, micro_batch_choices(schedule, world)
+    micro = t.micro_batch_size
+    if micro != "auto" and micro not in options:
+        dp = world.data_ranks
+        shares = ", ".join(f"{b} / {dp} = {b // dp}" for b in schedule.sizes())
+        raise ConfigError(
+            [
+                f"train.micro_batch_size: {micro} does not divide each data-parallel rank's share of "
+                f"train.global_batch_size ({shares}); accumulation steps must be a whole number"
+            ]
+        )
+    if micro == "auto" and world.distributed and (cfg.parallel.strategy != "ddp" or world.tp > 1):
+        # Probing is safe only without collectives in forward/backward: one rank running
+        # out of memory inside an FSDP all-gather would leave the others waiting there.
+        raise ConfigError(
+            [
+                "train.micro_batch_size: auto works with one process or DDP; with FSDP or tensor "
+                "parallelism set a number (kiln plan estimates what fits)"
+            ]
+        )
+    rung = Rung(options[0] if micro == "auto" else micro, bool(t.activation_checkpointing), cfg.parallel.cpu_offload)
+    saved = None if cfg.checkpoint.resume == "never" else read_rung_file(run_dir)
+    if saved is not None:
+        if saved.micro_batch_size not in options:
+            saved = replace(saved, micro_batch_size=max(m for m in options if m <= saved.micro_batch_size))
+        rung = rung.merge(saved)
+        say(
+            f"kiln: continuing with {rung.describe()}, where this run's out-of-memory ladder got to "
+            f"({run_dir / RUNG_FILE}; delete it to start from the config's settings)"
+        )
+    return rung, micro == "auto" and saved is None
+
+
 class MemoryLadder:
-    """The micro-batch a run computes with, and the ladder it steps down when memory runs out.
+    """The micro-batch a run computes with, and the ladder it steps down when memory runs out,
+    from ``start`` (``starting_rung``) on ``step``, the run's TrainStep: ``forward_backward``
+    computes a step's gradients, retrying the same batch one rung down each time the device runs
+    out of memory; ``save()``, given by the loop, writes a checkpoint of the last completed step."""
 
-    ``bind`` gives it the run's ``TrainStep``; ``forward_backward`` then computes a step's
-    gradients, retrying the same batch one rung down each time the device runs out of memory.
-    ``save()``, given by the loop, writes a checkpoint of the last completed step."""
-
-    def __init__(self, cfg: Config, world: World, schedule: BatchSchedule, run_dir: Path, say: Callable[[str], None]):
-        self.cfg, self.world, self.schedule, self.run_dir, self._say = cfg, world, schedule, run_dir, say
-        self.options = self._micro_batch_options()
-        self.rung, self.probe_needed = self._initial_rung()
+    def __init__(
+        self,
+        cfg: Config,
+        world: World,
+        schedule: BatchSchedule,
+        run_dir: Path,
+        step: TrainStep,
+        start: tuple[Rung, bool],
+    ):
+        self.cfg, self.world, self.schedule, self.run_dir, self.train_step = cfg, world, schedule, run_dir, step
+        self.options = micro_batch_choices(schedule, world)
+        self._fitted = schedule.final  # the global batch the options split
+        self.rung, self.probe_needed = start
         self.history: list[tuple[Rung, str]] = []
-        self.step: TrainStep | None = None
-
-    @property
-    def micro_batch_size(self) -> int:
-        return self.rung.micro_batch_size
-
-    def bind(self, step: TrainStep) -> None:
-        self.step = step
         self._apply(self.rung)
 
     @property
-    def _bound(self) -> TrainStep:
-        """The run's TrainStep: the trainer binds it before anything else is asked of the ladder."""
-        assert self.step is not None
-        return self.step
+    def micro_batch_size(self) -> int:
+        """The micro-batch of the current rung. Where the time plan has chosen the global batch
+        since (``global_batch_size = "auto"`` resizes the run's BatchSchedule), micro-batches that
+        split each rank's share of the new batch first, none larger than that share."""
+        if self._fitted != self.schedule.final:
+            self._fitted, self.options = self.schedule.final, micro_batch_choices(self.schedule, self.world)
+            micro = self.rung.micro_batch_size
+            if micro not in self.options:
+                self._apply(replace(self.rung, micro_batch_size=max(m for m in self.options if m <= micro)))
+        return self.rung.micro_batch_size
 
     def state_dict(self) -> dict:
         return self.rung.state_dict()
@@ -175,82 +235,23 @@ class MemoryLadder:
         out-of-memory error, always on the same sequences."""
         while True:
             try:
-                return self._bound.forward_backward(split_batch(batch, self.rung.micro_batch_size), step)
+                return self.train_step.forward_backward(split_batch(batch, self.micro_batch_size), step)
             except torch.OutOfMemoryError as e:
                 error = str(e).splitlines()[0]
             # Outside the except block: the failed attempt's frames, and the activations they
             # reference, are gone before the retry allocates anew.
             self._step_down(error, step, logger, save)
 
-    # -- the configured rung --------------------------------------------------------------------
-
-    def _micro_batch_options(self) -> list[int]:
-        dp = self.world.data_ranks
-        uneven = [b for b in self.schedule.sizes() if b % dp]
-        if uneven:
-            key = "train.global_batch_size" if uneven[0] == self.schedule.final else "train.batch_ramp_start/increment"
-            raise ConfigError(
-                [f"{key}: global batch {uneven[0]} is not a multiple of the {dp} data-parallel ranks (over cp)"]
-            )
-        return micro_batch_options([b // dp for b in self.schedule.sizes()])
-
-    def _initial_rung(self) -> tuple[Rung, bool]:
-        """The config's settings, made more frugal by a rung the run already reached (memory.json)."""
-        t = self.cfg.train
-        micro = t.micro_batch_size
-        if micro != "auto" and micro not in self.options:
-            dp = self.world.data_ranks
-            shares = ", ".join(f"{b} / {dp} = {b // dp}" for b in self.schedule.sizes())
-            raise ConfigError(
-                [
-                    f"train.micro_batch_size: {micro} does not divide each data-parallel rank's share of "
-                    f"train.global_batch_size ({shares}); accumulation steps must be a whole number"
-                ]
-            )
-        if micro == "auto" and self.world.distributed and (self.cfg.parallel.strategy != "ddp" or self.world.tp > 1):
-            # Probing is safe only without collectives in forward/backward: one rank running
-            # out of memory inside an FSDP all-gather would leave the others waiting there.
-            raise ConfigError(
-                [
-                    "train.micro_batch_size: auto works with one process or DDP; with FSDP or tensor "
-                    "parallelism set a number (kiln plan estimates what fits)"
-                ]
-            )
-        rung = Rung(
-            self.options[0] if micro == "auto" else micro,
-            bool(t.activation_checkpointing),
-            self.cfg.parallel.cpu_offload,
-        )
-        saved = None if self.cfg.checkpoint.resume == "never" else read_rung_file(self.run_dir)
-        if saved is not None:
-            if saved.micro_batch_size not in self.options:
-                saved = replace(saved, micro_batch_size=max(m for m in self.options if m <= saved.micro_batch_size))
-            rung = rung.merge(saved)
-            self._say(
-                f"kiln: continuing with {rung.describe()}, where this run's out-of-memory ladder got to "
-                f"({self.run_dir / RUNG_FILE}; delete it to start from the config's settings)"
-            )
-        return rung, micro == "auto" and saved is None
-
-    def batch_chosen(self) -> int:
-        """The schedule's batch was chosen (global_batch_size = "auto"): micro-batches that split
-        each rank's share of it, and none larger than that share. Returns the micro-batch size."""
-        self.options = self._micro_batch_options()
-        micro = self.rung.micro_batch_size
-        if micro not in self.options:
-            self._apply(replace(self.rung, micro_batch_size=max(m for m in self.options if m <= micro)))
-        return self.rung.micro_batch_size
-
     def _apply(self, rung: Rung) -> None:
         if rung.activation_checkpointing:
-            self._bound.recompute_activations()
+            self.train_step.recompute_activations()
         self.rung = rung
 
     # -- out of memory ----------------------------------------------------------------------------
 
     def _step_down(self, error: str, step: int, logger: Any, save: Callable[[], Path]) -> None:
         """After an out-of-memory error in forward/backward: free, move one rung down, go on."""
-        self._bound.discard_gradients()
+        self.train_step.discard_gradients()
         self.history.append((self.rung, error))
         where = f"out of memory at step {step} with {self.rung.describe()}"
         can_offload = self.cfg.parallel.strategy != "ddp" and self.world.device.type == "cuda"
@@ -306,12 +307,12 @@ class MemoryLadder:
             if device.type == "cuda":
                 torch.cuda.reset_peak_memory_stats(device)
             try:
-                self._bound.forward_backward([batch], done + 1, sync=False)
+                self.train_step.forward_backward([batch], done + 1, sync=False)
                 failed = not self._leaves_headroom()
             except torch.OutOfMemoryError as e:
                 self.history.append((replace(self.rung, micro_batch_size=m), str(e).splitlines()[0]))
                 failed = True
-            self._bound.discard_gradients()
+            self.train_step.discard_gradients()
             (failed,) = self.world.agree(failed)  # every rank takes the same size
             return not failed
 
@@ -345,5 +346,5 @@ class MemoryLadder:
         if device.type != "cuda":
             return True
         total = torch.cuda.get_device_properties(device).total_memory
-        states = 0 if self._bound.optimizer.state else 2 * sum(p.numel() * 4 for p in self._bound.params)
+        states = 0 if self.train_step.optimizer.state else 2 * sum(p.numel() * 4 for p in self.train_step.params)
         return torch.cuda.max_memory_reserved(device) + states <= (1 - PROBE_MARGIN) * total

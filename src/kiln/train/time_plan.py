@@ -104,7 +104,6 @@ class TimePlan:
         self,
         cfg: Config,
         schedule: BatchSchedule,
-        batch_chosen: Callable[[], int],
         tokens_per_sample: int,
         data: Dataset | None = None,
     ):
@@ -114,8 +113,9 @@ class TimePlan:
         # global_batch_size = "auto": the schedule's batch is chosen in the probe (None: not yet).
         self.auto_batch = t.chooses_batch
         self.batch: int | None = None
-        self.batch_schedule, self.batch_chosen, self.tokens_per_sample = schedule, batch_chosen, tokens_per_sample
-        self.micro = t.nominal_micro_batch
+        # The run's schedule, which a chosen batch resizes: the loader and the memory ladder read it.
+        self.batch_schedule, self.tokens_per_sample = schedule, tokens_per_sample
+        self.micro = t.nominal_micro_batch  # the probe's micro-batch, which the batch is chosen with
         self.costs: Costs | None = None
         self.budget_s = parse_duration(t.budget) if t.budget else math.inf
         self.budget = t.budget
@@ -178,14 +178,13 @@ class TimePlan:
     def _resize(self, batch: int) -> None:
         self.batch = batch
         self.batch_schedule.resize(batch)
-        self.micro = self.batch_chosen()
 
-    def resolved(self, cfg: Config) -> Config:
+    def resolved(self, cfg: Config, micro_batch_size: int) -> Config:
         """``cfg`` with what this plan decided in place of "auto": the steps, the global batch
-        (and the micro-batch, where a rank's share of the batch is smaller)."""
+        and with it the ``micro_batch_size`` in use (smaller where a rank's share of the batch is)."""
         t = cfg.train
         if self.auto_batch and self.batch:
-            t = dataclasses.replace(t, global_batch_size=self.batch, micro_batch_size=self.micro)
+            t = dataclasses.replace(t, global_batch_size=self.batch, micro_batch_size=micro_batch_size)
         return dataclasses.replace(cfg, train=dataclasses.replace(t, max_steps=self.steps))
 
     def cost_s(self, steps: int, costs: Costs, final: bool = True) -> float:

@@ -33,7 +33,7 @@ from kiln.train.checkpointer import Checkpointer, Stateful
 from kiln.train.faults import faults_for
 from kiln.train.guard import Guard, first_non_finite_module
 from kiln.train.jobs import EvalContext, Job, ModuleJob, job_for, resolve_config
-from kiln.train.memory_ladder import MemoryLadder
+from kiln.train.memory_ladder import MemoryLadder, starting_rung
 from kiln.train.meter import StepMeter
 from kiln.train.optim import build_optimizer, lr_at
 from kiln.train.phases import Phases
@@ -56,14 +56,12 @@ class Trainer:
     own ``nn.Module`` as ``Trainer(model, train_data, loss_fn, config, eval_fn=..., ...)``, which
     minimises ``loss_fn(model, batch)`` (the mean loss of one micro-batch); the keywords after
     ``config`` are those of ``kiln.train.jobs.ModuleJob`` (evaluation, samples, tokens per sample,
-    FLOPs per token, the parallel plan, the collate function).
+    FLOPs per token, the parallel plan, the collate function). Test faults come from ``[debug]``.
 
-    Test faults come from the config's ``[debug]`` section (``kiln.train.faults``).
     ``on_evaluate(step, metrics, max_steps)`` is called on rank 0 after each evaluation (e.g. to
     report it to a hyperparameter search); returning True stops the run there, on every rank,
     with a checkpoint, as a stop signal does (ignored at the last evaluation). Under ``torchrun``
-    it lays the model out as ``[parallel]`` says (DDP, FSDP2, TP, PP); only rank 0 prints and logs.
-    """
+    it lays the model out as ``[parallel]`` says (DDP, FSDP2, TP, PP); only rank 0 prints and logs."""
 
     def __init__(
         self,
@@ -104,10 +102,10 @@ class Trainer:
             world_size=world.data_ranks,
             collate_fn=job.collate_fn,
         )
-        self.ladder = MemoryLadder(cfg, world, schedule, self.run_dir, self._say)
+        start = starting_rung(cfg, world, schedule, self.run_dir, self._say)
         self.guard = Guard(cfg.guard, scaler_skips=t.precision == "fp16")
         self.faults = faults_for(cfg.debug, world.rank)
-        pcfg = dataclasses.replace(cfg.parallel, cpu_offload=self.ladder.rung.cpu_offload)
+        pcfg = dataclasses.replace(cfg.parallel, cpu_offload=start[0].cpu_offload)
         self.setup = SetupTimes(self._say)
         self.model = start_model(job, world, pcfg, self.precision, self.faults, self.setup)
         self.optimizer = build_optimizer(self.model, t, self.device)
@@ -125,11 +123,11 @@ class Trainer:
         )
         self.expert_load = ExpertLoad(self.model.module, world)
         self.sources = SourceUse(job.train_data, schedule, cfg.data.max_epochs)
-        self.ladder.bind(self.train_step)
+        self.ladder = MemoryLadder(cfg, world, schedule, self.run_dir, self.train_step, start)
         self.meter = StepMeter(
             world, t.log_every, schedule, tokens_per_sample=job.tokens_per_sample, flops_per_token=job.flops_per_token
         )
-        self.time_plan = TimePlan(cfg, schedule, self.ladder.batch_chosen, job.tokens_per_sample, job.train_data)
+        self.time_plan = TimePlan(cfg, schedule, job.tokens_per_sample, job.train_data)
         parts: dict[str, Stateful] = {"precision": self.precision, "memory": self.ladder, "guard": self.guard}
         parts.update(meter=self.meter, time_plan=self.time_plan)
         self.checkpointer = Checkpointer(
@@ -171,7 +169,7 @@ class Trainer:
                 if plan.needs_probe:  # only the process that plans corrects its plan later
                     self._plan_steps(logger, clock)
                 logger.total_steps = plan.steps
-                write_run_files(self.run_dir, plan.resolved(self.cfg), self.world, self.model.module)
+                self._write_run_files()
             if self.step >= plan.steps:
                 self._say(f"kiln: already trained to step {self.step} (train.max_steps={plan.steps}); nothing to do")
                 return result
@@ -205,7 +203,7 @@ class Trainer:
                     out_of_time, stop.requested, replan = self.world.agree(*flags)
                 if replan:  # with the pace this run has kept (see TimePlan)
                     plan.correct_pace(self.world, self.step, clock.elapsed(), logger)
-                    write_run_files(self.run_dir, plan.resolved(self.cfg), self.world, self.model.module)
+                    self._write_run_files()
                 final = self.step == plan.steps or out_of_time
                 if self.meter.due(self.step, final or stop.requested):
                     result.metrics, rollback = self._log(logger, lr, clock.elapsed())
@@ -244,6 +242,11 @@ class Trainer:
 
     def save(self) -> Path:
         return self.checkpointer.save(self.step)
+
+    def _write_run_files(self) -> None:
+        """config.toml as the plan resolved it (steps, batch, micro-batch in use), and the rest."""
+        resolved = self.time_plan.resolved(self.cfg, self.micro_batch_size)
+        write_run_files(self.run_dir, resolved, self.world, self.model.module)
 
     def _plan_steps(self, logger: Any, clock: Budget) -> None:
         """``max_steps = "auto"``: the time plan measures this very run, which it then puts back."""
