@@ -47,12 +47,13 @@ class Command:
     description: str | None = None
 
 
-def _load(args):
-    """The Config of the command's file and --set overrides, its [model] checked by its family."""
+def _load(args, *extra: str):
+    """The Config of the command's file and --set overrides (then ``extra`` ones, the command's
+    own), its [model] checked by its family."""
     from kiln.config import load_config
     from kiln.models.family import check_model_config
 
-    cfg = load_config(args.config, args.overrides)
+    cfg = load_config(args.config, [*args.overrides, *extra])
     check_model_config(cfg)
     return cfg
 
@@ -70,9 +71,7 @@ def _train_args(p: argparse.ArgumentParser) -> None:
 def cmd_train(args) -> int:
     from kiln.train.trainer import train
 
-    if args.resume:
-        args.overrides.append(f"checkpoint.resume={args.resume}")
-    result = train(_load(args))
+    result = train(_load(args, *([f"checkpoint.resume={args.resume}"] if args.resume else [])))
     return 0 if not result.interrupted else 130
 
 
@@ -312,7 +311,7 @@ def cmd_profile(args) -> int:
     out = Path(args.out or Path(_load(args).run.dir) / "profile")
     scratch = out / "run"  # the throw-away run: its checkpoints and logs are not what was asked for
     shutil.rmtree(scratch, ignore_errors=True)
-    args.overrides += [
+    throwaway = [
         f"profile.steps={args.steps}",
         f"profile.dir={out}",
         f"run.dir={scratch}",
@@ -325,7 +324,7 @@ def cmd_profile(args) -> int:
     from kiln.train.trainer import train
 
     try:
-        train(_load(args))
+        train(_load(args, *throwaway))
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
     return 0
