@@ -393,7 +393,7 @@ def close_world() -> None:
         import torch.distributed as dist
 
         if dist.is_initialized():
-            _meet_before_leaving(dist)
+            _meet_before_leaving()
             dist.destroy_process_group()
         _OWN_GROUP = False
 
@@ -402,10 +402,12 @@ def close_world() -> None:
 LEAVE_WAIT_S = 5.0
 
 
-def _meet_before_leaving(dist: Any) -> None:
+def _meet_before_leaving() -> None:
     """Gloo sends asynchronously: a rank that tears its connections down while a peer is still
     taking in its last messages aborts that peer's process ("terminate called without an active
     exception", SIGABRT at exit). Meeting the others first lets every message land."""
+    import torch.distributed as dist
+
     if dist.get_world_size() == 1 or dist.get_backend() != "gloo":
         return  # NCCL's destroy_process_group waits for its own pending work
     from datetime import timedelta

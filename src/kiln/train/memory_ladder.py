@@ -21,7 +21,7 @@ import math
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
@@ -147,9 +147,16 @@ def micro_batch_choices(schedule: BatchSchedule, world: World) -> list[int]:
     return micro_batch_options([b // dp for b in schedule.sizes()])
 
 
+class Start(NamedTuple):
+    """Where a run's ladder starts: its rung, and whether the micro-batch is still to be probed."""
+
+    rung: Rung
+    probe: bool
+
+
 def starting_rung(
     cfg: Config, world: World, schedule: BatchSchedule, run_dir: Path, say: Callable[[str], None]
-) -> tuple[Rung, bool]:
+) -> Start:
     """Where the run starts, decided before anything is built: the config's settings, made more
     frugal by a rung the run already reached (memory.json, said with ``say``); and whether the
     micro-batch is still to be probed (``train.micro_batch_size = "auto"``)."""
@@ -183,7 +190,7 @@ def starting_rung(
             f"kiln: continuing with {rung.describe()}, where this run's out-of-memory ladder got to "
             f"({run_dir / RUNG_FILE}; delete it to start from the config's settings)"
         )
-    return rung, micro == "auto" and saved is None
+    return Start(rung, micro == "auto" and saved is None)
 
 
 class MemoryLadder:
@@ -199,7 +206,7 @@ class MemoryLadder:
         schedule: BatchSchedule,
         run_dir: Path,
         step: TrainStep,
-        start: tuple[Rung, bool],
+        start: Start,
     ):
         self.cfg, self.world, self.schedule, self.run_dir, self.train_step = cfg, world, schedule, run_dir, step
         self.options = micro_batch_choices(schedule, world)

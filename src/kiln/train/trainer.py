@@ -105,7 +105,7 @@ class Trainer:
         start = starting_rung(cfg, world, schedule, self.run_dir, self._say)
         self.guard = Guard(cfg.guard, scaler_skips=t.precision == "fp16")
         self.faults = faults_for(cfg.debug, world.rank)
-        pcfg = dataclasses.replace(cfg.parallel, cpu_offload=start[0].cpu_offload)
+        pcfg = dataclasses.replace(cfg.parallel, cpu_offload=start.rung.cpu_offload)
         self.setup = SetupTimes(self._say)
         self.model = start_model(job, world, pcfg, self.precision, self.faults, self.setup)
         self.optimizer = build_optimizer(self.model, t, self.device)
