@@ -3,6 +3,7 @@ function) goes from a higher layer to a lower one or stays within its own packag
 modules import each other in a cycle."""
 
 import ast
+import traceback
 from pathlib import Path
 
 SRC = Path(__file__).parents[1] / "src"
@@ -138,10 +139,36 @@ def test_the_loop_does_not_branch_on_the_layout():
     """The step, the checkpointer, the optimizer's groups and the loop see a ParallelModel, never
     a pipeline (or any other layout) by name; the loop stays short enough to read in one go."""
     train = SRC / "kiln" / "train"
-    for name in ("step.py", "checkpointer.py", "optim.py", "trainer.py"):
+    for name in ("step.py", "checkpointer.py", "optim.py", "trainer.py", "after_step.py"):
         text = (train / name).read_text().lower()
         assert "pipeline" not in text, name
-    assert len((train / "trainer.py").read_text().splitlines()) <= 330
+    source = (train / "trainer.py").read_text()
+    assert len(source.splitlines()) <= 300
+    (fit,) = (f for f in ast.walk(ast.parse(source)) if isinstance(f, ast.FunctionDef) and f.name == "fit")
+    assert fit.end_lineno - fit.lineno + 1 <= 40
+
+
+def test_backward_is_three_calls_from_fit(tmp_path, monkeypatch):
+    """A reader finds the backward pass from ``Trainer.fit`` in three calls: the step's
+    forward-backward, the model's, and ``backward()`` itself (the memory ladder's retry wraps
+    the first in a with block, no frame of its own)."""
+    import torch
+
+    from conftest import token_sequences, train_tiny_gpt
+
+    stacks = []
+    backward = torch.Tensor.backward
+
+    def recorded(self, *args, **kwargs):
+        stacks.append([frame.name for frame in traceback.extract_stack()])
+        return backward(self, *args, **kwargs)
+
+    monkeypatch.setattr(torch.Tensor, "backward", recorded)
+    train_tiny_gpt(tmp_path / "run", token_sequences(tmp_path), micro=2, global_=4, steps=2)
+    assert len(stacks) == 4  # two steps of two micro-batches
+    for names in stacks:
+        between = names[len(names) - 1 - names[::-1].index("fit") + 1 : -1]  # the frames after fit's
+        assert between == ["forward_backward", "forward_backward"], names
 
 
 def test_no_behaviour_travels_through_the_environment():

@@ -76,16 +76,19 @@ def cmd_train(args) -> int:
 
 
 def cmd_prepare(args) -> int:
-    from kiln.data import prepare, prepare_mix
     from kiln.distributed.world import init_world
+    from kiln.train.jobs import job_for
 
-    cfg = _load(args)
-    data = cfg.data
+    # The job's own data config (a Hugging Face model's text is tokenized by its tokenizer):
+    # what is cached here is what `kiln train` reads.
+    job = job_for(_load(args))
     # Under kiln launch every rank tokenizes its share of the files.
-    world = init_world("cpu", cfg.parallel)
-    progress = world.is_main
-    sources = prepare_mix(data, progress, world) if data.mix else {"": prepare(data, progress, world)}
+    world = init_world("cpu", job.cfg.parallel)
+    sources = job.prepare_data(world, world.is_main)
     if not world.is_main:
+        return 0
+    if not sources:
+        print(f"kiln: {job.cfg.run.job} runs read their records into memory as training starts; nothing to prepare")
         return 0
     for name, prepared in sources.items():
         m = prepared.manifest

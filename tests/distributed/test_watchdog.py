@@ -43,6 +43,7 @@ def _logged_step(run_dir: Path) -> int:
     return max(losses(run_dir), default=0) if (run_dir / "metrics.jsonl").exists() else 0
 
 
+@pytest.mark.wallclock
 @pytest.mark.slow
 def test_a_hung_rank_is_named_dumped_and_the_job_restarts_from_its_checkpoint(tmp_path, corpus_dir, ddp_run):
     ref = ddp_run[0]  # the same watched run, uninterrupted
@@ -78,6 +79,7 @@ def test_a_hung_rank_is_named_dumped_and_the_job_restarts_from_its_checkpoint(tm
         torch.testing.assert_close(a, b, rtol=0, atol=0, msg=name)
 
 
+@pytest.mark.wallclock
 @pytest.mark.slow
 def test_a_slowed_rank_is_named_a_straggler_and_usr1_dumps_a_ranks_stacks(tmp_path, corpus_dir):
     run_dir = tmp_path / "slow"
@@ -210,6 +212,7 @@ with watchdog.watching(run_dir):
 """
 
 
+@pytest.mark.wallclock
 def test_a_loop_that_fails_while_its_rank_reports_a_hang_still_ends_with_the_hang_status(tmp_path):
     """The peer's exit must not turn this rank's report into a crash: the agent restarts on
     HANG_EXIT, and the summary is written before the process ends."""

@@ -60,7 +60,7 @@ def train_step(cfg, model, optimizer, precision, device=CPU):
     for i in range(accum):
         with precision.autocast():
             loss = model(x[i * micro : (i + 1) * micro], y[i * micro : (i + 1) * micro])
-        precision.backward(loss / accum)
+        precision.loss_scale(loss / accum).backward()
     precision.unscale_(optimizer)
     grad_norm = clip_grad_norm_([p for p in model.parameters() if p.requires_grad], cfg.train.grad_clip)
     precision.step(optimizer, finite=torch.isfinite(grad_norm))

@@ -454,9 +454,15 @@ def test_other_llama_class_models_split_over_two_tensor_parallel_ranks(tmp_path,
 
 
 def test_a_causal_lm_continues_pretraining_on_text_with_its_own_tokenizer(tmp_path, corpus_dir, hf_llama, capsys):
-    run = tmp_path / "text"
+    run, cache = tmp_path / "text", tmp_path / "cache"
     sets = ft_sets(run, corpus_dir, hf_llama, train__max_steps=12, eval__every=12, eval__sample_tokens=8)
+    sets += [f"data.cache_dir={cache}"]
+    # `kiln prepare` caches what `kiln train` then reads: the text as the model's tokenizer makes it.
+    assert main(["prepare", *as_args(sets)]) == 0
+    assert "kiln: tokenized" in capsys.readouterr().out
+    prepared = sorted(cache.rglob("*"))
     assert main(["train", *as_args(sets)]) == 0
+    assert sorted(cache.rglob("*")) == prepared
     steps = losses(run)
     assert steps[12] < steps[1]
     # The text was tokenized by the model's own tokenizer, whose end-of-sequence token ends documents.

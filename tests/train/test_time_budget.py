@@ -38,6 +38,7 @@ def _fit(run_dir, budget, max_steps=1000):
     return Trainer(model, data, slow_loss, cfg, eval_fn=lambda m: {"val_loss": 1.0}, console=False).fit()
 
 
+@pytest.mark.wallclock
 def test_budget_stops_within_one_step_with_eval_and_checkpoint(tmp_path):
     result = _fit(tmp_path, "1s")
     assert result.out_of_time and 5 <= result.step < 1000

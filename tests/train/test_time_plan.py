@@ -255,6 +255,7 @@ def _records(run):
     return [json.loads(line) for line in path.read_text().split("\n")[:-1]] if path.exists() else []
 
 
+@pytest.mark.wallclock
 @pytest.mark.slow
 def test_auto_fills_the_budget_ends_the_schedule_and_resumes_exactly(tmp_path, corpus_dir):
     """A planned run ends its schedule at its last step, inside the budget; the probe leaves no
@@ -331,6 +332,7 @@ def test_auto_fills_the_budget_ends_the_schedule_and_resumes_exactly(tmp_path, c
     assert all((a[k] == b[k]).all() for k in a)
 
 
+@pytest.mark.wallclock
 def test_an_auto_batch_is_chosen_recorded_and_kept_on_resume(tmp_path, corpus_dir):
     """global_batch_size = "auto": the probe chooses the batch and leaves no trace (the same steps
     and batch given as numbers train the same weights); a resumed run keeps the batch."""

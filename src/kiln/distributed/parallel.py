@@ -58,13 +58,8 @@ class StepCompute(Protocol):
         """The run's precision, for forward passes the loss function does not make."""
         ...
 
-    def backward(self, loss: torch.Tensor) -> None:
-        """Gradients of ``loss`` (scaled for fp16), added to those held."""
-        ...
-
     def scaled(self, loss: torch.Tensor) -> torch.Tensor:
-        """``loss`` times fp16's loss scale (itself otherwise), for a backward pass run elsewhere
-        (a pipeline schedule's)."""
+        """``loss`` times fp16's loss scale (itself otherwise), what the backward pass starts from."""
         ...
 
     def staged(self, model: nn.Module, batch: Any) -> Staged | None:
@@ -139,7 +134,7 @@ class ParallelModel:
         for it; FSDP reduces every micro-batch, which keeps its gradients sharded)."""
         with _gradient_sync(self.wrapped, last):
             loss = compute.loss(self.wrapped, batch)
-            compute.backward(loss / divisor)
+            compute.scaled(loss / divisor).backward()
         return loss.detach()
 
     def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:

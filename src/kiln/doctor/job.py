@@ -22,7 +22,7 @@ from kiln.data.tokenizer import eot_id
 from kiln.device import resolve_device, resolve_precision
 from kiln.distributed.world import World
 from kiln.models.family import build_model
-from kiln.train.jobs import FineTuneJob, LMJob, job_for
+from kiln.train.jobs import FineTuneJob, job_for
 from kiln.train.step import LossFn
 
 T = TypeVar("T")
@@ -149,8 +149,8 @@ def build_job(
         return _finetune_job(job, device, device_problem)
     prepared, data_problem = None, None
     if train_data is None:
-        try:  # the corpus of the config's language-model job (a mixture's first source)
-            prepared = next(iter(LMJob(cfg).prepare_data(World(device=device), console=progress).values()))
+        try:  # the corpus the job trains on (a mixture's first source)
+            prepared = next(iter(job.prepare_data(World(device=device), console=progress).values()), None)
         except DataError as e:
             data_problem = str(e)
         if prepared is not None:

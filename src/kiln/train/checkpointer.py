@@ -46,6 +46,8 @@ from kiln.train.faults import NO_FAULTS, NoFaults
 if TYPE_CHECKING:
     from torch.distributed.checkpoint.state_dict import StateDictOptions
 
+    from kiln.train.run import Progress
+
 
 class Stateful(Protocol):
     def state_dict(self) -> dict: ...
@@ -83,6 +85,13 @@ class Checkpointer:
             import torch.distributed as dist
 
             self._write_group = dist.new_group(backend="gloo")
+
+    phase = "save"
+
+    def after_step(self, run: Progress) -> None:
+        """Save at the checkpoint interval, at the run's end and where it stops."""
+        if self.due(run.step, run.final or run.stop.requested):
+            self.save(run.step)
 
     def due(self, step: int, now: bool = False) -> bool:
         """Is ``step`` (just done) a checkpoint? ``now``: the run ends or stops here."""

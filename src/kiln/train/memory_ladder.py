@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import json
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any, NamedTuple
@@ -27,7 +27,6 @@ import torch
 
 from kiln.checkpoint import CheckpointError, capture_rng, restore_rng
 from kiln.config import Config, ConfigError
-from kiln.data.batch import split_batch
 from kiln.data.batch_schedule import BatchSchedule
 from kiln.data.loader import StepBatches, dataset_len
 from kiln.distributed.world import World
@@ -193,11 +192,27 @@ def starting_rung(
     return Start(rung, micro == "auto" and saved is None)
 
 
+class Attempt:
+    """One try at a step's forward and backward: its with block catches an out-of-memory error,
+    kept as ``error`` (its first line) for the ladder, and lets every other exception through."""
+
+    error: str | None = None
+
+    def __enter__(self) -> Attempt:
+        return self
+
+    def __exit__(self, kind: type[BaseException] | None, error: BaseException | None, trace: Any) -> bool:
+        if kind is None or not issubclass(kind, torch.OutOfMemoryError):
+            return False
+        self.error = str(error).splitlines()[0]
+        return True
+
+
 class MemoryLadder:
     """The micro-batch a run computes with, and the ladder it steps down when memory runs out,
-    from ``start`` (``starting_rung``) on ``step``, the run's TrainStep: ``forward_backward``
-    computes a step's gradients, retrying the same batch one rung down each time the device runs
-    out of memory; ``save()``, given by the loop, writes a checkpoint of the last completed step."""
+    from ``start`` (``starting_rung``) on ``step``, the run's TrainStep: ``attempts`` retries a
+    step's forward and backward on the same batch one rung down each time the device runs out of
+    memory."""
 
     def __init__(
         self,
@@ -237,17 +252,23 @@ class MemoryLadder:
             self._apply(self.rung.merge(replace(saved, cpu_offload=self.rung.cpu_offload)))
             self.probe_needed = False
 
-    def forward_backward(self, batch: Any, step: int, logger: Any, save: Callable[[], Path]) -> torch.Tensor:
-        """The gradients and mean loss of (1-based) ``step``'s batch, one rung down per
-        out-of-memory error, always on the same sequences."""
+    def attempts(self, step: int, logger: Any, save: Callable[[], Path]) -> Iterator[Attempt]:
+        """Tries at (1-based) ``step``'s forward and backward, one rung down after each that runs
+        out of memory, always on the same sequences::
+
+            for attempt in ladder.attempts(step, logger, save):
+                with attempt:
+                    loss = train_step.forward_backward(split_batch(batch, ladder.micro_batch_size), step)
+
+        ``save()`` writes a checkpoint of the last completed step (before a restart, or the end)."""
         while True:
-            try:
-                return self.train_step.forward_backward(split_batch(batch, self.micro_batch_size), step)
-            except torch.OutOfMemoryError as e:
-                error = str(e).splitlines()[0]
-            # Outside the except block: the failed attempt's frames, and the activations they
+            attempt = Attempt()
+            yield attempt
+            if attempt.error is None:
+                return
+            # Here, after the with block: the failed try's frames, and the activations they
             # reference, are gone before the retry allocates anew.
-            self._step_down(error, step, logger, save)
+            self._step_down(attempt.error, step, logger, save)
 
     def _apply(self, rung: Rung) -> None:
         if rung.activation_checkpointing:

@@ -29,8 +29,10 @@ PHASES = {
     "forward_backward": Phase("forward/backward (gradient reduction)", "kiln/forward_backward"),
     "optimizer": Phase("optimizer step (gradient-norm reduction)", "kiln/optimizer"),
     "agree": Phase("step end (ranks agree to go on)"),
-    "log": Phase("log point (metrics gathered)"),
-    "evaluate_save": Phase("evaluation or checkpoint", patient=True),
+    "log": Phase("log point (metrics gathered, the guard's review)"),
+    "evaluate": Phase("evaluation", patient=True),
+    "tasks": Phase("scoring benchmark tasks (eval.tasks)", patient=True),
+    "save": Phase("saving a checkpoint", patient=True),
 }
 
 

@@ -138,9 +138,6 @@ class Precision:
             return contextlib.nullcontext()
         return torch.autocast(self.device.type, dtype=self.dtype)
 
-    def backward(self, loss: torch.Tensor) -> None:
-        self.loss_scale(loss).backward()
-
     def unscale_(self, optimizer: torch.optim.Optimizer) -> None:
         self.loss_scale.unscale_(optimizer)
 

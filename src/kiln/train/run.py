@@ -11,7 +11,7 @@ import signal
 import time
 from pathlib import Path
 from types import FrameType
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
 import torch
@@ -126,6 +126,32 @@ class Budget:
         """Would one more step, as long as the last one, end past the budget?"""
         now = time.perf_counter()
         return (now - self._t0) + (now - self._step_t0) > self.seconds
+
+
+@dataclasses.dataclass
+class Progress:
+    """The run in progress, one per ``fit``: the loop sets the step's values, the components
+    called after it read them, and may stop the run or roll it back."""
+
+    logger: Any
+    stop: StopRequest  # a signal, or an evaluation's answer, sets it; nothing clears it
+    result: FitResult
+    clock: Budget
+    step: int = 0  # steps done (a rollback sets it back)
+    lr: float = 0.0  # the step's learning rate
+    micro_batch_size: int = 0  # in use at the step
+    planned_steps: int = 0  # the run's length, as the time plan has it now
+    final: bool = False  # the run's last step: the planned one, or the last the budget allows
+    out_of_time: bool = False
+    rolled_back: bool = False  # the guard rolled the run back to ``step``; nothing else runs
+
+
+class AfterStep(Protocol):
+    """A component the loop calls after each step, in the watchdog's and profiler's ``phase``."""
+
+    phase: str
+
+    def after_step(self, run: Progress) -> None: ...
 
 
 def load_run(path: str | Path, checkpoint: str | Path | None = None, device: str = "auto") -> LoadedRun:

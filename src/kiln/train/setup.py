@@ -1,5 +1,5 @@
-"""The start of a run, before its first step: the model this rank trains, made and laid out,
-and how long each part took, said in one line once the first step is done (where a large
+"""The start of a run, before its first step: the model this rank trains, made and laid out, the
+batches it reads, and how long each part took, said in one line once the first step is done (where a large
 model's minutes before training go)."""
 
 from __future__ import annotations
@@ -11,6 +11,8 @@ from collections.abc import Callable, Iterator
 import torch
 
 from kiln.config import ParallelConfig
+from kiln.data.batch_schedule import BatchSchedule
+from kiln.data.loader import StepBatches
 from kiln.device import return_freed_host_memory
 from kiln.distributed.parallel import ParallelModel
 from kiln.distributed.parallelize import parallelize
@@ -84,3 +86,18 @@ def start_model(
         model = model if job.initial else model.to(world.device)
         bf16 = precision.dtype == torch.bfloat16
         return parallelize(model, job.plan, world, pcfg, bf16=bf16, initial=job.initial)
+
+
+def step_batches(job: Job, schedule: BatchSchedule, world: World) -> StepBatches:
+    """The batches of each step as this rank reads them (ranks of one tensor- or context-parallel
+    group read the same ones)."""
+    return StepBatches(
+        job.train_data,
+        schedule,
+        job.cfg.train.seed,
+        num_workers=job.cfg.data.num_workers,
+        pin_memory=world.device.type == "cuda",
+        rank=world.data_rank,
+        world_size=world.data_ranks,
+        collate_fn=job.collate_fn,
+    )

@@ -88,9 +88,6 @@ class TrainStep:
     def autocast(self) -> contextlib.AbstractContextManager:
         return self.precision.autocast()
 
-    def backward(self, loss: torch.Tensor) -> None:
-        self.precision.backward(loss)
-
     def scaled(self, loss: torch.Tensor) -> torch.Tensor:
         return self.precision.loss_scale(loss)
 

@@ -14,21 +14,30 @@ so the per-step losses are bitwise those of the same run without task scores.
 from __future__ import annotations
 
 import random
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
 from torch import nn
 
 from kiln.config import Config
+from kiln.distributed.parallel import ParallelModel
 from kiln.train.precision import Precision
+
+if TYPE_CHECKING:
+    from kiln.train.run import Progress
 
 
 class TaskScores:
-    def __init__(self, cfg: Config, job: Any):
+    """The loop's component (after each step, ``kiln.train.after_step``) that scores ``model``, a
+    ``ParallelModel``, when ``eval.tasks`` are due."""
+
+    phase = "tasks"
+
+    def __init__(self, cfg: Config, job: Any, model: ParallelModel, precision: Precision):
         e = cfg.eval
         self.names, self.every, self.limit = list(e.tasks), e.tasks_every, e.tasks_limit
-        self.job = job
+        self.job, self.model, self.precision = job, model, precision
         self.manager: Any = None
         if self.names:  # checked before training starts: a bad task name is an error at once
             from kiln.harness import check_tasks, task_manager
@@ -39,6 +48,10 @@ class TaskScores:
 
     def due(self, step: int, final: bool) -> bool:
         return bool(self.names) and (final or (self.every > 0 and step % self.every == 0))
+
+    def after_step(self, run: Progress) -> None:
+        if self.due(run.step, run.final):
+            self.score(self.model.eval_forward, run.step, run.micro_batch_size, run.logger, self.precision)
 
     def score(
         self, model: nn.Module, step: int, micro_batch_size: int, logger: Any, precision: Precision

@@ -1,19 +1,17 @@
 """The training loop: it trains a job (``kiln.train.jobs``), a built-in one or any ``nn.Module``
 given with a dataset and a loss.
 
-Read ``Trainer.fit`` top to bottom: resume, then for each step compute the gradients of the
-step's batch, update, and at intervals log, evaluate and checkpoint. Each feature is a component
-that owns its state and decides its own timing, called alike in every configuration and layout:
-the model (``ParallelModel``: this rank's share), the step (``TrainStep``), the memory ladder
-(the micro-batch, and a retry one rung down when memory runs out), the guard (non-finite steps,
-spikes), the experts' load (a mixture of experts' balancing), the meter, the checkpointer, the
-time plan (the steps that fill a time budget) and the phases (watchdog, profiler, stragglers).
-"""
+Read ``Trainer.fit`` top to bottom: resume; for each step, the batch, its gradients (retried one
+rung down the memory ladder when memory runs out), the update, then the components called after
+each step (``kiln.train.after_step``: the log point with the guard's review, evaluation, task
+scores, the checkpoint), each deciding when it is due. They run alike in every layout: the
+model is a ``ParallelModel`` (this rank's share) and ``TrainStep`` its step's arithmetic."""
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
-from collections.abc import Callable
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -24,31 +22,28 @@ from torch.utils.data import Dataset
 from kiln.config import Config, ConfigError
 from kiln.data.batch import split_batch, to_device
 from kiln.data.batch_schedule import BatchSchedule
-from kiln.data.loader import StepBatches
 from kiln.distributed.world import init_world
 from kiln.io import directory_problem
 from kiln.observe import NullLogger, open_logger
 from kiln.observe.profiler import StepProfiler
+from kiln.train.after_step import Evaluation, OnEvaluate, Report
 from kiln.train.checkpointer import Checkpointer, Stateful
 from kiln.train.faults import faults_for
-from kiln.train.guard import Guard, first_non_finite_module
-from kiln.train.jobs import EvalContext, Job, ModuleJob, job_for, resolve_config
+from kiln.train.guard import Guard
+from kiln.train.jobs import Job, ModuleJob, job_for, resolve_config
 from kiln.train.memory_ladder import MemoryLadder, starting_rung
 from kiln.train.meter import StepMeter
 from kiln.train.optim import build_optimizer, lr_at
 from kiln.train.phases import Phases
 from kiln.train.precision import Precision
 from kiln.train.routing import ExpertLoad
-from kiln.train.run import Budget, FitResult, StopRequest, seed_everything, write_run_files
-from kiln.train.setup import SetupTimes, start_model
+from kiln.train.run import AfterStep, Budget, FitResult, Progress, StopRequest, seed_everything, write_run_files
+from kiln.train.setup import SetupTimes, start_model, step_batches
 from kiln.train.sources import SourceUse
 from kiln.train.step import LossFn, TrainStep
 from kiln.train.straggler import Stragglers
 from kiln.train.tasks import TaskScores
 from kiln.train.time_plan import TimePlan
-
-# ``on_evaluate(step, metrics, max_steps)``, on rank 0 after each evaluation: True stops the run.
-OnEvaluate = Callable[[int, dict[str, Any], int], bool]
 
 
 class Trainer:
@@ -78,7 +73,7 @@ class Trainer:
             if train_data is None or loss_fn is None:
                 raise TypeError("Trainer(model, train_data, loss_fn, config): a model needs its data and loss function")
             job = ModuleJob(resolve_config(config or Config(), job="module"), job, train_data, loss_fn, **module)
-        self.job, self.cfg, self.on_evaluate = job, job.cfg, on_evaluate
+        self.job, self.cfg = job, job.cfg
         cfg, t = self.cfg, self.cfg.train
         # Before the data is prepared, which can take minutes.
         if problem := directory_problem(cfg.run.dir):
@@ -91,17 +86,7 @@ class Trainer:
         job.prepare(world, self.console)
         self.precision = Precision(t.precision, self.device, t.fp8_recipe)
         schedule = BatchSchedule.from_config(t, job.tokens_per_sample, world.data_ranks)
-        self.batches = StepBatches(
-            job.train_data,
-            schedule,
-            t.seed,
-            num_workers=cfg.data.num_workers,
-            pin_memory=self.device.type == "cuda",
-            # Ranks of one tensor- or context-parallel group read the same batch.
-            rank=world.data_rank,
-            world_size=world.data_ranks,
-            collate_fn=job.collate_fn,
-        )
+        self.batches = step_batches(job, schedule, world)
         start = starting_rung(cfg, world, schedule, self.run_dir, self._say)
         self.guard = Guard(cfg.guard, scaler_skips=t.precision == "fp16")
         self.faults = faults_for(cfg.debug, world.rank)
@@ -109,7 +94,7 @@ class Trainer:
         self.setup = SetupTimes(self._say)
         self.model = start_model(job, world, pcfg, self.precision, self.faults, self.setup)
         self.optimizer = build_optimizer(self.model, t, self.device)
-        self.stragglers, self.tasks = Stragglers(world, cfg.observe), TaskScores(cfg, job)
+        self.stragglers = Stragglers(world, cfg.observe)
         self.train_step = TrainStep(
             self.model,
             job.loss_fn,
@@ -136,6 +121,13 @@ class Trainer:
         rank = world.rank if world.distributed else None
         self.profiler = StepProfiler(cfg.profile, self.run_dir, self.device, rank=rank, console=self.console)
         self.phases = Phases(world.watchdog, self.profiler, self.stragglers.clock)
+        metered = (self.precision, self.expert_load, self.sources, self.stragglers)
+        self.report = Report(
+            world, job, self.model, self.train_step, self.meter, self.guard, metered, self.batches, self.checkpointer
+        )
+        self.evaluation = Evaluation(job, self.model, self.precision, world, on_evaluate)
+        tasks = TaskScores(cfg, job, self.model, self.precision)
+        self.after_step: list[AfterStep] = [self.evaluation, tasks, self.checkpointer]
         if world.is_main:
             self.run_dir.mkdir(parents=True, exist_ok=True)
             job.write_files(self.run_dir)
@@ -149,112 +141,136 @@ class Trainer:
     # -- the loop ----------------------------------------------------------------------------
 
     def fit(self) -> FitResult:
-        clock, plan, phase = Budget(self.time_plan.stop_s), self.time_plan, self.phases.phase
         with self.setup.timed("load checkpoint"):
             resumed_from = self.checkpointer.resume()
-        self.step = resumed_from or 0
-        result = FitResult(step=self.step, resumed_from=resumed_from)
-        logger = open_logger(
-            self.run_dir,
-            self.cfg,
-            main=self.world.is_main,
-            total_steps=self.time_plan.max_steps or 0,
-            start_step=self.step,
-            console=self.console,
-        )
-        with logger, StopRequest() as stop, self.checkpointer.finishing(), self.world.watchdog.watching(self.run_dir):
-            with phase("setup", self.step):
-                if self.ladder.probe_needed:
-                    self.ladder.find_micro_batch(self.batches, self.step, logger)
-                if plan.needs_probe:  # only the process that plans corrects its plan later
-                    self._plan_steps(logger, clock)
-                logger.total_steps = plan.steps
-                self._write_run_files()
-            if self.step >= plan.steps:
-                self._say(f"kiln: already trained to step {self.step} (train.max_steps={plan.steps}); nothing to do")
-                return result
+        self.step, plan, phase = resumed_from or 0, self.time_plan, self.phases.phase
+        with self._running(FitResult(step=self.step, resumed_from=resumed_from)) as run:
+            if self._before_loop(run):  # already trained that far
+                return run.result
             batches = self.batches.loader(self.step)
-            self.meter.start_clock()
-            plan.loop_starts(self.step, clock.elapsed())
-            self.setup.loop_starts()
+            self._loop_starts(run)
             while self.step < plan.steps:
-                clock.step_started()
-                self.profiler.step_begins(self.step + 1)
-                lr = lr_at(self.step, self.cfg.train, plan.steps) * self.guard.lr_scale
+                lr = self._step_starts(run)
                 with phase("data", self.step):
                     # This rank's share of the batch, kept so that a retry after an OOM sees the same.
                     batch = to_device(next(batches), self.device)
                 with phase("rollout", self.step):
                     batch = self.job.rollout(self.model.module, batch, self.micro_batch_size)
                 with phase("forward_backward", self.step):
-                    loss = self.ladder.forward_backward(batch, self.step + 1, logger, save=self.save)
+                    for attempt in self.ladder.attempts(self.step + 1, run.logger, self.save):  # OOM: a rung down
+                        with attempt:
+                            micro_batches = split_batch(batch, self.micro_batch_size)
+                            loss = self.train_step.forward_backward(micro_batches, self.step + 1)
                 with phase("optimizer", self.step):
-                    grad_norm = self.train_step.update(lr, inspect=logger.inspector(self.step + 1))
+                    grad_norm = self.train_step.update(lr, inspect=run.logger.inspector(self.step + 1))
                     self.expert_load.step_done()
-                self.step += 1
-                self.meter.end_step(loss, grad_norm, batch)
-                logger.step_done(self.step)
-                self.profiler.step_ends(self.step)
-                self.setup.step_done()
-                # The run ends at max_steps or before a step that would overrun the budget, evaluated
-                # and saved; ranks decide together, or one would wait in a collective the others skip.
-                with phase("agree", self.step):
-                    flags = clock.next_step_overruns(), stop.requested, plan.due(self.step, clock.elapsed())
-                    out_of_time, stop.requested, replan = self.world.agree(*flags)
-                if replan:  # with the pace this run has kept (see TimePlan)
-                    plan.correct_pace(self.world, self.step, clock.elapsed(), logger)
-                    self._write_run_files()
-                final = self.step == plan.steps or out_of_time
-                if self.meter.due(self.step, final or stop.requested):
-                    result.metrics, rollback = self._log(logger, lr, clock.elapsed())
-                    if rollback:  # the meter, its clock too, is restored with the checkpoint
-                        self.step = self.guard.roll_back(self.step, self.checkpointer, self.faults, logger)
-                        batches = self.batches.loader(self.step)
-                        continue
-                # Evaluation and saving are not training throughput: the meter's clock stops.
-                with phase("evaluate_save", self.step), self.meter.paused():
-                    if final or (self.cfg.eval.every and self.step % self.cfg.eval.every == 0):
-                        metrics = self._evaluate(logger)
-                        result.eval_metrics = metrics or result.eval_metrics
-                        if self._halt_after(metrics) and not final:
-                            stop.requested = True  # set, never cleared: a signal may have set it meanwhile
-                    if self.tasks.due(self.step, final):
-                        self.tasks.score(
-                            self.model.eval_forward, self.step, self.micro_batch_size, logger, self.precision
-                        )
-                    if self.checkpointer.due(self.step, final or stop.requested):
-                        self.save()
-                if out_of_time and self.step < plan.steps:
-                    result.out_of_time = True
-                    self._say(
-                        f"kiln: time budget {self.cfg.train.budget} reached at step {self.step}/"
-                        f"{plan.steps}; run the same command again to continue"
-                    )
+                self._step_ends(run, loss, grad_norm, batch)
+                with phase("log", self.step):
+                    self.report.after_step(run)
+                if run.rolled_back:  # to the last checkpoint, with a lower learning rate
+                    self.step, batches = run.step, self.batches.loader(run.step)
+                    continue
+                # Evaluation, task scores and checkpoints are not training throughput: the meter's clock stops.
+                with self.meter.paused():
+                    for part in self.after_step:
+                        with phase(part.phase, self.step):
+                            part.after_step(run)
+                if self._stops(run):
                     break
-                if stop.requested:
-                    result.interrupted = True
-                    self._say(f"kiln: stopped at step {self.step}; resume with the same command")
-                    break
-        result.step = self.step
-        return result
+        run.result.step = self.step
+        return run.result
 
     # -- pieces of the loop --------------------------------------------------------------------
 
     def save(self) -> Path:
         return self.checkpointer.save(self.step)
 
+    @contextlib.contextmanager
+    def _running(self, result: FitResult) -> Iterator[Progress]:
+        """The run's logger, its stop request (signals), the checkpointer's last write and the
+        hang watchdog, around the loop."""
+        plan, world = self.time_plan, self.world
+        main, steps = world.is_main, plan.max_steps or 0  # "auto": the logger is told the steps once planned
+        logger = open_logger(
+            self.run_dir, self.cfg, main=main, total_steps=steps, start_step=self.step, console=self.console
+        )
+        with logger, StopRequest() as stop, self.checkpointer.finishing(), world.watchdog.watching(self.run_dir):
+            yield Progress(logger, stop, result, Budget(plan.stop_s), step=self.step)
+
+    def _before_loop(self, run: Progress) -> bool:
+        """The micro-batch probe and the time plan's, where the config asks for them; the run files.
+        Whether the run has nothing left to do."""
+        with self.phases.phase("setup", self.step):
+            if self.ladder.probe_needed:
+                self.ladder.find_micro_batch(self.batches, self.step, run.logger)
+            if self.time_plan.needs_probe:  # only the process that plans corrects its plan later
+                self._plan_steps(run)
+            run.logger.total_steps = self.time_plan.steps
+            self._write_run_files()
+        if done := self.step >= (steps := self.time_plan.steps):
+            self._say(f"kiln: already trained to step {self.step} (train.max_steps={steps}); nothing to do")
+        return done
+
+    def _loop_starts(self, run: Progress) -> None:
+        self.meter.start_clock()
+        self.time_plan.loop_starts(self.step, run.clock.elapsed())
+        self.setup.loop_starts()
+
+    def _step_starts(self, run: Progress) -> float:
+        """The step's learning rate."""
+        run.clock.step_started()
+        self.profiler.step_begins(self.step + 1)
+        run.lr = lr_at(self.step, self.cfg.train, self.time_plan.steps) * self.guard.lr_scale
+        return run.lr
+
+    def _step_ends(self, run: Progress, loss: torch.Tensor, grad_norm: torch.Tensor, batch: Any) -> None:
+        """Count the step; the ranks agree whether the run goes on and whether the time plan
+        corrects its length (see TimePlan): ranks decide together, or one would wait in a
+        collective the others skip. The run ends at max_steps or before a step that would overrun
+        the budget."""
+        self.step += 1
+        self.meter.end_step(loss, grad_norm, batch)
+        run.logger.step_done(self.step)
+        self.profiler.step_ends(self.step)
+        self.setup.step_done()
+        plan, stop, clock = self.time_plan, run.stop, run.clock
+        with self.phases.phase("agree", self.step):
+            flags = clock.next_step_overruns(), stop.requested, plan.due(self.step, clock.elapsed())
+            run.out_of_time, stop.requested, replan = self.world.agree(*flags)
+        if replan:  # with the pace this run has kept
+            plan.correct_pace(self.world, self.step, clock.elapsed(), run.logger)
+            self._write_run_files()
+        run.step, run.planned_steps, run.micro_batch_size = self.step, plan.steps, self.micro_batch_size
+        run.final, run.rolled_back = self.step == plan.steps or run.out_of_time, False
+
+    def _stops(self, run: Progress) -> bool:
+        """Whether the run ends here before its planned steps: out of time, or asked to stop."""
+        if run.out_of_time and self.step < self.time_plan.steps:
+            run.result.out_of_time = True
+            self._say(
+                f"kiln: time budget {self.cfg.train.budget} reached at step {self.step}/"
+                f"{self.time_plan.steps}; run the same command again to continue"
+            )
+            return True
+        if run.stop.requested:
+            run.result.interrupted = True
+            self._say(f"kiln: stopped at step {self.step}; resume with the same command")
+        return run.stop.requested
+
     def _write_run_files(self) -> None:
         """config.toml as the plan resolved it (steps, batch, micro-batch in use), and the rest."""
         resolved = self.time_plan.resolved(self.cfg, self.micro_batch_size)
         write_run_files(self.run_dir, resolved, self.world, self.model.module)
 
-    def _plan_steps(self, logger: Any, clock: Budget) -> None:
+    def _plan_steps(self, run: Progress) -> None:
         """``max_steps = "auto"``: the time plan measures this very run, which it then puts back."""
         self._say("kiln: timing a checkpoint, a few steps and an evaluation to plan train.max_steps=auto ...")
 
         def train(batch: Any, i: int) -> None:
             batch = self.job.rollout(self.model.module, batch, self.micro_batch_size)
-            self.ladder.forward_backward(batch, self.step + i + 1, logger, save=self.save)
+            for attempt in self.ladder.attempts(self.step + i + 1, run.logger, self.save):
+                with attempt:
+                    self.train_step.forward_backward(split_batch(batch, self.micro_batch_size), self.step + i + 1)
             self.train_step.update(0.0)
 
         with self.train_step.hold_compile():
@@ -263,62 +279,13 @@ class Trainer:
                 self.checkpointer,
                 batches=lambda: (to_device(b, self.device) for b in self.batches.loader(self.step)),
                 train=train,
-                evaluate=lambda: self._evaluate(NullLogger()),
+                evaluate=lambda: self.evaluation.evaluate(self.step, self.micro_batch_size, NullLogger()),
                 save=self.save,
                 device=self.device,
-                elapsed=clock.elapsed,
-                logger=logger,
+                elapsed=run.clock.elapsed,
+                logger=run.logger,
                 step=self.step,
             )
-
-    def _log(self, logger: Any, lr: float, elapsed_s: float) -> tuple[dict[str, float], bool]:
-        """Log the interval ending now; whether the guard calls for a rollback."""
-        with self.phases.phase("log", self.step):
-            values = self.meter.flush()  # the one host sync of the interval
-        review = self.guard.review(self.step - len(values["losses"]) + 1, values["losses"], values["grad_norms"])
-        # Where no rank runs the whole model (it is cut into stages), the module is not looked for.
-        locate = self._locate_non_finite if self.model.whole is not None else None
-        self.guard.report(review, logger, self.batches, locate)
-        record = self.meter.record(
-            values, step=self.step, lr=lr, elapsed_s=elapsed_s, micro_batch_size=self.micro_batch_size
-        )
-        record.update(self.precision.metrics() | self.guard.metrics() | self.expert_load.metrics())
-        record.update(self.sources.metrics(self.step, logger) | self.job.metrics(self.world))
-        logger.log(self.step, record)
-        self.stragglers.review(self.step, len(values["losses"]), logger)
-        return record, review.rollback
-
-    def _locate_non_finite(self, step: int) -> str | None:
-        """The first module whose output is non-finite when ``step``'s batch runs again."""
-        with torch.random.fork_rng(devices=[]):  # a job's rollout (GRPO's sampling) draws apart from the run
-            batch = self.job.rollout(self.model.module, self.batches.batch(step, self.device), self.micro_batch_size)
-        micro_batches = split_batch(batch, self.micro_batch_size)
-        assert self.model.whole is not None  # only called where this rank holds the whole model (_log)
-        return first_non_finite_module(self.model.whole, lambda: self.train_step.replay(micro_batches, step))
-
-    def _evaluate(self, logger: Any) -> dict[str, Any] | None:
-        module, was_training = self.model.module, self.model.module.training
-        module.eval()
-        ctx = EvalContext(self.step, self.device, self.micro_batch_size, self.precision, self.model.generates)
-        try:
-            with torch.no_grad(), self.precision.autocast():
-                metrics = self.job.evaluate(self.model.eval_forward, ctx)
-                if metrics is not None:
-                    # Scalars as floats; a confusion matrix, say, stays a list (metrics.jsonl only).
-                    metrics = {k: v if isinstance(v, (list, dict)) else float(v) for k, v in metrics.items()}
-                    logger.log(self.step, metrics)
-                if (sample := self.job.sample(self.model.eval_forward, ctx)) is not None:
-                    logger.text(self.step, "sample", sample)
-        finally:
-            module.train(was_training)
-        return metrics
-
-    def _halt_after(self, metrics: dict[str, Any] | None) -> bool:
-        """``on_evaluate``'s answer (rank 0's), the same on every rank."""
-        if self.on_evaluate is None or metrics is None:
-            return False
-        halt = self.world.is_main and bool(self.on_evaluate(self.step, metrics, self.time_plan.steps))
-        return self.world.agree(halt)[0]
 
     def _say(self, msg: str) -> None:
         if self.console:

@@ -21,6 +21,7 @@ from torch import nn
 from torch.utils.data import Dataset, default_collate
 
 from kiln.config import Config
+from kiln.data import PreparedData
 from kiln.distributed.world import World
 from kiln.models.family import ModelFamily, ParallelPlan, build_model, family_of
 from kiln.models.init import Values, params_on_meta
@@ -99,6 +100,12 @@ class Job:
         """Ready the data and the model's arguments on this rank (raises ConfigError or DataError
         on bad input, before anything is written)."""
         raise NotImplementedError
+
+    def prepare_data(self, world: World, console: bool) -> dict[str, PreparedData]:
+        """What ``kiln prepare`` caches ahead of training, as ``prepare`` then reads it: the
+        tokenized corpus (by the name "") or each source of a mixture, each rank tokenizing its
+        share of the files. Nothing for a job that reads its records into memory as it starts."""
+        return {}
 
     def model(self) -> nn.Module:
         """The model to train, on the CPU, initialised from ``train.seed`` (or pretrained)."""

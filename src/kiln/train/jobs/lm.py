@@ -84,8 +84,7 @@ class LMJob(Job):
         return TextBatch.collate if self.cfg.data.document_mask else None
 
     def prepare_data(self, world: World, console: bool) -> dict[str, PreparedData]:
-        """The corpus (by the name "") or each source of the mixture, tokenized into the cache, each
-        rank tokenizing its share of the files (or found there)."""
+        """With the model's own tokenizer where it comes from a Hugging Face directory."""
         data_cfg, slow = self._data_config(), self.cfg.debug.slow_prepare_seconds
         if data_cfg.mix:
             return prepare_mix(data_cfg, console, world, slow)
