@@ -102,7 +102,7 @@ def main() -> None:
                 "data.source": data,
                 "data.num_workers": 0,
                 "data.seq_len": 256,
-                "train.objective": objective,
+                "run.job": objective,
                 "train.max_steps": args.steps,
                 "train.micro_batch_size": 4,
                 "train.global_batch_size": 4,

@@ -60,7 +60,7 @@ def kiln_sets(model: Path, source: Path, run: Path, args) -> list[str]:
         "data.source": source,
         "data.num_workers": 0,
         "data.seq_len": 256,
-        "train.objective": "dpo",
+        "run.job": "dpo",
         "train.max_steps": args.steps,
         "train.micro_batch_size": 8,
         "train.global_batch_size": 8,

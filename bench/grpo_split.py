@@ -54,7 +54,7 @@ def main() -> None:
             "data.source": source,
             "data.num_workers": 0,
             "data.seq_len": 64,
-            "train.objective": "grpo",
+            "run.job": "grpo",
             "grpo.reward": "rewards:right_sum",  # examples/rewards.py
             "grpo.group_size": args.group,
             "grpo.max_new_tokens": args.max_new,

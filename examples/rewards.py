@@ -1,4 +1,4 @@
-"""A reward function for GRPO (``train.objective = "grpo"``), called as TRL calls one:
+"""A reward function for GRPO (``run.job = "grpo"``), called as TRL calls one:
 ``grpo.reward = "rewards:right_sum"`` with this folder importable (``PYTHONPATH=examples``).
 
 Records are ``{"prompt": "3 + 4 =", "answer": 7}``; every field besides the prompt reaches the

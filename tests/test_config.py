@@ -120,3 +120,30 @@ def test_docs_config_reference_is_current():
 
     doc = Path(__file__).parents[1] / "docs" / "config.md"
     assert doc.read_text() == config_reference(), "regenerate with: kiln config --reference > docs/config.md"
+
+
+def test_a_config_of_an_earlier_version_is_told_what_to_write_now():
+    """train.objective and run.job = "finetune" were one selector split in two: a config that
+    still says them is refused with what to say instead; a run directory saved with them loads
+    as the same run."""
+    from kiln.config import ConfigError, from_dict, load_config
+
+    with pytest.raises(ConfigError, match=r"train.objective: .* set run.job = 'dpo' instead"):
+        load_config(None, ["train.objective=dpo"])
+    with pytest.raises(ConfigError, match="run.job: finetune is sft now"):
+        load_config(None, ["run.job=finetune"])
+    saved = {"run": {"job": "finetune"}, "train": {"objective": "kto"}}
+    assert from_dict(saved).run.job == "kto"
+    assert from_dict({"run": {"job": "finetune"}, "train": {"objective": "sft"}}).run.job == "sft"
+    classifier = {"run": {"job": "finetune"}, "model": {"task": "sequence_classification"}}
+    assert from_dict(classifier).run.job == "classify"
+    assert from_dict({"run": {"job": "lm"}, "train": {"objective": "sft"}}).run.job == "lm"
+
+
+def test_classify_is_the_job_of_a_sequence_classifier(tmp_path):
+    from kiln.config import ConfigError, load_config
+    from kiln.train.jobs import resolve_config
+
+    assert resolve_config(load_config(None, ["run.job=classify"])).model.task == "sequence_classification"
+    with pytest.raises(ConfigError, match="model.task: sequence_classification is trained by run.job = classify"):
+        resolve_config(load_config(None, ["run.job=dpo", "model.task=sequence_classification"]))

@@ -302,34 +302,9 @@ def _profile_args(p: argparse.ArgumentParser) -> None:
 
 
 def cmd_profile(args) -> int:
-    import shutil
-    from pathlib import Path
+    from kiln.train.profile_steps import profile_steps
 
-    from kiln.config import ConfigError, parse_step_range
-
-    try:
-        _, end = parse_step_range(args.steps)
-    except ValueError as e:
-        raise ConfigError([f"--steps: {e}"]) from None
-    out = Path(args.out or Path(_load(args).run.dir) / "profile")
-    scratch = out / "run"  # the throw-away run: its checkpoints and logs are not what was asked for
-    shutil.rmtree(scratch, ignore_errors=True)
-    throwaway = [
-        f"profile.steps={args.steps}",
-        f"profile.dir={out}",
-        f"run.dir={scratch}",
-        f"train.max_steps={end}",
-        "checkpoint.every=0",
-        "checkpoint.resume=never",
-        "eval.every=0",
-        "eval.sample_tokens=0",
-    ]
-    from kiln.train.trainer import train
-
-    try:
-        train(_load(args, *throwaway))
-    finally:
-        shutil.rmtree(scratch, ignore_errors=True)
+    profile_steps(_load(args), args.steps, args.out)
     return 0
 
 

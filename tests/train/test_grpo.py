@@ -38,7 +38,7 @@ def sums(n: int, seed: int = 0) -> list[tuple[str, int]]:
 def grpo_sets(run_dir, source, model_dir, **extra) -> list[str]:
     items = {
         "data__seq_len": 24,
-        "train__objective": "grpo",
+        "run__job": "grpo",
         "grpo__reward": "rewards:right_sum",
         "grpo__group_size": 4,
         "grpo__max_new_tokens": 4,
@@ -150,7 +150,7 @@ def test_sigkill_and_resume_is_bitwise(tmp_path, prompts, warm_llama):
         ({"grpo.reward": "rewards:nowhere"}, "grpo.reward: cannot import rewards:nowhere"),
         ({"grpo.reward": "no_such_module_x:f"}, "grpo.reward: cannot import no_such_module_x:f"),
         ({"grpo.kl_coef": 0.1}, "grpo.kl_coef: the KL term's reference is the model with its LoRA adapters off"),
-        ({"parallel.strategy": "fsdp"}, "train.objective: grpo samples completions of its own length"),
+        ({"parallel.strategy": "fsdp"}, "run.job: grpo samples completions of its own length"),
         ({"grpo.max_new_tokens": 24}, "grpo.max_new_tokens: 24 leaves no room for the prompt"),
         ({"grpo.group_size": 1}, "grpo.group_size: must be >= 2"),
     ],

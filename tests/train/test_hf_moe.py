@@ -225,7 +225,7 @@ def test_experts_split_over_two_ranks_train_as_one_process_and_export(tmp_path, 
     "extra",
     [
         {"lora.rank": 8, "lora.dropout": 0, "lora.quantize_base": "nf4"},
-        {"train.objective": "dpo", "data.seq_len": 48, "train.lr": 1e-3},
+        {"run.job": "dpo", "data.seq_len": 48, "train.lr": 1e-3},
     ],
     ids=["qlora", "dpo"],
 )
@@ -236,7 +236,7 @@ def test_objectives_and_adapters_with_experts_split_over_two_ranks_equal_one_pro
     from test_preference_objectives import preference_records
 
     source, model = sft, qwen_moe
-    if extra.get("train.objective") == "dpo":
+    if extra.get("run.job") == "dpo":
         source = write_jsonl(tmp_path / "pairs.jsonl", preference_records(64))
     else:
         wide = dict(hidden_size=128, head_dim=64, num_key_value_heads=4)

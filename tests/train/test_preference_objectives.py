@@ -53,7 +53,7 @@ def preference_records(n: int, seed: int = 0) -> list[dict]:
 
 
 def pref_sets(run_dir, source, model_dir, **extra) -> list[str]:
-    items = {"data__seq_len": 48, "train__objective": "dpo", "train__max_steps": 4, "train__lr": 1e-3}
+    items = {"data__seq_len": 48, "run__job": "dpo", "train__max_steps": 4, "train__lr": 1e-3}
     items.update({"train__warmup_steps": 0, "checkpoint__every": 0})
     return ft_sets(run_dir, source, model_dir, **(items | extra))
 
@@ -91,7 +91,7 @@ def _trl_loss(trainer_class, config_class, policy, ref, tokenizer, records, tmp_
 
 
 def _kiln_loss(objective, policy, ref, tokenizer, records, tmp_path, **preference) -> torch.Tensor:
-    sets = [f"train.objective={objective}", *(f"preference.{k}={v}" for k, v in preference.items())]
+    sets = [f"run.job={objective}", *(f"preference.{k}={v}" for k, v in preference.items())]
     cfg = load_config(None, sets)
     rows = [
         preference_row(Record(r, Path("pairs.jsonl"), i + 1), tokenizer, 48)[0] | {"index": i}
@@ -215,14 +215,14 @@ def test_kto_equals_trl(tmp_path, hf_llama):
     # kiln's rows as its job makes them: the KL rows pair each prompt with the answer before it.
     source = write_jsonl(tmp_path / "kto.jsonl", records)
     val = write_jsonl(tmp_path / "val.jsonl", kto_records(2, seed=6))  # every record of source trains
-    cfg = load_config(None, [f"data.source={source}", f"data.val_source={val}", "train.objective=kto"])
+    cfg = load_config(None, [f"data.source={source}", f"data.val_source={val}", "run.job=kto"])
     data = prepare_preference(cfg.data, tokenizer, 48, kto=True)
     rows = data.train.rows
     assert [r["desirable"] for r in rows] == [r["label"] for r in records]
     reference = Precomputed(tmp_path / "ref", {}, {"train": data.train}, data.collate, len(rows), World())
     (tmp_path / "ref").mkdir()
     reference.logps(CausalLM(ref).eval(), data.collate(rows), "train")
-    sets = ["train.objective=kto", *(f"preference.{k}={v}" for k, v in config.items())]
+    sets = ["run.job=kto", *(f"preference.{k}={v}" for k, v in config.items())]
     with torch.no_grad():
         ours = PreferenceLoss(load_config(None, sets), reference)(CausalLM(policy).eval(), data.collate(rows))
     torch.testing.assert_close(ours, theirs.to(ours.dtype), rtol=0, atol=1e-5)
@@ -370,11 +370,8 @@ def test_bad_preference_settings_exit_2_and_write_nothing(tmp_path, pairs, hf_ll
 
 def test_a_preference_objective_on_text_is_refused(tmp_path, corpus_dir, capsys):
     run = tmp_path / "run"
-    assert (
-        main(["train", "--set", f"run.dir={run}", "--set", f"data.source={corpus_dir}", "--set", "train.objective=dpo"])
-        == 2
-    )
-    assert "train.objective: dpo trains on records" in capsys.readouterr().err
+    assert main(["train", "--set", f"run.dir={run}", "--set", f"data.source={corpus_dir}", "--set", "run.job=dpo"]) == 2
+    assert "run.job: dpo trains on records" in capsys.readouterr().err
     assert not run.exists()
 
 
@@ -405,7 +402,7 @@ def test_a_kto_run_learns_and_logs_kl_and_rewards(tmp_path, hf_llama, extra):
         run,
         source,
         hf_llama,
-        train__objective="kto",
+        run__job="kto",
         train__max_steps=30,
         train__micro_batch_size=8,
         train__global_batch_size=8,
@@ -428,7 +425,7 @@ def test_a_kto_label_that_is_not_true_or_false_is_refused(tmp_path, hf_llama, ca
         tmp_path / "kto.jsonl", [*kto_records(4), {"prompt": "1 + 1 =", "completion": " 2", "label": "yes"}]
     )
     run = tmp_path / "run"
-    assert main(["train", *sets(pref_sets(run, source, hf_llama, train__objective="kto"))]) == 2
+    assert main(["train", *sets(pref_sets(run, source, hf_llama, run__job="kto"))]) == 2
     err = capsys.readouterr().err
     assert f"{source}:5: field 'label' must be true or false, got 'yes'" in err, err
     assert not run.exists()
@@ -492,7 +489,7 @@ def test_dpo_on_two_ranks_equals_one_process(tmp_path, pairs, hf_llama, layout):
 @pytest.mark.dist
 @pytest.mark.parametrize(
     "extra",
-    [{"lora__rank": 4, "lora__dropout": 0}, {"train__objective": "simpo"}, {"train__objective": "kto"}],
+    [{"lora__rank": 4, "lora__dropout": 0}, {"run__job": "simpo"}, {"run__job": "kto"}],
     ids=["lora-dpo", "simpo", "kto"],
 )
 def test_the_preference_family_in_two_pipeline_stages_equals_one_process(tmp_path, pairs, hf_llama, extra):
@@ -500,7 +497,7 @@ def test_the_preference_family_in_two_pipeline_stages_equals_one_process(tmp_pat
     under the policy) come from forward passes through the stages before the step's; SimPO needs
     neither."""
     source = pairs
-    if extra.get("train__objective") == "kto":
+    if extra.get("run__job") == "kto":
         source = write_jsonl(tmp_path / "kto.jsonl", kto_records(64))
     single, run = tmp_path / "single", tmp_path / "run"
     train(load_config(None, pref_sets(single, source, hf_llama, train__micro_batch_size=2, **extra)), console=False)

@@ -162,7 +162,7 @@ def test_compile_auto_compiles_a_planned_run_of_two_minutes_or_more_after_its_fi
         ["train.schedule=cosine"],  # planned in full before the run: the plan would time eager steps
     ):
         assert resolved(*short)[0].compile is False, short
-    assert given.compile_resolved("finetune", 1).compile is False
+    assert given.compile_resolved("sft", 1).compile is False
     assert given.compile_resolved("lm", 2).compile is False  # a pipeline compiles its blocks
     assert resolved("train.compile=true")[0].compile_after == 0
     assert (resolved("train.compile=false")[0].compile, resolved("train.compile=false")[0].compile_after) == (False, 0)

@@ -173,6 +173,9 @@ def _apply(values: dict[str, dict[str, Any]], pairs: list[tuple[str, Any, bool]]
     known = all_keys()
     secs = sections()
     for key, value, from_text in pairs:
+        if retired := _retired(key, value):
+            errors.append(origin + retired)
+            continue
         if key not in known:
             errors.append(origin + _unknown_key(key, known))
             continue
@@ -231,10 +234,36 @@ def load_config(path: str | os.PathLike | None = None, overrides: list[str] | No
 
 
 def from_dict(values: dict[str, dict[str, Any]]) -> Config:
-    """Rebuild a Config saved with ``to_dict`` (e.g. from a checkpoint), ignoring unknown keys."""
+    """Rebuild a Config saved with ``to_dict`` (e.g. from a checkpoint), ignoring unknown keys;
+    one saved by an earlier kiln is read as it would be written now."""
+    values = _upgraded(values)
     secs = sections()
     known = {s: {f.name for f in dataclasses.fields(cls)} for s, cls in secs.items()}
     return Config(**{s: secs[s](**{k: v for k, v in values.get(s, {}).items() if k in known[s]}) for s in secs})
+
+
+def _upgraded(values: dict[str, dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    """A saved config in today's keys: earlier versions said run.job = "finetune" and what it
+    trained for in train.objective, which is the run's job now."""
+    run, train = dict(values.get("run", {})), dict(values.get("train", {}))
+    objective = train.pop("objective", "sft")
+    if run.get("job") == "finetune":
+        classify = values.get("model", {}).get("task") == "sequence_classification"
+        run["job"] = objective if objective != "sft" else "classify" if classify else "sft"
+    return {**values, "run": run, "train": train}
+
+
+def _retired(key: str, value: Any) -> str | None:
+    """Why a key or value of an earlier kiln is refused, and what says it now."""
+    if key == "train.objective":
+        job = "sft (classify for a sequence classifier)" if value == "sft" else repr(value)
+        return f"train.objective: what a run trains for is its run.job now; set run.job = {job} instead"
+    if key == "run.job" and value == "finetune":
+        return (
+            "run.job: finetune is sft now (a causal LM on prompt/completion or chat records), or classify (a "
+            "sequence classifier on labelled text); a preference objective or grpo is the run.job itself"
+        )
+    return None
 
 
 def validate(cfg: Config) -> None:

@@ -36,13 +36,26 @@ class RunConfig:
     """Device to train on: auto (cuda if available, else cpu), cpu, cuda or cuda:N."""
     threads: int = 0
     """CPU threads for intra-op parallelism; 0 keeps PyTorch's default."""
-    job: Literal["auto", "lm", "finetune", "module"] = "auto"
-    """The kind of run: lm (a language model trained on text: kiln's GPT, a plug-in family, or a
-    Hugging Face causal LM continuing pretraining), finetune (a Hugging Face model trained on
-    records: prompt/completion, chat or classification), or auto: finetune when data.format
+    job: Literal["auto", "lm", "sft", "classify", "dpo", "ipo", "simpo", "orpo", "kto", "grpo", "module"] = "auto"
+    """What the run is, and what it trains for. lm: a language model trained on text (kiln's GPT,
+    a plug-in family, or a Hugging Face causal LM continuing pretraining). On records, with a
+    Hugging Face model (model.source): sft (the completions' likelihood, prompt/completion or chat
+    records), classify (a sequence classifier on labelled text; model.task follows), or a
+    preference objective on {prompt, chosen, rejected} records ([preference] holds its settings):
+    dpo (Rafailov et al. 2023, with preference.loss_type), ipo (Azar et al. 2023), simpo (Meng et
+    al. 2024: length-normalised, no reference model), orpo (Hong et al. 2024: the chosen
+    completion's likelihood plus beta times an odds-ratio term, no reference model), kto
+    (Ethayarajh et al. 2024, on {prompt, completion, label} records: an answer labelled desirable
+    or not, with a reference model); or grpo (Shao et al. 2024: reinforcement learning with
+    verifiable rewards on {prompt, ...} records, [grpo] holds its settings). dpo and ipo compare
+    with a reference model: the base with its adapters off under LoRA, else log-probabilities of
+    the initial model computed once before the first step (preference.precompute_reference); kto
+    likewise. auto: sft (classify where model.task is sequence_classification) when data.format
     resolves to records, else lm. module is recorded for your own nn.Module trained through
-    kiln.Trainer, which only Python can rebuild. A run's config.toml records what auto became, and
-    every kiln command on the run directory takes its job from there."""
+    kiln.Trainer, which only Python can rebuild. A run's config.toml records what auto became,
+    and every kiln command on the run directory takes its job from there. (Earlier versions said
+    run.job = "finetune" with train.objective; such a config is told what to write instead, and
+    such a run directory still loads.)"""
 
     def errors(self) -> list[str]:
         dev = self.device
@@ -386,18 +399,6 @@ class TrainConfig:
     per-matrix factor sqrt(max(1, rows / columns))."""
     muon_momentum: float = 0.95
     """Muon's momentum (Nesterov)."""
-    objective: Literal["sft", "dpo", "ipo", "simpo", "orpo", "kto", "grpo"] = "sft"
-    """What a fine-tuning run on records optimises: sft (the completions' likelihood), or a
-    preference objective on {prompt, chosen, rejected} records ([preference] holds its settings):
-    dpo (Rafailov et al. 2023, with preference.loss_type), ipo (Azar et al. 2023), simpo (Meng et
-    al. 2024: length-normalised, no reference model), orpo (Hong et al. 2024: the chosen
-    completion's likelihood plus beta times an odds-ratio term, no reference model), kto
-    (Ethayarajh et al. 2024, on {prompt, completion, label} records: an answer labelled desirable
-    or not, with a reference model); or grpo
-    (Shao et al. 2024: reinforcement learning with verifiable rewards on {prompt, ...} records,
-    [grpo] holds its settings). dpo and ipo compare with a reference model: the base with its
-    adapters off under LoRA, else log-probabilities of the initial model computed once before the
-    first step (preference.precompute_reference); kto likewise."""
     grad_clip: float = 1.0
     """Clip gradients to this global L2 norm; 0 turns clipping off."""
     seed: int = 1337
@@ -526,7 +527,7 @@ class TrainConfig:
             return self
         planned = self.max_steps == "auto" and self.schedule in ("wsd", "constant")
         long = planned and parse_duration(self.budget) >= AUTO_COMPILE_MIN_S
-        if not (long and job == "lm" and self.objective == "sft" and pp == 1):
+        if not (long and job == "lm" and pp == 1):
             return dataclasses.replace(self, compile=False, compile_after=0)
         return dataclasses.replace(self, compile=True, compile_after=self.compile_after or AUTO_COMPILE_AFTER)
 
@@ -1115,33 +1116,32 @@ class Config:
                 "train.precision: fp8 trains full linear layers; LoRA adapters (lora.rank) train in bf16",
             ),
             (
-                self.train.objective != "grpo" or pp == 1,
-                "train.objective: grpo scores whole sequences, which pipeline stages (parallel.pp > 1) do not hold; "
-                "use DDP",
+                self.run.job != "grpo" or pp == 1,
+                "run.job: grpo scores whole sequences, which pipeline stages (parallel.pp > 1) do not hold; use DDP",
             ),
             (
-                self.train.objective != "grpo" or cp == 1,
-                "train.objective: grpo samples completions of its own length on each rank, which context-parallel "
+                self.run.job != "grpo" or cp == 1,
+                "run.job: grpo samples completions of its own length on each rank, which context-parallel "
                 "ranks would have to share; set parallel.cp=1",
             ),
             (
-                self.train.objective != "grpo" or bool(self.grpo.reward) != bool(self.grpo.reward_model),
+                self.run.job != "grpo" or bool(self.grpo.reward) != bool(self.grpo.reward_model),
                 "grpo.reward: grpo needs a reward, either a function (grpo.reward = package.module:function) or a "
                 "kiln classification run (grpo.reward_model = RUN_DIR), not both",
             ),
             (
-                self.train.objective != "grpo" or not self.grpo.kl_coef or self.lora.rank,
+                self.run.job != "grpo" or not self.grpo.kl_coef or self.lora.rank,
                 "grpo.kl_coef: the KL term's reference is the model with its LoRA adapters off; set lora.rank, or "
                 "grpo.kl_coef=0",
             ),
             (
-                self.train.objective != "grpo" or (self.parallel.strategy == "ddp" and self.parallel.tp == 1),
-                "train.objective: grpo samples completions of its own length on each rank, which sharded layouts "
+                self.run.job != "grpo" or (self.parallel.strategy == "ddp" and self.parallel.tp == 1),
+                "run.job: grpo samples completions of its own length on each rank, which sharded layouts "
                 "(FSDP, TP) would have to keep in step; use one process or parallel.strategy=ddp",
             ),
             (
-                self.train.objective != "grpo" or self.train.compile is not True,
-                "train.objective: grpo is not compiled yet (its rollout decodes completions of every length); set "
+                self.run.job != "grpo" or self.train.compile is not True,
+                "run.job: grpo is not compiled yet (its rollout decodes completions of every length); set "
                 "train.compile=false",
             ),
         ]

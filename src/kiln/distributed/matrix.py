@@ -55,8 +55,8 @@ FEATURES: dict[str, dict[str, dict[str, Any]]] = {
     "packing": {**_HF, "data": {"source": "records.jsonl", "packing": True}},
     "document mask": {"data": {"document_mask": True}},
     "SFT": _HF,
-    "DPO family": {**_HF, "train": {"objective": "dpo"}},
-    "GRPO": {**_HF, "train": {"objective": "grpo"}, "grpo": {"reward": "rewards:exact"}},
+    "DPO family": {**_HF, "run": {"job": "dpo"}},
+    "GRPO": {**_HF, "run": {"job": "grpo"}, "grpo": {"reward": "rewards:exact"}},
     "eval.tasks": {"eval": {"tasks": ["hellaswag"]}},
     "HF models": _HF,
 }

@@ -91,7 +91,7 @@ def _finetune_job(job: FineTuneJob, device: torch.device, device_problem: str | 
     except DataError as e:  # the model is fine (it was resolved), the records are not
         problem = str(e)
     args, tokenizer = job.args, job.tokenizer
-    sft = cfg.train.objective == "sft"
+    sft = type(job) is FineTuneJob  # not a preference or GRPO job, which are fine-tuning jobs too
     # Records checks and the uniform-guess loss are supervised fine-tuning's; a preference or
     # GRPO objective's own data and loss run through the same probes.
     data = None if problem or not sft else job.data
@@ -105,7 +105,7 @@ def _finetune_job(job: FineTuneJob, device: torch.device, device_problem: str | 
     m = None if problem else job.manifest
     source = (
         f"data.source={cfg.data.source!r}: {m['records']['train']:,} train / {m['records']['val']:,} val "
-        f"{cfg.model.task if sft else cfg.train.objective} records ({m['split']})"
+        f"{cfg.model.task if sft else cfg.run.job} records ({m['split']})"
         if m
         else f"data.source={cfg.data.source!r}"
     )

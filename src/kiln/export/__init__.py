@@ -122,7 +122,7 @@ def _writer(source: Path, checkpoint: str | Path | None, fmt: str, quantize: str
         if (path / SHARDED_DIR).is_dir():
             load_checkpoint(path)  # its manifest's digests checked: nothing half-written is exported
             job = saved_job(run_dir)
-            inputs = validation_inputs(job.cfg, job.saved_tokenizer(run_dir), run_dir, rows=16)
+            inputs = validation_inputs(job, job.saved_tokenizer(run_dir), run_dir, rows=16)
             return _Writer(
                 run_dir,
                 path,
@@ -131,7 +131,7 @@ def _writer(source: Path, checkpoint: str | Path | None, fmt: str, quantize: str
                 lambda out: export_streamed(job, run_dir, path, fmt, out, shard_bytes, inputs),
             )
     run = load_run(source, checkpoint, device="cpu")
-    inputs = validation_inputs(run.cfg, run.tokenizer, run.directory, rows=64 if quantize else 16)
+    inputs = validation_inputs(run.job, run.tokenizer, run.directory, rows=64 if quantize else 16)
     return _Writer(
         run.directory,
         run.checkpoint,

@@ -21,11 +21,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kiln.config import Config
-from kiln.data import DataError, TokenSequences, prepare
+from kiln.data import DataError
 
 # Defined below the exporters, where a model family can raise it too.
 from kiln.models.family import ExportError as ExportError
+from kiln.train.jobs import FamilyJob
 
 Logits = Callable[[torch.Tensor], torch.Tensor | np.ndarray]  # ONNX Runtime gives NumPy arrays
 
@@ -70,47 +70,14 @@ class Inputs:
         return torch.cat([r[:, :length] for r in rows])
 
 
-def validation_inputs(cfg: Config, tokenizer: Any, run_dir: Path, rows: int = 32) -> Inputs:
-    """Up to ``rows`` validation rows of the run of ``cfg`` in ``run_dir``: token sequences of
-    data.seq_len from its val split (a language model trained on text), or its validation records
-    (a fine-tuning run), tokenized by its ``tokenizer``."""
-    if hasattr(tokenizer, "save_pretrained"):
-        val, labels = _validation_records(cfg, tokenizer, rows)
-        if not val:
-            raise DataError(f"{cfg.data.source}: no validation records to check the export on")
-        ids = [torch.tensor([r]) for r in val]
-        return Inputs(ids, labels, f"{len(val)} validation records of {cfg.data.source}", cfg.data.seq_len)
-    data_cfg = dataclasses.replace(cfg.data, tokenizer=str(run_dir / "tokenizer.json"))
-    sequences = TokenSequences(prepare(data_cfg, progress=False).tokens("val"), cfg.data.seq_len)
-    n = min(rows, len(sequences))
-    if n == 0:
-        raise DataError(f"{cfg.data.source}: the validation split is shorter than data.seq_len={cfg.data.seq_len}")
-    # Spread over the split, not its first documents only.
-    picks = [int(i * len(sequences) / n) for i in range(n)]
-    ids = [torch.as_tensor(sequences[i][0], dtype=torch.long)[None] for i in picks]
-    return Inputs(ids, None, f"{n} sequences of {cfg.data.seq_len} tokens from the val split", cfg.data.seq_len)
-
-
-def _validation_records(cfg: Config, tokenizer: Any, rows: int) -> tuple[list[list[int]], list[int] | None]:
-    """Token ids of up to ``rows`` validation records of a fine-tuning run, as its objective reads
-    them (a preference pair: its prompt and chosen answer; GRPO: its prompt), and their class ids
-    for a classifier."""
-    objective = cfg.train.objective
-    if objective == "grpo":
-        from kiln.data.prompts import prepare_prompts
-
-        prompts = prepare_prompts(cfg.data, tokenizer, cfg.data.seq_len).val.rows[:rows]
-        return [r["prompt_ids"] for r in prompts], None
-    if objective != "sft":
-        from kiln.data.preference import prepare_preference
-
-        pairs = prepare_preference(cfg.data, tokenizer, cfg.data.seq_len, kto=objective == "kto").val.rows[:rows]
-        return [r["prompt_ids"] + r["chosen_ids"] for r in pairs], None
-    from kiln.data.finetune import prepare_finetune
-
-    val = prepare_finetune(cfg.data, cfg.model.task, tokenizer, cfg.data.seq_len).val.rows[:rows]
-    labels = [int(r["labels"]) for r in val] if cfg.model.task == "sequence_classification" else None
-    return [r["input_ids"] for r in val], labels
+def validation_inputs(job: FamilyJob, tokenizer: Any, run_dir: Path, rows: int = 32) -> Inputs:
+    """Up to ``rows`` validation rows of the run of ``job`` in ``run_dir``, as the job reads them
+    (``Job.validation_rows``: token sequences of its val split, or its validation records),
+    tokenized by its ``tokenizer``."""
+    val = job.validation_rows(tokenizer, run_dir, rows)
+    if not val.ids:
+        raise DataError(f"{job.cfg.data.source}: no validation records to check the export on")
+    return Inputs([torch.tensor([r]) for r in val.ids], val.labels, val.source, job.cfg.data.seq_len)
 
 
 @torch.no_grad()

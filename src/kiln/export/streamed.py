@@ -39,14 +39,14 @@ from kiln.io import WEIGHTS, weight_files
 from kiln.models.hf.loading import transformers_module
 from kiln.models.init import params_on_meta
 from kiln.train.apply import fold_lora, merge_lora
-from kiln.train.jobs import Job
+from kiln.train.jobs import FamilyJob
 
 Unit = list[str]  # state-dict names read and written together
 Values = dict[str, torch.Tensor]
 
 
 def export_streamed(
-    job: Job, run_dir: Path, checkpoint: Path, fmt: str, out: Path, max_shard_size: int, inputs: Inputs
+    job: FamilyJob, run_dir: Path, checkpoint: Path, fmt: str, out: Path, max_shard_size: int, inputs: Inputs
 ) -> dict[str, Any]:
     """Write ``checkpoint`` (sharded, of the run in ``run_dir``) into ``out`` in ``fmt`` (hf or
     safetensors); the checks, for ``export.json``."""
@@ -175,7 +175,7 @@ def _first_names(model: nn.Module) -> Values:
     return dict(first.values())
 
 
-def _hf_names(job: Job, args: Any, skeleton: nn.Module) -> Callable[[Values], Values]:
+def _hf_names(job: FamilyJob, args: Any, skeleton: nn.Module) -> Callable[[Values], Values]:
     """kiln's names of a model whose adapters are folded in, to those of its ``transformers``
     equivalent: PEFT's wrapper of a ``transformers`` model dropped, the family's names mapped."""
     adapter = job.family.state_dict_adapter(args)
@@ -207,7 +207,7 @@ def _main_dtype(entries: list[Entry]) -> torch.dtype:
 
 
 def _write_hf_files(
-    job: Job, args: Any, skeleton: nn.Module, source: ShardedModel, dtype: torch.dtype, out: Path
+    job: FamilyJob, args: Any, skeleton: nn.Module, source: ShardedModel, dtype: torch.dtype, out: Path
 ) -> None:
     """config.json (and a generation config) as ``save_pretrained`` writes them; with LoRA on a
     ``transformers`` model, the adapter in PEFT's format under ``adapter/``."""
@@ -266,14 +266,14 @@ def _sample_names(model: nn.Module, count: int, sample: list[int]) -> set[str]:
     return {n for n in names if not n.startswith(start) or n.startswith(keep)}
 
 
-def _own_artifact(job: Job, out: Path, count: int, sample: list[int]) -> Callable[[torch.Tensor], torch.Tensor]:
+def _own_artifact(job: FamilyJob, out: Path, count: int, sample: list[int]) -> Callable[[torch.Tensor], torch.Tensor]:
     skeleton = job.saved_skeleton(out)[1]
     values = read_weights(out, _sample_names(skeleton, count, sample))
     return _cut(_filled(skeleton, values), count, sample)
 
 
 def _hf_artifact(
-    job: Job, args: Any, out: Path, count: int, sample: list[int]
+    job: FamilyJob, args: Any, out: Path, count: int, sample: list[int]
 ) -> Callable[[torch.Tensor], torch.Tensor]:
     """The exported directory as ``transformers`` builds it from its config.json, holding the
     sampled layers' tensors read from its files."""

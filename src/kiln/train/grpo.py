@@ -220,9 +220,7 @@ class GRPOLoss:
             tokens = torch.tensor([batch.prompt_ids[i] for i in members for _ in range(group)], device=device)
             out = self.family.generate(model, tokens, g.max_new_tokens, eos_id=eos, generator=generator, **sampling)
             if out is None:
-                raise ConfigError(
-                    [f"train.objective: grpo samples from the model, which {self.family.name} models cannot"]
-                )
+                raise ConfigError([f"run.job: grpo samples from the model, which {self.family.name} models cannot"])
             new = out[:, length:].tolist()
             for k, i in enumerate(members):
                 sampled[i] = new[k * group : (k + 1) * group]

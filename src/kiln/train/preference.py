@@ -41,8 +41,10 @@ from kiln.labels import IGNORE_INDEX
 from kiln.train.logps import completion_logps
 
 REFERENCE_FILE = "reference_logps.pt"
-# The objectives that compare the policy with a reference model.
+# The preference objectives (each a run.job), and those that compare the policy with a reference model.
+OBJECTIVES = ("dpo", "ipo", "simpo", "orpo", "kto")
 WITH_REFERENCE = ("dpo", "ipo", "kto")
+UNPAIRED = ("kto",)  # on {prompt, completion, label} records: one answer, labelled desirable or not
 METRICS = (
     "rewards/chosen",
     "rewards/rejected",
@@ -94,7 +96,7 @@ class PreferenceLoss:
     compiled_by_layer = True
 
     def __init__(self, cfg: Config, reference: AdaptersOff | Precomputed | None):
-        self.objective, self.p = cfg.train.objective, cfg.preference
+        self.objective, self.p = cfg.run.job, cfg.preference
         self.reference = reference
         self.width = cfg.data.seq_len  # of the rows pipeline stages exchange
         self.sums: torch.Tensor | None = None  # the stats' sums over the interval, and its pairs

@@ -22,7 +22,7 @@ from kiln.checkpoint.weights import load_weights
 from kiln.config import Config, from_dict, tomllib
 from kiln.device import resolve_device
 from kiln.distributed.world import World
-from kiln.train.jobs import Job, LoadedRun, job_for
+from kiln.train.jobs import FamilyJob, LoadedRun, job_for
 
 
 def seed_everything(seed: int) -> None:
@@ -195,7 +195,7 @@ def checkpoint_step(path: Path) -> int:
     return int(path.name.split("-")[-1])
 
 
-def saved_job(directory: Path) -> Job:
+def saved_job(directory: Path) -> FamilyJob:
     """The job of the ``config.toml`` of a run or a safetensors export."""
     return job_for(from_dict(tomllib.loads((directory / "config.toml").read_text())))
 
@@ -209,7 +209,7 @@ def load_export(path: Path, fmt: str, device: str = "auto", step: int = 0, task:
         load_weights(model, path)
         tokenizer = job.saved_tokenizer(path)
     elif fmt == "hf":
-        kind = "finetune" if task == "sequence_classification" else "lm"
+        kind = "classify" if task == "sequence_classification" else "lm"
         job = job_for(from_dict({"run": {"job": kind}, "model": {"source": f"hf:{path}", "task": task}}))
         args = job.family.resolve(job.cfg.model, vocab_size=0, seq_len=0)
         model = job.family.create(args, "cpu", job.cfg.train.seed)

@@ -14,7 +14,7 @@ import json
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, ClassVar
+from typing import Any, NamedTuple
 
 import torch
 from torch import nn
@@ -43,6 +43,15 @@ class EvalContext:
     generates: bool = True
 
 
+class ValidationRows(NamedTuple):
+    """Validation inputs of a saved run as token ids, unpadded (what an export is checked on):
+    ``ids`` rows, ``labels`` (a classifier's class ids, else None), and where they came from."""
+
+    ids: list[list[int]]
+    labels: list[int] | None
+    source: str
+
+
 class Job:
     """One kind of run. ``prepare`` readies the data and the model's arguments; after it, the job
     has ``train_data`` (a Dataset), ``collate_fn`` (items to a batch), ``loss_fn`` (``loss_fn(model,
@@ -50,7 +59,6 @@ class Job:
     where unknown: no MFU) and ``plan`` (the model's ParallelPlan). ``model()`` may return a model
     on the ``meta`` device, and then sets ``initial``."""
 
-    kind: ClassVar[str] = ""
     train_data: Dataset
     collate_fn: Callable[[list], Any] = staticmethod(default_collate)
     loss_fn: Callable[[nn.Module, Any], torch.Tensor]
@@ -74,27 +82,6 @@ class Job:
             return model.to(device)
         self.initial.materialize(model, device)
         return model
-
-    def family_model(self, args: Any) -> nn.Module:
-        """The family's model of ``args`` that a run starts from, with LoRA adapters if asked for.
-
-        Built on ``meta``, with ``initial`` set, when the family gives each tensor's starting
-        value by name (kiln's GPT from the seed, a Hugging Face model from its safetensors): each
-        rank then allocates and writes only what it holds (``kiln.distributed.parallelize``), and
-        no rank ever holds the whole model. Otherwise, and for a 4-bit base (quantized whole),
-        created whole on the CPU on every rank."""
-        family, cfg = self.family, self.cfg
-        if cfg.lora.quantize_base == "none":
-            with params_on_meta():
-                model = apply_lora(family.build(args), cfg, family, args)
-            self.initial = family.initial_values(args, model, cfg.train.seed)
-            if self.initial is not None:
-                return model
-        return apply_lora(family.create(args, "cpu", cfg.train.seed), cfg, family, args)
-
-    @functools.cached_property
-    def family(self) -> ModelFamily:
-        return family_of(self.cfg.model)
 
     def prepare(self, world: World, console: bool) -> None:
         """Ready the data and the model's arguments on this rank (raises ConfigError or DataError
@@ -137,6 +124,36 @@ class Job:
     def write_files(self, run_dir: Path) -> None:
         """What the run directory holds of this job beside the loop's files (rank 0, once prepared)."""
 
+
+class FamilyJob(Job):
+    """A job whose model is built through a model family (``model.family``: kiln's GPT, a
+    plug-in, a Hugging Face model) from ``args``, the family's resolved arguments, which its run
+    directory records (``model.json``): so a kiln command can build the model of a saved run
+    again (``kiln.train.run.load_run``)."""
+
+    args: Any
+
+    def family_model(self, args: Any) -> nn.Module:
+        """The family's model of ``args`` that a run starts from, with LoRA adapters if asked for.
+
+        Built on ``meta``, with ``initial`` set, when the family gives each tensor's starting
+        value by name (kiln's GPT from the seed, a Hugging Face model from its safetensors): each
+        rank then allocates and writes only what it holds (``kiln.distributed.parallelize``), and
+        no rank ever holds the whole model. Otherwise, and for a 4-bit base (quantized whole),
+        created whole on the CPU on every rank."""
+        family, cfg = self.family, self.cfg
+        if cfg.lora.quantize_base == "none":
+            with params_on_meta():
+                model = apply_lora(family.build(args), cfg, family, args)
+            self.initial = family.initial_values(args, model, cfg.train.seed)
+            if self.initial is not None:
+                return model
+        return apply_lora(family.create(args, "cpu", cfg.train.seed), cfg, family, args)
+
+    @functools.cached_property
+    def family(self) -> ModelFamily:
+        return family_of(self.cfg.model)
+
     # -- a saved run (kiln eval, generate, export, serve) ----------------------------------------
 
     def saved_model(self, directory: Path) -> tuple[Any, nn.Module]:
@@ -157,6 +174,11 @@ class Job:
             model = apply_lora(family.build(args), self.cfg, family, args, quantize=False)
         return args, model.eval()
 
+    def validation_rows(self, tokenizer: Any, run_dir: Path, rows: int) -> ValidationRows:
+        """Up to ``rows`` of the run's validation inputs, as the job reads them, tokenized by
+        ``tokenizer`` (the saved run's, in ``run_dir``)."""
+        raise NotImplementedError
+
     def saved_tokenizer(self, directory: Path) -> Any:
         """The tokenizer a run (or a safetensors export) wrote into ``directory``."""
         raise NotImplementedError
@@ -174,7 +196,7 @@ class LoadedRun:
     """A saved model with what it needs to be used (``kiln.train.run.load_run``), in eval mode."""
 
     cfg: Config
-    job: Job
+    job: FamilyJob
     family: ModelFamily  # the job's
     args: Any
     model: nn.Module

@@ -25,7 +25,7 @@ from kiln.distributed.world import World
 from kiln.io import write_atomic
 from kiln.models.family import ModelFamily
 from kiln.train.evaluate import evaluate_causal_lm, evaluate_classifier
-from kiln.train.jobs.base import EvalContext, Job, LoadedRun
+from kiln.train.jobs.base import EvalContext, FamilyJob, LoadedRun, ValidationRows
 
 
 def uses_records(cfg: Config) -> bool:
@@ -42,8 +42,7 @@ def uses_records(cfg: Config) -> bool:
     return bool(files)
 
 
-class FineTuneJob(Job):
-    kind = "finetune"
+class FineTuneJob(FamilyJob):
     args: Any
     data: FineTuneData
 
@@ -119,6 +118,14 @@ class FineTuneJob(Job):
         from transformers import AutoTokenizer
 
         return AutoTokenizer.from_pretrained(str(directory / "tokenizer"), local_files_only=True)
+
+    def validation_rows(self, tokenizer: Any, run_dir: Path, rows: int) -> ValidationRows:
+        cfg = self.cfg
+        val = prepare_finetune(cfg.data, cfg.model.task, tokenizer, cfg.data.seq_len).val.rows[:rows]
+        labels = [int(r["labels"]) for r in val] if cfg.model.task == "sequence_classification" else None
+        return ValidationRows(
+            [r["input_ids"] for r in val], labels, f"{len(val)} validation records of {cfg.data.source}"
+        )
 
     def evaluate_saved(
         self, run: LoadedRun, *, source: str | None, max_batches: int | None, batch_size: int | None

@@ -5,6 +5,7 @@ reward function on its own sampled completions of ``{prompt, ...}`` records (``k
 from __future__ import annotations
 
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 from torch import nn
@@ -13,7 +14,7 @@ from kiln.config import ConfigError
 from kiln.data.prompts import PromptBatch, PromptData, prepare_prompts
 from kiln.distributed.world import World
 from kiln.train.grpo import GRPOLoss, RewardModel, Rollout, load_reward
-from kiln.train.jobs.base import EvalContext, LoadedRun
+from kiln.train.jobs.base import EvalContext, LoadedRun, ValidationRows
 from kiln.train.jobs.finetune import FineTuneJob
 
 
@@ -28,8 +29,6 @@ class GRPOJob(FineTuneJob):
         cfg = self.cfg
         if cfg.data.packing:
             raise ConfigError(["data.packing: grpo samples completions of its prompts; set data.packing=false"])
-        if cfg.model.task != "causal_lm":
-            raise ConfigError(["model.task: train.objective=grpo trains a causal_lm"])
         room = cfg.data.seq_len - cfg.grpo.max_new_tokens
         if room < 1:
             raise ConfigError(
@@ -71,6 +70,14 @@ class GRPOJob(FineTuneJob):
             f"reward {g.reward or g.reward_model}): "
             f"{m['records']['train']:,} train / {m['records']['val']:,} val prompts ({m['split']})",
         ]
+
+    def validation_rows(self, tokenizer: Any, run_dir: Path, rows: int) -> ValidationRows:
+        """Each record's prompt."""
+        cfg = self.cfg
+        prompts = prepare_prompts(cfg.data, tokenizer, cfg.data.seq_len).val.rows[:rows]
+        return ValidationRows(
+            [r["prompt_ids"] for r in prompts], None, f"{len(prompts)} validation records of {cfg.data.source}"
+        )
 
     def evaluate_saved(
         self, run: LoadedRun, *, source: str | None, max_batches: int | None, batch_size: int | None

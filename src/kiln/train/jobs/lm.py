@@ -20,7 +20,7 @@ import torch
 from torch import nn
 
 from kiln.config import ConfigError, DataConfig
-from kiln.data import PreparedData, TokenSequences, prepare, prepare_mix, val_batches
+from kiln.data import DataError, PreparedData, TokenSequences, prepare, prepare_mix, val_batches
 from kiln.data.batch import TextBatch, split_batch
 from kiln.data.loader import DocumentSequences, document_windows
 from kiln.data.mixture import Mixture
@@ -30,12 +30,10 @@ from kiln.labels import IGNORE_INDEX
 from kiln.models.family import ModelFamily
 from kiln.models.hf.loading import model_dir
 from kiln.models.lm import targets_of
-from kiln.train.jobs.base import EvalContext, Job, LoadedRun
+from kiln.train.jobs.base import EvalContext, FamilyJob, LoadedRun, ValidationRows
 
 
-class LMJob(Job):
-    kind = "lm"
-
+class LMJob(FamilyJob):
     def prepare(self, world: World, console: bool) -> None:
         cfg, family = self.cfg, self.family
         self.sources = self.prepare_data(world, console)
@@ -140,6 +138,17 @@ class LMJob(Job):
         return dataclasses.replace(cfg.data, tokenizer=str(path))
 
     # -- a saved run -----------------------------------------------------------------------------
+
+    def validation_rows(self, tokenizer: Any, run_dir: Path, rows: int) -> ValidationRows:
+        """Sequences of data.seq_len spread over the val split (not its first documents only)."""
+        seq_len = self.cfg.data.seq_len
+        data_cfg = dataclasses.replace(self.cfg.data, tokenizer=str(run_dir / "tokenizer.json"))
+        sequences = TokenSequences(prepare(data_cfg, progress=False).tokens("val"), seq_len)
+        n = min(rows, len(sequences))
+        if n == 0:
+            raise DataError(f"{self.cfg.data.source}: the validation split is shorter than data.seq_len={seq_len}")
+        ids = [[int(t) for t in sequences[int(i * len(sequences) / n)][0]] for i in range(n)]
+        return ValidationRows(ids, None, f"{n} sequences of {seq_len} tokens from the val split")
 
     def saved_tokenizer(self, directory: Path) -> Any:
         from tokenizers import Tokenizer

@@ -23,8 +23,6 @@ class ModuleJob(Job):
     precision. ``plan``: how parallelism and activation checkpointing apply (by default the
     model's ``blocks``, no tensor parallelism)."""
 
-    kind = "module"
-
     def __init__(
         self,
         cfg: Config,

@@ -14,9 +14,9 @@ from kiln.config import ConfigError
 from kiln.data.finetune import truncation
 from kiln.data.preference import PreferenceData, prepare_preference
 from kiln.distributed.world import World
-from kiln.train.jobs.base import EvalContext, LoadedRun
+from kiln.train.jobs.base import EvalContext, LoadedRun, ValidationRows
 from kiln.train.jobs.finetune import FineTuneJob
-from kiln.train.preference import WITH_REFERENCE, AdaptersOff, Precomputed, PreferenceLoss
+from kiln.train.preference import UNPAIRED, WITH_REFERENCE, AdaptersOff, Precomputed, PreferenceLoss
 
 
 class PreferenceJob(FineTuneJob):
@@ -30,12 +30,8 @@ class PreferenceJob(FineTuneJob):
         cfg = self.cfg
         if cfg.data.packing:
             raise ConfigError(["data.packing: preference pairs are padded, not packed; set data.packing=false"])
-        if cfg.model.task != "causal_lm":
-            raise ConfigError([f"model.task: train.objective={cfg.train.objective} trains a causal_lm"])
         self.resolve_model()
-        self.pairs = data = prepare_preference(
-            cfg.data, self.tokenizer, cfg.data.seq_len, kto=cfg.train.objective == "kto"
-        )
+        self.pairs = data = prepare_preference(cfg.data, self.tokenizer, cfg.data.seq_len, kto=cfg.run.job in UNPAIRED)
         self.train_data, self.collate_fn = data.train, data.collate
         # A pair is two sequences.
         self.tokens_per_sample = 2 * cfg.data.seq_len
@@ -46,14 +42,14 @@ class PreferenceJob(FineTuneJob):
 
     def _reference(self, world: World, computes: bool = True) -> AdaptersOff | Precomputed | None:
         cfg = self.cfg
-        if cfg.train.objective not in WITH_REFERENCE:
+        if cfg.run.job not in WITH_REFERENCE:
             return None
         if cfg.lora.rank:
             return AdaptersOff()
         if not cfg.preference.precompute_reference:
             raise ConfigError(
                 [
-                    f"preference.precompute_reference: {cfg.train.objective} without LoRA compares with the initial "
+                    f"preference.precompute_reference: {cfg.run.job} without LoRA compares with the initial "
                     "model's log-probabilities, computed once before the first step; set it to true (a frozen "
                     "second copy of the model is not kept), or train LoRA adapters (lora.rank)"
                 ]
@@ -93,8 +89,15 @@ class PreferenceJob(FineTuneJob):
         said = f", reference: {reference[type(ref)]}" if ref is not None else ""
         return [
             f"model {self.family.describe(cfg.model, self.args, model)}",
-            f"{cfg.train.objective} (beta {cfg.preference.beta}{said}): " + "; ".join(parts),
+            f"{cfg.run.job} (beta {cfg.preference.beta}{said}): " + "; ".join(parts),
         ]
+
+    def validation_rows(self, tokenizer: Any, run_dir: Path, rows: int) -> ValidationRows:
+        """Each pair's prompt and chosen answer."""
+        cfg = self.cfg
+        pairs = prepare_preference(cfg.data, tokenizer, cfg.data.seq_len, kto=cfg.run.job in UNPAIRED).val.rows[:rows]
+        ids = [r["prompt_ids"] + r["chosen_ids"] for r in pairs]
+        return ValidationRows(ids, None, f"{len(ids)} validation records of {cfg.data.source}")
 
     def evaluate_saved(
         self, run: LoadedRun, *, source: str | None, max_batches: int | None, batch_size: int | None
@@ -106,7 +109,7 @@ class PreferenceJob(FineTuneJob):
                 ["kiln eval --data: a preference run is scored on its own validation pairs; leave it out"]
             )
         self.tokenizer, self.args = run.tokenizer, run.args
-        self.pairs = prepare_preference(cfg.data, run.tokenizer, cfg.data.seq_len, kto=cfg.train.objective == "kto")
+        self.pairs = prepare_preference(cfg.data, run.tokenizer, cfg.data.seq_len, kto=cfg.run.job in UNPAIRED)
         # The saved model has trained: a precomputed reference can only be read back, not redone.
         self.objective = PreferenceLoss(cfg, self._reference(World(), computes=False))
         device = next(run.model.parameters()).device
