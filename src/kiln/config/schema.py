@@ -50,8 +50,8 @@ class RunConfig:
     verifiable rewards on {prompt, ...} records, [grpo] holds its settings). dpo and ipo compare
     with a reference model: the base with its adapters off under LoRA, else log-probabilities of
     the initial model computed once before the first step (preference.precompute_reference); kto
-    likewise. auto: sft (classify where model.task is sequence_classification) when data.format
-    resolves to records, else lm. module is recorded for your own nn.Module trained through
+    likewise. auto: classify where model.task is sequence_classification, else sft when
+    data.format resolves to records, else lm. module is recorded for your own nn.Module trained through
     kiln.Trainer, which only Python can rebuild. A run's config.toml records what auto became,
     and every kiln command on the run directory takes its job from there. (Earlier versions said
     run.job = "finetune" with train.objective; such a config is told what to write instead, and

@@ -11,7 +11,6 @@ and recorded in the run's config.toml.
 from __future__ import annotations
 
 import dataclasses
-from pathlib import Path
 from typing import Literal
 
 from kiln.config import Config, ConfigError, validate
@@ -56,7 +55,8 @@ def resolve_config(cfg: Config, job: Literal["module"] | None = None) -> Config:
     validate(cfg)  # a Config built in Python has not been through load_config
     kind, model = job or cfg.run.job, cfg.model
     if kind == "auto":
-        kind = ("classify" if model.task == "sequence_classification" else "sft") if uses_records(cfg) else "lm"
+        classify = model.task == "sequence_classification"
+        kind = "classify" if classify else "sft" if uses_records(cfg) else "lm"
     if kind == "classify":
         model = dataclasses.replace(model, task="sequence_classification")
     elif model.task == "sequence_classification" and kind != "module":
@@ -78,15 +78,6 @@ def job_for(cfg: Config) -> FamilyJob:
             [
                 f"run.job: {cfg.run.job} runs are made in Python (kiln.Trainer with your own model), which a kiln "
                 f"command cannot rebuild; choose one of {', '.join(JOBS)} or auto"
-            ]
-        )
-    source = cfg.data.source
-    if cfg.run.job != "lm" and not uses_records(cfg) and (source == "stdlib" or Path(source).exists()):
-        raise ConfigError(
-            [
-                f"run.job: {cfg.run.job} trains on records (.jsonl, .csv or .parquet) with a model that has its own "
-                f"tokenizer (model.source = hf:PATH); data.source={source!r} with model.source={cfg.model.source!r} "
-                "is text for a language model (run.job = lm)"
             ]
         )
     return JOBS[cfg.run.job](cfg)

@@ -62,8 +62,18 @@ class FineTuneJob(FamilyJob):
         self.loss_fn = family.loss
 
     def resolve_model(self) -> None:
-        """The model's arguments and its tokenizer (ConfigError if it has none)."""
+        """The model's arguments and its tokenizer (ConfigError if it has none, or if the data is
+        text, which a language model trains on)."""
         cfg, family = self.cfg, self.family
+        source = cfg.data.source
+        if not uses_records(cfg) and (source == "stdlib" or Path(source).exists()):
+            raise ConfigError(
+                [
+                    f"run.job: {cfg.run.job} trains on records (.jsonl, .csv or .parquet) with a model that has its "
+                    f"own tokenizer (model.source = hf:PATH); data.source={source!r} with model.source="
+                    f"{cfg.model.source!r} is text for a language model (run.job = lm)"
+                ]
+            )
         self.args = family.resolve(cfg.model, vocab_size=0, seq_len=cfg.data.seq_len)
         if cfg.data.packing and cfg.model.task == "causal_lm" and not family.keeps_packed_records_apart(self.args):
             raise ConfigError(
