@@ -133,3 +133,13 @@ def test_a_missing_source_of_a_mixture_is_named(tmp_path, corpora):
     sets = [s.replace(str(corpora / "b.jsonl"), str(corpora / "missing.jsonl")) for s in sets]
     proc = in_process("train", *sets, check=False)
     assert proc.returncode == 2 and "missing.jsonl" in proc.stderr, proc.stderr
+
+
+def test_kiln_prepare_caches_every_source_that_train_then_reads(tmp_path, corpora):
+    cache = tmp_path / "cache"
+    args = [*mix_sets(tmp_path / "run", corpora, train__max_steps=2), "--set", f"data.cache_dir={cache}"]
+    said = in_process("prepare", *args).stdout
+    assert "data.mix source 'a'" in said and "data.mix source 'b'" in said and said.count("kiln: tokenized") == 2
+    prepared = sorted(cache.rglob("*"))
+    in_process("train", *args)
+    assert sorted(cache.rglob("*")) == prepared  # nothing tokenized again
