@@ -189,8 +189,9 @@ class Guard:
 
 def first_non_finite_module(model: nn.Module, run: Callable[[], Any]) -> str | None:
     """Run ``run()`` (a forward pass of ``model``) and name the first module, in the order they
-    ran, whose output holds a NaN or Inf; None if every output is finite. A mixture of experts'
-    experts are named too: "blocks.2.mlp.experts (expert 5)"."""
+    ran, whose output holds a NaN or Inf; None if every output is finite. A module with a
+    ``non_finite_parts(inputs, output)`` method names its parts too, as a mixture of experts
+    names its experts: "blocks.2.mlp.experts (expert 5)"."""
     found: list[str] = []
 
     def hook(name: str) -> Callable[[nn.Module, tuple[Any, ...], Any], None]:
@@ -203,8 +204,10 @@ def first_non_finite_module(model: nn.Module, run: Callable[[], Any]) -> str | N
                 else [t for t in (output if isinstance(output, (tuple, list)) else ()) if isinstance(t, torch.Tensor)]
             )
             if any(t.is_floating_point() and not torch.isfinite(t).all() for t in tensors):
-                experts = _non_finite_experts(module, inputs, output)
-                found.append((name or type(module).__name__) + (f" ({experts})" if experts else ""))
+                # A module that computes in parts names the parts whose rows went non-finite.
+                parts = getattr(module, "non_finite_parts", None)
+                which = parts(inputs, output) if parts is not None else None
+                found.append((name or type(module).__name__) + (f" ({which})" if which else ""))
 
         return check
 
@@ -216,37 +219,3 @@ def first_non_finite_module(model: nn.Module, run: Callable[[], Any]) -> str | N
         for h in handles:
             h.remove()
     return found[0] if found else None
-
-
-def _non_finite_experts(module: nn.Module, inputs: tuple, output: Any) -> str | None:
-    """Which experts' rows of ``output`` are non-finite, where ``module`` ran rows grouped by
-    expert, as kiln's MoE ``Experts`` does: ``forward(x, ends)``, expert e's rows ending at
-    ``ends[e]``, its weights stacked along a leading expert dimension. None for other modules.
-    Under expert parallelism (``kiln.distributed.experts``) ``ends``, the rows and the weights'
-    shapes are still every expert's, so the numbers are the model's.
-
-    Told by the rows rather than the weights: an expert whose finite weights overflow (fp16)
-    shows too, and the replay that runs this has no gradients. A mixture of experts named without
-    its experts had every expert's rows finite: the routing weights or their sum went non-finite."""
-    ends = inputs[1] if len(inputs) == 2 else None
-    if not (
-        isinstance(output, torch.Tensor)
-        and output.dim() >= 1
-        and isinstance(ends, torch.Tensor)
-        and ends.dtype in (torch.int32, torch.int64)
-        and ends.dim() == 1
-        and ends.numel() > 0
-        and any(p.dim() > 1 and p.shape[0] == ends.numel() for p in module.parameters(recurse=False))
-        and int(ends[-1]) == output.shape[0]
-    ):
-        return None
-    rows = (~torch.isfinite(output.reshape(output.shape[0], -1)).all(1)).nonzero().flatten()
-    experts = torch.searchsorted(ends, rows.to(ends.dtype), right=True).unique().tolist()
-    if not experts:
-        return None
-    if len(experts) == 1:
-        return f"expert {experts[0]}"
-    if len(experts) == ends.numel():
-        return f"all {len(experts)} experts"
-    listed = ", ".join(map(str, experts[:8])) + (", ..." if len(experts) > 8 else "")
-    return f"{len(experts)} experts: {listed}"

@@ -85,6 +85,29 @@ class Experts(nn.Module):
         hidden = F.silu(grouped_mm(x, w1, ends, native=self.native)) * grouped_mm(x, w3, ends, native=self.native)
         return grouped_mm(hidden, w2, ends, native=self.native)
 
+    def non_finite_parts(self, inputs: tuple, output: torch.Tensor) -> str | None:
+        """Which experts' rows of ``output`` (a forward of ``inputs``) are non-finite, for the
+        non-finite guard's report ("expert 5"). Under expert parallelism ``ends``, the rows and
+        the numbers are still every expert's, so they are the model's.
+
+        Told by the rows rather than the weights: an expert whose finite weights overflow (fp16)
+        shows too, and the guard's replay has no gradients. A mixture of experts named without
+        its experts had every expert's rows finite: the routing weights or their sum went
+        non-finite."""
+        ends = inputs[1]
+        if int(ends[-1]) != output.shape[0]:  # not rows grouped as ends says: nothing to tell apart
+            return None
+        rows = (~torch.isfinite(output.reshape(output.shape[0], -1)).all(1)).nonzero().flatten()
+        experts = torch.searchsorted(ends, rows.to(ends.dtype), right=True).unique().tolist()
+        if not experts:
+            return None
+        if len(experts) == 1:
+            return f"expert {experts[0]}"
+        if len(experts) == ends.numel():
+            return f"all {len(experts)} experts"
+        listed = ", ".join(map(str, experts[:8])) + (", ..." if len(experts) > 8 else "")
+        return f"{len(experts)} experts: {listed}"
+
 
 def _local(weight: torch.Tensor) -> torch.Tensor:
     """This rank's part of a weight split over ranks (a DTensor's local tensor), or the weight."""
