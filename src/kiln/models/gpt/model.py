@@ -94,6 +94,8 @@ class KVCache:
 
 
 class Attention(nn.Module):
+    residual = ("wo",)  # what writes into the residual stream (its init is scaled down: GPT.init_tensor)
+
     def __init__(self, cfg: GPTConfig):
         super().__init__()
         self.n_head, self.n_kv_head, self.head_dim = cfg.n_head, cfg.n_kv_head, cfg.head_dim
@@ -184,6 +186,8 @@ MLPS = ("swiglu", "relu2")
 class MLP(nn.Module):
     """SwiGLU, a SiLU-gated linear unit, w2(silu(w1 x) * w3 x); or ``kind="relu2"``, the squared
     ReLU of the GPT-2 speedruns (Primer, So et al. 2021), w2(relu(w1 x)^2), with no w3."""
+
+    residual = ("w2",)
 
     def __init__(self, d_model: int, d_ff: int, kind: str = "swiglu"):
         super().__init__()
@@ -290,9 +294,15 @@ class GPT(nn.Module):
             return rope_tables(cfg.head_dim, cfg.max_seq_len, cfg.rope_theta)[name == "rope_sin"]
         if name.endswith("norm.weight"):
             return torch.ones(shape)
-        if name.endswith(("expert_bias", "expert_load", "dropped", "entropy")):
+        # Each module says which of its tensors start at zero and which write into the residual
+        # stream (``zeroed``, ``residual``: a tensor's name, or its linear layer's).
+        *path, local = name.split(".")
+        owner, parent = self.get_submodule(".".join(path)), self.get_submodule(".".join(path[:-1]))
+        if local in getattr(owner, "zeroed", ()):
             return torch.zeros(shape)
-        residual = name.endswith(("attn.wo.weight", "mlp.w2.weight", "mlp.shared.w2.weight", "mlp.experts.w2"))
+        residual = local in getattr(owner, "residual", ()) or (
+            local == "weight" and bool(path) and path[-1] in getattr(parent, "residual", ())
+        )
         if cfg.zero_init and (residual or name == "lm_head.weight"):
             return torch.zeros(shape)
         std = cfg.init_std / math.sqrt(2 * cfg.n_layer) if residual else cfg.init_std

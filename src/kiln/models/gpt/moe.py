@@ -70,6 +70,8 @@ class Experts(nn.Module):
     ``w3`` [n_experts, d_expert, d_model], ``w2`` [n_experts, d_model, d_expert] (each expert's
     as ``nn.Linear`` stores it)."""
 
+    residual = ("w2",)  # each expert's output projection, into the residual stream
+
     def __init__(self, n_experts: int, d_model: int, d_expert: int):
         super().__init__()
         self.w1 = nn.Parameter(torch.empty(n_experts, d_expert, d_model))
@@ -119,6 +121,8 @@ class MoE(nn.Module):
     expert_load: torch.Tensor
     dropped: torch.Tensor
     entropy: torch.Tensor
+    # The router's bias and the load statistics start at zero (a model built on meta is told so).
+    zeroed = ("expert_bias", "expert_load", "dropped", "entropy")
 
     def __init__(
         self,
