@@ -1,10 +1,9 @@
 """What the loop does after each optimizer step, one component at a time through one interface
 (``kiln.train.run.AfterStep``): ``after_step(run)``, where ``run`` (``Progress``) is the run in
-progress as they all see it. The
-log point (``Report``: the interval's metrics, the guard's review, a rollback) comes first; then,
-with the meter's clock stopped, evaluation (``Evaluation``), benchmark tasks
-(``kiln.train.tasks.TaskScores``) and the checkpoint (``kiln.train.checkpointer.Checkpointer``).
-Each decides for itself whether the step is its due."""
+progress as they all see it. The log point (``Report``: the interval's metrics, the guard's
+review, a rollback) comes first; then, with the meter's clock stopped, evaluation
+(``Evaluation``), benchmark tasks (``kiln.train.tasks.TaskScores``) and the checkpoint
+(``kiln.train.checkpointer.Checkpointer``). Each decides for itself whether the step is its due."""
 
 from __future__ import annotations
 

@@ -43,7 +43,6 @@ def uses_records(cfg: Config) -> bool:
 
 
 class FineTuneJob(FamilyJob):
-    args: Any
     data: FineTuneData
 
     def prepare(self, world: World, console: bool) -> None:
