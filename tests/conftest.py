@@ -3,6 +3,8 @@ user's cache and train in seconds."""
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import os
 import subprocess
 import sysconfig
@@ -26,29 +28,81 @@ if workers := int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "0")):
 TINY_MODEL = ["model.n_layer=2", "model.d_model=64", "model.n_head=4", "model.n_kv_head=2", "model.d_ff=128"]
 
 
-@pytest.fixture(autouse=True)
-def _alone_when_timed(request, tmp_path_factory):
-    """Under pytest-xdist a test marked ``wallclock`` runs while no other worker runs a test,
-    so that what it times is its own work: it waits for the test running beside it to end, and
-    the other worker waits for it (a turnstile lock that it holds while waiting, then the tests'
-    lock: shared by every other test, exclusive for it)."""
-    if not workers:
-        yield
-        return
-    import fcntl
+class _Turns:
+    """Under pytest-xdist, what a test times must be its own work: a test marked ``wallclock``
+    runs while no other worker runs a test, and a test that times only part of itself runs that
+    part ``with alone():``. Two file locks in the session's directory: the tests' lock, shared by
+    every running test and held alone by a timed part, and a turnstile that a timed part holds
+    while it waits, so that the other worker starts no new test meanwhile. A timed part lets go of
+    its test's share while it waits for the turnstile, so two of them never wait for each other."""
 
-    alone = request.node.get_closest_marker("wallclock") is not None
-    shared = tmp_path_factory.getbasetemp().parent  # pytest-N, the session's, above each worker's
-    with open(shared / "turnstile.lock", "a") as turnstile, open(shared / "tests.lock", "a") as tests:
-        fcntl.flock(turnstile, fcntl.LOCK_EX)
-        fcntl.flock(tests, fcntl.LOCK_EX if alone else fcntl.LOCK_SH)
-        if not alone:
-            fcntl.flock(turnstile, fcntl.LOCK_UN)
+    def __init__(self, shared: Path):
+        self.turnstile = open(shared / "turnstile.lock", "a")  # noqa: SIM115 - closed by close()
+        self.tests = open(shared / "tests.lock", "a")  # noqa: SIM115
+
+    @contextlib.contextmanager
+    def test(self):
+        fcntl.flock(self.turnstile, fcntl.LOCK_EX)
+        fcntl.flock(self.tests, fcntl.LOCK_SH)
+        fcntl.flock(self.turnstile, fcntl.LOCK_UN)
         try:
             yield
         finally:
-            fcntl.flock(tests, fcntl.LOCK_UN)
-            fcntl.flock(turnstile, fcntl.LOCK_UN)
+            fcntl.flock(self.tests, fcntl.LOCK_UN)
+
+    @contextlib.contextmanager
+    def alone(self):
+        fcntl.flock(self.tests, fcntl.LOCK_UN)
+        fcntl.flock(self.turnstile, fcntl.LOCK_EX)
+        fcntl.flock(self.tests, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(self.tests, fcntl.LOCK_SH)  # the test goes on, beside the other worker's
+            fcntl.flock(self.turnstile, fcntl.LOCK_UN)
+
+    def close(self) -> None:
+        self.turnstile.close()
+        self.tests.close()
+
+
+@pytest.fixture(scope="session")
+def _turns(tmp_path_factory):
+    turns = _Turns(tmp_path_factory.getbasetemp().parent) if workers else None  # pytest-N, above each worker's
+    yield turns
+    if turns is not None:
+        turns.close()
+
+
+@pytest.fixture(autouse=True)
+def _taking_turns(request, _turns):
+    if _turns is None:
+        yield
+        return
+    with _turns.test():
+        if request.node.get_closest_marker("wallclock") is None:
+            yield
+        else:
+            with _turns.alone():
+                yield
+
+
+@pytest.fixture
+def alone(_turns):
+    """``with alone(): ...`` runs the part of a test that it times while no other worker runs a
+    test (a no-op without pytest-xdist)."""
+    return _turns.alone if _turns is not None else contextlib.nullcontext
+
+
+class Planted:
+    """A hostile pickle: unpickled, it creates the file ``marker`` (what a crafted checkpoint
+    could do with any function), so a test can check that loading ran nothing."""
+
+    def __init__(self, marker: Path):
+        self.marker = marker
+
+    def __reduce__(self):
+        return (open, (str(self.marker), "w"))
 
 
 def tiny_overrides(run_dir: Path, corpus: Path, **extra: object) -> list[str]:

@@ -66,7 +66,16 @@ def in_process(*args: Any, check: bool = True) -> subprocess.CompletedProcess:
 # Each rank is still its own process under torchrun's elastic agent, over gloo, with the
 # launch's environment, working directory, output and exit status. The `kiln launch` command
 # itself, with fresh interpreters, is what the tests that start it with `start` run.
-_PRELOAD = ["kilnrun", "torch._dynamo", "kiln.cli", "kiln.train.trainer"]
+# Hugging Face runs import transformers, its Llama model and peft in every rank (about 3 s of
+# CPU a rank); the server imports them once too (skipped where the extras are not installed).
+_PRELOAD = [
+    "kilnrun",
+    "torch._dynamo",
+    "kiln.cli",
+    "kiln.train.trainer",
+    "transformers.models.llama.modeling_llama",
+    "peft",
+]
 _SERVER_ENV = dict(os.environ)  # in the fork server: the environment a forked rank starts with
 _THREADS = torch.get_num_threads()  # a fresh interpreter's intra-op threads, without OMP_NUM_THREADS
 
@@ -234,7 +243,7 @@ def checkpoint(path: Path) -> tuple[dict[str, Any], dict[str, Any]]:
     meter's seconds into the interval): what two runs that computed the same must agree on."""
     from kiln.checkpoint import load_checkpoint
 
-    weights, state = load_checkpoint(path, weights_only=False)
+    weights, state = load_checkpoint(path, with_state=True)
     state["meter"]["interval"].pop("seconds")
     return weights, state
 

@@ -121,6 +121,7 @@ def _eval_args(p: argparse.ArgumentParser) -> None:
         "--batch-size", type=int, help="sequences per batch (default: the run's micro-batch; 8 for one of auto)"
     )
     p.add_argument("--device", default="auto")
+    _trust_argument(p)
 
 
 def cmd_eval(args) -> int:
@@ -128,7 +129,7 @@ def cmd_eval(args) -> int:
 
     if args.tasks:
         return _eval_tasks(args)
-    run = load_run(args.run_dir, args.checkpoint, args.device)
+    run = load_run(args.run_dir, args.checkpoint, args.device, args.trust_checkpoint)
     metrics = run.job.evaluate_saved(run, source=args.data, max_batches=args.max_batches, batch_size=args.batch_size)
     print(json.dumps(metrics))
     return 0
@@ -143,7 +144,7 @@ def _eval_tasks(args) -> int:
     check_tasks(names, manager)
     from kiln.harness.model import KilnLM
 
-    run = load_run(args.run_dir, args.checkpoint, args.device)
+    run = load_run(args.run_dir, args.checkpoint, args.device, args.trust_checkpoint)
     context = run.family.context_length(run.args) or run.cfg.data.seq_len
     lm = KilnLM(run.model, run.family, run.tokenizer, context, batch_size=args.batch_size or 8)
     limit = None if args.limit is None else (int(args.limit) if args.limit >= 1 else args.limit)
@@ -154,6 +155,15 @@ def _eval_tasks(args) -> int:
     print(table(results))
     print(f"kiln: wrote {', '.join(str(p) for p in written)}", file=sys.stderr)
     return 0
+
+
+def _trust_argument(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--trust-checkpoint",
+        action="store_true",
+        help="load a run whose config names a plug-in model family, a module that loading it imports and "
+        "runs (docs/trust.md); only for runs from a source you trust",
+    )
 
 
 def _generate_args(p: argparse.ArgumentParser) -> None:
@@ -167,6 +177,7 @@ def _generate_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--checkpoint", help="checkpoint directory (default: the newest complete one)")
     p.add_argument("--device", default="auto")
+    _trust_argument(p)
 
 
 def cmd_generate(args) -> int:
@@ -179,7 +190,7 @@ def cmd_generate(args) -> int:
             file=sys.stderr,
         )
         return USAGE_ERROR
-    run = load_run(args.run_dir, args.checkpoint, args.device)
+    run = load_run(args.run_dir, args.checkpoint, args.device, args.trust_checkpoint)
     for i in range(args.num_samples):
         text = sample_text(
             run.family,
@@ -353,6 +364,7 @@ def _export_args(p: argparse.ArgumentParser) -> None:
         help="hf and safetensors: split the weights into files of at most this size "
         "(model-00001-of-0000N.safetensors with an index), e.g. 500MB or 2GiB (default: 5GB)",
     )
+    _trust_argument(p)
 
 
 def cmd_export(args) -> int:
@@ -366,6 +378,7 @@ def cmd_export(args) -> int:
         quantize=args.quantize,
         force=args.force,
         max_shard_size=args.max_shard_size,
+        trust=args.trust_checkpoint,
     )
     print(f"kiln: exported step {info['step']} of {args.run_dir} to {args.out} ({len(info['files'])} files)")
     for name, value in info.items():
@@ -396,6 +409,7 @@ def _serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model-name", help="the model's name in the API (default: the directory's name)")
     p.add_argument("--checkpoint", help="checkpoint directory (default: the newest complete one)")
     p.add_argument("--parallel", type=int, default=8, help="requests decoded at once; the others wait in a queue")
+    _trust_argument(p)
 
 
 def cmd_serve(args) -> int:
@@ -409,6 +423,7 @@ def cmd_serve(args) -> int:
         model_name=args.model_name,
         checkpoint=args.checkpoint,
         parallel=args.parallel,
+        trust=args.trust_checkpoint,
     )
 
 

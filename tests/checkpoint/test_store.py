@@ -15,6 +15,9 @@ from kiln.checkpoint import (
     save_checkpoint,
 )
 
+from conftest import Planted, tiny_overrides
+from kilnrun import in_process, sets
+
 
 def _state():
     w = torch.randn(4, 3)
@@ -25,7 +28,7 @@ def test_round_trip_keeps_tied_tensors(tmp_path):
     state = _state()
     path = save_checkpoint(tmp_path, 7, state, {"step": 7, "x": [1, 2]})
     assert path.name == "step-00000007"
-    model_state, train_state = load_checkpoint(path, weights_only=False)
+    model_state, train_state = load_checkpoint(path, with_state=True)
     assert train_state == {"step": 7, "x": [1, 2]}
     assert torch.equal(model_state["emb.weight"], state["emb.weight"])
     assert torch.equal(model_state["head.weight"], state["head.weight"])
@@ -81,3 +84,44 @@ def test_rng_round_trip():
     a = (random.random(), np.random.rand(), torch.rand(1).item())
     restore_rng(state)
     assert (random.random(), np.random.rand(), torch.rand(1).item()) == a
+
+
+def _plant(checkpoint, state):
+    """Replace a checkpoint's train_state.pt by ``state`` and its manifest's entry to match, as
+    someone handing over a run directory could."""
+    torch.save(state, checkpoint / "train_state.pt")
+    manifest = json.loads((checkpoint / "manifest.json").read_text())
+    data = (checkpoint / "train_state.pt").read_bytes()
+    import hashlib
+
+    manifest["files"]["train_state.pt"] = {"bytes": len(data), "sha256": hashlib.sha256(data).hexdigest()}
+    (checkpoint / "manifest.json").write_text(json.dumps(manifest))
+
+
+def test_a_training_state_that_would_run_code_is_refused_and_nothing_runs(tmp_path, corpus_dir):
+    run = tmp_path / "run"
+    in_process("train", *sets(tiny_overrides(run, corpus_dir, train__max_steps=4)))
+    checkpoint = latest_checkpoint(run / "checkpoints")
+    marker = tmp_path / "ran"
+    _plant(checkpoint, {"step": 4, "rng": Planted(marker)})
+
+    with pytest.raises(CheckpointError, match="holds a reference to io.open, which kiln never writes"):
+        load_checkpoint(checkpoint, with_state=True)
+    proc = in_process("train", "--resume", checkpoint, *sets(tiny_overrides(run, corpus_dir)), check=False)
+    assert proc.returncode == 2 and not marker.exists()
+    [line] = [line for line in proc.stderr.splitlines() if "error" in line]
+    assert (
+        line.startswith("kiln: error: ")
+        and str(checkpoint / "train_state.pt") in line
+        and "refused, since loading it could run code" in line
+    )
+
+
+def test_the_rng_state_is_saved_as_plain_data_and_older_numpy_arrays_still_load(tmp_path):
+    state = capture_rng()
+    assert isinstance(state["numpy"][1], list)
+    old = {**state, "numpy": np.random.get_state()}  # as kiln saved it before (an ndarray of keys)
+    path = save_checkpoint(tmp_path, 1, _state(), {"rng": old})
+    a = np.random.rand()
+    restore_rng(load_checkpoint(path, with_state=True)[1]["rng"])
+    assert np.random.rand() == a

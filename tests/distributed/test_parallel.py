@@ -255,7 +255,6 @@ def test_nccl_on_every_visible_gpu(tmp_path, corpus_dir, strategy):
         assert got[step] == pytest.approx(want[step], rel=1e-3)
 
 
-@pytest.mark.wallclock
 @pytest.mark.slow
 def test_time_planned_run_agrees_over_ranks(tmp_path, corpus_dir):
     """max_steps=auto on 2 ranks: they probe the same number of steps (a rank stopping on its own

@@ -100,7 +100,6 @@ def test_a_file_missing_on_one_node_is_named_and_nothing_is_prepared(tmp_path, b
     assert not (tmp_path / "node0" / "cache").exists() and not (tmp_path / "node1" / "cache").exists()
 
 
-@pytest.mark.wallclock
 @pytest.mark.slow
 def test_a_preparation_longer_than_the_collective_timeout_does_not_time_out(tmp_path, corpus_dir):
     """With parallel.init_timeout=1s the process group gives up on a collective after about 16 s;

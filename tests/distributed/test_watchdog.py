@@ -43,7 +43,6 @@ def _logged_step(run_dir: Path) -> int:
     return max(losses(run_dir), default=0) if (run_dir / "metrics.jsonl").exists() else 0
 
 
-@pytest.mark.wallclock
 @pytest.mark.slow
 def test_a_hung_rank_is_named_dumped_and_the_job_restarts_from_its_checkpoint(tmp_path, corpus_dir, ddp_run):
     ref = ddp_run[0]  # the same watched run, uninterrupted

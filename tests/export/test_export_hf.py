@@ -88,15 +88,28 @@ def test_kiln_trains_on_from_the_export_with_the_runs_weights(gpt_run, corpus_di
     assert [r["val_loss"] for r in logged if "val_loss" in r] == [original["val_loss"]]
 
 
-def test_an_existing_output_is_kept_unless_forced(gpt_run, tmp_path, capsys):
+def test_an_existing_output_is_kept_unless_forced_over_an_export_and_never_over_the_source(gpt_run, tmp_path, capsys):
     out = tmp_path / "hf"
     out.mkdir()
     (out / "keep.txt").write_text("mine")
     assert main(["export", str(gpt_run), "--format", "hf", "--out", str(out)]) == 2
     assert "exists and is not empty" in capsys.readouterr().err and (out / "keep.txt").read_text() == "mine"
-    assert main(["export", str(gpt_run), "--format", "hf", "--out", str(out), "--force"]) == 0
-    assert not (out / "keep.txt").exists() and (out / "model.safetensors").is_file()
-    assert not list(tmp_path.glob(".hf.*"))  # no staging directory left behind
+    # --force replaces a kiln export only: not a directory of other files,
+    assert main(["export", str(gpt_run), "--format", "hf", "--out", str(out), "--force"]) == 2
+    assert "--force replaces only a kiln export (a directory with export.json)" in capsys.readouterr().err
+    assert (out / "keep.txt").read_text() == "mine"
+    # nor the run being exported or a directory that holds it.
+    for source_or_parent in (gpt_run, gpt_run.parent):
+        before = sorted(p.relative_to(gpt_run) for p in gpt_run.rglob("*"))
+        assert main(["export", str(gpt_run), "--format", "hf", "--out", str(source_or_parent), "--force"]) == 2
+        assert "--force never replaces the source" in capsys.readouterr().err
+        assert sorted(p.relative_to(gpt_run) for p in gpt_run.rglob("*")) == before
+    exported = tmp_path / "exported"
+    assert main(["export", str(gpt_run), "--format", "hf", "--out", str(exported)]) == 0
+    (exported / "extra.txt").write_text("old")
+    assert main(["export", str(gpt_run), "--format", "safetensors", "--out", str(exported), "--force"]) == 0
+    assert not (exported / "extra.txt").exists() and (exported / "model.safetensors").is_file()
+    assert not list(tmp_path.glob(".exported.*"))  # no staging directory left behind
 
 
 def test_a_missing_run_is_an_error_and_writes_nothing(tmp_path, capsys):

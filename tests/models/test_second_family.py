@@ -51,9 +51,14 @@ def test_it_trains_and_resumes_exactly(tmp_path, corpus_dir, toy_run):
     in_process("train", *_sets(resumed, corpus_dir), "--resume", single / "checkpoints" / "step-00000008")
     got = losses(resumed)
     assert list(got) == [9, 10, 11, 12] and all(got[s] == trained[s] for s in got)
-    a, b = load_run(single, device="cpu").model.state_dict(), load_run(resumed, device="cpu").model.state_dict()
+    a, b = (
+        load_run(single, device="cpu", trust=True).model.state_dict(),
+        load_run(resumed, device="cpu", trust=True).model.state_dict(),
+    )
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
-    ev = json.loads(in_process("eval", single).stdout)  # the family's evaluation, from the run directory alone
+    ev = json.loads(
+        in_process("eval", single, "--trust-checkpoint").stdout
+    )  # the family's evaluation, from the run directory alone
     assert ev["step"] == 12 and ev["val_loss"] > 0
 
 
@@ -69,7 +74,10 @@ def test_tensor_parallel_on_two_ranks_equals_one_process(tmp_path, corpus_dir, t
         assert got[step] == pytest.approx(want[step], rel=1e-5), step
     state = run_dir / "checkpoints" / "step-00000012" / "state"  # sharded: DCP, one file per rank
     assert sorted(p.name for p in state.glob("*.distcp")) == ["__0_0.distcp", "__1_0.distcp"]
-    a, b = load_run(run_dir, device="cpu").model.state_dict(), load_run(single, device="cpu").model.state_dict()
+    a, b = (
+        load_run(run_dir, device="cpu", trust=True).model.state_dict(),
+        load_run(single, device="cpu", trust=True).model.state_dict(),
+    )
     for name in a:
         torch.testing.assert_close(a[name], b[name], rtol=0, atol=1e-4, msg=name)
 

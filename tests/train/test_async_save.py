@@ -30,7 +30,7 @@ def test_a_background_checkpoint_is_the_synchronous_one(tmp_path):
     saved = [list_checkpoints(t.checkpointer.dir) for t in (sync, background)]
     assert [p.name for p in saved[0]] == [p.name for p in saved[1]] == [f"step-0000000{s}" for s in (2, 4, 6)]
     for a, b in zip(*saved, strict=True):
-        (weights_a, state_a), (weights_b, state_b) = (load_checkpoint(p, weights_only=False) for p in (a, b))
+        (weights_a, state_a), (weights_b, state_b) = (load_checkpoint(p, with_state=True) for p in (a, b))
         assert_equal(weights_a, weights_b, a.name)
         for state in (state_a, state_b):  # what differs between the runs besides the saving
             state["meter"]["interval"].pop("seconds")

@@ -220,6 +220,31 @@ def test_an_exported_kiln_classifier_run_is_a_reward_model(tmp_path, prompts, hf
     assert f"export it first: kiln export {classifier} --format hf" in capsys.readouterr().err
 
 
+def test_a_reward_model_loads_as_every_model_does_safetensors_only_and_no_code(tmp_path):
+    """A pickled pytorch_model.bin (loading it could run code) or a config that maps to the
+    directory's own Python classes is refused, naming the key and the directory."""
+    from kiln.config import ConfigError
+    from kiln.train.grpo import RewardModel
+
+    from hf_models import tiny_bert
+
+    pickled = tiny_bert(tmp_path / "pickled")
+    model = transformers.AutoModelForSequenceClassification.from_pretrained(pickled)
+    (pickled / "model.safetensors").unlink()
+    torch.save(model.state_dict(), pickled / "pytorch_model.bin")
+    with pytest.raises(ConfigError, match=f"grpo.reward_model: {pickled}: not a sequence classifier"):
+        RewardModel(str(pickled), "", torch.device("cpu"))
+
+    coded = tiny_bert(tmp_path / "coded")
+    config = json.loads((coded / "config.json").read_text())
+    config["auto_map"] = {"AutoModelForSequenceClassification": "modeling_mine.Mine"}
+    (coded / "config.json").write_text(json.dumps(config))
+    (coded / "modeling_mine.py").write_text(f"open({str(tmp_path / 'ran')!r}, 'w')\n")
+    with pytest.raises(ConfigError, match=f"grpo.reward_model: {coded} needs its own Python code"):
+        RewardModel(str(coded), "", torch.device("cpu"))
+    assert not (tmp_path / "ran").exists()
+
+
 @pytest.mark.slow
 @pytest.mark.dist
 def test_grpo_runs_under_ddp_and_averages_its_metrics_over_the_ranks(tmp_path, prompts, hf_llama):

@@ -80,7 +80,7 @@ def test_oom_mid_run_retries_the_same_step_at_smaller_micro_batches(tmp_path):
     assert [(e["step"], e["micro_batch_size"]) for e in events] == [(4, 4), (4, 2)]
     assert "injected" in events[0]["error"] and "global batch is unchanged" in events[0]["message"]
     # The rung is saved with the run: in the checkpoint and in memory.json.
-    _, state = load_checkpoint(latest_checkpoint(tmp_path / "oom" / "checkpoints"), weights_only=False)
+    _, state = load_checkpoint(latest_checkpoint(tmp_path / "oom" / "checkpoints"), with_state=True)
     assert state["memory"] == {"micro_batch_size": 2, "activation_checkpointing": False, "cpu_offload": False}
     assert json.loads((tmp_path / "oom" / "memory.json").read_text())["micro_batch_size"] == 2
     # A resume starts there, even with the memory problem gone.
@@ -112,7 +112,7 @@ def test_oom_at_micro_batch_one_saves_and_reports(tmp_path):
     assert "saved" in report
     path = latest_checkpoint(tmp_path / "x" / "checkpoints")
     assert path.name.endswith("00000003")  # the last completed step, nothing half-applied
-    _, state = load_checkpoint(path, weights_only=False)
+    _, state = load_checkpoint(path, with_state=True)
     assert state["memory"] == {"micro_batch_size": 1, "activation_checkpointing": True, "cpu_offload": False}
 
 

@@ -255,9 +255,8 @@ def _records(run):
     return [json.loads(line) for line in path.read_text().split("\n")[:-1]] if path.exists() else []
 
 
-@pytest.mark.wallclock
 @pytest.mark.slow
-def test_auto_fills_the_budget_ends_the_schedule_and_resumes_exactly(tmp_path, corpus_dir):
+def test_auto_fills_the_budget_ends_the_schedule_and_resumes_exactly(tmp_path, corpus_dir, alone):
     """A planned run ends its schedule at its last step, inside the budget; the probe leaves no
     trace (the same steps given as a number train the same weights); SIGKILL + resume keeps the
     planned steps and ends bitwise equal."""
@@ -272,9 +271,10 @@ def test_auto_fills_the_budget_ends_the_schedule_and_resumes_exactly(tmp_path, c
         eval__sample_tokens=0,
     )
     auto = tmp_path / "auto"
-    started = time.perf_counter()
-    out = kiln("train", *sets(tiny_overrides(auto, corpus_dir, **common))).stdout
-    wall = time.perf_counter() - started
+    with alone():
+        started = time.perf_counter()
+        out = kiln("train", *sets(tiny_overrides(auto, corpus_dir, **common))).stdout
+        wall = time.perf_counter() - started
     steps = tomllib.loads((auto / "config.toml").read_text())["train"]["max_steps"]
     assert isinstance(steps, int) and steps > 20
     records = _records(auto)
@@ -332,8 +332,7 @@ def test_auto_fills_the_budget_ends_the_schedule_and_resumes_exactly(tmp_path, c
     assert all((a[k] == b[k]).all() for k in a)
 
 
-@pytest.mark.wallclock
-def test_an_auto_batch_is_chosen_recorded_and_kept_on_resume(tmp_path, corpus_dir):
+def test_an_auto_batch_is_chosen_recorded_and_kept_on_resume(tmp_path, corpus_dir, alone):
     """global_batch_size = "auto": the probe chooses the batch and leaves no trace (the same steps
     and batch given as numbers train the same weights); a resumed run keeps the batch."""
     common = dict(
@@ -347,7 +346,8 @@ def test_an_auto_batch_is_chosen_recorded_and_kept_on_resume(tmp_path, corpus_di
         eval__sample_tokens=0,
     )
     auto = tmp_path / "auto"
-    in_process("train", *sets(tiny_overrides(auto, corpus_dir, **common)))
+    with alone():  # it ends at its plan, not on the budget's hard stop
+        in_process("train", *sets(tiny_overrides(auto, corpus_dir, **common)))
     train = tomllib.loads((auto / "config.toml").read_text())["train"]
     steps, batch = train["max_steps"], train["global_batch_size"]
     [plan] = [r for r in _records(auto) if r.get("event") == "time_plan"]
@@ -370,7 +370,8 @@ def test_an_auto_batch_is_chosen_recorded_and_kept_on_resume(tmp_path, corpus_di
     # Resume from the first checkpoint: the planned batch comes back with the plan.
     for later in sorted((auto / "checkpoints").glob("step-*"))[1:]:
         shutil.rmtree(later)
-    in_process("train", *sets(tiny_overrides(auto, corpus_dir, **common)))
+    with alone():
+        in_process("train", *sets(tiny_overrides(auto, corpus_dir, **common)))
     assert {r["global_batch"] for r in _records(auto) if "loss" in r} == {batch}
     # The plan at step 4 was still the probe's first estimate: the resumed run plans its own
     # budget from there, and trains as the same steps given as a number would.

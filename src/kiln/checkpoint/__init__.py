@@ -1,5 +1,6 @@
 """Atomic checkpoints: save (also in the background), find the newest complete one, load, and RNG state capture."""
 
+from kiln.checkpoint.sharded import load_sharded
 from kiln.checkpoint.store import (
     CheckpointError,
     capture_rng,
@@ -7,11 +8,11 @@ from kiln.checkpoint.store import (
     latest_checkpoint,
     list_checkpoints,
     load_checkpoint,
-    load_sharded,
     open_checkpoint,
     restore_rng,
     save_checkpoint,
     save_checkpoint_async,
+    set_aside_after,
 )
 
 __all__ = [
@@ -26,4 +27,5 @@ __all__ = [
     "restore_rng",
     "save_checkpoint",
     "save_checkpoint_async",
+    "set_aside_after",
 ]

@@ -28,8 +28,9 @@ import hashlib
 import json
 import os
 import random
+import re
 import shutil
-import warnings
+import time
 from collections.abc import Callable, Iterator, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
@@ -191,8 +192,9 @@ def _begin(root: str | os.PathLike, step: int, world) -> tuple[Path, Path]:
     tmp = root / f".tmp-{PREFIX}{step:08d}"
     if world is None or world.is_main:
         root.mkdir(parents=True, exist_ok=True)
-        # One writer per run directory: leftovers of a writer that was killed are garbage.
-        for stale in root.glob(".tmp-*"):
+        # One writer per run directory: leftovers of a writer that was killed are garbage (a
+        # directory being written, or one being replaced by a re-save of its step).
+        for stale in [*root.glob(".tmp-*"), *root.glob(".old-*")]:
             shutil.rmtree(stale, ignore_errors=True)
         tmp.mkdir()
     if world is not None:
@@ -267,6 +269,27 @@ def list_checkpoints(root: str | os.PathLike) -> list[Path]:
     return [p for _, p in sorted(found)]
 
 
+def set_aside_after(root: str | os.PathLike, step: int) -> tuple[Path, list[Path]] | None:
+    """Move the complete checkpoints under ``root`` later than ``step`` into
+    ``root/abandoned-TIME/``: a branch of the run left behind by a resume from ``step``, kept for
+    whoever wants it, never resumed or rotated as the branch trained now. The directory and the
+    checkpoints moved; None when there were none."""
+    root = Path(root)
+    later = [p for p in list_checkpoints(root) if int(p.name[len(PREFIX) :]) > step]
+    if not later:
+        return None
+    stamp = time.strftime("%Y%m%d-%H%M%S")
+    aside, n = root / f"abandoned-{stamp}", 1
+    while aside.exists():  # two branches in one second
+        n += 1
+        aside = root / f"abandoned-{stamp}-{n}"
+    aside.mkdir()
+    for path in later:
+        path.rename(aside / path.name)
+    _fsync_dir(root)
+    return aside, later
+
+
 def latest_checkpoint(root: str | os.PathLike) -> Path | None:
     found = list_checkpoints(root)
     return found[-1] if found else None
@@ -319,28 +342,46 @@ class StoredWeights(Mapping[str, torch.Tensor]):
 
 
 def open_checkpoint(path: str | os.PathLike) -> tuple[StoredWeights | None, dict[str, Any]]:
-    """Like ``load_checkpoint(path, weights_only=False)``, with the weights read on access and the
+    """Like ``load_checkpoint(path, with_state=True)``, with the weights read on access and the
     training state mapped from its file rather than read: a rank that keeps only its slices of a
     whole model's checkpoint reads no other tensor, and only its slices' pages of the optimizer
     state are read in."""
     path = _verified(path)
     weights = StoredWeights(path / MODEL_FILE) if (path / MODEL_FILE).is_file() else None
-    return weights, torch.load(path / STATE_FILE, map_location="cpu", weights_only=False, mmap=True)
+    return weights, _training_state(path, mmap=True)
 
 
 def load_checkpoint(
-    path: str | os.PathLike, *, weights_only: bool = True
+    path: str | os.PathLike, *, with_state: bool = False
 ) -> tuple[dict[str, torch.Tensor] | None, dict[str, Any] | None]:
     """Return ``(model_state, train_state)`` after checking every digest in the manifest.
 
     ``model_state`` is None for a sharded checkpoint: pass its layout to ``load_sharded``.
-    With ``weights_only=True`` only the weights are read (``train_state`` is None)."""
+    Without ``with_state`` only the weights are read (``train_state`` is None)."""
     path = _verified(path)
     model_state = StoredWeights(path / MODEL_FILE).read() if (path / MODEL_FILE).is_file() else None
-    train_state = None
-    if not weights_only:
-        train_state = torch.load(path / STATE_FILE, map_location="cpu", weights_only=False)
-    return model_state, train_state
+    return model_state, _training_state(path) if with_state else None
+
+
+def _training_state(path: Path, mmap: bool = False) -> dict[str, Any]:
+    """``train_state.pt`` read by torch's weights-only unpickler: tensors, numbers, strings and
+    the containers of them are all kiln writes there, so a file that holds anything else (a
+    pickle that would call a function as it loads) is refused instead of run. numpy's arrays are
+    let in as data for the checkpoints kiln wrote before its RNG state became a list."""
+    import pickle
+
+    rebuild = np.zeros(0).__reduce__()[0]  # numpy's array rebuilder, wherever this numpy keeps it
+    arrays: list[Any] = [rebuild, np.ndarray, np.dtype, type(np.dtype(np.uint32))]
+    try:
+        with torch.serialization.safe_globals(arrays):
+            return torch.load(path / STATE_FILE, map_location="cpu", weights_only=True, mmap=mmap)
+    except pickle.UnpicklingError as e:
+        found = re.search(r"GLOBAL ([\w.]+)", str(e))
+        what = f"a reference to {found[1]}" if found else "an object other than tensors, numbers and strings"
+        raise CheckpointError(
+            f"{path / STATE_FILE}: holds {what}, which kiln never writes there; refused, since "
+            "loading it could run code"
+        ) from None
 
 
 def _verified(path: str | os.PathLike) -> Path:
@@ -353,36 +394,11 @@ def _verified(path: str | os.PathLike) -> Path:
     return path
 
 
-def load_sharded(path: str | os.PathLike, state: dict[str, Any], reader: Any = None) -> None:
-    """Fill ``state`` (e.g. ``{"model": model.state_dict()}``; any subset of what was saved, in
-    this process's own sharding or none) in place from a sharded checkpoint (through ``reader``,
-    a DCP storage reader of it, when given)."""
-    import torch.distributed as dist
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.api import CheckpointException
-
-    try:
-        with warnings.catch_warnings():
-            # Without a process group (eval, generate, export, a 1-process resume) this one process
-            # reads all, as meant: DCP warns that it assumes so.
-            warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-            dcp.load(
-                state,
-                checkpoint_id=str(Path(path) / SHARDED_DIR),
-                storage_reader=reader,
-                no_dist=not dist.is_initialized(),
-            )
-    except (CheckpointException, RuntimeError, ValueError) as e:
-        raise CheckpointError(
-            f"{path}: the sharded checkpoint does not fit this model (was [model] changed?): "
-            f"{str(e).splitlines()[0][:300]}"
-        ) from None
-
-
 def capture_rng() -> dict[str, Any]:
+    kind, keys, position, has_gauss, gauss = cast("tuple[str, np.ndarray, int, int, float]", np.random.get_state())
     state = {
         "python": random.getstate(),
-        "numpy": np.random.get_state(),
+        "numpy": (kind, keys.tolist(), position, has_gauss, gauss),  # builtins: see _training_state
         "torch": torch.get_rng_state(),
     }
     if torch.cuda.is_available():

@@ -59,10 +59,12 @@ def export(
     quantize: str | None = None,
     force: bool = False,
     max_shard_size: str | int = DEFAULT_MAX_SHARD_SIZE,
+    trust: bool = False,
 ) -> dict[str, Any]:
     """Export a run's checkpoint (the newest by default; ``source`` may also be a checkpoint
     directory) to ``out``; what was written and how it was checked, as a dict (also
-    ``out/export.json``). Weights past ``max_shard_size`` are split into several files."""
+    ``out/export.json``). Weights past ``max_shard_size`` are split into several files. A run
+    whose config names a plug-in model family is exported only with ``trust`` (see ``saved_job``)."""
     if fmt not in FORMATS:
         raise ConfigError([f"--format: {fmt!r} is not one of {', '.join(FORMATS)}"])
     if quantize and quantize not in QUANTIZE.get(fmt, ()):
@@ -73,9 +75,8 @@ def export(
     except ValueError as e:
         raise ConfigError([f"--max-shard-size: {e}"]) from None
     out = Path(out)
-    if out.exists() and (not out.is_dir() or any(out.iterdir())) and not force:
-        raise FileExistsError(f"{out}: exists and is not empty; choose another --out or pass --force")
-    write = _writer(Path(source), checkpoint, fmt, quantize, shard_bytes)
+    _check_out(Path(source), out, force)
+    write = _writer(Path(source), checkpoint, fmt, quantize, shard_bytes, trust)
     out.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(dir=out.parent, prefix=f".{out.name}.", suffix=".tmp"))
     try:
@@ -100,6 +101,24 @@ def export(
     return info
 
 
+def _check_out(source: Path, out: Path, force: bool) -> None:
+    """``out`` may be written: new or empty, or with ``force`` a kiln export (which is replaced
+    whole) that is neither ``source`` nor a directory holding it."""
+    if out.is_file():
+        raise FileExistsError(f"{out}: is a file; --out names a directory")
+    if not out.exists() or not any(out.iterdir()):
+        return
+    if not force:
+        raise FileExistsError(f"{out}: exists and is not empty; choose another --out or pass --force")
+    if out.resolve() == source.resolve() or out.resolve() in source.resolve().parents:
+        raise FileExistsError(f"{out}: holds {source}, which is being exported; --force never replaces the source")
+    if not (out / "export.json").is_file():
+        raise FileExistsError(
+            f"{out}: --force replaces only a kiln export (a directory with export.json), and this is not one; "
+            "choose another --out"
+        )
+
+
 @dataclasses.dataclass
 class _Writer:
     """What an export reads (run, checkpoint, step, config) and the function that writes it into a directory."""
@@ -114,14 +133,16 @@ class _Writer:
         return self.write(out)
 
 
-def _writer(source: Path, checkpoint: str | Path | None, fmt: str, quantize: str | None, shard_bytes: int) -> _Writer:
+def _writer(
+    source: Path, checkpoint: str | Path | None, fmt: str, quantize: str | None, shard_bytes: int, trust: bool
+) -> _Writer:
     """A run saved in shards is exported to hf or safetensors without loading it whole
     (``streamed``); every other export loads the model into this process."""
     if fmt in ("hf", "safetensors") and not (source / "export.json").is_file():
         run_dir, path = find_checkpoint(source, checkpoint)
         if (path / SHARDED_DIR).is_dir():
             load_checkpoint(path)  # its manifest's digests checked: nothing half-written is exported
-            job = saved_job(run_dir)
+            job = saved_job(run_dir, trust)
             inputs = validation_inputs(job, job.saved_tokenizer(run_dir), run_dir, rows=16)
             return _Writer(
                 run_dir,
@@ -130,7 +151,7 @@ def _writer(source: Path, checkpoint: str | Path | None, fmt: str, quantize: str
                 job.cfg,
                 lambda out: export_streamed(job, run_dir, path, fmt, out, shard_bytes, inputs),
             )
-    run = load_run(source, checkpoint, device="cpu")
+    run = load_run(source, checkpoint, device="cpu", trust=trust)
     inputs = validation_inputs(run.job, run.tokenizer, run.directory, rows=64 if quantize else 16)
     return _Writer(
         run.directory,

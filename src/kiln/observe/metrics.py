@@ -189,11 +189,21 @@ class MetricsLogger(_Histograms):
     def _truncate_after(self, step: int) -> None:
         if not self.path.exists():
             return
-        kept = [
-            line
-            for line in self.path.read_text().splitlines()
-            if line.strip() and json.loads(line).get("step", 0) <= step
-        ]
+        kept, torn = [], []
+        for number, line in enumerate(self.path.read_text(errors="replace").splitlines(), 1):
+            try:
+                record = json.loads(line) if line.strip() else None
+            except ValueError:  # a line cut short: the run was killed while writing it, or the disk was full
+                torn.append(number)
+                continue
+            if isinstance(record, dict) and record.get("step", 0) <= step:
+                kept.append(line)
+        if torn:
+            which = f"line {torn[0]}" if len(torn) == 1 else f"lines {', '.join(map(str, torn))}"
+            print(
+                f"kiln: warning: {self.path}: {which} cut short (a kill while writing, or a full disk): dropped",
+                file=sys.stderr,
+            )
         write_atomic(self.path, "".join(line + "\n" for line in kept))
 
     def rewind(self, step: int) -> None:

@@ -25,6 +25,7 @@ def serve(
     model_name: str | None = None,
     checkpoint: str | Path | None = None,
     parallel: int = 8,
+    trust: bool = False,
 ) -> int:
     """Serve the model of a run directory, one of its checkpoints or an export (what ``load_run``
     loads) at http://HOST:PORT/v1 until Ctrl-C, which stops taking requests and lets those in
@@ -37,7 +38,7 @@ def serve(
     except ImportError as e:
         print(f"kiln: error: {e}", file=sys.stderr)
         return 2
-    run = load_run(path, checkpoint, device)
+    run = load_run(path, checkpoint, device, trust)
     name = model_name or run.directory.resolve().name  # the run's, also when a checkpoint of it is named
     try:
         app = create_app(run, name, parallel=parallel)

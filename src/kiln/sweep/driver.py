@@ -39,6 +39,7 @@ from kiln.sweep.results import CSV, trial_rows, write_csv
 from kiln.sweep.space import Param, set_item
 from kiln.sweep.study import FINISHED, TRIAL_CONFIG, claim_lock, live_trial, trial_dir, trial_lock
 from kiln.train.run import StopRequest
+from kiln.train.setup import CLAIM_FILE
 
 TRIAL_LOG = "train.log"
 POLL_S = 0.2
@@ -166,6 +167,7 @@ class Driver:
                 self._fail(r, "; ".join(e.errors))
                 return
             r.run_dir.mkdir(parents=True, exist_ok=True)
+            (r.run_dir / CLAIM_FILE).touch()  # a kiln run directory, before the trial's own files go in
             config.write_text(cfg.to_toml())
         values = ", ".join(f"{k}={v!r}" for k, v in r.trial.params.items())
         how = "was left running by a sweep that stopped; continuing it" if r.taken_over else "started"

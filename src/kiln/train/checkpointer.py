@@ -36,6 +36,7 @@ from kiln.checkpoint import (
     restore_rng,
     save_checkpoint,
     save_checkpoint_async,
+    set_aside_after,
 )
 from kiln.config import Config
 from kiln.data.loader import StepBatches
@@ -245,7 +246,18 @@ class Checkpointer:
             return None
         step = self.load(path)
         self._say(f"kiln: resumed from {path} at step {step}")
+        self._branch_at(step)
         return step
+
+    def _branch_at(self, step: int) -> None:
+        """A run resumed from an older checkpoint than its newest trains a new branch: the later
+        checkpoints, of the branch left behind, are set aside, so that the rotation keeps this
+        branch's newest and a later ``--resume auto`` goes on with it."""
+        if self.world.is_main and (moved := set_aside_after(self.dir, step)):
+            aside, later = moved
+            names = ", ".join(p.name for p in later)
+            self._say(f"kiln: a new branch from step {step}: the later checkpoints ({names}) are set aside in {aside}")
+        self.world.barrier()
 
     def load(self, path: Path) -> int:
         """Restore model, optimizer, every part and the RNG from ``path``; its step."""

@@ -32,6 +32,7 @@ from kiln.data.prompts import PromptBatch
 from kiln.distributed.world import World
 from kiln.labels import IGNORE_INDEX
 from kiln.models.family import ModelFamily
+from kiln.models.hf.loading import read_config
 from kiln.train.logps import token_logps
 from kiln.train.preference import adapters_disabled
 
@@ -70,9 +71,13 @@ class RewardModel:
             raise ConfigError(
                 [f"grpo.reward_model: {path} is a kiln run directory; export it first: kiln export {path} --format hf"]
             )
+        read_config(directory, "grpo.reward_model")  # not one that needs its own code, a known architecture
         try:
-            model = AutoModelForSequenceClassification.from_pretrained(directory, local_files_only=True)
-            self.tokenizer = AutoTokenizer.from_pretrained(directory, local_files_only=True)
+            # As every model kiln loads: no download, no code from the directory, safetensors only.
+            model = AutoModelForSequenceClassification.from_pretrained(
+                directory, local_files_only=True, trust_remote_code=False, use_safetensors=True
+            )
+            self.tokenizer = AutoTokenizer.from_pretrained(directory, local_files_only=True, trust_remote_code=False)
         except (OSError, ValueError) as e:
             raise ConfigError(
                 [f"grpo.reward_model: {path}: not a sequence classifier in transformers' format ({e})"]

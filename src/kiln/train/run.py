@@ -22,6 +22,7 @@ from kiln.checkpoint.weights import load_weights
 from kiln.config import Config, from_dict, tomllib
 from kiln.device import resolve_device
 from kiln.distributed.world import World
+from kiln.models.family import BUILT_IN
 from kiln.train.jobs import FamilyJob, LoadedRun, job_for
 
 
@@ -154,18 +155,22 @@ class AfterStep(Protocol):
     def after_step(self, run: Progress) -> None: ...
 
 
-def load_run(path: str | Path, checkpoint: str | Path | None = None, device: str = "auto") -> LoadedRun:
+def load_run(
+    path: str | Path, checkpoint: str | Path | None = None, device: str = "auto", trust: bool = False
+) -> LoadedRun:
     """A model with its tokenizer, in eval mode, from ``path``: a run directory (at its newest
     complete checkpoint, or ``checkpoint``), one of its checkpoint directories, or a directory
     ``kiln export`` wrote in the ``safetensors`` or ``hf`` format. The run's job (its config's
-    ``run.job``) says how its model and tokenizer are read. Nothing is read from the data or its cache."""
+    ``run.job``) says how its model and tokenizer are read. Nothing is read from the data or its cache.
+    A run whose config names a plug-in model family is loaded only with ``trust`` (``saved_job``)."""
     path = Path(path)
     if (path / "export.json").is_file():
         info = json.loads((path / "export.json").read_text())
-        return load_export(path, info.get("format"), device, int(info.get("step", 0)), info.get("task", "causal_lm"))
+        fmt, step, task = info.get("format"), int(info.get("step", 0)), info.get("task", "causal_lm")
+        return load_export(path, fmt, device, step, task, trust=trust)
     run_dir, path = find_checkpoint(path, checkpoint)
     model_state, _ = load_checkpoint(path)
-    job = saved_job(run_dir)
+    job = saved_job(run_dir, trust)
     args, model = job.saved_model(run_dir)
     if model_state is None:  # saved sharded: gather it into this one process
         model_state = model.state_dict()
@@ -195,16 +200,28 @@ def checkpoint_step(path: Path) -> int:
     return int(path.name.split("-")[-1])
 
 
-def saved_job(directory: Path) -> FamilyJob:
-    """The job of the ``config.toml`` of a run or a safetensors export."""
-    return job_for(from_dict(tomllib.loads((directory / "config.toml").read_text())))
+def saved_job(directory: Path, trust: bool = False) -> FamilyJob:
+    """The job of the ``config.toml`` of a run or a safetensors export. A run directory is data,
+    not code: one whose config names a plug-in model family (a module that loading it imports and
+    runs) is refused unless ``trust`` says its source is trusted (``--trust-checkpoint``)."""
+    file = directory / "config.toml"
+    cfg = from_dict(tomllib.loads(file.read_text()))
+    if not trust and not cfg.model.source and cfg.model.family not in BUILT_IN:
+        module = cfg.model.family.partition(":")[0]
+        raise CheckpointError(
+            f"{file}: model.family = {cfg.model.family!r} is a plug-in: loading this run imports and runs {module}; "
+            "pass --trust-checkpoint if you trust where the run comes from"
+        )
+    return job_for(cfg)
 
 
-def load_export(path: Path, fmt: str, device: str = "auto", step: int = 0, task: str = "causal_lm") -> LoadedRun:
+def load_export(
+    path: Path, fmt: str, device: str = "auto", step: int = 0, task: str = "causal_lm", trust: bool = False
+) -> LoadedRun:
     """A directory ``kiln export`` wrote: safetensors (kiln's names, beside the run's config) or hf
     (loaded through ``transformers`` as the hf family loads any model directory)."""
     if fmt == "safetensors":
-        job = saved_job(path)
+        job = saved_job(path, trust)
         args, model = job.saved_model(path)
         load_weights(model, path)
         tokenizer = job.saved_tokenizer(path)

@@ -1,16 +1,21 @@
-"""The start of a run, before its first step: the model this rank trains, made and laid out, the
-batches it reads, and how long each part took, said in one line once the first step is done (where a large
-model's minutes before training go)."""
+"""The start of a run, before its first step: the run directory claimed, the model this rank
+trains, made and laid out, the batches it reads, and how long each part took, said in one line
+once the first step is done (where a large model's minutes before training go)."""
 
 from __future__ import annotations
 
 import contextlib
+import fcntl
+import os
+import socket
 import time
 from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import IO
 
 import torch
 
-from kiln.config import ParallelConfig
+from kiln.config import ConfigError, ParallelConfig
 from kiln.data.batch_schedule import BatchSchedule
 from kiln.data.loader import StepBatches
 from kiln.device import return_freed_host_memory
@@ -101,3 +106,51 @@ def step_batches(job: Job, schedule: BatchSchedule, world: World) -> StepBatches
         world_size=world.data_ranks,
         collate_fn=job.collate_fn,
     )
+
+
+CLAIM_FILE = ".kiln-run"
+# What only a kiln run directory holds (config.toml alone is not one: a user's config may sit there).
+RUN_MARKERS = (CLAIM_FILE, "env.json", "metrics.jsonl", "model.json", "memory.json", "checkpoints")
+
+
+class RunClaim:
+    """The run directory, claimed by the process that trains into it (its main rank), from the
+    start of ``fit`` to its end: a second ``kiln train`` on it stops at once, naming this one,
+    instead of both writing it. A directory that holds files but no kiln run is refused when the
+    claim is made, before anything is prepared or written. The claim is an advisory lock (flock)
+    on ``RUN_DIR/.kiln-run``, which the OS drops when the process ends, however it ends."""
+
+    def __init__(self, run_dir: Path, main: bool):
+        self.run_dir, self.main = run_dir, main
+        self.file: IO[str] | None = None
+        found = sorted(p.name for p in run_dir.iterdir()) if main and run_dir.is_dir() else []
+        if found and not any((run_dir / marker).exists() for marker in RUN_MARKERS):
+            shown = ", ".join(found[:3]) + (", ..." if len(found) > 3 else "")
+            raise ConfigError([f"run.dir: {run_dir} holds files but no kiln run ({shown}); choose a new or empty one"])
+
+    def __enter__(self) -> RunClaim:
+        if not self.main:
+            return self
+        me = f"kiln train (pid {os.getpid()} on {socket.gethostname()})"
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        file = open(self.run_dir / CLAIM_FILE, "a+")  # noqa: SIM115 - held until __exit__
+        try:
+            fcntl.flock(file, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            file.seek(0)
+            holder = file.read().strip() or "another process"
+            file.close()
+            raise ConfigError(
+                [f"run.dir: {self.run_dir} is being trained by {holder}; wait for it to end or choose another run.dir"]
+            ) from None
+        file.seek(0)
+        file.truncate()
+        file.write(me + "\n")
+        file.flush()
+        self.file = file
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self.file is not None:
+            self.file.close()  # and with it the lock
+            self.file = None

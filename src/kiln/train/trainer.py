@@ -38,7 +38,7 @@ from kiln.train.phases import Phases
 from kiln.train.precision import Precision
 from kiln.train.routing import ExpertLoad
 from kiln.train.run import AfterStep, Budget, FitResult, Progress, StopRequest, seed_everything, write_run_files
-from kiln.train.setup import SetupTimes, start_model, step_batches
+from kiln.train.setup import RunClaim, SetupTimes, start_model, step_batches
 from kiln.train.sources import SourceUse
 from kiln.train.step import LossFn, TrainStep
 from kiln.train.straggler import Stragglers
@@ -82,6 +82,7 @@ class Trainer:
             torch.set_num_threads(cfg.run.threads)
         self.world = world = init_world(cfg.run.device, cfg.parallel, cfg.run.dir)
         self.device, self.console, self.run_dir = world.device, console and world.is_main, Path(cfg.run.dir)
+        self.claim = RunClaim(self.run_dir, world.is_main)  # taken by fit: the run directory is then its own
         seed_everything(t.seed)
         job.prepare(world, self.console)
         self.precision = Precision(t.precision, self.device, t.fp8_recipe)
@@ -128,9 +129,6 @@ class Trainer:
         self.evaluation = Evaluation(job, self.model, self.precision, world, on_evaluate)
         tasks = TaskScores(cfg, job, self.model, self.precision)
         self.after_step: list[AfterStep] = [self.evaluation, tasks, self.checkpointer]
-        if world.is_main:
-            self.run_dir.mkdir(parents=True, exist_ok=True)
-            job.write_files(self.run_dir)
         self.step = 0
 
     @property
@@ -141,10 +139,8 @@ class Trainer:
     # -- the loop ----------------------------------------------------------------------------
 
     def fit(self) -> FitResult:
-        with self.setup.timed("load checkpoint"):
-            resumed_from = self.checkpointer.resume()
-        self.step, plan, phase = resumed_from or 0, self.time_plan, self.phases.phase
-        with self._running(FitResult(step=self.step, resumed_from=resumed_from)) as run:
+        plan, phase = self.time_plan, self.phases.phase
+        with self.claim, self._resumed() as run:
             if self._before_loop(run):  # already trained that far
                 return run.result
             batches = self.batches.loader(self.step)
@@ -186,9 +182,16 @@ class Trainer:
         return self.checkpointer.save(self.step)
 
     @contextlib.contextmanager
-    def _running(self, result: FitResult) -> Iterator[Progress]:
-        """The run's logger, its stop request (signals), the checkpointer's last write and the
-        hang watchdog, around the loop."""
+    def _resumed(self) -> Iterator[Progress]:
+        """The job's files written into the run directory and the run resumed from its checkpoint
+        (per checkpoint.resume); then its logger, its stop request (signals), the checkpointer's
+        last write and the hang watchdog, around the loop."""
+        if self.world.is_main:
+            self.job.write_files(self.run_dir)
+        with self.setup.timed("load checkpoint"):
+            resumed_from = self.checkpointer.resume()
+        self.step = resumed_from or 0
+        result = FitResult(step=self.step, resumed_from=resumed_from)
         plan, world = self.time_plan, self.world
         main, steps = world.is_main, plan.max_steps or 0  # "auto": the logger is told the steps once planned
         logger = open_logger(

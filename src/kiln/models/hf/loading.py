@@ -83,16 +83,17 @@ def weights_error(path: Path) -> ConfigError:
     )
 
 
-def read_config(path: Path) -> dict[str, Any]:
-    """config.json as a dict, refused if it needs code from the directory or an unknown architecture."""
+def read_config(path: Path, key: str = "model.source") -> dict[str, Any]:
+    """config.json as a dict, refused (naming ``key``, the setting that named ``path``) if it needs
+    code from the directory or an unknown architecture."""
     try:
         config = json.loads((path / "config.json").read_text())
     except (OSError, ValueError) as e:
-        raise ConfigError([f"model.source: {path / 'config.json'} is not readable JSON: {e}"]) from None
+        raise ConfigError([f"{key}: {path / 'config.json'} is not readable JSON: {e}"]) from None
     if config.get("auto_map"):
         raise ConfigError(
             [
-                f"model.source: {path} needs its own Python code (config.json has auto_map, i.e. "
+                f"{key}: {path} needs its own Python code (config.json has auto_map, i.e. "
                 "trust_remote_code); kiln never runs code from a model directory"
             ]
         )
@@ -100,7 +101,7 @@ def read_config(path: Path) -> dict[str, Any]:
         method = quantized.get("quant_method", "?") if isinstance(quantized, dict) else "?"
         raise ConfigError(
             [
-                f"model.source: {path / 'config.json'} describes quantized weights (quantization_config: {method}); "
+                f"{key}: {path / 'config.json'} describes quantized weights (quantization_config: {method}); "
                 "kiln fine-tunes from unquantized ones (fp32, bf16, fp16): use the model's unquantized "
                 "directory, with lora.quantize_base=nf4 for a 4-bit base"
             ]
@@ -110,7 +111,7 @@ def read_config(path: Path) -> dict[str, Any]:
     if model_type not in transformers.CONFIG_MAPPING:
         raise ConfigError(
             [
-                f"model.source: {path / 'config.json'}: model_type {model_type!r} is not an "
+                f"{key}: {path / 'config.json'}: model_type {model_type!r} is not an "
                 f"architecture of transformers {transformers.__version__}"
             ]
         )
