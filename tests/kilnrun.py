@@ -216,6 +216,20 @@ def _descendants() -> list[int]:
         mine = set(more)
 
 
+def peak_rss_of(*args: object, expect: int = 0) -> tuple[int, str]:
+    """The peak resident memory (bytes) of ``kiln ARGS...``, measured by a parent process whose
+    only child it is, and what it wrote to stderr; the command must exit ``expect``."""
+    probe = (
+        "import resource, subprocess, sys; code = subprocess.run(sys.argv[1:]).returncode; "
+        "print(resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss); sys.exit(code)"
+    )
+    proc = subprocess.run(
+        [sys.executable, "-c", probe, *command(*args)], capture_output=True, text=True, env=environment(), timeout=600
+    )
+    assert proc.returncode == expect, proc.stderr[-3000:]
+    return int(proc.stdout.strip().splitlines()[-1]) * 1024, proc.stderr
+
+
 def start(*args: Any, env: dict[str, str] | None = None, **kw: Any) -> subprocess.Popen:
     """``kiln ARGS...`` started in the background, its output piped."""
     return subprocess.Popen(

@@ -409,6 +409,16 @@ def _serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model-name", help="the model's name in the API (default: the directory's name)")
     p.add_argument("--checkpoint", help="checkpoint directory (default: the newest complete one)")
     p.add_argument("--parallel", type=int, default=8, help="requests decoded at once; the others wait in a queue")
+    p.add_argument(
+        "--api-key",
+        default=os.environ.get("KILN_API_KEY"),
+        help="require Authorization: Bearer KEY on every route but /health (default: $KILN_API_KEY; none)",
+    )
+    p.add_argument(
+        "--max-model-len",
+        type=int,
+        help="the most tokens a request may fill, prompt and answer (default: the model's context)",
+    )
     _trust_argument(p)
 
 
@@ -424,6 +434,8 @@ def cmd_serve(args) -> int:
         checkpoint=args.checkpoint,
         parallel=args.parallel,
         trust=args.trust_checkpoint,
+        api_key=args.api_key,
+        max_model_len=args.max_model_len,
     )
 
 

@@ -28,6 +28,27 @@ def write_atomic(path: str | os.PathLike, data: str | bytes) -> None:
         raise
 
 
+def fsync_file(path: Path) -> None:
+    with open(path, "rb+") as f:
+        os.fsync(f.fileno())
+
+
+def fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def fsync_tree(path: Path) -> None:
+    """Every file and folder under ``path``, and ``path``, on disk: before a rename makes it
+    visible as complete, so that a power loss cannot leave it renamed but empty."""
+    for p in sorted(path.rglob("*"), key=lambda p: -len(p.parts)):
+        (fsync_dir if p.is_dir() else fsync_file)(p)
+    fsync_dir(path)
+
+
 def directory_problem(path: str | os.PathLike) -> str | None:
     """Why ``path`` cannot be (or become) a directory that this process writes into; None if it can.
     Asked before a run starts, so that a bad run.dir is one line, not a traceback minutes later."""

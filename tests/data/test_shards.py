@@ -66,7 +66,9 @@ def test_second_prepare_reuses_everything(source, tmp_path, monkeypatch, capsys)
     monkeypatch.setattr(tokmod, "_train_bpe", forbidden)
     second = prepare(cfg)
     assert not second.tokenized and second.dir == first.dir and second.manifest == first.manifest
-    assert {f: f.stat().st_mtime_ns for f in second.dir.iterdir()} == mtimes
+    # Nothing rewritten; the first reuse marks the files verified against their digests.
+    assert {f: f.stat().st_mtime_ns for f in second.dir.iterdir() if f.name != shards.VERIFIED} == mtimes
+    assert (second.dir / shards.VERIFIED).is_file()
     assert "using prepared data" in capsys.readouterr().err
 
 
@@ -102,6 +104,24 @@ def test_wrong_size_prepares_again(source, tmp_path):
     (p.dir / "train-00000.bin").write_bytes(expected[:-2])
     again = prepare(cfg, progress=False)
     assert again.tokenized and (again.dir / "train-00000.bin").read_bytes() == expected
+
+
+def test_the_first_reuse_checks_every_digest_and_other_bytes_prepare_again(source, tmp_path, capsys):
+    """Sizes right, bytes changed (a crash after the rename, a hand edit): the first reuse reads
+    every file against its digest and prepares again; once verified, reuses check sizes only."""
+    cfg = config(source, tmp_path / "cache", prepare_workers=1)
+    p = prepare(cfg, progress=False)
+    assert not (p.dir / shards.VERIFIED).exists()
+    expected = (p.dir / "train-00000.bin").read_bytes()
+    changed = bytearray(expected)
+    changed[5] ^= 1
+    (p.dir / "train-00000.bin").write_bytes(bytes(changed))
+    capsys.readouterr()
+    again = prepare(cfg)
+    assert again.tokenized and (again.dir / "train-00000.bin").read_bytes() == expected
+    assert "train-00000.bin: checksum does not match manifest.json; preparing again" in capsys.readouterr().err
+    reused = prepare(cfg, progress=False)
+    assert not reused.tokenized and (reused.dir / shards.VERIFIED).is_file()
 
 
 def test_interrupted_prepare_leaves_nothing_complete(source, tmp_path, monkeypatch):

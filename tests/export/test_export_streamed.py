@@ -7,8 +7,6 @@ from __future__ import annotations
 
 import json
 import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -19,7 +17,7 @@ from kiln.io import INDEX
 from kiln.train.run import load_run
 
 from conftest import sft_records, tiny_overrides, write_jsonl
-from kilnrun import command, environment, in_process, launch, sets
+from kilnrun import in_process, launch, peak_rss_of, sets
 
 transformers = pytest.importorskip("transformers")
 
@@ -81,20 +79,6 @@ def test_one_small_file_has_no_index_and_the_writer_keeps_to_its_plan(tmp_path):
         writer.write("v", torch.ones(3))
 
 
-def peak_rss_of(*args: object) -> int:
-    """The peak resident memory (bytes) of ``kiln ARGS...``, measured by a parent process whose
-    only child it is."""
-    probe = (
-        "import resource, subprocess, sys; code = subprocess.run(sys.argv[1:]).returncode; "
-        "print(resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss); sys.exit(code)"
-    )
-    proc = subprocess.run(
-        [sys.executable, "-c", probe, *command(*args)], capture_output=True, text=True, env=environment(), timeout=600
-    )
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    return int(proc.stdout.strip().splitlines()[-1]) * 1024
-
-
 @pytest.mark.slow
 @pytest.mark.dist
 def test_a_sharded_gpt_larger_than_the_export_process_exports_in_files_transformers_loads(tmp_path, corpus_dir):
@@ -109,7 +93,7 @@ def test_a_sharded_gpt_larger_than_the_export_process_exports_in_files_transform
     assert model_bytes > 2e9
 
     out = tmp_path / "hf"
-    peak = peak_rss_of("export", run, "--format", "hf", "--out", out, "--max-shard-size", "400MB")
+    peak, _ = peak_rss_of("export", run, "--format", "hf", "--out", out, "--max-shard-size", "400MB")
     assert peak < model_bytes, f"the export peaked at {peak / 1e9:.2f} GB, the model is {model_bytes / 1e9:.2f} GB"
     info = json.loads((out / "export.json").read_text())
     assert info["check"]["layers"] == [0, 31] and info["hf"]["max_abs_diff"] <= 1e-4

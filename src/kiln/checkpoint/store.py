@@ -39,6 +39,8 @@ from typing import Any, cast
 import numpy as np
 import torch
 
+from kiln.io import fsync_dir, fsync_file
+
 MANIFEST = "manifest.json"
 MODEL_FILE = "model.safetensors"
 STATE_FILE = "train_state.pt"
@@ -56,19 +58,6 @@ def _sha256(path: Path) -> str:
         for block in iter(lambda: f.read(1 << 20), b""):
             h.update(block)
     return h.hexdigest()
-
-
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def _fsync_file(path: Path) -> None:
-    with open(path, "rb+") as f:
-        os.fsync(f.fileno())
 
 
 def dedupe_shared(state: Mapping[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
@@ -223,13 +212,13 @@ def _commit(
     torch.save(train_state, tmp / STATE_FILE)
     files = {}
     for f in sorted(p for p in tmp.rglob("*") if p.is_file()):
-        _fsync_file(f)
+        fsync_file(f)
         files[str(f.relative_to(tmp))] = {"bytes": f.stat().st_size, "sha256": _sha256(f)}
     manifest = {"step": step, "files": files, "complete": True}
     (tmp / MANIFEST).write_text(json.dumps(manifest, indent=2))
-    _fsync_file(tmp / MANIFEST)
+    fsync_file(tmp / MANIFEST)
     for d in [*(p for p in tmp.rglob("*") if p.is_dir()), tmp]:
-        _fsync_dir(d)
+        fsync_dir(d)
     if final.exists():  # re-saving the same step (e.g. after a resume): replace it whole
         old = root / f".old-{PREFIX}{step:08d}-{os.getpid()}"
         final.rename(old)
@@ -237,7 +226,7 @@ def _commit(
         shutil.rmtree(old)
     else:
         tmp.rename(final)
-    _fsync_dir(root)
+    fsync_dir(root)
     if keep is not None:
         for stale in list_checkpoints(root)[:-keep]:
             shutil.rmtree(stale, ignore_errors=True)
@@ -286,7 +275,7 @@ def set_aside_after(root: str | os.PathLike, step: int) -> tuple[Path, list[Path
     aside.mkdir()
     for path in later:
         path.rename(aside / path.name)
-    _fsync_dir(root)
+    fsync_dir(root)
     return aside, later
 
 

@@ -252,6 +252,10 @@ class DataConfig:
     position_split_chars: int = 1_000_000
     """Documents of at least this many characters (a book, a dump) are split by position rather
     than going to train or val whole; 0 splits only a corpus's only document."""
+    max_record_bytes: int = 64 << 20
+    """Longest line of a .jsonl file (plain or compressed) or of fine-tuning records, in bytes:
+    a longer one, a decompression bomb's included, is an error naming the file and line, before
+    it is held in memory whole. Raise it for records meant to be that long."""
     num_workers: int = 2
     """DataLoader worker processes (0 loads in the training process)."""
     prepare_workers: int = 0
@@ -277,6 +281,7 @@ class DataConfig:
                     self.position_split_chars >= 0,
                     f"data.position_split_chars: must be >= 0, got {self.position_split_chars}",
                 ),
+                (self.max_record_bytes >= 1, f"data.max_record_bytes: must be >= 1, got {self.max_record_bytes}"),
                 (
                     self.tokenizer_sample_bytes >= 0,
                     f"data.tokenizer_sample_bytes: must be >= 0 (0: all of the train split), "

@@ -16,6 +16,7 @@ go to one side whole (a book, a dump) is split by position. See :class:`Corpus`.
 from __future__ import annotations
 
 import contextlib
+import fnmatch
 import glob
 import gzip
 import hashlib
@@ -23,6 +24,7 @@ import io
 import json
 import os
 import re
+import sys
 import sysconfig
 import zlib
 from array import array
@@ -53,6 +55,7 @@ RECORD_FORMATS = {
 }
 EXTENSIONS = (*TEXT_EXTENSIONS, *RECORD_FORMATS)
 SPLITS = ("train", "val")
+MAX_RECORD_BYTES = 64 << 20  # data.max_record_bytes's default
 _STDLIB_EXCLUDED_DIRS = {"site-packages", "test", "tests", "idle_test"}
 _KINDS = (
     "'stdlib', or a file, directory or glob of .txt, .py, .jsonl, .jsonl.gz, .jsonl.zst and .parquet "
@@ -113,8 +116,11 @@ class Files:
     """The files one source names, read as documents ``(name, text)`` in part order, then file,
     then line or row order; empty documents are skipped. Names are relative to ``root``."""
 
-    def __init__(self, source: str, root: Path, parts: list[Part], text_field: str):
+    def __init__(
+        self, source: str, root: Path, parts: list[Part], text_field: str, max_record_bytes: int = MAX_RECORD_BYTES
+    ):
         self.source, self.root, self.parts, self.text_field = source, root, parts, text_field
+        self.max_record_bytes = max_record_bytes
 
     @property
     def files(self) -> list[Path]:
@@ -166,7 +172,12 @@ class Files:
         Returns how many records the file holds (blank lines and empty rows counted)."""
         part, path = self.entries[index]
         if not part.records:
-            text = path.read_text(encoding="utf-8", errors="replace")
+            data = path.read_bytes()
+            try:
+                text = data.decode("utf-8")
+            except UnicodeDecodeError:
+                text = data.decode("utf-8", errors="replace")
+                _warn_replaced(path, text.count("\ufffd"))
             if text.strip():
                 yield 0, text
             return 0
@@ -179,7 +190,7 @@ class Files:
         returns its number of lines."""
         field = self.text_field
         lines = 0
-        for lineno, line in _lines(path):
+        for lineno, line in read_lines(path, self.max_record_bytes):
             lines = lineno
             if not line.strip():
                 continue
@@ -280,24 +291,47 @@ def _record_suffix(filename: str) -> str | None:
     return next((s for s in RECORD_FORMATS if lower.endswith(s)), None)
 
 
-def _lines(path: Path) -> Iterator[tuple[int, str]]:
-    """``(line number, line)`` of a text file, plain, gzip- or zstd-compressed; a corrupt or
-    truncated compressed file is a DataError naming the last line read whole."""
+_warned: set[Path] = set()  # files whose bytes that are not UTF-8 this process has told of
+
+
+def read_lines(path: Path, limit: int = MAX_RECORD_BYTES, strict: bool = False) -> Iterator[tuple[int, str]]:
+    """``(line number, line)`` of a text file, plain, gzip- or zstd-compressed, never holding more
+    than one line of at most ``limit`` bytes (a longer one, a decompression bomb's included, is a
+    DataError naming the file and line; data.max_record_bytes). Bytes that are not UTF-8 are a
+    DataError naming file:line with ``strict`` (records), else replaced by U+FFFD and counted in
+    one warning for the file (corpora). A corrupt or truncated compressed file is a DataError
+    naming the last line read whole."""
     lower = path.name.lower()
     compression = "gzip" if lower.endswith(".gz") else "zstd" if lower.endswith(".zst") else None
-    lineno = 0
+    lineno, replaced, where = 0, 0, []
     try:
         with contextlib.ExitStack() as stack:
+            f: io.BufferedIOBase
             if compression == "gzip":
-                f = stack.enter_context(gzip.open(path, "rt", encoding="utf-8", errors="replace"))
+                f = stack.enter_context(gzip.open(path, "rb"))
             elif compression == "zstd":
                 raw = stack.enter_context(open(path, "rb"))
-                frames = io.BufferedReader(_ZstdFrames(raw, _zstandard(path)), buffer_size=1 << 16)
-                f = stack.enter_context(io.TextIOWrapper(frames, encoding="utf-8", errors="replace"))
+                f = io.BufferedReader(_ZstdFrames(raw, _zstandard(path)), buffer_size=1 << 16)
             else:
-                f = stack.enter_context(open(path, encoding="utf-8", errors="replace"))
-            for line in f:
+                f = stack.enter_context(open(path, "rb"))
+            while data := f.readline(limit + 1):
                 lineno += 1
+                if len(data) > limit and not (len(data) == limit + 1 and data.endswith(b"\n")):
+                    raise DataError(
+                        f"{path}:{lineno}: a line longer than data.max_record_bytes ({limit:,} bytes); "
+                        "raise data.max_record_bytes if the record is meant to be that long"
+                    )
+                try:
+                    line = data.decode("utf-8")
+                except UnicodeDecodeError as e:
+                    if strict:
+                        bad = data[e.start : e.start + 1]
+                        raise DataError(
+                            f"{path}:{lineno}: not UTF-8 (byte {e.start + 1} of the line is {bad!r})"
+                        ) from None
+                    line = data.decode("utf-8", errors="replace")
+                    replaced += line.count("\ufffd")
+                    where.append(lineno)
                 yield lineno, line
     except (OSError, EOFError, zlib.error) as e:
         if compression is None:
@@ -306,6 +340,16 @@ def _lines(path: Path) -> Iterator[tuple[int, str]]:
             f"{path}: truncated or corrupt {compression} data after line {lineno} ({e}); "
             f"check the file, e.g. with `{'gzip' if compression == 'gzip' else 'zstd'} -t`"
         ) from None
+    if replaced:
+        _warn_replaced(path, replaced, where)
+
+
+def _warn_replaced(path: Path, count: int, lines: list[int] | None = None) -> None:
+    if path in _warned:
+        return
+    _warned.add(path)
+    at = f" (lines {', '.join(map(str, lines[:5]))}{', ...' if len(lines) > 5 else ''})" if lines else ""
+    print(f"kiln: warning: {path}: {count:,} invalid UTF-8 sequences read as U+FFFD{at}", file=sys.stderr)
 
 
 def _zstandard(path: Path):
@@ -321,7 +365,9 @@ class _ZstdFrames(io.RawIOBase):
     of parallel compressors included), a chunk at a time. Unlike zstandard's ``stream_reader``,
     which ends quietly where a file was cut short, a frame cut short is an EOFError."""
 
-    _CHUNK = 1 << 17  # compressed bytes read at a time: output per read stays bounded
+    # Compressed bytes read at a time: zstd's output of one call is unbounded, so a small input
+    # bounds it (to 64 MiB at most, zstd's largest ratio being that of 128 KiB blocks of one byte).
+    _CHUNK = 1 << 11
 
     def __init__(self, raw, zstandard):
         super().__init__()
@@ -665,6 +711,7 @@ def open_corpus(
     *,
     val_source: str = "",
     position_split_chars: int = 1_000_000,
+    max_record_bytes: int = MAX_RECORD_BYTES,
 ) -> Corpus:
     """Resolve ``source`` ('stdlib', a file, a directory or a glob; '' for none) and ``val_source``
     (the same kinds, '' for none) to a Corpus; DataError if unusable.
@@ -678,12 +725,14 @@ def open_corpus(
     """
     if not 0 < val_fraction < 1:
         raise ValueError(f"val_fraction must be in (0, 1), got {val_fraction}")
-    train = _files(source, text_field, f"data.source takes {_KINDS}") if source else None
-    val = _files(val_source, text_field, f"a validation source takes {_KINDS}") if val_source else None
+    train = _files(source, text_field, f"data.source takes {_KINDS}", max_record_bytes) if source else None
+    val = (
+        _files(val_source, text_field, f"a validation source takes {_KINDS}", max_record_bytes) if val_source else None
+    )
     return Corpus(train, val, val_fraction, position_split_chars)
 
 
-def _files(source: str, text_field: str, help: str) -> Files:
+def _files(source: str, text_field: str, help: str, max_record_bytes: int) -> Files:
     if source == "stdlib":
         root = Path(sysconfig.get_paths()["stdlib"])
         files = [
@@ -703,7 +752,7 @@ def _files(source: str, text_field: str, help: str) -> Files:
     zst = next((p for p in ordered if p.name.lower().endswith(".zst")), None)
     if zst is not None:
         _zstandard(zst)  # before fingerprinting a large corpus, not after
-    return Files(source, root, _parts(root, ordered), text_field)
+    return Files(source, root, _parts(root, ordered), text_field, max_record_bytes)
 
 
 def _parts(root: Path, files: list[Path]) -> list[Part]:
@@ -807,7 +856,7 @@ def find_files(source: str, extensions: tuple[str, ...], help: str) -> tuple[Pat
     kinds = ", ".join(extensions[:-1]) + f" or {extensions[-1]}" if len(extensions) > 1 else extensions[0]
     path = Path(source).expanduser()
     if glob.has_magic(source):
-        matches = sorted(glob.glob(os.path.expanduser(source), recursive=True))
+        matches = sorted(_glob(Path(os.path.expanduser(source))))
         if not matches:
             raise DataError(f"{source}: the glob matched nothing; {help}")
         files = []
@@ -840,6 +889,44 @@ def _walk(directory: Path, extensions: tuple[str, ...]) -> list[Path]:
         and p.is_file()
         and not any(part.startswith(".") for part in p.relative_to(directory).parts)
     ]
+
+
+def _glob(pattern: Path) -> set[Path]:
+    """What ``glob.glob(pattern, recursive=True)`` matches, except that ``**`` descends only into
+    real directories, not symbolic links to them: glob follows those, and a link to a folder
+    above it makes it endless. A symlinked directory named in the pattern (not by ``**``) is
+    read as any other; names starting with a dot match only a part that starts with one."""
+    root = _glob_root(pattern)
+    parts = pattern.parts[len(root.parts) :]
+    found: set[Path] = set()
+
+    def names(folder: Path, part: str) -> list[os.DirEntry]:
+        try:
+            with os.scandir(folder) as entries:
+                return [
+                    e for e in entries if fnmatch.fnmatchcase(e.name, part) and (part[0] == "." or e.name[0] != ".")
+                ]
+        except OSError:  # not a directory, or not readable: nothing under it, as for glob
+            return []
+
+    def visit(path: Path, i: int) -> None:
+        if i == len(parts):
+            found.add(path)
+        elif parts[i] == "**":
+            visit(path, i + 1)  # no folder
+            for entry in names(path, "*"):
+                if entry.is_dir(follow_symlinks=False):
+                    visit(Path(entry.path), i)  # one folder more
+                elif i == len(parts) - 1:  # a trailing ** matches files too
+                    found.add(Path(entry.path))
+        else:
+            last = i == len(parts) - 1
+            for entry in names(path, parts[i]):
+                if last or entry.is_dir():
+                    visit(Path(entry.path), i + 1)
+
+    visit(root, 0)
+    return found
 
 
 def _glob_root(pattern: Path) -> Path:

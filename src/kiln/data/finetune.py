@@ -117,7 +117,10 @@ def truncation(manifest: dict[str, Any]) -> str | None:
 
 def prepare_eval(source: str, data_cfg, task: str, tokenizer, max_len: int, labels: tuple[str, ...]) -> FineTuneData:
     """Every record of ``source`` as validation rows, for a model that knows its ``labels``."""
-    rows = [row for row, _ in _rows(read_records(source), task, tokenizer, data_cfg, max_len, labels)]
+    rows = [
+        row
+        for row, _ in _rows(read_records(source, data_cfg.max_record_bytes), task, tokenizer, data_cfg, max_len, labels)
+    ]
     return FineTuneData(task, Examples([]), Examples(rows), Collate(task, tokenizer), labels, {"records": len(rows)})
 
 
@@ -236,9 +239,9 @@ def split_records(data_cfg) -> tuple[list[Record], list[bool], str]:
     """(records, which are val, how): val from data.val_source (training records with the same
     content left out), else the records whose content hash falls below data.val_fraction, so
     copies of one record always land on the same side."""
-    records = read_records(data_cfg.source)
+    records = read_records(data_cfg.source, data_cfg.max_record_bytes)
     if data_cfg.val_source:
-        val = read_records(data_cfg.val_source)
+        val = read_records(data_cfg.val_source, data_cfg.max_record_bytes)
         in_val = {r.digest() for r in val}
         train = [r for r in records if r.digest() not in in_val]
         if not train:

@@ -5,13 +5,14 @@ from __future__ import annotations
 
 import csv
 import hashlib
+import io
 import json
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from kiln.data.corpus import DataError, find_files
+from kiln.data.corpus import MAX_RECORD_BYTES, DataError, find_files, read_lines
 
 RECORD_EXTENSIONS = (".jsonl", ".csv", ".parquet")
 _HELP = "fine-tuning records come from a .jsonl, .csv or .parquet file, a directory of them or a glob"
@@ -44,43 +45,54 @@ class Record:
         return hashlib.blake2b(canonical.encode("utf-8"), digest_size=16).digest()
 
 
-def read_records(source: str) -> list[Record]:
+def read_records(source: str, max_record_bytes: int = MAX_RECORD_BYTES) -> list[Record]:
     """Every record of ``source``, in file order; DataError naming the file (and line) of the first
-    that cannot be read, and of a file without records."""
+    that cannot be read (not UTF-8, a .jsonl line longer than ``max_record_bytes``), and of a file
+    without records."""
     _, files = find_files(source, RECORD_EXTENSIONS, _HELP)
     records = []
     for path in sorted(files):
         read = {".jsonl": _jsonl, ".csv": _csv, ".parquet": _parquet}[path.suffix.lower()]
-        found = list(read(path))
+        found = list(read(path, max_record_bytes))
         if not found:
             raise DataError(f"{path}: no records (the file is empty)")
         records += found
     return records
 
 
-def _jsonl(path: Path):
-    with open(path, encoding="utf-8") as f:
-        for line_no, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                value = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise DataError(f"{path}:{line_no}: not valid JSON ({e.msg} at column {e.colno})") from None
-            if not isinstance(value, dict):
-                raise DataError(f"{path}:{line_no}: a record must be a JSON object, got {type(value).__name__}")
-            yield Record(value, path, line_no)
+def _jsonl(path: Path, limit: int):
+    for line_no, line in read_lines(path, limit, strict=True):
+        if not line.strip():
+            continue
+        try:
+            value = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise DataError(f"{path}:{line_no}: not valid JSON ({e.msg} at column {e.colno})") from None
+        if not isinstance(value, dict):
+            raise DataError(f"{path}:{line_no}: a record must be a JSON object, got {type(value).__name__}")
+        yield Record(value, path, line_no)
 
 
-def _csv(path: Path):
-    with open(path, encoding="utf-8", newline="") as f:
-        for row_no, row in enumerate(csv.DictReader(f), 1):
+def _csv(path: Path, limit: int):
+    data = path.read_bytes()
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        line = data[: e.start].count(b"\n") + 1
+        raise DataError(f"{path}:{line}: not UTF-8 (byte {data[e.start : e.start + 1]!r})") from None
+    row_no = 0
+    try:
+        for row_no, row in enumerate(csv.DictReader(io.StringIO(text, newline="")), 1):
             if None in row:
                 raise DataError(f"{path} row {row_no}: more values than the header has columns")
+            if sum(len(v) for v in row.values() if isinstance(v, str)) > limit:
+                raise DataError(f"{path} row {row_no}: longer than data.max_record_bytes ({limit:,} bytes)")
             yield Record(row, path, row_no)
+    except csv.Error as e:
+        raise DataError(f"{path} row {row_no + 1}: not readable CSV ({e})") from None
 
 
-def _parquet(path: Path):
+def _parquet(path: Path, limit: int):
     import pyarrow.parquet as pq
 
     try:

@@ -51,8 +51,9 @@ from kiln.data.tokenizer import (
     token_byte_lengths,
     tokenizer_hash,
 )
-from kiln.io import write_atomic
+from kiln.io import fsync_dir, fsync_tree, write_atomic
 
+VERIFIED = "verified"  # in a prepared directory: its files matched their digests once
 # Bump when the file layout or manifest changes, so old prepared directories are not reused.
 # 3: each split in shards of at most data.shard_bytes, listed in the manifest.
 FORMAT_VERSION = 3
@@ -206,6 +207,7 @@ def _open(job: _Preparation, source: str, text_field: str) -> Corpus:
                 cfg.val_fraction,
                 val_source=cfg.val_source,
                 position_split_chars=cfg.position_split_chars,
+                max_record_bytes=cfg.max_record_bytes,
             )
         except DataError as e:
             return socket.gethostname(), str(e)
@@ -295,7 +297,8 @@ def _prepare(job: _Preparation, corpus: Corpus, tok: Tokenizer) -> PreparedData:
     def look() -> str | None:
         if not (final / "manifest.json").is_file():
             return "missing"
-        return _size_problem(open_prepared(final))
+        prepared = open_prepared(final)
+        return _size_problem(prepared) or _digest_problem(prepared)
 
     problems = team.each(look, "finding the prepared data")
     if not any(problems):
@@ -316,7 +319,8 @@ def _prepare(job: _Preparation, corpus: Corpus, tok: Tokenizer) -> PreparedData:
         def publish() -> None:
             if team.rank != site[0]:
                 return
-            damaged = not (final / "manifest.json").is_file() or _size_problem(open_prepared(final))
+            fsync_tree(tmp)
+            damaged = not (final / "manifest.json").is_file() or look() is not None
             if final.exists() and damaged:
                 shutil.rmtree(final)  # incomplete or damaged: never a complete preparation
             try:
@@ -326,6 +330,7 @@ def _prepare(job: _Preparation, corpus: Corpus, tok: Tokenizer) -> PreparedData:
                     raise
                 # Another process finished the same preparation first; theirs is identical.
                 shutil.rmtree(tmp)
+            fsync_dir(final.parent)
 
         team.each(publish, "publishing the prepared data")
     except BaseException:
@@ -362,6 +367,22 @@ def describe_split(manifest: dict) -> str:
     if stats.get("removed_as_in_val"):
         parts.append(f"{stats['removed_as_in_val']:,} training documents left out as they are also in val")
     return "; ".join(parts)
+
+
+def _digest_problem(prepared: PreparedData) -> str | None:
+    """The first reuse of prepared data checks every file's digest (a cache written by a crashed
+    machine, or changed by hand, may have the right sizes and other bytes); then it is marked
+    verified, and later reuses check sizes only."""
+    marker = prepared.dir / VERIFIED
+    if marker.is_file():
+        return None
+    try:
+        verify(prepared)
+    except DataError as e:
+        return str(e).split(";")[0]
+    with contextlib.suppress(OSError):  # a cache this user may read but not write is checked each time
+        write_atomic(marker, "")
+    return None
 
 
 def _size_problem(prepared: PreparedData) -> str | None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import hmac
 import json
 import logging
 import socket
@@ -36,13 +37,31 @@ from kiln.train.run import LoadedRun
 log = logging.getLogger("kiln.serve")
 
 
-def create_app(run: LoadedRun, model_name: str, *, parallel: int = 8) -> FastAPI:
-    """The app serving ``run``'s model as ``model_name``; its worker runs while the app does (its
-    lifespan). ``parallel``: requests decoded at once, the others wait their turn.
+# The largest request body read (413 past it, before it is read): a prompt of a 128k-token
+# context is about 0.5 MB of text, a batch of such prompts a few MB.
+MAX_BODY_BYTES = 8 << 20
+TOO_LARGE = f"the body is larger than {MAX_BODY_BYTES:,} bytes"
+INTERNAL = "internal error (see the server's log)"
 
-    Any ``model`` in a request is answered by this model, as llama.cpp's server does."""
-    engine = Engine(run, parallel)
+
+def create_app(
+    run: LoadedRun,
+    model_name: str,
+    *,
+    parallel: int = 8,
+    api_key: str | None = None,
+    max_model_len: int | None = None,
+) -> FastAPI:
+    """The app serving ``run``'s model as ``model_name``; its worker runs while the app does (its
+    lifespan). ``parallel``: requests decoded at once, the others wait their turn. With
+    ``api_key`` every route but /health needs ``Authorization: Bearer API_KEY``;
+    ``max_model_len`` caps the context a request may fill (prompt and new tokens).
+
+    A request naming another ``model`` is a 404, as OpenAI's and vLLM's servers answer; a body
+    must be JSON (415 otherwise) of at most MAX_BODY_BYTES (413)."""
+    engine = Engine(run, parallel, max_model_len)
     started = int(time.time())
+    key = api_key.encode() if api_key else None
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -65,7 +84,31 @@ def create_app(run: LoadedRun, model_name: str, *, parallel: int = 8) -> FastAPI
 
     @app.exception_handler(Exception)
     async def server_error(request: Request, e: Exception) -> JSONResponse:
-        return await api_error(request, ApiError(str(e), status=500, kind="server_error"))
+        # What failed stays in the server's log: an exception's text can tell a client about the machine.
+        log.error("%s %s failed", request.method, request.url.path, exc_info=e)
+        return await api_error(request, ApiError(INTERNAL, status=500, kind="server_error"))
+
+    @app.middleware("http")
+    async def guard(request: Request, call_next):
+        """The API key, the body's type and size, before a route reads anything."""
+        if key is not None and request.url.path != "/health":
+            scheme, _, given = request.headers.get("authorization", "").partition(" ")
+            if scheme.lower() != "bearer" or not hmac.compare_digest(given.strip().encode(), key):
+                error = ApiError(
+                    "missing or incorrect API key (Authorization: Bearer KEY)", status=401, code="invalid_api_key"
+                )
+                return JSONResponse(error.body(), status_code=401, headers={"WWW-Authenticate": "Bearer"})
+        if request.method == "POST":
+            kind = request.headers.get("content-type", "").split(";")[0].strip().lower()
+            if kind != "application/json":
+                error = ApiError(
+                    f"the body must be JSON (Content-Type: application/json), not {kind or 'unnamed'}", status=415
+                )
+                return JSONResponse(error.body(), status_code=415)
+            length = request.headers.get("content-length")
+            if length is not None and (not length.isdigit() or int(length) > MAX_BODY_BYTES):
+                return _too_large()
+        return await call_next(request)
 
     @app.get("/health")
     async def health() -> dict:
@@ -76,10 +119,28 @@ def create_app(run: LoadedRun, model_name: str, *, parallel: int = 8) -> FastAPI
         card = {"id": model_name, "object": "model", "created": started, "owned_by": "kiln"}
         return {"object": "list", "data": [{**card, "max_model_len": engine.context}]}
 
+    async def read(request: Request) -> dict:
+        """The body (read up to MAX_BODY_BYTES, for a body sent without its length), for this model."""
+        raw = bytearray()
+        async for chunk in request.stream():
+            raw += chunk
+            if len(raw) > MAX_BODY_BYTES:
+                raise ApiError(TOO_LARGE, status=413)
+        body = parse_body(bytes(raw))
+        if body.get("model") not in (None, model_name):
+            raise ApiError(
+                f"the model {body['model']!r} does not exist here: this server serves {model_name!r}",
+                "model",
+                status=404,
+                code="model_not_found",
+            )
+        return body
+
     @app.post("/v1/completions")
     async def completions(request: Request):
-        body = parse_body(await request.body())
-        completion = completion_request(body, engine.codec, engine.context)
+        body = await read(request)
+        # Tokenizing a long prompt takes a while: not on the loop that every other request shares.
+        completion = await asyncio.to_thread(completion_request, body, engine.codec, engine.context)
         if completion.plain:
             return await _answer(engine, completion.jobs[0], body, Reply(model_name, False))
         if streaming(body)[0]:
@@ -88,10 +149,16 @@ def create_app(run: LoadedRun, model_name: str, *, parallel: int = 8) -> FastAPI
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request):
-        body = parse_body(await request.body())
-        return await _answer(engine, chat_job(body, engine.codec, engine.context), body, Reply(model_name, True))
+        body = await read(request)
+        job = await asyncio.to_thread(chat_job, body, engine.codec, engine.context)
+        return await _answer(engine, job, body, Reply(model_name, True))
 
     return app
+
+
+def _too_large() -> JSONResponse:
+    error = ApiError(TOO_LARGE, status=413)
+    return JSONResponse(error.body(), status_code=413, headers={"Connection": "close"})
 
 
 def run_server(app: FastAPI, sock: socket.socket) -> None:
@@ -164,8 +231,8 @@ async def _events(engine: Engine, job: GenerationRequest, reply: Reply, include_
         if include_usage:
             yield _sse(reply.usage_chunk(usage(len(job.prompt), update.completion_tokens)))
     except RuntimeError as e:  # the status line has gone out: the error travels in the stream
-        log.warning("stream ended by an error: %s", e)
-        yield _sse(ApiError(str(e), status=500, kind="server_error").body())
+        log.error("a stream ended by an error", exc_info=e)
+        yield _sse(ApiError(INTERNAL, status=500, kind="server_error").body())
     yield "data: [DONE]\n\n"
 
 

@@ -145,12 +145,19 @@ Emit = Callable[[Update | list[Scored] | Exception], None]
 class Engine:
     """The worker thread that owns the model (see the module's docstring)."""
 
-    def __init__(self, run: LoadedRun, parallel: int = 8):
+    def __init__(self, run: LoadedRun, parallel: int = 8, max_model_len: int | None = None):
         if parallel < 1:
             raise ServeError(f"parallel must be at least 1, not {parallel}")
+        if max_model_len is not None and max_model_len < 2:
+            raise ServeError(f"--max-model-len must be at least 2, not {max_model_len}")
         self.run = run
         self.codec = Codec(run.tokenizer)
-        self.context = run.family.context_length(run.args)
+        # A token id past the embedding's rows would index out of it (on CUDA, a device assert
+        # that ends the server): ids are checked against the smaller of the two vocabularies.
+        rows = next((m.num_embeddings for m in run.model.modules() if isinstance(m, nn.Embedding)), None)
+        self.codec.vocab_size = min(self.codec.vocab_size, rows or self.codec.vocab_size)
+        context = run.family.context_length(run.args)
+        self.context = min(filter(None, (context, max_model_len)), default=None)
         self.device = next(run.model.parameters()).device
         self.parallel = parallel
         probe = run.family.stream(run.model, torch.zeros(1, 1, dtype=torch.long, device=self.device), 1)

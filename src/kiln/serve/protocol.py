@@ -16,6 +16,8 @@ from kiln.serve.engine import PROMPT_CONTEXT, GenerationRequest, Scored
 
 # OpenAI's default for /v1/completions; chat gets the rest of the context.
 DEFAULT_MAX_TOKENS = 16
+# The most new tokens a request may ask of a model whose context length is unknown.
+UNKNOWN_CONTEXT_MAX_TOKENS = 4096
 # The most alternatives ``logprobs`` asks for at each position (vLLM's default limit; OpenAI's is 5).
 MAX_LOGPROBS = 20
 # Fields of OpenAI's API that kiln does not implement, with the value that asks for nothing: any
@@ -29,6 +31,9 @@ UNSUPPORTED = {
     "presence_penalty": 0,
     "frequency_penalty": 0,
 }
+# The most prompts one /v1/completions request may carry, and stop strings one request (OpenAI's 4).
+MAX_PROMPTS = 256
+MAX_STOP = 4
 # Fields that only /v1/completions implements.
 COMPLETIONS_ONLY = {"echo": False, "logprobs": False}
 
@@ -36,12 +41,19 @@ COMPLETIONS_ONLY = {"echo": False, "logprobs": False}
 class ApiError(Exception):
     """A request that cannot be served, answered with OpenAI's error JSON."""
 
-    def __init__(self, message: str, param: str | None = None, status: int = 400, kind: str = "invalid_request_error"):
+    def __init__(
+        self,
+        message: str,
+        param: str | None = None,
+        status: int = 400,
+        kind: str = "invalid_request_error",
+        code: str | None = None,
+    ):
         super().__init__(message)
-        self.message, self.param, self.status, self.kind = message, param, status, kind
+        self.message, self.param, self.status, self.kind, self.code = message, param, status, kind, code
 
     def body(self) -> dict[str, Any]:
-        return {"error": {"message": self.message, "type": self.kind, "param": self.param, "code": None}}
+        return {"error": {"message": self.message, "type": self.kind, "param": self.param, "code": self.code}}
 
 
 def parse_body(raw: bytes) -> dict[str, Any]:
@@ -108,6 +120,8 @@ def _prompts(prompt: Any, codec: Codec) -> list[tuple[list[int], str | None]]:
             "prompt must be a string, a list of token ids, or a non-empty list of strings or of lists of token ids",
             "prompt",
         )
+    if len(prompt) > MAX_PROMPTS:
+        raise ApiError(f"at most {MAX_PROMPTS} prompts a request, not {len(prompt)}", "prompt")
     out: list[tuple[list[int], str | None]] = []
     for i, one in enumerate(prompt):
         where = "prompt" if len(prompt) == 1 else f"prompt[{i}]"
@@ -189,6 +203,8 @@ def _jobs(
     stop = [stop] if isinstance(stop, str) else [] if stop is None else stop
     if not isinstance(stop, list) or not all(isinstance(s, str) and s for s in stop):
         raise ApiError("stop must be a non-empty string or a list of them", "stop")
+    if len(stop) > MAX_STOP or any(len(s) > 1000 for s in stop):
+        raise ApiError(f"at most {MAX_STOP} stop strings of at most 1000 characters", "stop")
 
     jobs = []
     for ids in prompts:
@@ -211,6 +227,12 @@ def _jobs(
                 )
         elif max_tokens is None:
             max_tokens = DEFAULT_MAX_TOKENS  # the context is unknown, so there is no end of it to fill
+        elif max_tokens > UNKNOWN_CONTEXT_MAX_TOKENS:
+            raise ApiError(
+                f"{max_name}={max_tokens}: this model's context length is unknown, so at most "
+                f"{UNKNOWN_CONTEXT_MAX_TOKENS} new tokens a request (kiln serve --max-model-len sets one)",
+                max_name,
+            )
         jobs.append(
             GenerationRequest(
                 prompt=ids,

@@ -5,6 +5,7 @@ once the first step is done (where a large model's minutes before training go)."
 from __future__ import annotations
 
 import contextlib
+import errno
 import fcntl
 import os
 import socket
@@ -117,8 +118,8 @@ class RunClaim:
     """The run directory, claimed by the process that trains into it (its main rank), from the
     start of ``fit`` to its end: a second ``kiln train`` on it stops at once, naming this one,
     instead of both writing it. A directory that holds files but no kiln run is refused when the
-    claim is made, before anything is prepared or written. The claim is an advisory lock (flock)
-    on ``RUN_DIR/.kiln-run``, which the OS drops when the process ends, however it ends."""
+    claim is made, before anything is prepared or written. The claim is an advisory lock on
+    ``RUN_DIR/.kiln-run``, which the OS drops when the process ends, however it ends."""
 
     def __init__(self, run_dir: Path, main: bool):
         self.run_dir, self.main = run_dir, main
@@ -135,8 +136,12 @@ class RunClaim:
         self.run_dir.mkdir(parents=True, exist_ok=True)
         file = open(self.run_dir / CLAIM_FILE, "a+")  # noqa: SIM115 - held until __exit__
         try:
-            fcntl.flock(file, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
+            # A POSIX record lock, not flock: it belongs to this process alone, so a data loader's
+            # workers forked from it do not keep holding it after it is killed.
+            fcntl.lockf(file, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError as e:
+            if e.errno not in (errno.EACCES, errno.EAGAIN):
+                raise
             file.seek(0)
             holder = file.read().strip() or "another process"
             file.close()
