@@ -419,6 +419,15 @@ def _serve_args(p: argparse.ArgumentParser) -> None:
         type=int,
         help="the most tokens a request may fill, prompt and answer (default: the model's context)",
     )
+    p.add_argument(
+        "--max-queue", type=int, default=256, help="requests that may wait for a slot; past them, 429 (default 256)"
+    )
+    p.add_argument(
+        "--request-timeout",
+        type=float,
+        default=600.0,
+        help="seconds a request may run before it is ended (default 600)",
+    )
     _trust_argument(p)
 
 
@@ -436,6 +445,8 @@ def cmd_serve(args) -> int:
         trust=args.trust_checkpoint,
         api_key=args.api_key,
         max_model_len=args.max_model_len,
+        max_queue=args.max_queue,
+        timeout=args.request_timeout,
     )
 
 

@@ -15,6 +15,7 @@ from torch.utils.data import Dataset
 from kiln.cli import main as kiln
 from kiln.config import load_config
 from kiln.data import TokenSequences, prepare, split_of
+from kiln.data.shards import VERIFIED
 from kiln.doctor import data as doctor_data
 from kiln.doctor import doctor_command, run_doctor
 from kiln.doctor.report import STATUSES
@@ -94,6 +95,8 @@ def private_cache(tmp_path, corpus_dir):
 
 def test_corrupted_shard_fails_naming_the_file(tmp_path, corpus_dir, private_cache, capsys):
     cache, prepared = private_cache
+    # A cache verified once: its reuses check sizes only, and the doctor's checksums find what changed.
+    (prepared.dir / VERIFIED).touch()
     shard = prepared.dir / "train-00000.bin"
     data = bytearray(shard.read_bytes())
     data[1000:1004] = bytes(b ^ 0x01 for b in data[1000:1004])  # same size: only the checksum can tell

@@ -3,7 +3,9 @@ route but /health, a request for another model is a 404, a body must be JSON and
 (413 before it is read, while other requests go on), prompts and stop strings a request are
 bounded, a token id past the embedding is refused, and --max-model-len caps the context."""
 
+import concurrent.futures
 import dataclasses
+import json
 import socket
 import statistics
 import threading
@@ -162,3 +164,61 @@ def test_token_ids_are_checked_against_the_embedding_and_an_unknown_context_boun
         assert past.status_code == 400 and f"token ids must be in [0, {rows})" in past.json()["error"]["message"]
         many = httpx.post(f"{url}/v1/completions", json={"prompt": [1], "max_tokens": 5000})
         assert many.status_code == 400 and "context length is unknown" in many.json()["error"]["message"]
+
+
+def _slow(run, made: list[int], seconds: float = 0.02):
+    """``run`` with a family whose every token takes ``seconds`` more and is counted in ``made``."""
+
+    class Slow(type(run.family)):
+        def stream(self, model, prompt, max_new_tokens, **sampling):
+            tokens = super().stream(model, prompt, max_new_tokens, **sampling)
+
+            def slowly():
+                for token in tokens:
+                    time.sleep(seconds)
+                    made.append(1)
+                    yield token
+
+            return slowly() if max_new_tokens > 1 else tokens  # the engine's probe at start-up
+
+    return dataclasses.replace(run, family=Slow())
+
+
+def test_a_full_queue_is_a_429_and_a_request_past_its_time_a_504(gpt_run):
+    made: list[int] = []
+    app = create_app(_slow(load_run(gpt_run, device="cpu"), made), "slow", parallel=1, max_queue=1, timeout=1.0)
+    with running(app) as url, concurrent.futures.ThreadPoolExecutor(4) as pool:
+        body = {"prompt": "def ", "max_tokens": 150, "temperature": 0}
+        first = pool.submit(httpx.post, f"{url}/v1/completions", json=body, timeout=60)
+        time.sleep(0.3)  # decoding: the one slot taken
+        second = pool.submit(httpx.post, f"{url}/v1/completions", json=body, timeout=60)
+        time.sleep(0.3)  # waiting: the queue full
+        third = httpx.post(f"{url}/v1/completions", json=body, timeout=60)
+        assert third.status_code == 429 and third.headers["Retry-After"] == "1"
+        assert third.json()["error"]["code"] == "queue_full"
+        # 150 tokens at 20 ms do not fit in the second's limit: the first is ended by it, and
+        # the second, which waited, too.
+        assert first.result().status_code == 504 and "limit" in first.result().json()["error"]["message"]
+        assert second.result().status_code == 504
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
+def test_a_client_that_goes_away_stops_its_decoding(gpt_run, stream):
+    made: list[int] = []
+    with running(create_app(_slow(load_run(gpt_run, device="cpu"), made), "slow", parallel=2)) as url:
+        body = json.dumps({"prompt": "def ", "max_tokens": 200, "temperature": 0, "stream": stream}).encode()
+        head = (
+            "POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            f"Content-Length: {len(body)}\r\n\r\n"
+        ).encode()
+        sock = _raw(url, head + body)
+        deadline = time.monotonic() + 30
+        while len(made) < 10 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        sock.close()
+        time.sleep(1.0)  # the server notices within a quarter of a second (or at its next write)
+        stopped = len(made)
+        time.sleep(0.5)
+        assert len(made) == stopped < 200, f"{len(made)} tokens decoded for a client that left"
+        # The server serves on.
+        assert httpx.post(f"{url}/v1/completions", json={"prompt": "x", "max_tokens": 2}).status_code == 200

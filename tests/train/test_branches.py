@@ -80,3 +80,29 @@ def test_a_torn_last_line_of_the_metrics_is_dropped_with_a_warning_when_the_run_
         f"kiln: warning: {metrics}: line {torn} cut short (a kill while writing, or a full disk): dropped"
         in proc.stderr
     )
+
+
+def test_a_full_disk_during_a_save_keeps_the_previous_checkpoint_and_the_run_resumes_exactly(tmp_path, corpus_dir):
+    """The second checkpoint's write finds no space left (debug.disk_full_save): one line, exit
+    2, no half-written directory; once there is room, the same command resumes from the first
+    and ends as the run that never failed."""
+    common = dict(checkpoint__every=4, checkpoint__keep=10)
+    full = tmp_path / "full"
+    in_process("train", *sets(tiny_overrides(full, corpus_dir, **common)))
+    run = tmp_path / "run"
+    failed = in_process("train", *sets(tiny_overrides(run, corpus_dir, **common, debug__disk_full_save=2)), check=False)
+    assert failed.returncode == 2
+    [line] = [line for line in failed.stderr.splitlines() if "error" in line]
+    first = run / "checkpoints" / "step-00000004"
+    assert line == (
+        f"kiln: error: {run / 'checkpoints' / 'step-00000008'}: not written: No space left on device (injected by "
+        f"debug.disk_full_save); the checkpoint before it, {first}, is intact: make room and run the same command "
+        "to resume"
+    )
+    assert _steps(run / "checkpoints") == [4] and not list((run / "checkpoints").glob(".tmp-*"))
+    again = in_process("train", *sets(tiny_overrides(run, corpus_dir, **common)))
+    assert f"kiln: resumed from {first} at step 4" in again.stdout
+    assert losses(run) == losses(full)
+    final = "checkpoints/step-00000012/model.safetensors"
+    a, b = load_file(run / final), load_file(full / final)
+    assert all((a[k] == b[k]).all() for k in a)

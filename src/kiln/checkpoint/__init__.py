@@ -13,6 +13,7 @@ from kiln.checkpoint.store import (
     save_checkpoint,
     save_checkpoint_async,
     set_aside_after,
+    write_failed,
 )
 
 __all__ = [
@@ -28,4 +29,5 @@ __all__ = [
     "save_checkpoint",
     "save_checkpoint_async",
     "set_aside_after",
+    "write_failed",
 ]

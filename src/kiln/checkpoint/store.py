@@ -24,6 +24,7 @@ a process killed meanwhile leaves the previous checkpoint the newest.
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
 import os
@@ -99,11 +100,31 @@ def save_checkpoint(
         dcp.save(sharded_state, checkpoint_id=str(tmp / SHARDED_DIR))
     if world is not None:
         world.barrier()
+    error: OSError | None = None
     if world is None or world.is_main:
-        _commit(tmp, final, model_state, train_state, keep, before_write)
-    if world is not None:
-        world.barrier()
+        try:
+            _commit(tmp, final, model_state, train_state, keep, before_write)
+        except OSError as e:  # a full disk, say: the checkpoints before this one stay as they were
+            shutil.rmtree(tmp, ignore_errors=True)
+            error = e
+    # Also the barrier after the write: every rank learns whether it failed.
+    (failed,) = world.agree(error is not None) if world is not None else (error is not None,)
+    if failed:
+        raise write_failed(final, error)
     return final
+
+
+def write_failed(final: Path, error: BaseException | None) -> CheckpointError:
+    """The error of a checkpoint whose files could not be written (``error``: on this rank; None:
+    on another), saying which earlier checkpoint is intact and how to go on."""
+    why = "another rank could not write its part (see its error)"
+    if error is not None:
+        why = (error.strerror if isinstance(error, OSError) else None) or str(error)
+    full = isinstance(error, OSError) and error.errno in (errno.ENOSPC, errno.EDQUOT)
+    before = latest_checkpoint(final.parent)
+    intact = f"the checkpoint before it, {before}, is intact" if before else "no earlier checkpoint is there"
+    then = "make room and run the same command to resume" if full else "the same command resumes from it"
+    return CheckpointError(f"{final}: not written: {why}; {intact}: {then}")
 
 
 def host_stager(device: torch.device):
@@ -165,7 +186,11 @@ def save_checkpoint_async(
             shards.result()
         if is_main:
             assert staged is not None  # staged on the main rank
-            _commit(tmp, final, staged["model"], staged["train"], keep, before_write)
+            try:
+                _commit(tmp, final, staged["model"], staged["train"], keep, before_write)
+            except OSError:
+                shutil.rmtree(tmp, ignore_errors=True)  # the room it took is given back
+                raise
 
     writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kiln-checkpoint")
     # Its thread is joined at interpreter exit, so a process that ends while writing finishes first.

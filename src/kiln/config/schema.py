@@ -990,6 +990,9 @@ class DebugConfig:
     slow_save_seconds: float = 0.0
     """Every checkpoint write pauses this long before the main rank writes its files (in the
     background with checkpoint.async_save, while training goes on)."""
+    disk_full_save: int = 0
+    """The N-th checkpoint write of the process (1-based) fails as on a full disk (ENOSPC) as the
+    main rank starts writing its files; 0 is off."""
     hang_rank: int = 0
     """The rank that hangs at debug.hang_step."""
     hang_step: int = 0
@@ -1012,6 +1015,7 @@ class DebugConfig:
                 f"debug.nan_steps: {self.nan_steps!r} is not a comma-separated list of steps >= 1, e.g. 7,8,9",
             ),
             (self.slow_save_seconds >= 0, f"debug.slow_save_seconds: must be >= 0, got {self.slow_save_seconds}"),
+            (self.disk_full_save >= 0, f"debug.disk_full_save: must be >= 0, got {self.disk_full_save}"),
             (self.hang_rank >= 0, f"debug.hang_rank: must be >= 0, got {self.hang_rank}"),
             (self.hang_step >= 0, f"debug.hang_step: must be >= 0 (0 is off), got {self.hang_step}"),
             (self.slow_rank >= 0, f"debug.slow_rank: must be >= 0, got {self.slow_rank}"),

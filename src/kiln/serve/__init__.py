@@ -28,6 +28,8 @@ def serve(
     trust: bool = False,
     api_key: str | None = None,
     max_model_len: int | None = None,
+    max_queue: int = 256,
+    timeout: float = 600.0,
 ) -> int:
     """Serve the model of a run directory, one of its checkpoints or an export (what ``load_run``
     loads) at http://HOST:PORT/v1 until Ctrl-C, which stops taking requests and lets those in
@@ -43,7 +45,15 @@ def serve(
     run = load_run(path, checkpoint, device, trust)
     name = model_name or run.directory.resolve().name  # the run's, also when a checkpoint of it is named
     try:
-        app = create_app(run, name, parallel=parallel, api_key=api_key, max_model_len=max_model_len)
+        app = create_app(
+            run,
+            name,
+            parallel=parallel,
+            api_key=api_key,
+            max_model_len=max_model_len,
+            max_queue=max_queue,
+            timeout=timeout,
+        )
     except ServeError as e:
         print(f"kiln: error: cannot serve {path}: {e}", file=sys.stderr)
         return 2

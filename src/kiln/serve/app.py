@@ -9,8 +9,9 @@ import json
 import logging
 import socket
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Coroutine
 from contextlib import asynccontextmanager
+from typing import Any, TypeVar
 
 try:
     import uvicorn
@@ -20,7 +21,7 @@ try:
 except ImportError as e:
     raise ImportError(f"kiln serve needs fastapi and uvicorn ({e}): pip install 'kiln[serve]'") from None
 
-from kiln.serve.engine import Engine, GenerationRequest, Score
+from kiln.serve.engine import Engine, GenerationRequest, QueueFullError, Score
 from kiln.serve.protocol import (
     ApiError,
     Completion,
@@ -35,6 +36,7 @@ from kiln.serve.protocol import (
 from kiln.train.run import LoadedRun
 
 log = logging.getLogger("kiln.serve")
+T = TypeVar("T")
 
 
 # The largest request body read (413 past it, before it is read): a prompt of a 128k-token
@@ -51,15 +53,20 @@ def create_app(
     parallel: int = 8,
     api_key: str | None = None,
     max_model_len: int | None = None,
+    max_queue: int = 256,
+    timeout: float = 600.0,
 ) -> FastAPI:
     """The app serving ``run``'s model as ``model_name``; its worker runs while the app does (its
     lifespan). ``parallel``: requests decoded at once, the others wait their turn. With
     ``api_key`` every route but /health needs ``Authorization: Bearer API_KEY``;
-    ``max_model_len`` caps the context a request may fill (prompt and new tokens).
+    ``max_model_len`` caps the context a request may fill (prompt and new tokens). Past
+    ``max_queue`` waiting requests a new one is answered 429; a request still running after
+    ``timeout`` seconds is ended (504, or an error event ending its stream), and one whose client
+    went away stops decoding.
 
     A request naming another ``model`` is a 404, as OpenAI's and vLLM's servers answer; a body
     must be JSON (415 otherwise) of at most MAX_BODY_BYTES (413)."""
-    engine = Engine(run, parallel, max_model_len)
+    engine = Engine(run, parallel, max_model_len, max_queue)
     started = int(time.time())
     key = api_key.encode() if api_key else None
 
@@ -77,6 +84,11 @@ def create_app(
     async def api_error(request: Request, e: ApiError) -> JSONResponse:
         return JSONResponse(e.body(), status_code=e.status)
 
+    @app.exception_handler(QueueFullError)
+    async def busy(request: Request, e: QueueFullError) -> JSONResponse:
+        error = ApiError(str(e), status=429, kind="rate_limit_error", code="queue_full")
+        return JSONResponse(error.body(), status_code=429, headers={"Retry-After": "1"})
+
     @app.exception_handler(HTTPException)
     async def http_error(request: Request, e: HTTPException) -> JSONResponse:
         message = f"{e.detail} ({request.method} {request.url.path})"
@@ -88,27 +100,7 @@ def create_app(
         log.error("%s %s failed", request.method, request.url.path, exc_info=e)
         return await api_error(request, ApiError(INTERNAL, status=500, kind="server_error"))
 
-    @app.middleware("http")
-    async def guard(request: Request, call_next):
-        """The API key, the body's type and size, before a route reads anything."""
-        if key is not None and request.url.path != "/health":
-            scheme, _, given = request.headers.get("authorization", "").partition(" ")
-            if scheme.lower() != "bearer" or not hmac.compare_digest(given.strip().encode(), key):
-                error = ApiError(
-                    "missing or incorrect API key (Authorization: Bearer KEY)", status=401, code="invalid_api_key"
-                )
-                return JSONResponse(error.body(), status_code=401, headers={"WWW-Authenticate": "Bearer"})
-        if request.method == "POST":
-            kind = request.headers.get("content-type", "").split(";")[0].strip().lower()
-            if kind != "application/json":
-                error = ApiError(
-                    f"the body must be JSON (Content-Type: application/json), not {kind or 'unnamed'}", status=415
-                )
-                return JSONResponse(error.body(), status_code=415)
-            length = request.headers.get("content-length")
-            if length is not None and (not length.isdigit() or int(length) > MAX_BODY_BYTES):
-                return _too_large()
-        return await call_next(request)
+    app.add_middleware(_Guard, key=key)
 
     @app.get("/health")
     async def health() -> dict:
@@ -142,23 +134,57 @@ def create_app(
         # Tokenizing a long prompt takes a while: not on the loop that every other request shares.
         completion = await asyncio.to_thread(completion_request, body, engine.codec, engine.context)
         if completion.plain:
-            return await _answer(engine, completion.jobs[0], body, Reply(model_name, False))
+            return await _answer(engine, completion.jobs[0], body, Reply(model_name, False), request, timeout)
         if streaming(body)[0]:
             raise ApiError("stream=true takes one prompt, without echo or logprobs, in kiln serve", "stream")
-        return await _complete(engine, completion, Reply(model_name, False))
+        return await _while_connected(request, _complete(engine, completion, Reply(model_name, False)), timeout)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request):
         body = await read(request)
         job = await asyncio.to_thread(chat_job, body, engine.codec, engine.context)
-        return await _answer(engine, job, body, Reply(model_name, True))
+        return await _answer(engine, job, body, Reply(model_name, True), request, timeout)
 
     return app
 
 
-def _too_large() -> JSONResponse:
-    error = ApiError(TOO_LARGE, status=413)
-    return JSONResponse(error.body(), status_code=413, headers={"Connection": "close"})
+class _Guard:
+    """The API key, and a POST body's type and announced size, checked before a route reads
+    anything. A plain ASGI middleware: FastAPI's http middleware would sit between a route and
+    its client, and hide from it that the client went away."""
+
+    def __init__(self, app: Any, key: bytes | None):
+        self.app, self.key = app, key
+
+    async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
+        if scope["type"] == "http" and (refused := self._refusal(scope)) is not None:
+            await refused(scope, receive, send)
+        else:
+            await self.app(scope, receive, send)
+
+    def _refusal(self, scope: dict) -> JSONResponse | None:
+        headers = {name.decode("latin-1").lower(): value.decode("latin-1") for name, value in scope["headers"]}
+        if self.key is not None and scope["path"] != "/health":
+            scheme, _, given = headers.get("authorization", "").partition(" ")
+            if scheme.lower() != "bearer" or not hmac.compare_digest(given.strip().encode(), self.key):
+                error = ApiError(
+                    "missing or incorrect API key (Authorization: Bearer KEY)", status=401, code="invalid_api_key"
+                )
+                return JSONResponse(error.body(), status_code=401, headers={"WWW-Authenticate": "Bearer"})
+        if scope["method"] == "POST":
+            kind = headers.get("content-type", "").split(";")[0].strip().lower()
+            if kind != "application/json":
+                error = ApiError(
+                    f"the body must be JSON (Content-Type: application/json), not {kind or 'unnamed'}", status=415
+                )
+                return JSONResponse(error.body(), status_code=415)
+            length = headers.get("content-length")
+            if length is not None and (not length.isdigit() or int(length) > MAX_BODY_BYTES):
+                # Answered from the headers: the body is not read, so the connection closes after.
+                return JSONResponse(
+                    ApiError(TOO_LARGE, status=413).body(), status_code=413, headers={"Connection": "close"}
+                )
+        return None
 
 
 def run_server(app: FastAPI, sock: socket.socket) -> None:
@@ -169,19 +195,42 @@ def run_server(app: FastAPI, sock: socket.socket) -> None:
         server.run(sockets=[sock])
 
 
-async def _answer(engine: Engine, job: GenerationRequest, body: dict, reply: Reply):
+async def _answer(engine: Engine, job: GenerationRequest, body: dict, reply: Reply, request: Request, timeout: float):
     stream, include_usage = streaming(body)
     if stream:
+        engine.check_room()  # a 429 now: once the stream's status line is out, it cannot be one
         return StreamingResponse(
-            _events(engine, job, reply, include_usage),
+            _events(engine, job, reply, include_usage, time.monotonic() + timeout),
             media_type="text/event-stream",
             headers={"Cache-Control": "no-cache"},
         )
-    pieces, last = [], None
-    async for last in engine.generate(job):
-        pieces.append(last.text)
-    assert last is not None  # generate yields up to an update with a finish_reason, or raises
-    return reply.whole("".join(pieces), last.finish_reason, usage(len(job.prompt), last.completion_tokens))
+
+    async def whole() -> dict:
+        pieces, last = [], None
+        async for last in engine.generate(job):
+            pieces.append(last.text)
+        assert last is not None  # generate yields up to an update with a finish_reason, or raises
+        return reply.whole("".join(pieces), last.finish_reason, usage(len(job.prompt), last.completion_tokens))
+
+    return await _while_connected(request, whole(), timeout)
+
+
+async def _while_connected(request: Request, answer: Coroutine[Any, Any, T], timeout: float) -> T:
+    """``answer``, cancelled (and with it its decoding: ``Engine.generate`` cancels the job it
+    leaves) when the client goes away first, or past ``timeout`` seconds (504)."""
+    task = asyncio.ensure_future(answer)
+    deadline = time.monotonic() + timeout
+    try:
+        while True:
+            done, _ = await asyncio.wait({task}, timeout=min(0.25, max(0.0, deadline - time.monotonic())))
+            if done:
+                return task.result()
+            if time.monotonic() >= deadline:
+                raise ApiError(f"the request ran past the server's {timeout:g} s limit", status=504, kind="timeout")
+            if await request.is_disconnected():  # nobody to answer (nginx's 499)
+                raise ApiError("the client closed the request", status=499)
+    finally:
+        task.cancel()
 
 
 async def _complete(engine: Engine, completion: Completion, reply: Reply) -> dict:
@@ -221,13 +270,19 @@ async def _complete(engine: Engine, completion: Completion, reply: Reply) -> dic
     return reply.choices(choices, counts)
 
 
-async def _events(engine: Engine, job: GenerationRequest, reply: Reply, include_usage: bool) -> AsyncIterator[str]:
-    """Server-sent events: a chunk per piece of text, the finish_reason in the last, then [DONE]."""
+async def _events(
+    engine: Engine, job: GenerationRequest, reply: Reply, include_usage: bool, deadline: float
+) -> AsyncIterator[str]:
+    """Server-sent events: a chunk per piece of text, the finish_reason in the last, then [DONE].
+    (A client that goes away closes this generator, and with it the decoding.)"""
     if reply.chat:
         yield _sse(reply.chunk("", first=True))
     try:
         async for update in engine.generate(job):
             yield _sse(reply.chunk(update.text, update.finish_reason))
+            if time.monotonic() > deadline and not update.finish_reason:
+                yield _sse(ApiError("the request ran past the server's time limit", status=504, kind="timeout").body())
+                break
         if include_usage:
             yield _sse(reply.usage_chunk(usage(len(job.prompt), update.completion_tokens)))
     except RuntimeError as e:  # the status line has gone out: the error travels in the stream

@@ -38,6 +38,10 @@ class ServeError(Exception):
     """This run cannot be served (its model does not generate text)."""
 
 
+class QueueFullError(Exception):
+    """More requests wait for the model than the server takes (``--max-queue``)."""
+
+
 class TextStream:
     """The text of the generated tokens as it grows, released piece by piece.
 
@@ -145,9 +149,12 @@ Emit = Callable[[Update | list[Scored] | Exception], None]
 class Engine:
     """The worker thread that owns the model (see the module's docstring)."""
 
-    def __init__(self, run: LoadedRun, parallel: int = 8, max_model_len: int | None = None):
+    def __init__(self, run: LoadedRun, parallel: int = 8, max_model_len: int | None = None, max_queue: int = 256):
         if parallel < 1:
             raise ServeError(f"parallel must be at least 1, not {parallel}")
+        if max_queue < 1:
+            raise ServeError(f"--max-queue must be at least 1, not {max_queue}")
+        self.max_queue = max_queue
         if max_model_len is not None and max_model_len < 2:
             raise ServeError(f"--max-model-len must be at least 2, not {max_model_len}")
         self.run = run
@@ -204,8 +211,15 @@ class Engine:
         assert isinstance(answer, list)
         return answer
 
+    def check_room(self) -> None:
+        """QueueFullError when max_queue requests wait already."""
+        if self._inbox.qsize() >= self.max_queue:
+            raise QueueFullError(f"{self._inbox.qsize()} requests are waiting for the model; try again shortly")
+
     def _submit(self, work: GenerationRequest | list[Score]) -> asyncio.Queue[Update | list[Scored] | Exception]:
-        """Queue work for the worker: what it sends back arrives in the returned queue."""
+        """Queue work for the worker: what it sends back arrives in the returned queue (or
+        QueueFullError: the client is told to come back, 429)."""
+        self.check_room()
         loop = asyncio.get_running_loop()
         answers: asyncio.Queue[Update | list[Scored] | Exception] = asyncio.Queue()
 

@@ -37,6 +37,7 @@ from kiln.checkpoint import (
     save_checkpoint,
     save_checkpoint_async,
     set_aside_after,
+    write_failed,
 )
 from kiln.config import Config
 from kiln.data.loader import StepBatches
@@ -156,10 +157,8 @@ class Checkpointer:
         error = future.exception()
         # Also a barrier: no rank reads the checkpoints before the main rank has completed this one.
         (failed,) = self.world.agree(error is not None)
-        if error is not None:
-            raise CheckpointError(f"{path}: writing the checkpoint in the background failed: {error}") from error
         if failed:
-            raise CheckpointError(f"{path}: another rank failed to write its part of the checkpoint (see its error)")
+            raise write_failed(path, error) from error
         self._saved(path)
 
     @contextlib.contextmanager

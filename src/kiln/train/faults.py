@@ -11,6 +11,7 @@ the checkpoint writer calls ``writing_checkpoint`` before it writes a checkpoint
 
 from __future__ import annotations
 
+import errno
 import os
 import time
 from typing import Any
@@ -52,6 +53,7 @@ class Faults(NoFaults):
         self.hang_step = debug.hang_step if first_attempt else 0
         self.step = 0  # the step whose forward runs now (1-based)
         self._cured: set[int] = set()
+        self._saves = 0  # checkpoint writes so far (debug.disk_full_save)
 
     def attach(self, model: nn.Module) -> None:
         if not self.nan_steps:
@@ -80,6 +82,9 @@ class Faults(NoFaults):
 
     def writing_checkpoint(self) -> None:
         time.sleep(self.debug.slow_save_seconds)
+        self._saves += 1
+        if self._saves == self.debug.disk_full_save:
+            raise OSError(errno.ENOSPC, "No space left on device (injected by debug.disk_full_save)")
 
     def rolled_back(self, reached: int) -> None:
         """The poisoned steps up to ``reached`` are cured (unless the NaN persists)."""
