@@ -5,8 +5,8 @@ losses at every logged step and the weights, bit for bit, of the same run never 
     python bench/kill_fuzz.py [--kills 30] [--nproc 2] [--strategy fsdp] [--steps 400]
 
 Each attempt is ``kiln launch --nproc-per-node N -- train ...`` (or ``kiln train`` with --nproc 1)
-in its own session, killed with SIGKILL as a whole (the launcher and every rank) after a random
-time; the run directory is then resumed by the next attempt. A checkpoint every 5 steps, each
+in its own session, killed with SIGKILL as a whole (the launcher and every rank) a random time
+into its training; the run directory is then resumed by the next attempt. A checkpoint every 5 steps, each
 write slowed by 50 ms (``debug.slow_save_seconds``, so that kills land inside writes too), and an
 evaluation every 20 steps. Prints a line per kill (where it landed: the step last logged, whether
 a checkpoint was being written) and one JSON line with the verdict.
@@ -101,12 +101,24 @@ def main() -> int:
     data = corpus(root)
 
     reference = root / "reference"
-    started = time.perf_counter()
-    subprocess.run(command(reference, data, args), env=env, check=True, capture_output=True)
+    started, first_s = time.perf_counter(), None
+    proc = subprocess.Popen(
+        command(reference, data, args), env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
+    )
+    while proc.poll() is None:
+        if first_s is None and losses(reference):
+            first_s = time.perf_counter() - started
+        time.sleep(0.005)
+    if proc.returncode != 0 or first_s is None:
+        print(f"the uninterrupted run exited {proc.returncode}", flush=True)
+        return 1
     whole_s = time.perf_counter() - started
-    print(f"uninterrupted: {whole_s:.1f} s", flush=True)
+    # A kill lands a random time into an attempt's training, from a little before its first step:
+    # on average each attempt trains 1/kills of the run, so the kills spread over all of it.
+    window = 2 * (whole_s - first_s) / args.kills
+    print(f"uninterrupted: {whole_s:.1f} s, the first step logged at {first_s:.1f} s", flush=True)
 
-    run, kills, landed = root / "killed", 0, []
+    run, kills, landed, start_s = root / "killed", 0, [], first_s
     while True:
         proc = subprocess.Popen(
             command(run, data, args),
@@ -116,9 +128,15 @@ def main() -> int:
             stderr=subprocess.DEVNULL,
         )
         if kills < args.kills:
-            deadline = time.perf_counter() + rng.uniform(0.3, whole_s)
+            # From a little before this attempt's first step (as long after its start as the last
+            # attempt's first step came: a resumed run starts sooner than a fresh one).
+            began, before, moved = time.perf_counter(), max(losses(run), default=0), None
+            deadline = began + 0.8 * start_s + rng.uniform(0, window)
             while time.perf_counter() < deadline and proc.poll() is None:
+                if moved is None and max(losses(run), default=0) > before:
+                    moved = time.perf_counter() - began
                 time.sleep(0.005)
+            start_s = moved or start_s
             if proc.poll() is None:
                 writing = any((run / "checkpoints").glob(".tmp-*")) if (run / "checkpoints").exists() else False
                 os.killpg(proc.pid, signal.SIGKILL)

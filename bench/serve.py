@@ -3,6 +3,7 @@ with 8 clients at once. Prints a table and one JSON line.
 
     python bench/serve.py RUN_DIR [--clients 1 8] [--requests 4] [--max-tokens 64] [--device cpu]
     python bench/serve.py --url http://HOST:PORT/v1 [...]     # a server that is already running
+    python bench/serve.py RUN_DIR --hostile 3 [...]           # beside 3 hostile clients
 
 Without --url the server runs in its own process (so the clients' threads do not share its
 interpreter), started as ``kiln serve`` starts it. Each client sends --requests completions one
@@ -10,7 +11,9 @@ after another, sampled at temperature 1 with a seed of its own, and counts the t
 usage the server reports (an answer may end early, at end-of-text). One request before each round
 warms the server up and is not counted. Time to first token: from sending the request to the
 first chunk with text; decode tokens/s of a request: its tokens after the first over the time
-after it; aggregate tokens/s: all tokens of a round over the round's wall-clock time.
+after it; aggregate tokens/s: all tokens of a round over the round's wall-clock time. With
+--hostile N, N more clients keep sending what a server on a network meets: a 20 MB body, a long
+generation whose client goes away after 0.2 s, a body trickled a byte every 50 ms.
 """
 
 from __future__ import annotations
@@ -18,9 +21,11 @@ from __future__ import annotations
 import argparse
 import json
 import platform
+import socket
 import statistics
 import subprocess
 import sys
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 
@@ -81,6 +86,35 @@ def one_request(client: httpx.Client, url: str, prompt: str, max_tokens: int, se
     return {"ttft": first - start, "duration": end - start, "tokens": tokens, "decode_time": end - first}
 
 
+def hostile(url: str, which: int, stop: threading.Event) -> None:
+    """One hostile client until ``stop``: in turn, a 20 MB body (its length announced, then sent),
+    a long generation whose client goes away after 0.2 s, and a body trickled a byte at a time."""
+    host, port = url.removeprefix("http://").split("/")[0].split(":")
+    head = "POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: {}\r\n\r\n"
+    kind = which
+    while not stop.is_set():
+        kind = (kind + 1) % 3
+        try:
+            with socket.create_connection((host, int(port)), timeout=30) as sock:
+                if kind == 0:
+                    body = json.dumps({"prompt": "x " * (10 << 20), "max_tokens": 1}).encode()
+                    sock.sendall(head.format(len(body)).encode() + body)
+                    sock.recv(4096)
+                elif kind == 1:
+                    body = json.dumps({"prompt": "def ", "max_tokens": 400, "temperature": 1.0}).encode()
+                    sock.sendall(head.format(len(body)).encode() + body)
+                    time.sleep(0.2)  # then gone
+                else:
+                    body = json.dumps({"prompt": "def ", "max_tokens": 1}).encode()
+                    sock.sendall(head.format(len(body)).encode())
+                    for byte in body[:40]:
+                        if stop.wait(0.05):
+                            break
+                        sock.sendall(bytes([byte]))
+        except OSError:
+            time.sleep(0.05)
+
+
 def round_of(url: str, clients: int, requests: int, max_tokens: int) -> dict:
     """``clients`` clients at once, each sending ``requests`` requests in turn."""
 
@@ -121,14 +155,27 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--parallel", type=int, default=8, help="requests the server decodes at once (its default: 8)")
+    ap.add_argument(
+        "--hostile",
+        type=int,
+        default=0,
+        help="hostile clients beside the measured ones (huge bodies, disconnects, trickles)",
+    )
     args = ap.parse_args()
     if not args.run_dir and not args.url:
         ap.error("give a RUN_DIR to serve or the --url of a running server")
 
     proc, url = (None, args.url.rstrip("/")) if args.url else start_server(args.run_dir, args.device, args.parallel)
+    stop = threading.Event()
+    attackers = [threading.Thread(target=hostile, args=(url, i, stop), daemon=True) for i in range(args.hostile)]
+    for attacker in attackers:
+        attacker.start()
     try:
         rounds = [round_of(url, c, args.requests, args.max_tokens) for c in args.clients]
     finally:
+        stop.set()
+        for attacker in attackers:
+            attacker.join(timeout=60)
         if proc is not None:
             proc.terminate()
             proc.wait()
@@ -148,6 +195,7 @@ def main() -> None:
                 "device": args.device if proc is not None else None,
                 "parallel": args.parallel if proc is not None else None,
                 "max_tokens": args.max_tokens,
+                "hostile": args.hostile,
                 "threads": torch.get_num_threads(),
                 "torch": torch.__version__,
                 "machine": platform.machine(),
