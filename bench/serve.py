@@ -141,6 +141,7 @@ def round_of(url: str, clients: int, requests: int, max_tokens: int) -> dict:
         "wall_s": wall,
         "tokens_per_s": tokens / wall,
         "ttft_p50_ms": 1000 * statistics.median(ttft),
+        "ttft_p99_ms": 1000 * ttft[min(len(ttft) - 1, round(0.99 * (len(ttft) - 1)))],
         "ttft_max_ms": 1000 * ttft[-1],
         "decode_tokens_per_s_per_request": statistics.median(decode) if decode else None,
     }

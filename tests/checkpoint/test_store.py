@@ -59,9 +59,11 @@ def test_partial_checkpoints_are_ignored(tmp_path):
     assert latest_checkpoint(tmp_path) == good
     with pytest.raises(CheckpointError, match="incomplete or corrupted"):
         load_checkpoint(truncated)
-    # the next save cleans up the dead writer's temporary dir
+    # A writer killed between the two renames of a re-saved step left the old copy aside.
+    (tmp_path / ".old-step-00000002-999").mkdir()
+    # the next save cleans up the dead writers' leftovers
     save_checkpoint(tmp_path, 6, _state(), {})
-    assert not (tmp_path / ".tmp-step-00000003-999").exists()
+    assert not (tmp_path / ".tmp-step-00000003-999").exists() and not (tmp_path / ".old-step-00000002-999").exists()
 
 
 def test_corrupted_bytes_detected_by_digest(tmp_path):
