@@ -12,11 +12,12 @@ import time
 import pytest
 from safetensors.torch import load_file
 
+from kiln.checkpoint import checkpoint_step
 from kiln.config import ConfigError, load_config, tomllib
 from kiln.data.batch_schedule import BatchSchedule
 from kiln.distributed.world import World
 from kiln.observe import NullLogger
-from kiln.train.run import checkpoint_step, find_checkpoint
+from kiln.train.run import find_checkpoint
 from kiln.train.time_plan import REFERENCE_RUN_TOKENS, Costs, TimePlan, choose_batch
 
 from conftest import tiny_overrides

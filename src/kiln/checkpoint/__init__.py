@@ -4,6 +4,7 @@ from kiln.checkpoint.sharded import load_sharded
 from kiln.checkpoint.store import (
     CheckpointError,
     capture_rng,
+    checkpoint_step,
     host_stager,
     latest_checkpoint,
     list_checkpoints,
@@ -19,6 +20,7 @@ from kiln.checkpoint.store import (
 __all__ = [
     "CheckpointError",
     "capture_rng",
+    "checkpoint_step",
     "host_stager",
     "list_checkpoints",
     "latest_checkpoint",

@@ -40,7 +40,7 @@ from typing import Any, cast
 import numpy as np
 import torch
 
-from kiln.io import fsync_dir, fsync_file
+from kiln.io import fsync_dir, fsync_tree
 
 MANIFEST = "manifest.json"
 MODEL_FILE = "model.safetensors"
@@ -105,7 +105,6 @@ def save_checkpoint(
         try:
             _commit(tmp, final, model_state, train_state, keep, before_write)
         except OSError as e:  # a full disk, say: the checkpoints before this one stay as they were
-            shutil.rmtree(tmp, ignore_errors=True)
             error = e
     # Also the barrier after the write: every rank learns whether it failed.
     (failed,) = world.agree(error is not None) if world is not None else (error is not None,)
@@ -186,11 +185,7 @@ def save_checkpoint_async(
             shards.result()
         if is_main:
             assert staged is not None  # staged on the main rank
-            try:
-                _commit(tmp, final, staged["model"], staged["train"], keep, before_write)
-            except OSError:
-                shutil.rmtree(tmp, ignore_errors=True)  # the room it took is given back
-                raise
+            _commit(tmp, final, staged["model"], staged["train"], keep, before_write)
 
     writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kiln-checkpoint")
     # Its thread is joined at interpreter exit, so a process that ends while writing finishes first.
@@ -225,25 +220,28 @@ def _commit(
     before_write: Callable[[], None] | None,
 ) -> None:
     """The main rank's part: its files, then the manifest, the rename that makes the checkpoint
-    complete, and the rotation (which never deletes the newest, the one just completed)."""
+    complete, and the rotation (which never deletes the newest, the one just completed). Files
+    that cannot be written (a full disk) leave nothing: the temporary directory goes, its room
+    given back, and the error is raised."""
     from safetensors.torch import save_file
 
-    root, step = final.parent, int(final.name[len(PREFIX) :])
-    if before_write is not None:
-        before_write()
-    if model_state is not None:
-        tensors, aliases = dedupe_shared(model_state)
-        save_file(tensors, str(tmp / MODEL_FILE), metadata={"aliases": json.dumps(aliases), "step": str(step)})
-    torch.save(train_state, tmp / STATE_FILE)
-    files = {}
-    for f in sorted(p for p in tmp.rglob("*") if p.is_file()):
-        fsync_file(f)
-        files[str(f.relative_to(tmp))] = {"bytes": f.stat().st_size, "sha256": _sha256(f)}
-    manifest = {"step": step, "files": files, "complete": True}
-    (tmp / MANIFEST).write_text(json.dumps(manifest, indent=2))
-    fsync_file(tmp / MANIFEST)
-    for d in [*(p for p in tmp.rglob("*") if p.is_dir()), tmp]:
-        fsync_dir(d)
+    root, step = final.parent, checkpoint_step(final)
+    try:
+        if before_write is not None:
+            before_write()
+        if model_state is not None:
+            tensors, aliases = dedupe_shared(model_state)
+            save_file(tensors, str(tmp / MODEL_FILE), metadata={"aliases": json.dumps(aliases), "step": str(step)})
+        torch.save(train_state, tmp / STATE_FILE)
+        files = {
+            str(f.relative_to(tmp)): {"bytes": f.stat().st_size, "sha256": _sha256(f)}
+            for f in sorted(p for p in tmp.rglob("*") if p.is_file())
+        }
+        (tmp / MANIFEST).write_text(json.dumps({"step": step, "files": files, "complete": True}, indent=2))
+        fsync_tree(tmp)  # all of it on disk before the rename makes it a checkpoint
+    except OSError:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
     if final.exists():  # re-saving the same step (e.g. after a resume): replace it whole
         old = root / f".old-{PREFIX}{step:08d}-{os.getpid()}"
         final.rename(old)
@@ -271,6 +269,11 @@ def _is_complete(path: Path, verify_digests: bool = False) -> bool:
         return False
 
 
+def checkpoint_step(checkpoint: Path) -> int:
+    """The step a checkpoint directory (``step-00000600``) holds."""
+    return int(checkpoint.name[len(PREFIX) :])
+
+
 def list_checkpoints(root: str | os.PathLike) -> list[Path]:
     """Complete checkpoints under ``root``, oldest first. Partial or temporary ones are ignored."""
     root = Path(root)
@@ -279,7 +282,7 @@ def list_checkpoints(root: str | os.PathLike) -> list[Path]:
     found = []
     for p in root.iterdir():
         if p.is_dir() and p.name.startswith(PREFIX) and p.name[len(PREFIX) :].isdigit() and _is_complete(p):
-            found.append((int(p.name[len(PREFIX) :]), p))
+            found.append((checkpoint_step(p), p))
     return [p for _, p in sorted(found)]
 
 
@@ -289,7 +292,7 @@ def set_aside_after(root: str | os.PathLike, step: int) -> tuple[Path, list[Path
     whoever wants it, never resumed or rotated as the branch trained now. The directory and the
     checkpoints moved; None when there were none."""
     root = Path(root)
-    later = [p for p in list_checkpoints(root) if int(p.name[len(PREFIX) :]) > step]
+    later = [p for p in list_checkpoints(root) if checkpoint_step(p) > step]
     if not later:
         return None
     stamp = time.strftime("%Y%m%d-%H%M%S")

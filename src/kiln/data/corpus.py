@@ -172,12 +172,9 @@ class Files:
         Returns how many records the file holds (blank lines and empty rows counted)."""
         part, path = self.entries[index]
         if not part.records:
-            data = path.read_bytes()
-            try:
-                text = data.decode("utf-8")
-            except UnicodeDecodeError:
-                text = data.decode("utf-8", errors="replace")
-                _warn_replaced(path, text.count("\ufffd"))
+            text, replaced = _decoded(path.read_bytes())
+            if replaced:
+                _warn_replaced(path, replaced)
             if text.strip():
                 yield 0, text
             return 0
@@ -321,16 +318,9 @@ def read_lines(path: Path, limit: int = MAX_RECORD_BYTES, strict: bool = False) 
                         f"{path}:{lineno}: a line longer than data.max_record_bytes ({limit:,} bytes); "
                         "raise data.max_record_bytes if the record is meant to be that long"
                     )
-                try:
-                    line = data.decode("utf-8")
-                except UnicodeDecodeError as e:
-                    if strict:
-                        bad = data[e.start : e.start + 1]
-                        raise DataError(
-                            f"{path}:{lineno}: not UTF-8 (byte {e.start + 1} of the line is {bad!r})"
-                        ) from None
-                    line = data.decode("utf-8", errors="replace")
-                    replaced += line.count("\ufffd")
+                line, bad = _decoded(data, None if not strict else f"{path}:{lineno}")
+                if bad:
+                    replaced += bad
                     where.append(lineno)
                 yield lineno, line
     except (OSError, EOFError, zlib.error) as e:
@@ -342,6 +332,20 @@ def read_lines(path: Path, limit: int = MAX_RECORD_BYTES, strict: bool = False) 
         ) from None
     if replaced:
         _warn_replaced(path, replaced, where)
+
+
+def _decoded(data: bytes, strict: str | None = None) -> tuple[str, int]:
+    """``data`` read as UTF-8, and how many invalid sequences were read as U+FFFD; with ``strict``
+    (where the bytes come from, "file:line") an invalid sequence is a DataError naming it."""
+    try:
+        return data.decode("utf-8"), 0
+    except UnicodeDecodeError as e:
+        if strict is not None:
+            raise DataError(
+                f"{strict}: not UTF-8 (byte {e.start + 1} of the line is {data[e.start : e.start + 1]!r})"
+            ) from None
+    text = data.decode("utf-8", errors="replace")
+    return text, text.count("\ufffd")
 
 
 def _warn_replaced(path: Path, count: int, lines: list[int] | None = None) -> None:

@@ -26,7 +26,7 @@ from typing import Any
 
 import torch
 
-from kiln.checkpoint import load_checkpoint
+from kiln.checkpoint import checkpoint_step, load_checkpoint
 from kiln.checkpoint.store import SHARDED_DIR
 from kiln.checkpoint.weights import DEFAULT_MAX_SHARD_SIZE, parse_size
 from kiln.config import Config, ConfigError
@@ -44,7 +44,7 @@ from kiln.export.streamed import export_streamed
 from kiln.export.weights import write_safetensors
 from kiln.io import write_atomic
 from kiln.train.apply import merge_lora
-from kiln.train.run import LoadedRun, checkpoint_step, find_checkpoint, load_run, saved_job
+from kiln.train.run import LoadedRun, find_checkpoint, load_run, saved_job
 
 FORMATS = ("hf", "safetensors", "pt2", "onnx")
 QUANTIZE = {"pt2": ("int8",), "onnx": ("int8", "int8-static")}

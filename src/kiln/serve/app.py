@@ -82,12 +82,11 @@ def create_app(
 
     @app.exception_handler(ApiError)
     async def api_error(request: Request, e: ApiError) -> JSONResponse:
-        return JSONResponse(e.body(), status_code=e.status)
+        return _respond(e)
 
     @app.exception_handler(QueueFullError)
     async def busy(request: Request, e: QueueFullError) -> JSONResponse:
-        error = ApiError(str(e), status=429, kind="rate_limit_error", code="queue_full")
-        return JSONResponse(error.body(), status_code=429, headers={"Retry-After": "1"})
+        return _respond(ApiError(str(e), status=429, kind="rate_limit_error", code="queue_full"), {"Retry-After": "1"})
 
     @app.exception_handler(HTTPException)
     async def http_error(request: Request, e: HTTPException) -> JSONResponse:
@@ -148,6 +147,11 @@ def create_app(
     return app
 
 
+def _respond(error: ApiError, headers: dict[str, str] | None = None) -> JSONResponse:
+    """OpenAI's error JSON for ``error``, with its status."""
+    return JSONResponse(error.body(), status_code=error.status, headers=headers)
+
+
 class _Guard:
     """The API key, and a POST body's type and announced size, checked before a route reads
     anything. A plain ASGI middleware: FastAPI's http middleware would sit between a route and
@@ -170,20 +174,19 @@ class _Guard:
                 error = ApiError(
                     "missing or incorrect API key (Authorization: Bearer KEY)", status=401, code="invalid_api_key"
                 )
-                return JSONResponse(error.body(), status_code=401, headers={"WWW-Authenticate": "Bearer"})
+                return _respond(error, {"WWW-Authenticate": "Bearer"})
         if scope["method"] == "POST":
             kind = headers.get("content-type", "").split(";")[0].strip().lower()
             if kind != "application/json":
-                error = ApiError(
-                    f"the body must be JSON (Content-Type: application/json), not {kind or 'unnamed'}", status=415
+                return _respond(
+                    ApiError(
+                        f"the body must be JSON (Content-Type: application/json), not {kind or 'unnamed'}", status=415
+                    )
                 )
-                return JSONResponse(error.body(), status_code=415)
             length = headers.get("content-length")
             if length is not None and (not length.isdigit() or int(length) > MAX_BODY_BYTES):
                 # Answered from the headers: the body is not read, so the connection closes after.
-                return JSONResponse(
-                    ApiError(TOO_LARGE, status=413).body(), status_code=413, headers={"Connection": "close"}
-                )
+                return _respond(ApiError(TOO_LARGE, status=413), {"Connection": "close"})
         return None
 
 

@@ -17,7 +17,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from kiln.checkpoint import CheckpointError, latest_checkpoint, load_checkpoint, load_sharded
+from kiln.checkpoint import CheckpointError, checkpoint_step, latest_checkpoint, load_checkpoint, load_sharded
 from kiln.checkpoint.weights import load_weights
 from kiln.config import Config, from_dict, tomllib
 from kiln.device import resolve_device
@@ -194,10 +194,6 @@ def find_checkpoint(path: Path, checkpoint: str | Path | None = None) -> tuple[P
     if found is None:
         raise CheckpointError(f"{path}: no complete checkpoint in {path / 'checkpoints'}")
     return path, found
-
-
-def checkpoint_step(path: Path) -> int:
-    return int(path.name.split("-")[-1])
 
 
 def saved_job(directory: Path, trust: bool = False) -> FamilyJob:
