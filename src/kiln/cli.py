@@ -408,7 +408,19 @@ def _serve_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", default="auto")
     p.add_argument("--model-name", help="the model's name in the API (default: the directory's name)")
     p.add_argument("--checkpoint", help="checkpoint directory (default: the newest complete one)")
-    p.add_argument("--parallel", type=int, default=8, help="requests decoded at once; the others wait in a queue")
+    p.add_argument(
+        "--max-batch",
+        "--parallel",
+        type=int,
+        default=8,
+        help="requests decoded at once, in one batch; the others wait in a queue (default 8)",
+    )
+    p.add_argument(
+        "--max-batch-tokens",
+        type=int,
+        default=512,
+        help="tokens one step feeds the model: one per running request, the rest chunks of new prompts (default 512)",
+    )
     p.add_argument(
         "--api-key",
         default=os.environ.get("KILN_API_KEY"),
@@ -441,7 +453,8 @@ def cmd_serve(args) -> int:
         device=args.device,
         model_name=args.model_name,
         checkpoint=args.checkpoint,
-        parallel=args.parallel,
+        max_batch=args.max_batch,
+        max_batch_tokens=args.max_batch_tokens,
         trust=args.trust_checkpoint,
         api_key=args.api_key,
         max_model_len=args.max_model_len,

@@ -92,7 +92,9 @@ def test_fp16_in_two_stages_trains_as_one_process(tmp_path, corpus_dir):
     one, pp = tmp_path / "one", tmp_path / "pp"
     in_process("train", *_pipe_sets(one, corpus_dir, micro=2, train__precision="fp16"))
     train_on(2, _pipe_sets(pp, corpus_dir, micro=4, parallel__pp=2, train__precision="fp16"))
-    assert_same_training(pp, one)
+    # Gradients in fp16 round where the stages' sums fall differently: on an AVX2 machine a few
+    # rarely seen embedding rows, whose tiny gradients Adam scales up, end 1e-3 apart (lr: 1e-2).
+    assert_same_training(pp, one, atol=3e-3)
     scales = {r["loss_scale"] for run in (one, pp) for r in records(run) if "loss_scale" in r}
     assert scales == {2.0**16}
 

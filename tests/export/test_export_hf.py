@@ -8,7 +8,6 @@ import pytest
 import torch
 
 from kiln.cli import main
-from kiln.models.generate import generate
 from kiln.train.run import load_run
 
 from conftest import tiny_overrides
@@ -69,7 +68,7 @@ def test_kilns_gpt_exports_as_a_llama_transformers_loads(variant_run, tmp_path):
     prompt = ids[:, :8]
     new = run.args.max_seq_len - prompt.size(1)
     theirs = model.generate(prompt, max_new_tokens=new, do_sample=False, eos_token_id=None, pad_token_id=0)
-    assert torch.equal(theirs, generate(run.model, prompt, new, temperature=0))
+    assert torch.equal(theirs, run.family.generate(run.model, prompt, new, temperature=0))
 
 
 def test_kiln_trains_on_from_the_export_with_the_runs_weights(gpt_run, corpus_dir, tmp_path, capsys):

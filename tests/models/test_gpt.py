@@ -6,6 +6,7 @@ import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
 from kiln.models import GPT, GPTConfig
+from kiln.models.decode import SlotCache
 
 
 def small_config(**overrides):
@@ -46,10 +47,12 @@ def test_cached_logits_equal_uncached(n_kv_head):
     model = small_model(n_kv_head=n_kv_head)
     idx = torch.randint(0, 97, (2, 24))
     full = model(idx)
-    cache = model.new_kv_cache(2, 64)
-    # A prefill, a multi-token chunk at an offset (needs the shifted causal mask), then single tokens.
-    pieces = [model(idx[:, :8], kv_cache=cache), model(idx[:, 8:13], kv_cache=cache, start_pos=8)]
-    pieces += [model(idx[:, t : t + 1], kv_cache=cache, start_pos=t) for t in range(13, 24)]
+    cache = SlotCache(2, 64, idx.device)
+    # A prefill, a multi-token chunk at an offset (masked causally within it), then single tokens.
+    pieces = []
+    for start, end in [(0, 8), (8, 13), *((t, t + 1) for t in range(13, 24))]:
+        cache.bind(slice(0, 2), torch.arange(start, end).expand(2, -1), [end - 1, end - 1])
+        pieces.append(model(idx[:, start:end], kv_cache=cache))
     torch.testing.assert_close(torch.cat(pieces, dim=1), full, rtol=0, atol=1e-5)
 
 

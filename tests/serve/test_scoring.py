@@ -38,7 +38,7 @@ def loaded(gpt_run):
 
 @pytest.fixture(scope="module")
 def url(loaded):
-    with running(create_app(loaded, "tiny-gpt", parallel=2)) as url:
+    with running(create_app(loaded, "tiny-gpt", max_batch=2)) as url:
         yield url
 
 

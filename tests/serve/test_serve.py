@@ -43,7 +43,7 @@ def gpt_run(tmp_path_factory, corpus_dir):
 @pytest.fixture(scope="module")
 def gpt_url(gpt_run):
     # Fewer slots than the 8 concurrent clients below: some of them wait in the queue.
-    with running(create_app(load_run(gpt_run, device="cpu"), "tiny-gpt", parallel=3)) as url:
+    with running(create_app(load_run(gpt_run, device="cpu"), "tiny-gpt", max_batch=3)) as url:
         yield url
 
 
@@ -288,7 +288,7 @@ def test_a_model_that_cannot_generate_is_refused(gpt_run):
     from kiln.models import ModelFamily
     from kiln.serve.engine import ServeError
 
-    run = dataclasses.replace(load_run(gpt_run, device="cpu"), family=ModelFamily())  # its stream is None
+    run = dataclasses.replace(load_run(gpt_run, device="cpu"), family=ModelFamily())  # its decoding is None
     with pytest.raises(ServeError, match="cannot generate text"):
         create_app(run, "classifier")
 
@@ -297,18 +297,23 @@ def test_a_failure_while_generating_is_that_requests_500_and_the_server_goes_on(
     run = load_run(gpt_run, device="cpu")
 
     class Failing(type(run.family)):
-        """Fails after one token of any 3-token prompt."""
+        """Fails at the step after the first token of any 3-token prompt."""
 
-        def stream(self, model, prompt, max_new_tokens, **sampling):
-            tokens = super().stream(model, prompt, max_new_tokens, **sampling)
-            if prompt.size(1) != 3:
-                return tokens
+        def decoding(self, model):
+            inner = super().decoding(model)
 
-            def fail():
-                yield next(tokens)
-                raise RuntimeError("the device fell over")
+            class Forward:
+                module, context = inner.module, inner.context
+                armed = False  # a 3-token prompt was fed: the next step fails
 
-            return fail()
+                def forward(self, tokens, cache):
+                    if self.armed:
+                        self.armed = False
+                        raise RuntimeError("the device fell over")
+                    self.armed = tokens.size(1) == 3
+                    return inner.forward(tokens, cache)
+
+            return Forward()
 
     with running(create_app(dataclasses.replace(run, family=Failing()), "failing")) as url:
         reply = httpx.post(f"{url}/v1/completions", json={"prompt": [1, 2, 3], "max_tokens": 4})

@@ -167,26 +167,38 @@ def test_token_ids_are_checked_against_the_embedding_and_an_unknown_context_boun
 
 
 def _slow(run, made: list[int], seconds: float = 0.02):
-    """``run`` with a family whose every token takes ``seconds`` more and is counted in ``made``."""
+    """``run`` with a family whose every step takes ``seconds`` more and is counted in ``made``."""
 
     class Slow(type(run.family)):
-        def stream(self, model, prompt, max_new_tokens, **sampling):
-            tokens = super().stream(model, prompt, max_new_tokens, **sampling)
-
-            def slowly():
-                for token in tokens:
-                    time.sleep(seconds)
-                    made.append(1)
-                    yield token
-
-            return slowly() if max_new_tokens > 1 else tokens  # the engine's probe at start-up
+        def decoding(self, model):
+            return _Slowly(super().decoding(model), made, seconds)
 
     return dataclasses.replace(run, family=Slow())
 
 
+@dataclasses.dataclass(frozen=True)
+class _Slowly:
+    inner: object
+    made: list
+    seconds: float
+
+    @property
+    def module(self):
+        return self.inner.module
+
+    @property
+    def context(self):
+        return self.inner.context
+
+    def forward(self, tokens, cache):
+        time.sleep(self.seconds)
+        self.made.append(1)
+        return self.inner.forward(tokens, cache)
+
+
 def test_a_full_queue_is_a_429_and_a_request_past_its_time_a_504(gpt_run):
     made: list[int] = []
-    app = create_app(_slow(load_run(gpt_run, device="cpu"), made), "slow", parallel=1, max_queue=1, timeout=1.0)
+    app = create_app(_slow(load_run(gpt_run, device="cpu"), made), "slow", max_batch=1, max_queue=1, timeout=1.0)
     with running(app) as url, concurrent.futures.ThreadPoolExecutor(4) as pool:
         body = {"prompt": "def ", "max_tokens": 150, "temperature": 0}
         first = pool.submit(httpx.post, f"{url}/v1/completions", json=body, timeout=60)
@@ -205,7 +217,7 @@ def test_a_full_queue_is_a_429_and_a_request_past_its_time_a_504(gpt_run):
 @pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
 def test_a_client_that_goes_away_stops_its_decoding(gpt_run, stream):
     made: list[int] = []
-    with running(create_app(_slow(load_run(gpt_run, device="cpu"), made), "slow", parallel=2)) as url:
+    with running(create_app(_slow(load_run(gpt_run, device="cpu"), made), "slow", max_batch=2)) as url:
         body = json.dumps({"prompt": "def ", "max_tokens": 200, "temperature": 0, "stream": stream}).encode()
         head = (
             "POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"

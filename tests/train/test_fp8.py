@@ -9,8 +9,7 @@ from torch import nn
 from kiln import Trainer
 from kiln.config import ConfigError, load_config
 from kiln.data import TokenSequences
-from kiln.models import GPT, GPTConfig
-from kiln.models.generate import generate
+from kiln.models import GPT, GPTConfig, get_family
 from kiln.models.lm import lm_loss
 from kiln.train.precision import Precision
 
@@ -81,7 +80,7 @@ def test_a_float8_model_samples_as_a_run_does_at_its_evaluations():
     model = _gpt()
     Precision("fp8", torch.device("cpu")).convert(model)
     with torch.autocast("cpu", dtype=torch.bfloat16):
-        out = generate(model, torch.tensor([[1, 2, 3]]), 5, temperature=0)
+        out = get_family("gpt").generate(model, torch.tensor([[1, 2, 3]]), 5, temperature=0)
     assert out.shape == (1, 8)
 
 

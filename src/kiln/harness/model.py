@@ -9,8 +9,8 @@ a sharded run gathered by ``load_run`` or sharded over ranks that all run the sa
   right (a causal model's earlier logits do not see the padding), each in one forward pass.
 * ``loglikelihood_rolling``: each text in lm-eval's rolling windows of the model's context,
   the first conditioned on the end-of-text token, as ``kiln eval --data`` scores a document.
-* ``generate_until``: one request at a time, decoded with the family's KV cache (greedy unless
-  the task asks to sample), stopped and cut at the task's stop strings or end-of-text.
+* ``generate_until``: every request a row of kiln's batched decoder (greedy unless the task asks
+  to sample), stopped and cut at the task's stop strings or end-of-text.
 
 lm-eval imports slowly and is an optional extra (``kiln[eval]``): import this module only when
 tasks are asked for.
@@ -28,6 +28,7 @@ from lm_eval.utils import get_rolling_token_windows, make_disjoint_window
 from torch import nn
 
 from kiln.data.tokenizer import Codec
+from kiln.models.decode import Decoder, Row, Sampling
 
 
 class KilnLM(TemplateLM):
@@ -117,51 +118,44 @@ class KilnLM(TemplateLM):
         return totals
 
     def generate_until(self, requests, disable_tqdm: bool = False) -> list[str]:
-        """Each request's continuation: prompts of the same length and settings decoded together,
-        up to batch_size at a time, each row stopped at end-of-text or a stop string."""
-        out = [""] * len(requests)
-        groups: dict[tuple, list[tuple[int, list[int]]]] = {}
-        for index, (context, gen_kwargs) in enumerate(request.args for request in requests):
+        """Each request's continuation: all requests rows of one batch of the decoder (up to
+        batch_size running at once, whatever their prompts' lengths), each row stopped at
+        end-of-text or a stop string and cut there."""
+        decodable = self.family.decoding(self.model)
+        if decodable is None:
+            raise ValueError(f"this model ({type(self.model).__name__}) cannot generate text")
+        rows, untils = [], []
+        for context, gen_kwargs in (request.args for request in requests):
             kwargs = normalize_gen_kwargs(dict(gen_kwargs), self.max_gen_toks)
             # No end-of-text string among the stops: decoding stops at the token itself.
-            until = tuple(handle_stop_sequences(kwargs.pop("until", None), eos=None))
+            until = list(handle_stop_sequences(kwargs.pop("until", None), eos=None))
             max_gen_toks = int(kwargs.pop("max_gen_toks"))
             # As lm-eval's hf model: the context cut on the left to leave room for the answer.
             room = self.max_length - max_gen_toks if max_gen_toks < self.max_length else self.max_length
             prompt = self.tok_encode(context)[-room:] or [self.prefix_token_id]
             temperature = float(kwargs.get("temperature", 0.0)) if kwargs.get("do_sample") else 0.0
-            groups.setdefault((len(prompt), until, max_gen_toks, temperature), []).append((index, prompt))
-        for (_, until, max_gen_toks, temperature), members in groups.items():
-            for at in range(0, len(members), self.batch_size):
-                batch = members[at : at + self.batch_size]
-                prompts = torch.tensor([prompt for _, prompt in batch], device=self._device)
-                texts = self._decode(prompts, list(until), max_gen_toks, temperature)
-                for (index, _), text in zip(batch, texts, strict=True):
-                    out[index] = postprocess_generated_text(text, stop=list(until), think_end_token=None)
-        return out
+            row = Row(prompt, max_gen_toks, Sampling(temperature=temperature), self._eot)
+            row.stop = self._stopper(row, until)
+            rows.append(row)
+            untils.append(until)
+        Decoder(decodable, max_batch=self.batch_size, max_batch_tokens=max(512, self.batch_size)).run(rows)
+        return [
+            postprocess_generated_text(
+                self.tok_decode([t for t in row.tokens if t != self._eot]), stop=until, think_end_token=None
+            )
+            for row, until in zip(rows, untils, strict=True)
+        ]
 
-    def _decode(self, prompts: torch.Tensor, until: list[str], max_gen_toks: int, temperature: float) -> list[str]:
-        steps = self.family.stream(self.model, prompts, max_gen_toks, eos_id=self._eot, temperature=temperature)
-        if steps is None:
-            raise ValueError(f"this model ({type(self.model).__name__}) cannot generate text")
-        tokens: list[list[int]] = [[] for _ in range(len(prompts))]
-        done = [False] * len(prompts)
-        # A stop string that has just been completed lies in the last tokens: each token is at
-        # least one character (a few more for a character split over byte tokens).
+    def _stopper(self, row: Row, until: list[str]):
+        """The row's ``stop``: whether a stop string has just been completed, which lies in its
+        last tokens (each at least one character, a few more for a character split over byte
+        tokens)."""
         tail = max((len(stop) for stop in until), default=0) + 4
-        for step in steps:
-            for row, value in enumerate(step.tolist()):
-                if done[row]:
-                    continue
-                if value == self._eot:
-                    done[row] = True
-                    continue
-                tokens[row].append(value)
-                done[row] = bool(until) and any(stop in self.tok_decode(tokens[row][-tail:]) for stop in until)
-            if all(done):
-                break
-        steps.close()
-        return [self.tok_decode(row) for row in tokens]
+
+        def stop(token: int) -> bool:
+            return bool(until) and any(s in self.tok_decode(row.tokens[-tail:]) for s in until)
+
+        return stop
 
     def _logits(self, tokens: torch.Tensor) -> torch.Tensor:
         was_training = self.model.training

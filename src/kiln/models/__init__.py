@@ -1,5 +1,6 @@
 """Models: the family interface (family.py), kiln's GPT family (gpt/), the fused output layer
-and loss, what causal language models share (lm.py), and sampling with a KV cache."""
+and loss, what causal language models share (lm.py), and the decoder that samples from them
+(decode.py)."""
 
 from kiln.models.family import (
     HeadMemory,
@@ -14,7 +15,6 @@ from kiln.models.family import (
     get_family,
     materialize,
 )
-from kiln.models.generate import generate
 from kiln.models.gpt import GPT, PRESETS, GPTConfig, build_gpt_config, flops_per_token, param_count
 
 __all__ = [
@@ -32,7 +32,6 @@ __all__ = [
     "check_model_config",
     "family_of",
     "flops_per_token",
-    "generate",
     "get_family",
     "materialize",
     "param_count",

@@ -18,7 +18,7 @@ family; families are for the built-in jobs.
 from __future__ import annotations
 
 import importlib
-from collections.abc import Callable, Generator, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple, Protocol, cast
 
@@ -26,7 +26,7 @@ import torch
 from torch import nn
 
 from kiln.config import Config, ConfigError, ModelConfig
-from kiln.models.generate import collect
+from kiln.models.decode import Decodable, generate
 from kiln.models.init import Initial, Values, keyed
 from kiln.models.lm import evaluate_lm, lm_loss
 
@@ -411,20 +411,26 @@ class ModelFamily:
         """Validation metrics over fixed batches (eval mode, no_grad, the run's precision)."""
         return evaluate_lm(model, batches, token_bytes, device, self.loss)
 
-    def stream(
-        self, model: nn.Module, prompt: torch.Tensor, max_new_tokens: int, **sampling: Any
-    ) -> Generator[torch.Tensor, None, None] | None:
-        """The tokens [B] continuing ``prompt`` [B, T], one step at a time (``kiln serve`` streams
-        them); None if the family cannot sample. ``sampling``: the keywords of
-        ``kiln.models.generate.stream``."""
+    def decoding(self, model: nn.Module) -> Decodable | None:
+        """How ``kiln.models.decode`` runs ``model`` (``kiln serve``, ``kiln generate``, samples,
+        evaluation tasks that generate, GRPO): its ``forward`` over a ``SlotCache``; None if the
+        family cannot sample."""
         return None
 
     def generate(
         self, model: nn.Module, prompt: torch.Tensor, max_new_tokens: int, **sampling: Any
     ) -> torch.Tensor | None:
-        """Continue ``prompt`` [B, T]: [B, T + new] token ids; None if the family cannot sample."""
-        steps = self.stream(model, prompt, max_new_tokens, **sampling)
-        return None if steps is None else collect(prompt, steps)
+        """Continue ``prompt`` [B, T]: [B, T + new] token ids (rows that ended early padded with
+        the end-of-text id); None if the family cannot sample. ``sampling``: the keywords of
+        ``kiln.models.decode.generate``."""
+        decodable = self.decoding(model)
+        if decodable is None:
+            return None
+        rows = generate(decodable, prompt.tolist(), max_new_tokens, **sampling)
+        width = max(map(len, rows))
+        pad = sampling.get("eos_id") or 0
+        new = torch.tensor([row + [pad] * (width - len(row)) for row in rows], device=prompt.device)
+        return torch.cat([prompt, new], dim=1)
 
 
 class _Resettable(Protocol):

@@ -24,7 +24,8 @@ def serve(
     device: str = "auto",
     model_name: str | None = None,
     checkpoint: str | Path | None = None,
-    parallel: int = 8,
+    max_batch: int = 8,
+    max_batch_tokens: int = 512,
     trust: bool = False,
     api_key: str | None = None,
     max_model_len: int | None = None,
@@ -34,7 +35,7 @@ def serve(
     """Serve the model of a run directory, one of its checkpoints or an export (what ``load_run``
     loads) at http://HOST:PORT/v1 until Ctrl-C, which stops taking requests and lets those in
     flight finish (a second one quits at once). The model is named ``model_name``, by default
-    the run's (or export's) directory name; ``parallel`` requests are decoded at once. Returns
+    the run's (or export's) directory name; ``max_batch`` requests are decoded at once, in one batch. Returns
     the exit status: 2 when it cannot serve (a missing extra, a model that does not generate, a
     busy port)."""
     try:
@@ -48,7 +49,8 @@ def serve(
         app = create_app(
             run,
             name,
-            parallel=parallel,
+            max_batch=max_batch,
+            max_batch_tokens=max_batch_tokens,
             api_key=api_key,
             max_model_len=max_model_len,
             max_queue=max_queue,

@@ -16,7 +16,7 @@ from typing import Any, TypeVar
 try:
     import uvicorn
     from fastapi import FastAPI, Request
-    from fastapi.responses import JSONResponse, StreamingResponse
+    from fastapi.responses import JSONResponse, Response, StreamingResponse
     from starlette.exceptions import HTTPException
 except ImportError as e:
     raise ImportError(f"kiln serve needs fastapi and uvicorn ({e}): pip install 'kiln[serve]'") from None
@@ -50,14 +50,17 @@ def create_app(
     run: LoadedRun,
     model_name: str,
     *,
-    parallel: int = 8,
+    max_batch: int = 8,
+    max_batch_tokens: int = 512,
     api_key: str | None = None,
     max_model_len: int | None = None,
     max_queue: int = 256,
     timeout: float = 600.0,
 ) -> FastAPI:
     """The app serving ``run``'s model as ``model_name``; its worker runs while the app does (its
-    lifespan). ``parallel``: requests decoded at once, the others wait their turn. With
+    lifespan). ``max_batch``: requests decoded at once, in one batch, the others wait their turn;
+    ``max_batch_tokens``: the tokens one step feeds the model (a token of each running request,
+    the rest chunks of new prompts). With
     ``api_key`` every route but /health needs ``Authorization: Bearer API_KEY``;
     ``max_model_len`` caps the context a request may fill (prompt and new tokens). Past
     ``max_queue`` waiting requests a new one is answered 429; a request still running after
@@ -66,7 +69,7 @@ def create_app(
 
     A request naming another ``model`` is a 404, as OpenAI's and vLLM's servers answer; a body
     must be JSON (415 otherwise) of at most MAX_BODY_BYTES (413)."""
-    engine = Engine(run, parallel, max_model_len, max_queue)
+    engine = Engine(run, max_batch, max_model_len, max_queue, max_batch_tokens)
     started = int(time.time())
     key = api_key.encode() if api_key else None
 
@@ -104,6 +107,10 @@ def create_app(
     @app.get("/health")
     async def health() -> dict:
         return {"status": "ok"}
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        return Response(engine.metrics(), media_type="text/plain; version=0.0.4")
 
     @app.get("/v1/models")
     async def models() -> dict:

@@ -1,13 +1,17 @@
 """The model side of ``kiln serve``: one worker thread owns the model and decodes the requests.
 
-Up to ``parallel`` requests are decoded at once, one token of each in turn (each with its own KV
-cache and random generator, so a request's tokens do not depend on what else is running); the
-rest wait in a queue. Each request's text goes back to its HTTP handler through its own asyncio
-queue, so the event loop never runs the model.
+Every running request is a row of one batch (``kiln.models.decode``: continuous batching): each
+step feeds prompt chunks of the requests that arrived and decodes one token of every running
+request in a single forward pass; requests that end leave the batch and waiting ones join it
+between steps. Up to ``max_batch`` rows run at once, the rest wait in a queue. Each row samples
+from its own generator, so a request's tokens do not depend on what else is running. Each
+request's text goes back to its HTTP handler through its own asyncio queue, so the event loop
+never runs the model.
 
 Scoring (the log-probabilities of given tokens, for ``echo`` and ``logprobs``) is one more kind of
-work for the same worker: a request's sequences go through the model in as few forward passes as
-fit (padded on the right, which a causal model's real positions never see), each a single turn.
+work for the same worker, done between two steps: a request's sequences go through the model in
+as few forward passes as fit (padded on the right, which a causal model's real positions never
+see).
 """
 
 from __future__ import annotations
@@ -16,13 +20,16 @@ import asyncio
 import logging
 import queue
 import threading
-from collections.abc import AsyncIterator, Callable, Generator
+import time
+from collections import deque
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 
 import torch
 from torch import nn
 
 from kiln.data.tokenizer import Codec
+from kiln.models.decode import Decoder, Row, Sampling
 from kiln.models.gpt.moe import MoE
 from kiln.train.run import LoadedRun
 
@@ -149,9 +156,18 @@ Emit = Callable[[Update | list[Scored] | Exception], None]
 class Engine:
     """The worker thread that owns the model (see the module's docstring)."""
 
-    def __init__(self, run: LoadedRun, parallel: int = 8, max_model_len: int | None = None, max_queue: int = 256):
-        if parallel < 1:
-            raise ServeError(f"parallel must be at least 1, not {parallel}")
+    def __init__(
+        self,
+        run: LoadedRun,
+        max_batch: int = 8,
+        max_model_len: int | None = None,
+        max_queue: int = 256,
+        max_batch_tokens: int = 512,
+    ):
+        if max_batch < 1:
+            raise ServeError(f"--max-batch must be at least 1, not {max_batch}")
+        if max_batch_tokens < max_batch:
+            raise ServeError(f"--max-batch-tokens ({max_batch_tokens}) must be at least --max-batch ({max_batch})")
         if max_queue < 1:
             raise ServeError(f"--max-queue must be at least 1, not {max_queue}")
         self.max_queue = max_queue
@@ -166,12 +182,16 @@ class Engine:
         context = run.family.context_length(run.args)
         self.context = min(filter(None, (context, max_model_len)), default=None)
         self.device = next(run.model.parameters()).device
-        self.parallel = parallel
-        probe = run.family.stream(run.model, torch.zeros(1, 1, dtype=torch.long, device=self.device), 1)
-        if probe is None:
+        decodable = run.family.decoding(run.model)
+        if decodable is None:
             raise ServeError(f"model family {run.cfg.model.family} ({run.cfg.model.task}) cannot generate text")
-        probe.close()
+        self.decoder = Decoder(
+            decodable, length=context, max_batch=max_batch, max_batch_tokens=max_batch_tokens, device=self.device
+        )
+        self.max_batch = max_batch
+        self.stats = Stats()
         self._inbox: queue.SimpleQueue[tuple[GenerationRequest | list[Score], Emit] | None] = queue.SimpleQueue()
+        self._requests: dict[Row, _Request] = {}
         # A mixture of experts whose experts take a limited share of a pass's tokens routes a
         # token differently beside others: such a model scores one sequence per pass, unpadded.
         self.score_alone = any(isinstance(m, MoE) and m.capacity for m in run.model.modules())
@@ -211,10 +231,19 @@ class Engine:
         assert isinstance(answer, list)
         return answer
 
+    @property
+    def waiting(self) -> int:
+        """Requests not yet running (read from other threads: a sum of sizes, never exact)."""
+        return self._inbox.qsize() + len(self.decoder.waiting)
+
     def check_room(self) -> None:
         """QueueFullError when max_queue requests wait already."""
-        if self._inbox.qsize() >= self.max_queue:
-            raise QueueFullError(f"{self._inbox.qsize()} requests are waiting for the model; try again shortly")
+        if self.waiting >= self.max_queue:
+            raise QueueFullError(f"{self.waiting} requests are waiting for the model; try again shortly")
+
+    def metrics(self) -> str:
+        """The engine's state in Prometheus' text format (``GET /metrics``)."""
+        return self.stats.render(self.waiting, len(self._requests) - len(self.decoder.waiting))
 
     def _submit(self, work: GenerationRequest | list[Score]) -> asyncio.Queue[Update | list[Scored] | Exception]:
         """Queue work for the worker: what it sends back arrives in the returned queue (or
@@ -234,100 +263,132 @@ class Engine:
         return answers
 
     def _work(self) -> None:
-        active: list[_Decoding | _Scoring] = []
         while True:
-            while len(active) < self.parallel:
+            while True:
                 try:
-                    item = self._inbox.get(block=not active)  # wait for work only when there is none
+                    item = self._inbox.get(block=not self.decoder.busy)  # wait for work only when there is none
                 except queue.Empty:
                     break
                 if item is None:
-                    self._drop(active)
+                    self._drop()
                     return
                 work, emit = item
-                active.append(
-                    _Decoding(self, work, emit) if isinstance(work, GenerationRequest) else _Scoring(self, work, emit)
-                )
-            active = [decoding for decoding in active if decoding.step()]
+                if isinstance(work, GenerationRequest):
+                    self._start(work, emit)
+                else:
+                    _Scoring(self, work, emit).step()
+            for row, request in self._requests.items():
+                if request.job.cancelled:
+                    self.decoder.cancel(row)
+            try:
+                made = self.decoder.step()
+            except Exception as e:  # the step's rows fail together; the worker goes on with new ones
+                log.exception("generation failed")
+                self._fail(e)
+                continue
+            if made:
+                self.stats.count(made)
+            for row, token in made:
+                self._requests[row].take(token)
+            for row in [r for r in self._requests if r.done]:
+                del self._requests[row]
 
-    def _drop(self, active: list[_Decoding | _Scoring]) -> None:
+    def _start(self, job: GenerationRequest, emit: Emit) -> None:
+        sampling = Sampling(job.temperature, job.top_k, job.top_p, job.seed)
+        request = _Request(job, emit, TextStream(self.codec.decode, job.prompt, job.stop))
+        request.row = Row(job.prompt, job.max_tokens, sampling, self.codec.eos_id, stop=request.add)
+        self._requests[request.row] = request
+        self.stats.prompt_tokens += len(job.prompt)
+        self.decoder.add([request.row])
+
+    def _fail(self, error: Exception) -> None:
+        """Every request in the decoder gets ``error``; a new decoder takes over (the failed step
+        may have left the old one's cache half written)."""
+        for request in self._requests.values():
+            request.emit(error)
+        self._requests.clear()
+        old = self.decoder
+        self.decoder = Decoder(
+            old.model,
+            length=old.length,
+            max_batch=old.max_batch,
+            max_batch_tokens=old.max_batch_tokens,
+            device=old.device,
+        )
+
+    def _drop(self) -> None:
         """At shutdown: tell every request still running or waiting that it will get no answer."""
         gone = RuntimeError("the server is shutting down")
-        for decoding in active:
-            decoding.close()
-            decoding.emit(gone)
+        for request in self._requests.values():
+            request.emit(gone)
         while not self._inbox.empty():
             item = self._inbox.get()
             if item is not None:
                 item[1](gone)
 
 
-class _Decoding:
-    """One job being decoded: its token stream (opened at its first step) and its text."""
+@dataclass
+class _Request:
+    """One generation request in the decoder: its row, and the text its tokens release."""
 
-    def __init__(self, engine: Engine, job: GenerationRequest, emit: Emit):
-        self.engine = engine
-        self.job = job
-        self.emit = emit
-        self.tokens: Generator[torch.Tensor, None, None] | None = None
-        self.text: TextStream  # made with the stream, where a failure is this request's alone
-        self.ids: list[int] = []
+    job: GenerationRequest
+    emit: Emit
+    text: TextStream
+    row: Row = field(init=False)
+    piece: str = ""
 
-    def step(self) -> bool:
-        """Decode one token and send what it releases; False once the job is over."""
-        job = self.job
-        if job.cancelled:
-            self.close()
-            return False
-        finish: str | None  # None: the job goes on
-        try:
-            if self.tokens is None:
-                self.tokens = self._open()
-            token = next(self.tokens, None)  # None: the family's stream ended by itself
-            if token is not None:
-                self.ids.append(int(token[0]))
-            if token is None or self.ids[-1] == self.engine.codec.eos_id:
-                finish, piece = "stop", self.text.rest()
-            else:
-                piece, stopped = self.text.add(self.ids[-1])
-                finish = "stop" if stopped else "length" if len(self.ids) == job.max_tokens else None
-                if finish == "length":
-                    piece += self.text.rest()
-        except Exception as e:  # the failure belongs to this request; the worker goes on with the others
-            log.exception("generation failed")
-            self.emit(e)
-            self.close()
-            return False
-        if piece or finish:
-            self.emit(Update(piece, finish, len(self.ids), tuple(self.ids) if finish else ()))
-        if finish:
-            self.close()
-        return finish is None
+    def add(self, token: int) -> bool:
+        """The row's ``stop``: take a token's text; True when a stop string ends the text."""
+        piece, stopped = self.text.add(token)
+        self.piece += piece
+        return stopped
 
-    def _open(self):
-        job, run = self.job, self.engine.run
-        self.text = TextStream(self.engine.codec.decode, job.prompt, job.stop)
-        generator = torch.Generator(device=self.engine.device)
-        if job.seed is None:
-            generator.seed()
-        else:
-            generator.manual_seed(job.seed)
-        prompt = torch.tensor([job.prompt], device=self.engine.device)
-        return run.family.stream(
-            run.model,
-            prompt,
-            job.max_tokens,
-            temperature=job.temperature,
-            top_k=job.top_k,
-            top_p=job.top_p,
-            eos_id=self.engine.codec.eos_id,
-            generator=generator,
-        )
+    def take(self, token: int) -> None:
+        """After the decoder's step: send what the token released, and the end if it was the last."""
+        row = self.row
+        if row.finish == "cancelled":
+            return
+        piece, self.piece = self.piece, ""
+        if row.finish is not None:
+            piece += self.text.rest()
+        if piece or row.finish:
+            ids = tuple(row.tokens) if row.finish else ()
+            self.emit(Update(piece, row.finish, len(row.tokens), ids))
 
-    def close(self) -> None:
-        """Close the token stream, which gives the model its own train/eval mode back."""
-        if self.tokens is not None:
-            self.tokens.close()
+
+class Stats:
+    """What ``/metrics`` reports: counters since the start and the tokens of the last minute."""
+
+    WINDOW = 60.0
+
+    def __init__(self):
+        self.started = time.monotonic()
+        self.prompt_tokens = 0
+        self.generated = 0
+        self.steps = 0
+        self.recent: deque[tuple[float, int]] = deque()
+
+    def count(self, made: list) -> None:
+        now = time.monotonic()
+        self.steps += 1
+        self.generated += len(made)
+        self.recent.append((now, len(made)))
+        while self.recent and self.recent[0][0] < now - self.WINDOW:
+            self.recent.popleft()
+
+    def render(self, waiting: int, running: int) -> str:
+        recent = list(self.recent)
+        span = min(self.WINDOW, time.monotonic() - self.started) or 1.0
+        rate = sum(n for _, n in recent) / span
+        lines = [
+            ("kiln_requests_waiting", "gauge", "Requests waiting for a row of the batch.", waiting),
+            ("kiln_requests_running", "gauge", "Requests being decoded (rows of the batch).", running),
+            ("kiln_prompt_tokens_total", "counter", "Prompt tokens of the requests taken.", self.prompt_tokens),
+            ("kiln_generation_tokens_total", "counter", "Tokens generated.", self.generated),
+            ("kiln_decode_steps_total", "counter", "Steps of the decoder that made tokens.", self.steps),
+            ("kiln_generation_tokens_per_second", "gauge", "Tokens generated a second over the last minute.", rate),
+        ]
+        return "".join(f"# HELP {n} {h}\n# TYPE {n} {t}\n{n} {v:g}\n" for n, t, h, v in lines)
 
 
 class _Scoring:

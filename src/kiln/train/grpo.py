@@ -1,5 +1,5 @@
 """GRPO (Shao et al. 2024): reinforcement learning with verifiable rewards. For each prompt of a
-micro-batch the model samples a group of completions with the family's KV-cache decoder, a reward
+micro-batch the model samples a group of completions with kiln's batched decoder, a reward
 function scores them, and each completion's advantage is its reward against its group's; the
 loss raises the log-probability of the completion's tokens in proportion to it (optionally minus
 a KL estimate to the reference model, the model with its LoRA adapters off).
@@ -31,6 +31,7 @@ from kiln.data.batch import RowBatch, TokenBatch, pad_id, pad_rows
 from kiln.data.prompts import PromptBatch
 from kiln.distributed.world import World
 from kiln.labels import IGNORE_INDEX
+from kiln.models.decode import Decoder, Row, Sampling
 from kiln.models.family import ModelFamily
 from kiln.models.hf.loading import read_config
 from kiln.train.logps import token_logps
@@ -209,27 +210,24 @@ class GRPOLoss:
         """Each prompt's group of completions (one greedy completion each with ``greedy``), in
         order, as token lists (up to and including the end-of-text token, when they reach one)."""
         g, eos = self.g, self.tokenizer.eos_token_id
-        device = next(p.device for p in model.parameters())
+        decodable = self.family.decoding(model)
+        if decodable is None:
+            raise ConfigError([f"run.job: grpo samples from the model, which {self.family.name} models cannot"])
         # One draw from the global generator (identical on every rank, and in checkpoints) seeds
-        # this micro-batch's sampling; the rank makes the ranks' samples differ.
-        generator = torch.Generator(device).manual_seed(int(torch.randint(2**62, (1,)).item()) + self.world.rank)
+        # this micro-batch's sampling; the rank and the row make the rows' seeds differ.
+        seed = int(torch.randint(2**62, (1,)).item()) + self.world.rank * 2**40
         group = 1 if greedy else g.group_size
-        sampling = {"temperature": 0.0} if greedy else {"temperature": g.temperature, "top_p": g.top_p}
-        # Prompts of one length are decoded together, every completion of each in one batch (the
-        # KV cache has no per-row padding, so prompts of other lengths wait for their own batch).
-        by_length: dict[int, list[int]] = {}
-        for i, prompt in enumerate(batch.prompt_ids):
-            by_length.setdefault(len(prompt), []).append(i)
-        sampled: list[list[list[int]]] = [[] for _ in batch.prompt_ids]
-        for length, members in by_length.items():
-            tokens = torch.tensor([batch.prompt_ids[i] for i in members for _ in range(group)], device=device)
-            out = self.family.generate(model, tokens, g.max_new_tokens, eos_id=eos, generator=generator, **sampling)
-            if out is None:
-                raise ConfigError([f"run.job: grpo samples from the model, which {self.family.name} models cannot"])
-            new = out[:, length:].tolist()
-            for k, i in enumerate(members):
-                sampled[i] = new[k * group : (k + 1) * group]
-        return [row[: row.index(eos) + 1] if eos in row else row for rows in sampled for row in rows]
+        temperature = 0.0 if greedy else g.temperature
+        top_p = None if greedy else g.top_p
+        prompts = [prompt for prompt in batch.prompt_ids for _ in range(group)]
+        rows = [
+            Row(prompt, g.max_new_tokens, Sampling(temperature, None, top_p, seed + i), eos)
+            for i, prompt in enumerate(prompts)
+        ]
+        # Every completion a row of one batch, whatever the prompts' lengths; a group's rows share
+        # their prompt's prefill.
+        Decoder(decodable, max_batch=len(rows), max_batch_tokens=max(512, len(rows))).run(rows)
+        return [row.tokens for row in rows]
 
     def rows(self, prompt_ids: list[list[int]], completions: list[list[int]]) -> TokenBatch:
         """Training rows of each prompt's group of ``completions`` (in order): prompt +

@@ -12,8 +12,8 @@ import torch
 from torch import nn
 
 from kiln.config import ModelConfig
+from kiln.models.decode import SlotCache
 from kiln.models.family import ModelFamily, ParallelPlan
-from kiln.models.generate import stream
 from kiln.models.gpt.hf import LlamaAdapter, hf_adapter
 from kiln.models.gpt.memory import GPTMemory
 from kiln.models.gpt.model import GPT, GPTConfig
@@ -121,8 +121,22 @@ class GPTFamily(ModelFamily):
     def lora_targets(self, args: GPTConfig) -> list[str]:
         return ["wq", "wk", "wv", "wo", "w1", "w2", *(["w3"] if args.mlp == "swiglu" else [])]
 
-    def stream(self, model: nn.Module, prompt: torch.Tensor, max_new_tokens: int, **sampling: Any):
-        return stream(model, prompt, max_new_tokens, **sampling)
+    def decoding(self, model: nn.Module) -> GPTDecoding:
+        return GPTDecoding(model)
+
+
+@dataclasses.dataclass(frozen=True)
+class GPTDecoding:
+    """kiln's GPT under the decoder: its forward takes the bound cache as ``kv_cache``."""
+
+    module: nn.Module
+
+    @property
+    def context(self) -> int:
+        return cast(GPT, self.module).config.max_seq_len
+
+    def forward(self, tokens: torch.Tensor, cache: SlotCache) -> torch.Tensor:
+        return self.module(tokens, kv_cache=cache)
 
 
 FAMILY = GPTFamily()

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -60,11 +61,17 @@ class GPTConfig:
         return self.n_experts > 0 and layer >= self.moe_layer_start
 
 
-def rope_tables(head_dim: int, end: int, theta: float, device=None, start: int = 0):
+def rope_tables(head_dim: int, end: int, theta: float, device=None, start: int = 0, positions=None):
     """cos and sin of every (position, frequency) pair for positions start..end - 1, each
-    [end - start, head_dim // 2], fp32."""
+    [end - start, head_dim // 2], fp32; or for ``positions`` [B, T]: [B, 1, T, head_dim // 2] (each
+    row's, for every head), the same values as those of the tables at those positions."""
+    if positions is not None:
+        device = positions.device
     freqs = 1.0 / theta ** (torch.arange(0, head_dim, 2, device=device, dtype=torch.float32) / head_dim)
-    angles = torch.outer(torch.arange(start, end, device=device, dtype=torch.float32), freqs)
+    if positions is not None:
+        angles = (positions[..., None].float() * freqs).unsqueeze(1)
+    else:
+        angles = torch.outer(torch.arange(start, end, device=device, dtype=torch.float32), freqs)
     return angles.cos(), angles.sin()
 
 
@@ -75,22 +82,6 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     # fp32: in bf16, nearby positions' angles would round to the same value at long context.
     rotated = torch.cat((x1 * cos - x2 * sin, x1 * sin + x2 * cos), dim=-1)
     return rotated.type_as(x)
-
-
-class KVCache:
-    """Preallocated keys and values of every layer, [B, n_kv_head, max_len, head_dim] each.
-
-    Once positions reach max_len it is a ring: position p is stored in slot p % max_len, over the
-    oldest one, so decoding goes on at the cost of one token per step with the last max_len
-    tokens in view. Keys are stored rotated for their own position and RoPE's attention scores
-    depend only on the distance between positions, so the order of the slots does not matter.
-    """
-
-    def __init__(self, n_layer, batch_size, n_kv_head, max_len, head_dim, device=None, dtype=None):
-        shape = (batch_size, n_kv_head, max_len, head_dim)
-        self.k = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(n_layer)]
-        self.v = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(n_layer)]
-        self.max_len = max_len
 
 
 class Attention(nn.Module):
@@ -108,7 +99,7 @@ class Attention(nn.Module):
             self.k_norm = nn.RMSNorm(cfg.head_dim, eps=cfg.norm_eps)
         self.core = Attend()
 
-    def forward(self, x, rope_cos, rope_sin, cache=None, start_pos=0, documents=None):
+    def forward(self, x, rope_cos, rope_sin, cache=None, documents=None):
         B, T, _ = x.shape  # noqa: N806
         # Head counts are inferred (-1): under tensor parallelism a rank holds only some heads.
         q = self.wq(x).view(B, T, -1, self.head_dim)
@@ -122,8 +113,8 @@ class Attention(nn.Module):
         q, k = apply_rope(q, rope_cos, rope_sin), apply_rope(k, rope_cos, rope_sin)
 
         mask, causal = None, True
-        if cache is not None:
-            k, v, mask = _attend_cached(cache, k, v, start_pos)
+        if cache is not None:  # decoding: this layer of a kiln.models.decode.SlotCache
+            k, v, mask = cache.attend(k, v)
             causal = False
         y = self.core(q, k, v, mask, causal, documents)
         return self.wo(y.transpose(1, 2).reshape(B, T, -1))
@@ -149,35 +140,6 @@ def repeat_kv(x: torch.Tensor, heads: int) -> torch.Tensor:
     """Keys or values [B, H_kv, S, head_dim] for ``heads`` query heads: each group of
     heads // H_kv query heads shares one key/value head."""
     return x if x.size(1) == heads else x.repeat_interleave(heads // x.size(1), dim=1)
-
-
-def _lower_right_causal(queries: int, keys: int):
-    """SDPA's lower-right causal bias. Imported here, not at the top: its module imports
-    TorchDynamo (0.8 s), which every process that imports the model paid, also when it never
-    decodes."""
-    from torch.nn.attention.bias import causal_lower_right
-
-    return causal_lower_right(queries, keys)
-
-
-def _attend_cached(cache, k, v, start_pos):
-    """Write the keys and values of positions start_pos.. into the cache; the keys and values the
-    new queries see, and the mask (None: each sees them all)."""
-    k_cache, v_cache = cache
-    size, T, end = k_cache.size(2), k.size(2), start_pos + k.size(2)  # noqa: N806
-    if end <= size:
-        k_cache[:, :, start_pos:end] = k
-        v_cache[:, :, start_pos:end] = v
-        # Query i sits at position start_pos + i and sees keys 0..start_pos + i: the causal
-        # triangle aligned to the lower right corner (SDPA's is_causal aligns it to the upper left).
-        mask = _lower_right_causal(T, end) if T > 1 else None
-        return k_cache[:, :, :end], v_cache[:, :, :end], mask
-    if T != 1:
-        raise ValueError(f"past the cache's {size} positions tokens are fed one at a time, not {T}")
-    slot = start_pos % size
-    k_cache[:, :, slot] = k[:, :, 0]
-    v_cache[:, :, slot] = v[:, :, 0]
-    return k_cache, v_cache, None
 
 
 MLPS = ("swiglu", "relu2")
@@ -225,10 +187,10 @@ class Block(nn.Module):
         self.mlp_norm = nn.RMSNorm(cfg.d_model, eps=cfg.norm_eps)
         self.mlp = moe(cfg) if cfg.is_moe(layer) else MLP(cfg.d_model, cfg.d_ff, cfg.mlp)
 
-    def forward(self, x, rope_cos, rope_sin, cache=None, start_pos=0, losses=None, documents=None):
+    def forward(self, x, rope_cos, rope_sin, cache=None, losses=None, documents=None):
         """``losses``: where a mixture of experts appends its balance loss, when it has one;
         ``documents``: each token's position in its document, where rows pack documents."""
-        x = x + self.attn(self.attn_norm(x), rope_cos, rope_sin, cache, start_pos, documents)
+        x = x + self.attn(self.attn_norm(x), rope_cos, rope_sin, cache, documents)
         return x + self.mlp(self.mlp_norm(x), losses)
 
 
@@ -313,24 +275,20 @@ class GPT(nn.Module):
         n = sum(p.numel() for p in self.parameters())
         return n - self.tok_emb.weight.numel() if exclude_embedding else n
 
-    def new_kv_cache(self, batch_size: int, max_len: int, device=None, dtype=None) -> KVCache:
-        cfg = self.config
-        return KVCache(cfg.n_layer, batch_size, cfg.n_kv_head, max_len, cfg.head_dim, device, dtype)
-
     def forward(
         self,
         idx: torch.Tensor,
         targets: torch.Tensor | None = None,
-        kv_cache: KVCache | None = None,
+        kv_cache: Any = None,
         start_pos: int = 0,
         positions: torch.Tensor | None = None,
     ):
         """Logits [B, T, V] for tokens idx [B, T] at positions start_pos..start_pos + T - 1, or,
         given targets [B, T] (-100 where no loss is wanted), their mean cross-entropy.
 
-        With a kv_cache, the keys and values of these positions are written into it and the
-        tokens attend to the cached positions before them as well (the last max_seq_len of them:
-        past that, one token at a time).
+        With a ``kv_cache`` (a bound ``kiln.models.decode.SlotCache``) each row is at the positions
+        the cache was bound with: the keys and values of these tokens are written into it and
+        they attend to their row's cached tokens before them as well.
 
         ``positions`` [T] (without a kv_cache): the tokens' positions, where they are not
         0..T - 1, e.g. a context-parallel rank's chunks of a longer sequence; attention is causal
@@ -345,25 +303,25 @@ class GPT(nn.Module):
         """
         T = idx.size(1)  # noqa: N806
         end = start_pos + T
+        cfg = self.config
         documents = positions if positions is not None and positions.dim() == 2 else None
-        if positions is not None:
+        if kv_cache is not None:  # computed, not looked up: past max_seq_len the cache is a ring
+            rope_cos, rope_sin = rope_tables(cfg.head_dim, 0, cfg.rope_theta, positions=kv_cache.positions)
+        elif positions is not None:
             rope_cos, rope_sin = self.rope_cos[positions], self.rope_sin[positions]
             if documents is not None:  # [B, 1, T, head_dim / 2]: each row's, for every head
                 rope_cos, rope_sin = rope_cos.unsqueeze(1), rope_sin.unsqueeze(1)
-        elif end <= self.config.max_seq_len:
+        elif end <= cfg.max_seq_len:
             # From start_pos on: a pipeline stage given hidden states split by position (sequence
             # parallelism) holds a tp-th of the positions its attention gathers and rotates.
             rope_cos, rope_sin = self.rope_cos[start_pos:], self.rope_sin[start_pos:]
-        elif kv_cache is not None:
-            cfg = self.config
-            rope_cos, rope_sin = rope_tables(cfg.head_dim, end, cfg.rope_theta, idx.device, start=start_pos)
         else:
-            raise ValueError(f"positions up to {end} exceed max_seq_len {self.config.max_seq_len}")
+            raise ValueError(f"positions up to {end} exceed max_seq_len {cfg.max_seq_len}")
         x = _ContiguousGradient.apply(idx) if self.tok_emb is None else self.tok_emb(idx)
         losses: list[torch.Tensor] = []  # the mixtures of experts' balance losses, when they have them
         for i, block in enumerate(self.blocks.children()):  # a pipeline stage's: some, in order
-            cache = None if kv_cache is None else (kv_cache.k[i], kv_cache.v[i])
-            x = block(x, rope_cos, rope_sin, cache, start_pos, losses, documents)
+            cache = None if kv_cache is None else kv_cache.layer(i)
+            x = block(x, rope_cos, rope_sin, cache, losses, documents)
         if self.norm is None:
             # Sent to the next pipeline stage, which sends its gradient back into a buffer of the
             # same strides: a rank's positions of a sequence-parallel output are a strided view.

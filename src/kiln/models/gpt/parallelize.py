@@ -57,8 +57,8 @@ def block_styles(block: nn.Module) -> dict[str, Any]:
 
     styles: dict[str, Any] = {
         "attn_norm": SequenceParallel(),
-        # x, rope_cos, rope_sin, cache, start_pos, documents
-        "attn": PrepareModuleInput(**gathered(6), use_local_output=True),
+        # x, rope_cos, rope_sin, cache, documents
+        "attn": PrepareModuleInput(**gathered(5), use_local_output=True),
         "attn.wq": ColwiseParallel(),
         "attn.wk": ColwiseParallel(),
         "attn.wv": ColwiseParallel(),

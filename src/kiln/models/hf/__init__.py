@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import inspect
 import sys
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -37,9 +36,9 @@ from kiln.models.family import (
     build_model,
 )
 from kiln.models.fused_loss import LinearCrossEntropy
-from kiln.models.generate import decode
 from kiln.models.gpt.memory import GPTMemory
 from kiln.models.gpt.model import GPTConfig
+from kiln.models.hf.decode import HFDecoding
 from kiln.models.hf.loading import (
     Pretrained,
     has_weights,
@@ -514,27 +513,9 @@ class HFFamily(ModelFamily):
             return []
         return [name for name, m in layer.named_modules() if isinstance(m, (nn.Linear, conv1d))]
 
-    def stream(self, model: nn.Module, prompt: torch.Tensor, max_new_tokens: int, **sampling: Any):
-        """A causal LM decoded step by step through ``transformers``' own KV cache, sampled as
-        kiln samples (greedy at temperature 0, as ``transformers``' ``generate`` is)."""
-        if not isinstance(model, CausalLM):
-            return None
-        return _stream(_base(model.hf), prompt, max_new_tokens, **sampling)
-
-
-def _stream(hf: nn.Module, prompt: torch.Tensor, max_new_tokens: int, **sampling: Any):
-    cache = None
-    # transformers 5.24 renamed past_key_values to cache (the old name warns on every call); older
-    # versions know only the old one.
-    name = "cache" if "cache" in inspect.signature(hf.forward).parameters else "past_key_values"
-
-    def forward(tokens: torch.Tensor) -> torch.Tensor:
-        nonlocal cache
-        out = hf(tokens, use_cache=True, **{name: cache})
-        cache = getattr(out, name)
-        return out.logits[:, -1]
-
-    return decode(hf, lambda: forward(prompt), lambda token: forward(token[:, None]), max_new_tokens, **sampling)
+    def decoding(self, model: nn.Module) -> HFDecoding | None:
+        """A causal LM through ``transformers``' own forward, over kiln's slot cache."""
+        return HFDecoding(_base(model.hf)) if isinstance(model, CausalLM) else None
 
 
 FAMILY = HFFamily()

@@ -218,7 +218,6 @@ def sample_text(
     is kiln's own (a ``tokenizers.Tokenizer``) or a model's ``transformers`` tokenizer."""
     device = device or next(model.parameters()).device
     codec = Codec(tokenizer)
-    generator = torch.Generator(device=device).manual_seed(seed)
     out = family.generate(
         model,
         torch.tensor([codec.encode(prompt)], device=device),
@@ -227,6 +226,6 @@ def sample_text(
         top_k=top_k,
         top_p=top_p,
         eos_id=codec.eos_id,
-        generator=generator,
+        seed=seed,
     )
     return None if out is None else codec.decode(out[0].tolist())
