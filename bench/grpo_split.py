@@ -1,13 +1,14 @@
 """Where a GRPO step's time goes: sampling the completions against training on them, from the
 log's ``time/generation_s`` and the intervals' wall-clock time, one process on the CPU.
 
-    pip install -e ".[bench]" && python bench/grpo_split.py [--steps 20] [--group 8] [--max-new 32]
+    pip install -e ".[bench]" && python bench/grpo_split.py [--steps 20] [--group 8] [--max-new 32] [--mixed]
 
 The model is bench/finetune_vs_hf.py's Llama (width 256, 4 layers, MiniLM's 30,522-token
 vocabulary), untrained; the prompts are small sums ("3 + 4 ="), the reward 1 for a completion
 whose first number is the sum (examples/rewards.py's ``right_sum``). 8 prompts a step,
 ``--group`` completions each, up to ``--max-new`` tokens (an untrained model rarely ends early, so
-nearly every completion is that long).
+nearly every completion is that long). With --mixed each prompt starts with a request of its own
+length ("Please add. " zero to eight times), so the prompts of a step have different lengths.
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--group", type=int, default=8)
     ap.add_argument("--max-new", type=int, default=32)
+    ap.add_argument("--mixed", action="store_true", help="prompts of different lengths")
     args = ap.parse_args()
     sys.path[:0] = [str(HERE), str(HERE.parent / "examples")]
     import torch
@@ -44,7 +46,8 @@ def main() -> None:
         rows = []
         for _ in range(400):
             a, b = rng.randint(0, 9), rng.randint(0, 9)
-            rows.append({"prompt": f"{a} + {b} =", "answer": a + b})
+            preamble = "Please add. " * rng.randint(0, 8) if args.mixed else ""
+            rows.append({"prompt": f"{preamble}{a} + {b} =", "answer": a + b})
         source = tmp / "prompts.jsonl"
         source.write_text("".join(json.dumps(r) + "\n" for r in rows))
         items = {
@@ -83,6 +86,7 @@ def main() -> None:
                 "steps": args.steps,
                 "group": args.group,
                 "max_new_tokens": args.max_new,
+                "mixed_lengths": args.mixed,
                 "completion_tokens_mean": sum(r["completions/mean_length"] for r in steady) / len(steady),
                 "generation_s": round(generation, 2),
                 "interval_s": round(total, 2),

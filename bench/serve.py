@@ -1,5 +1,5 @@
 """kiln serve under load: tokens/s and time to first token of streamed completions, with 1 and
-with 8 clients at once. Prints a table and one JSON line.
+with 8 clients at once (or as --clients says). Prints a table and one JSON line.
 
     python bench/serve.py RUN_DIR [--clients 1 8] [--requests 4] [--max-tokens 64] [--device cpu]
     python bench/serve.py --url http://HOST:PORT/v1 [...]     # a server that is already running
@@ -44,13 +44,13 @@ PROMPTS = [
 ]
 
 
-def start_server(run_dir: str, device: str, parallel: int) -> tuple[subprocess.Popen, str]:
+def start_server(run_dir: str, device: str, max_batch: int) -> tuple[subprocess.Popen, str]:
     """``kiln serve`` on a free port in a child process; (process, base URL) once it is ready."""
     code = (
         "import sys; from kiln.serve import serve; "
-        "sys.exit(serve(sys.argv[1], port=0, device=sys.argv[2], parallel=int(sys.argv[3])))"
+        "sys.exit(serve(sys.argv[1], port=0, device=sys.argv[2], max_batch=int(sys.argv[3])))"
     )
-    argv = [sys.executable, "-c", code, run_dir, device, str(parallel)]
+    argv = [sys.executable, "-c", code, run_dir, device, str(max_batch)]
     proc = subprocess.Popen(argv, stdout=subprocess.PIPE, text=True)
     line = proc.stdout.readline()
     if not line.startswith("kiln: serving"):
@@ -155,7 +155,9 @@ def main() -> None:
     ap.add_argument("--requests", type=int, default=4, help="requests per client")
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--device", default="cpu")
-    ap.add_argument("--parallel", type=int, default=8, help="requests the server decodes at once (its default: 8)")
+    ap.add_argument(
+        "--max-batch", type=int, default=8, help="requests the server decodes at once, in one batch (its default: 8)"
+    )
     ap.add_argument(
         "--hostile",
         type=int,
@@ -166,7 +168,7 @@ def main() -> None:
     if not args.run_dir and not args.url:
         ap.error("give a RUN_DIR to serve or the --url of a running server")
 
-    proc, url = (None, args.url.rstrip("/")) if args.url else start_server(args.run_dir, args.device, args.parallel)
+    proc, url = (None, args.url.rstrip("/")) if args.url else start_server(args.run_dir, args.device, args.max_batch)
     stop = threading.Event()
     attackers = [threading.Thread(target=hostile, args=(url, i, stop), daemon=True) for i in range(args.hostile)]
     for attacker in attackers:
@@ -194,7 +196,7 @@ def main() -> None:
                 "bench": "serve",
                 "run": args.run_dir or args.url,
                 "device": args.device if proc is not None else None,
-                "parallel": args.parallel if proc is not None else None,
+                "max_batch": args.max_batch if proc is not None else None,
                 "max_tokens": args.max_tokens,
                 "hostile": args.hostile,
                 "threads": torch.get_num_threads(),

@@ -42,6 +42,26 @@ def kiln_results(run: Path, tasks: Path, names: list[str]) -> dict:
     return results
 
 
+def test_generation_requests_of_any_lengths_answer_batched_as_one_at_a_time(trained):
+    from lm_eval.api.instance import Instance
+
+    from kiln.harness.model import KilnLM
+    from kiln.train.run import load_run
+
+    saved = load_run(trained[0], device="cpu")
+    contexts = ["def ", "import os\nimport sys\n\ndef main(", "class A:\n    def __init__(self", "x = [", "# a"]
+    kwargs = {"until": ["\n\n"], "max_gen_toks": 12, "do_sample": False}
+    requests = [Instance("generate_until", {}, (c, kwargs), i) for i, c in enumerate(contexts * 2)]
+
+    def answers(batch_size: int) -> list[str]:
+        lm = KilnLM(saved.model, saved.family, saved.tokenizer, SEQ_LEN, batch_size=batch_size)
+        return lm.generate_until(requests)
+
+    one = answers(1)
+    assert len({len(KilnLM(saved.model, saved.family, saved.tokenizer, SEQ_LEN).tok_encode(c)) for c in contexts}) >= 4
+    assert answers(8) == one and answers(3) == one
+
+
 @pytest.mark.slow
 def test_kiln_scores_tasks_as_lm_eval_scores_the_hf_export(trained):
     run, export, tasks = trained

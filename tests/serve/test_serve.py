@@ -325,3 +325,12 @@ def test_a_failure_while_generating_is_that_requests_500_and_the_server_goes_on(
         assert events[-2] == "data: [DONE]"
         reply = httpx.post(f"{url}/v1/completions", json={"prompt": [1, 2], "max_tokens": 4})
         assert reply.json()["usage"]["completion_tokens"] == 4
+
+
+def test_an_event_is_one_line_whatever_characters_its_text_holds():
+    from kiln.serve.app import _sse
+
+    text = "a\u2028b\x85c\u2029d\ne\u00e9"  # line ends for str.splitlines (httpx's iter_lines)
+    event = _sse({"text": text})
+    line, blank = event.splitlines()
+    assert blank == "" and json.loads(line.removeprefix("data: "))["text"] == text

@@ -25,7 +25,8 @@ matter).
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Sequence
+import contextlib
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -179,7 +180,8 @@ class CacheLayer:
 class Decodable(Protocol):
     """What the decoder needs of a model: the ``module`` (put in eval mode while decoding), its
     ``context`` (positions it can attend over; None: unknown), and ``forward``, the next-token
-    logits [B, T, vocab] of tokens [B, T] fed into a bound ``SlotCache``."""
+    logits [B, vocab] after the last of tokens [B, T] fed into a bound ``SlotCache`` (only the
+    last position's: a prompt's others would cost T times the output layer)."""
 
     @property
     def module(self) -> nn.Module: ...
@@ -242,21 +244,39 @@ class Decoder:
 
     def step(self) -> list[tuple[Row, int]]:
         """One step: admit, feed prompt chunks, decode a token of every running row."""
+        with self._evaluating():
+            return self._step()
+
+    def run(self, rows: Iterable[Row]) -> None:
+        """Decode ``rows`` to the end."""
+        self.add(rows)
+        with self._evaluating():
+            while self.busy:
+                self._step()
+
+    @contextlib.contextmanager
+    def _evaluating(self) -> Iterator[None]:
+        """The model in eval mode, without gradients, giving it its own mode back after. no_grad,
+        not inference_mode: a run samples from the model it trains, whose float8 training layers
+        (train.precision=fp8) refuse inference-mode tensors."""
+        module = self.model.module
+        training = module.training
+        if training:  # switching walks every module: once, not at each step
+            module.eval()
+        try:
+            with torch.no_grad():
+                yield
+        finally:
+            if training:
+                module.train()
+
+    def _step(self) -> list[tuple[Row, int]]:
         self._drop_cancelled()
         self._admit()
         made: list[tuple[Row, torch.Tensor]] = []
-        module = self.model.module
-        was_training = module.training
-        module.eval()
-        # no_grad, not inference_mode: a run samples from the model it trains, whose float8
-        # training layers (train.precision=fp8) refuse inference-mode tensors.
-        try:
-            with torch.no_grad():
-                if self.running:
-                    made += self._decode()
-                made += self._fill(self.max_batch_tokens - len(self.running))
-        finally:
-            module.train(was_training)
+        if self.running:
+            made += self._decode()
+        made += self._fill(self.max_batch_tokens - len(self.running))
         if not made:
             return []
         ids = torch.cat([t for _, t in made]).tolist()  # the step's one wait for the device
@@ -270,12 +290,6 @@ class Decoder:
                 row.finish = "length"
         self._drop_finished()
         return out
-
-    def run(self, rows: Iterable[Row]) -> None:
-        """Decode ``rows`` to the end."""
-        self.add(rows)
-        while self.busy:
-            self.step()
 
     def _admit(self) -> None:
         while self.waiting and None in self.owner:
@@ -301,7 +315,7 @@ class Decoder:
             tokens = torch.tensor([chunk], device=self.device)
             positions = torch.arange(start, start + len(chunk), device=self.device)[None]
             self.cache.bind(slice(row.slot, row.slot + 1), positions, [start + len(chunk) - 1])
-            logits = self.model.forward(tokens, self.cache)[:, -1]
+            logits = self.model.forward(tokens, self.cache)
             row.fed += len(chunk)
             if row.fed < len(row.window):
                 continue
@@ -320,7 +334,7 @@ class Decoder:
         tokens = torch.tensor([[r.tokens[-1]] for r in rows], device=self.device)
         last = [r.position for r in rows]
         self.cache.bind(slice(0, len(rows)), torch.tensor(last, device=self.device)[:, None], last)
-        logits = self.model.forward(tokens, self.cache)[:, -1]
+        logits = self.model.forward(tokens, self.cache)
         sampled = _sample(logits, rows)
         return [(r, sampled[i : i + 1]) for i, r in enumerate(rows)]
 

@@ -301,5 +301,10 @@ async def _events(
     yield "data: [DONE]\n\n"
 
 
+# Characters JSON leaves as they are that Python's str.splitlines (and clients reading events
+# with it, such as httpx's iter_lines) takes for line ends: escaped, each event stays one line.
+_LINE_ENDS = str.maketrans({"\x85": "\\u0085", "\u2028": "\\u2028", "\u2029": "\\u2029"})
+
+
 def _sse(data: dict) -> str:
-    return f"data: {json.dumps(data, ensure_ascii=False)}\n\n"
+    return f"data: {json.dumps(data, ensure_ascii=False).translate(_LINE_ENDS)}\n\n"

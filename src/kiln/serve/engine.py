@@ -185,6 +185,12 @@ class Engine:
         decodable = run.family.decoding(run.model)
         if decodable is None:
             raise ServeError(f"model family {run.cfg.model.family} ({run.cfg.model.task}) cannot generate text")
+        # A mixture of experts whose experts take a limited share of a pass's tokens routes a
+        # token differently beside others: such a model decodes and scores one sequence a pass.
+        self.score_alone = any(isinstance(m, MoE) and m.capacity for m in run.model.modules())
+        if self.score_alone and max_batch > 1:
+            log.warning("a mixture of experts with a capacity: one request decoded at a time (--max-batch 1)")
+            max_batch = 1
         self.decoder = Decoder(
             decodable, length=context, max_batch=max_batch, max_batch_tokens=max_batch_tokens, device=self.device
         )
@@ -192,9 +198,8 @@ class Engine:
         self.stats = Stats()
         self._inbox: queue.SimpleQueue[tuple[GenerationRequest | list[Score], Emit] | None] = queue.SimpleQueue()
         self._requests: dict[Row, _Request] = {}
-        # A mixture of experts whose experts take a limited share of a pass's tokens routes a
-        # token differently beside others: such a model scores one sequence per pass, unpadded.
-        self.score_alone = any(isinstance(m, MoE) and m.capacity for m in run.model.modules())
+        # What the worker's turn emitted, by the event loop it goes to (see _send).
+        self._outbox: dict[asyncio.AbstractEventLoop, list] = {}
         self._thread = threading.Thread(target=self._work, name="kiln-serve-engine", daemon=True)
 
     def start(self) -> None:
@@ -253,20 +258,32 @@ class Engine:
         answers: asyncio.Queue[Update | list[Scored] | Exception] = asyncio.Queue()
 
         def emit(answer: Update | list[Scored] | Exception) -> None:
-            try:
-                loop.call_soon_threadsafe(answers.put_nowait, answer)
-            except RuntimeError:  # the event loop has closed: nobody is listening any more
-                if isinstance(work, GenerationRequest):
-                    work.cancelled = True
+            self._outbox.setdefault(loop, []).append((answers, answer, work))
 
         self._inbox.put((work, emit))
         return answers
 
+    def _send(self) -> None:
+        """Hand what the worker's last turn emitted to the event loops: one wake-up of each loop
+        a turn, not one a token (each wakes its thread, which takes the interpreter's lock)."""
+        outbox, self._outbox = self._outbox, {}
+        for loop, answers in outbox.items():
+            try:
+                loop.call_soon_threadsafe(_deliver, answers)
+            except RuntimeError:  # the event loop has closed: nobody is listening any more
+                for _, _, work in answers:
+                    if isinstance(work, GenerationRequest):
+                        work.cancelled = True
+
     def _work(self) -> None:
         while True:
+            self._send()
             while True:
+                idle = not self.decoder.busy
+                if idle:
+                    self._send()  # what scoring answered, before waiting
                 try:
-                    item = self._inbox.get(block=not self.decoder.busy)  # wait for work only when there is none
+                    item = self._inbox.get(block=idle)  # wait for work only when there is none
                 except queue.Empty:
                     break
                 if item is None:
@@ -325,6 +342,12 @@ class Engine:
             item = self._inbox.get()
             if item is not None:
                 item[1](gone)
+        self._send()
+
+
+def _deliver(answers: list[tuple[asyncio.Queue, Update | list[Scored] | Exception, object]]) -> None:
+    for queue_, answer, _ in answers:
+        queue_.put_nowait(answer)
 
 
 @dataclass

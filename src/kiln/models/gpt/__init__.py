@@ -136,7 +136,7 @@ class GPTDecoding:
         return cast(GPT, self.module).config.max_seq_len
 
     def forward(self, tokens: torch.Tensor, cache: SlotCache) -> torch.Tensor:
-        return self.module(tokens, kv_cache=cache)
+        return self.module(tokens, kv_cache=cache, logits_to_keep=1)[:, -1]
 
 
 FAMILY = GPTFamily()

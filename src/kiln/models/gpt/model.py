@@ -282,9 +282,11 @@ class GPT(nn.Module):
         kv_cache: Any = None,
         start_pos: int = 0,
         positions: torch.Tensor | None = None,
+        logits_to_keep: int = 0,
     ):
-        """Logits [B, T, V] for tokens idx [B, T] at positions start_pos..start_pos + T - 1, or,
-        given targets [B, T] (-100 where no loss is wanted), their mean cross-entropy.
+        """Logits [B, T, V] for tokens idx [B, T] at positions start_pos..start_pos + T - 1 (those
+        of the last ``logits_to_keep`` positions, when not 0, as transformers' models take it),
+        or, given targets [B, T] (-100 where no loss is wanted), their mean cross-entropy.
 
         With a ``kv_cache`` (a bound ``kiln.models.decode.SlotCache``) each row is at the positions
         the cache was bound with: the keys and values of these tokens are written into it and
@@ -329,7 +331,7 @@ class GPT(nn.Module):
         x = self.norm(x)
         cap = self.config.logit_softcap
         if targets is None:
-            logits = self.lm_head(x)
+            logits = self.lm_head(x[:, -logits_to_keep:])
             return cap * torch.tanh(logits / cap) if cap else logits
         loss = self.head_loss(x, self.lm_head.weight, targets)
         return loss + sum(losses) if losses else loss

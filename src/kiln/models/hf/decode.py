@@ -57,22 +57,15 @@ class HFDecoding:
         # Additive, as every attention implementation of transformers takes it (eager adds it).
         mask = torch.zeros(cache.mask.shape, dtype=dtype, device=tokens.device)
         mask = mask.masked_fill_(~cache.mask, torch.finfo(dtype).min)[:, None]
-        out = self.module(
-            input_ids=tokens,
-            position_ids=cache.positions,
-            attention_mask=mask,
-            use_cache=True,
-            **{_cache_keyword(self.module): _slot_cache_class()(cache)},
-        )
-        return out.logits
+        keywords = _keywords(type(self.module).forward)
+        # transformers 5.24 renamed past_key_values to cache (the old name warns on every call).
+        extra = {"cache" if "cache" in keywords else "past_key_values": _slot_cache_class()(cache)}
+        if "logits_to_keep" in keywords:
+            extra["logits_to_keep"] = 1
+        out = self.module(input_ids=tokens, position_ids=cache.positions, attention_mask=mask, use_cache=True, **extra)
+        return out.logits[:, -1]
 
 
 @functools.cache
-def _keyword(forward: Any) -> str:
-    # transformers 5.24 renamed past_key_values to cache (the old name warns on every call); older
-    # versions know only the old one.
-    return "cache" if "cache" in inspect.signature(forward).parameters else "past_key_values"
-
-
-def _cache_keyword(module: nn.Module) -> str:
-    return _keyword(type(module).forward)
+def _keywords(forward: Any) -> frozenset[str]:
+    return frozenset(inspect.signature(forward).parameters)
