@@ -138,6 +138,13 @@ def test_a_config_of_an_earlier_version_is_told_what_to_write_now():
     classifier = {"run": {"job": "finetune"}, "model": {"task": "sequence_classification"}}
     assert from_dict(classifier).run.job == "classify"
     assert from_dict({"run": {"job": "lm"}, "train": {"objective": "sft"}}).run.job == "lm"
+    # grpo.length_norm became grpo.loss.
+    with pytest.raises(ConfigError, match="grpo.length_norm: .* set grpo.loss = 'dr_grpo'"):
+        load_config(None, ["grpo.length_norm=dr_grpo"])
+    assert from_dict({"grpo": {"length_norm": "sequence"}}).grpo.loss == "grpo"
+    assert from_dict({"grpo": {"length_norm": "dr_grpo"}}).grpo.loss == "dr_grpo"
+    weights = load_config(None, ["grpo.rewards=a:f,b:g", "grpo.reward_weights=1,0.5"]).grpo
+    assert weights.rewards == ("a:f", "b:g") and weights.reward_weights == (1.0, 0.5)
 
 
 def test_classify_is_the_job_of_a_sequence_classifier(tmp_path):

@@ -96,39 +96,68 @@ def test_grpo_raises_the_mean_reward_above_0_8(tmp_path, prompts, warm_llama):
     assert all(r["time/generation_s"] > 0 and r["completions/mean_length"] >= 1 for r in records(run) if "reward" in r)
 
 
-def test_the_loss_is_grpos_on_the_sampled_completions(tmp_path, prompts, hf_llama):
+def _length(prompts, completions, **_):
+    return [float(len(c)) for c in completions]
+
+
+def _digits(prompts, completions, **_):
+    return [float(sum(ch.isdigit() for ch in c)) for c in completions]
+
+
+@pytest.mark.parametrize("loss", ["grpo", "dr_grpo", "dapo", "bnpo"])
+def test_the_loss_is_grpos_on_the_sampled_completions(tmp_path, prompts, hf_llama, loss):
+    """Two reward functions with weights, each loss variant: the loss and its gradients are the
+    formula's, computed here by hand from the same draws."""
     from kiln.data.prompts import prompt_collate
+    from kiln.distributed.world import World
+    from kiln.train.grpo import GRPOLoss, Rewards
     from kiln.train.jobs import job_for
     from kiln.train.logps import token_logps
 
-    cfg = load_config(None, grpo_sets(tmp_path / "run", prompts, hf_llama, grpo__max_new_tokens=6))
+    cfg = load_config(None, grpo_sets(tmp_path / "run", prompts, hf_llama, grpo__max_new_tokens=6, grpo__loss=loss))
     job = job_for(cfg)
-    from kiln.distributed.world import World
-
     job.prepare(World(), console=False)
+    rewards = Rewards([("length", _length), ("digits", _digits)], (1.0, 0.5))
+    job.objective = job.loss_fn = GRPOLoss(cfg, job.family, job.tokenizer, rewards, World())
     model = job.whole_model(torch.device("cpu")).eval()
     batch = prompt_collate(job.prompts.train.rows[:3])
     torch.manual_seed(7)
-    rollout = job.rollout(model, batch, 3)  # the three prompts sampled as one micro-batch
+    rollout = job.rollout(model, batch, 3)
     assert len(rollout) == 3 and len(rollout.rows) == 12 and [len(p) for p in rollout.split_rows(2)] == [2, 1]
-    loss = job.loss_fn(model, rollout)
-    loss.backward()
+    tokens = sum(rollout.rows.loss_tokens)
+    assert rollout.count == (tokens if loss == "dapo" else 3)  # what the step weighs micro-batches by
+    loss_value = job.loss_fn(model, rollout)
+    loss_value.backward()
     ours = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
     model.zero_grad()
-    # By hand: the same draws, the advantages of each group, the mean over completions of each
-    # one's mean token log-probability times its advantage.
+    # By hand: the same draws, the weighted rewards, each group's advantages; the loss with the
+    # ratio to the sampling policy (1, with the gradient of log p).
     torch.manual_seed(7)
     completions = job.objective.sample(model, batch)
-    rows = job.objective.rows(batch.prompt_ids, completions)
-    rewards = job.objective.score(batch, completions).view(3, 4)
+    texts = [job.tokenizer.decode(c, skip_special_tokens=True) for c in completions]
+    rewards = torch.tensor([len(t) + 0.5 * sum(ch.isdigit() for ch in t) for t in texts], dtype=torch.float64).view(
+        3, 4
+    )
+    assert rewards.std(1).min() > 0  # the advantages are not all 0
     advantages = ((rewards - rewards.mean(1, keepdim=True)) / (rewards.std(1, keepdim=True) + 1e-4)).flatten()
-    logps, scored = token_logps(model, rows)
-    mean_logp = (logps * scored).sum(1) / scored.sum(1)
-    by_hand = -(advantages.float() * mean_logp).mean()
-    torch.testing.assert_close(loss, by_hand, rtol=0, atol=1e-6)
+    logps, scored = token_logps(model, job.objective.rows(batch.prompt_ids, completions))
+    ratio = torch.exp(logps - logps.detach())
+    per_token = -(advantages.float()[:, None] * ratio) * scored
+    by_hand = {
+        "grpo": (per_token.sum(1) / scored.sum(1)).mean(),
+        "dr_grpo": (per_token.sum(1) / 6).mean(),
+        "dapo": per_token.sum() / scored.sum(),
+        "bnpo": per_token.sum() / scored.sum(),
+    }[loss]
+    torch.testing.assert_close(loss_value, by_hand, rtol=0, atol=1e-6)
     by_hand.backward()
     for name, grad in ours.items():
         torch.testing.assert_close(grad, dict(model.named_parameters())[name].grad, rtol=0, atol=1e-6, msg=name)
+    assert any(g.abs().max() > 0 for g in ours.values())
+    logged = job.objective.metrics(World())
+    assert logged["rewards/length/mean"] == pytest.approx(rewards.mean().item() - 0.5 * logged["rewards/digits/mean"])
+    lengths = torch.tensor([len(t) for t in texts], dtype=torch.float64)
+    assert logged["rewards/length/std"] == pytest.approx(lengths.std(unbiased=False).item())
 
 
 @pytest.mark.slow
@@ -145,8 +174,10 @@ def test_sigkill_and_resume_is_bitwise(tmp_path, prompts, warm_llama):
 @pytest.mark.parametrize(
     ("extra", "message"),
     [
-        ({"grpo.reward": ""}, "grpo.reward: grpo needs a reward, either a function"),
-        ({"grpo.reward_model": "somewhere"}, "grpo.reward: grpo needs a reward, either a function"),
+        ({"grpo.reward": ""}, "grpo.reward: grpo needs a reward: a function"),
+        ({"grpo.rewards": '["rewards:right_sum"]'}, "grpo.rewards: set grpo.reward (one function) or grpo.rewards"),
+        ({"grpo.reward_weights": "[1.0, 2.0]"}, "grpo.reward_weights: 2 weights for 1 rewards"),
+        ({"grpo.length_norm": "sequence"}, "grpo.length_norm: how token losses become the loss is grpo.loss now"),
         ({"grpo.reward": "rewards:nowhere"}, "grpo.reward: cannot import rewards:nowhere"),
         ({"grpo.reward": "no_such_module_x:f"}, "grpo.reward: cannot import no_such_module_x:f"),
         ({"grpo.kl_coef": 0.1}, "grpo.kl_coef: the KL term's reference is the model with its LoRA adapters off"),

@@ -44,8 +44,8 @@ def _coerce(key: str, tp: Any, value: Any, from_text: bool) -> Any:
         return _tables(key, get_args(tp)[0], value, from_text)
     if get_origin(tp) is tuple and get_args(tp) == (str, Ellipsis):
         return _strings(key, value, from_text)
-    if get_origin(tp) is tuple and get_args(tp) == (int, Ellipsis):
-        return _integers(key, value, from_text)
+    if get_origin(tp) is tuple and get_args(tp) in ((int, Ellipsis), (float, Ellipsis)):
+        return _numbers(key, get_args(tp)[0], value, from_text)
     if get_origin(tp) in _UNIONS:
         for option in get_args(tp):
             try:
@@ -102,16 +102,16 @@ def _strings(key: str, value: Any, from_text: bool) -> tuple[str, ...]:
     raise ConfigError([f"{key}: expected a list of strings, got {value!r}"])
 
 
-def _integers(key: str, value: Any, from_text: bool) -> tuple[int, ...]:
-    """A list of integers: a TOML array, or on the command line also ``3,4,4,3``."""
+def _numbers(key: str, tp: type, value: Any, from_text: bool) -> tuple:
+    """A list of integers or numbers: a TOML array, or on the command line also ``3,4,4,3``."""
     if from_text and isinstance(value, str):
         value = [part.strip(" []") for part in value.split(",") if part.strip(" []")]
     if isinstance(value, list | tuple):
         try:
-            return tuple(_coerce(key, int, v, from_text) for v in value)
+            return tuple(_coerce(key, tp, v, from_text) for v in value)
         except ConfigError:
             pass
-    raise ConfigError([f"{key}: expected a list of integers, got {value!r}"])
+    raise ConfigError([f"{key}: expected a list of {'integers' if tp is int else 'numbers'}, got {value!r}"])
 
 
 def _tables(key: str, cls: Any, value: Any, from_text: bool) -> tuple:
@@ -244,13 +244,16 @@ def from_dict(values: dict[str, dict[str, Any]]) -> Config:
 
 def _upgraded(values: dict[str, dict[str, Any]]) -> dict[str, dict[str, Any]]:
     """A saved config in today's keys: earlier versions said run.job = "finetune" and what it
-    trained for in train.objective, which is the run's job now."""
+    trained for in train.objective, which is the run's job now; grpo.length_norm is grpo.loss."""
     run, train = dict(values.get("run", {})), dict(values.get("train", {}))
     objective = train.pop("objective", "sft")
     if run.get("job") == "finetune":
         classify = values.get("model", {}).get("task") == "sequence_classification"
         run["job"] = objective if objective != "sft" else "classify" if classify else "sft"
-    return {**values, "run": run, "train": train}
+    grpo = dict(values.get("grpo", {}))
+    if "length_norm" in grpo:  # grpo.loss since issue 52
+        grpo["loss"] = {"sequence": "grpo"}.get(grpo.pop("length_norm"), "dr_grpo")
+    return {**values, "run": run, "train": train, "grpo": grpo}
 
 
 def _retired(key: str, value: Any) -> str | None:
@@ -258,6 +261,9 @@ def _retired(key: str, value: Any) -> str | None:
     if key == "train.objective":
         job = "sft (classify for a sequence classifier)" if value == "sft" else repr(value)
         return f"train.objective: what a run trains for is its run.job now; set run.job = {job} instead"
+    if key == "grpo.length_norm":
+        loss = "grpo" if value == "sequence" else value
+        return f"grpo.length_norm: how token losses become the loss is grpo.loss now; set grpo.loss = {loss!r}"
     if key == "run.job" and value == "finetune":
         return (
             "run.job: finetune is sft now (a causal LM on prompt/completion or chat records), or classify (a "

@@ -926,11 +926,17 @@ class GRPOConfig:
     """The reward function, "package.module:function" (importable where kiln runs): called as
     TRL calls one, function(prompts=[...], completions=[...], **fields), each field a list of the
     records' other values (e.g. answer=[...]), one entry per completion; returns a float per
-    completion (None counts as 0)."""
+    completion (None counts as 0). Several: grpo.rewards."""
+    rewards: tuple[str, ...] = ()
+    """Several reward functions (each as grpo.reward says, instead of it), their weighted sum the
+    reward, each logged as rewards/<function>/mean and std, as TRL logs them."""
+    reward_weights: tuple[float, ...] = ()
+    """A weight for each of grpo.rewards (then grpo.reward_model, if set), in order; empty: 1 each."""
     reward_model: str = ""
-    """Instead of grpo.reward: a sequence classifier in transformers' format (a kiln
-    classification run exported with kiln export RUN --format hf, or any such directory) that
-    scores each prompt + completion; the reward is its probability of grpo.reward_label."""
+    """A sequence classifier in transformers' format (a kiln classification run exported with
+    kiln export RUN --format hf, or any such directory) that scores each prompt + completion: its
+    probability of grpo.reward_label is a reward (alone, or beside grpo.reward's or
+    grpo.rewards', weighed by grpo.reward_weights)."""
     reward_label: str = ""
     """The class of grpo.reward_model whose probability is the reward; empty: its last class."""
     group_size: int = 8
@@ -949,10 +955,13 @@ class GRPOConfig:
     scale_rewards: bool = True
     """Divide each advantage by its group's reward standard deviation (GRPO's); false leaves the
     rewards unscaled, as Dr. GRPO does."""
-    length_norm: Literal["sequence", "dr_grpo"] = "sequence"
-    """How a completion's token losses become its loss: sequence (their mean, GRPO's), or dr_grpo
-    (their sum over grpo.max_new_tokens: no bias towards long wrong answers, Liu et al. 2025).
-    Completions then weigh the same in the batch's mean, whatever the accumulation and ranks."""
+    loss: Literal["grpo", "dr_grpo", "dapo", "bnpo"] = "grpo"
+    """How token losses become the loss. grpo: each completion's mean, then their mean (Shao et al.
+    2024); dr_grpo: each completion's sum over grpo.max_new_tokens, then their mean, with no bias
+    towards long wrong answers (Liu et al. 2025, who also leave grpo.scale_rewards off); dapo: the
+    mean over every completion token of the global batch, whatever the accumulation and ranks,
+    so long completions weigh by their length (Yu et al. 2025); bnpo: each micro-batch's mean over
+    its tokens, then the micro-batches' mean, weighed by their completions (TRL's bnpo)."""
 
     def errors(self) -> list[str]:
         return _failed(
@@ -964,6 +973,17 @@ class GRPOConfig:
             (self.temperature > 0, f"grpo.temperature: must be > 0 (completions are sampled), got {self.temperature}"),
             (0 < self.top_p <= 1, f"grpo.top_p: must be in (0, 1], got {self.top_p}"),
             (self.kl_coef >= 0, f"grpo.kl_coef: must be >= 0, got {self.kl_coef}"),
+            (
+                not (self.reward and self.rewards),
+                "grpo.rewards: set grpo.reward (one function) or grpo.rewards (several), not both",
+            ),
+            (
+                not self.reward_weights
+                or len(self.reward_weights) == len(self.rewards) + bool(self.reward) + bool(self.reward_model),
+                f"grpo.reward_weights: {len(self.reward_weights)} weights for "
+                f"{len(self.rewards) + bool(self.reward) + bool(self.reward_model)} rewards (grpo.reward or "
+                "grpo.rewards, then grpo.reward_model)",
+            ),
         )
 
 
@@ -1134,9 +1154,9 @@ class Config:
                 "ranks would have to share; set parallel.cp=1",
             ),
             (
-                self.run.job != "grpo" or bool(self.grpo.reward) != bool(self.grpo.reward_model),
-                "grpo.reward: grpo needs a reward, either a function (grpo.reward = package.module:function) or a "
-                "kiln classification run (grpo.reward_model = RUN_DIR), not both",
+                self.run.job != "grpo" or bool(self.grpo.reward or self.grpo.rewards or self.grpo.reward_model),
+                "grpo.reward: grpo needs a reward: a function (grpo.reward = package.module:function, or several in "
+                "grpo.rewards) or a sequence classifier (grpo.reward_model = DIR), or both",
             ),
             (
                 self.run.job != "grpo" or not self.grpo.kl_coef or self.lora.rank,

@@ -1,24 +1,24 @@
 """GRPO (Shao et al. 2024): reinforcement learning with verifiable rewards. For each prompt of a
-micro-batch the model samples a group of completions with kiln's batched decoder, a reward
-function scores them, and each completion's advantage is its reward against its group's; the
-loss raises the log-probability of the completion's tokens in proportion to it (optionally minus
-a KL estimate to the reference model, the model with its LoRA adapters off).
+batch the model samples a group of completions with kiln's batched decoder, reward functions
+(weighed, summed) score them, and each completion's advantage is its reward against its group's;
+the loss raises the log-probability of the completion's tokens in proportion to it (optionally
+minus a KL estimate to the reference model, the model with its LoRA adapters off), its token
+losses averaged as grpo.loss says (grpo, dr_grpo, dapo, bnpo).
 
 Sampling is the job's rollout, a phase of the loop before each step (``Job.rollout``) that turns
 the step's prompts into scored completions (a ``Rollout``), so the loss is an ordinary forward of
 whatever layout the model has. Each group of completions is sampled and trained on in one step
 (on-policy: the policy ratio of the clipped surrogate is exactly 1, as in TRL with one iteration
-per generation, so no clip constant is offered). Every completion weighs the same in the mean, whatever the accumulation
-and ranks. Sampling draws its seed from the global torch generator, which checkpoints keep, so a
-resumed run samples what the uninterrupted one did. Generation and training time are reported
-apart.
+per generation, so no clip constant is offered). Sampling draws its seed from the global torch
+generator, which checkpoints keep, so a resumed run samples what the uninterrupted one did.
+Generation and training time are reported apart.
 """
 
 from __future__ import annotations
 
 import importlib
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -27,6 +27,7 @@ import torch
 from torch import nn
 
 from kiln.config import Config, ConfigError
+from kiln.config.schema import GRPOConfig
 from kiln.data.batch import RowBatch, TokenBatch, pad_id, pad_rows
 from kiln.data.prompts import PromptBatch
 from kiln.distributed.world import World
@@ -41,18 +42,54 @@ from kiln.train.preference import adapters_disabled
 METRICS = ("reward", "reward_std", "completions/mean_length", "completions/clipped_ratio", "kl")
 
 
-def load_reward(spec: str) -> Callable[..., list[float | None]]:
-    """The function ``package.module:function`` names (ConfigError naming grpo.reward if not)."""
+def load_reward(spec: str, key: str = "grpo.reward") -> Callable[..., list[float | None]]:
+    """The function ``package.module:function`` names (ConfigError naming ``key`` if not)."""
     module_name, _, name = spec.partition(":")
     if not module_name or not name:
-        raise ConfigError([f"grpo.reward: {spec!r} is not package.module:function"])
+        raise ConfigError([f"{key}: {spec!r} is not package.module:function"])
     try:
         function = getattr(importlib.import_module(module_name), name)
     except (ImportError, AttributeError) as e:
-        raise ConfigError([f"grpo.reward: cannot import {spec}: {e}"]) from None
+        raise ConfigError([f"{key}: cannot import {spec}: {e}"]) from None
     if not callable(function):
-        raise ConfigError([f"grpo.reward: {spec} is not callable"])
+        raise ConfigError([f"{key}: {spec} is not callable"])
     return function
+
+
+class Rewards:
+    """The run's reward functions, each with a name (its function's, as TRL logs them) and a
+    weight: called as one reward function is, it returns each completion's weighted sum [n] and
+    each function's values [functions, n], float64 on the host."""
+
+    def __init__(self, functions: list[tuple[str, Callable[..., Any]]], weights: Sequence[float] = ()):
+        self.names = [
+            name if [n for n, _ in functions].count(name) == 1 else f"{name}_{i}"
+            for i, (name, _) in enumerate(functions)
+        ]
+        self.functions = [f for _, f in functions]
+        self.weights = torch.tensor(list(weights) or [1.0] * len(functions), dtype=torch.float64)
+
+    @classmethod
+    def of(cls, g: GRPOConfig, device: torch.device) -> Rewards:
+        """grpo.reward or grpo.rewards, then grpo.reward_model, weighed by grpo.reward_weights."""
+        key = "grpo.rewards" if g.rewards else "grpo.reward"
+        specs = list(g.rewards) or ([g.reward] if g.reward else [])
+        functions: list[tuple[str, Callable[..., Any]]] = [(s.partition(":")[2], load_reward(s, key)) for s in specs]
+        if g.reward_model:
+            functions.append(("reward_model", RewardModel(g.reward_model, g.reward_label, device)))
+        return cls(functions, g.reward_weights)
+
+    def __call__(
+        self, prompts: list[Any], completions: list[str], **fields: list[Any]
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        values = []
+        for name, function in zip(self.names, self.functions, strict=True):
+            out = function(prompts=prompts, completions=completions, **fields)
+            if len(out) != len(completions):
+                raise ValueError(f"reward {name}: returned {len(out)} rewards for {len(completions)} completions")
+            values.append([0.0 if v is None else float(v) for v in out])
+        each = torch.tensor(values, dtype=torch.float64)
+        return (self.weights[:, None] * each).sum(0), each
 
 
 class RewardModel:
@@ -113,78 +150,79 @@ class Rollout(RowBatch):
     rows: TokenBatch
     advantages: torch.Tensor
     group: int
+    by_tokens: bool = False  # grpo.loss = dapo: every completion token weighs the same
 
     def __len__(self) -> int:
         return len(self.rows) // self.group
 
     @property
     def count(self) -> int:
-        return len(self)
+        return sum(self.rows.loss_tokens or ()) if self.by_tokens else len(self)
 
     @property
     def tokens(self) -> int:
         return self.rows.tokens
 
     def to(self, device: torch.device, non_blocking: bool = True) -> Rollout:
-        return Rollout(
-            self.rows.to(device, non_blocking), self.advantages.to(device, non_blocking=non_blocking), self.group
-        )
+        advantages = self.advantages.to(device, non_blocking=non_blocking)
+        return Rollout(self.rows.to(device, non_blocking), advantages, self.group, self.by_tokens)
 
     def pin_memory(self) -> Rollout:
-        return Rollout(self.rows.pin_memory(), self.advantages.pin_memory(), self.group)
+        return Rollout(self.rows.pin_memory(), self.advantages.pin_memory(), self.group, self.by_tokens)
 
     def split_rows(self, size: int) -> list[Rollout]:
         rows = size * self.group
         pieces = self.rows.split_rows(rows)
         return [
-            Rollout(piece, self.advantages[i * rows : (i + 1) * rows], self.group) for i, piece in enumerate(pieces)
+            Rollout(piece, self.advantages[i * rows : (i + 1) * rows], self.group, self.by_tokens)
+            for i, piece in enumerate(pieces)
         ]
 
 
 class GRPOLoss:
     """``rollout(model, prompts, micro_batch_size)``: the job's phase before each step, which
     samples and scores each prompt's completions; ``loss(model, rollout)``: the GRPO loss of a
-    micro-batch of them (mean over its completions), an ordinary forward of whatever layout the
-    model has; ``metrics`` reports the interval's rewards, lengths and generation time."""
+    micro-batch of them (as grpo.loss says), an ordinary forward of whatever layout the model
+    has; ``metrics`` reports the interval's rewards, lengths and generation time."""
 
-    def __init__(self, cfg: Config, family: ModelFamily, tokenizer: Any, reward: Callable, world: World):
-        self.g, self.family, self.tokenizer, self.reward, self.world = cfg.grpo, family, tokenizer, reward, world
+    def __init__(self, cfg: Config, family: ModelFamily, tokenizer: Any, rewards: Rewards, world: World):
+        self.g, self.family, self.tokenizer, self.rewards, self.world = cfg.grpo, family, tokenizer, rewards, world
         self.kl = cfg.grpo.kl_coef > 0
         # METRICS' sums but the KL's, the generation seconds and the completions: host values
-        # (rewards are); the KL's sum stays on the device, read when the metrics are.
+        # (rewards are); the KL's sum stays on the device, read when the metrics are. Each reward
+        # function's sum and sum of squares.
         self.sums = torch.zeros(len(METRICS) + 2, dtype=torch.float64)
+        self.each = torch.zeros(len(rewards.names), 2, dtype=torch.float64)
         self.kl_sum: torch.Tensor | None = None
 
     def rollout(self, model: nn.Module, batch: PromptBatch, micro_batch_size: int) -> Rollout:
         """Each prompt's group of completions, sampled by ``model`` (this rank's, unwrapped: the
-        whole model) a micro-batch of prompts at a time, scored, with their advantages."""
+        whole model) all in one batch of the decoder, scored, with their advantages."""
         g = self.g
         started = time.perf_counter()
-        sampled, advantages = [], []
-        for piece in batch.split_rows(micro_batch_size):
-            completions = self.sample(model, piece)
-            rewards = self.score(piece, completions)
-            grouped = rewards.view(len(piece), g.group_size)
-            advantage = grouped - grouped.mean(1, keepdim=True)
-            if g.scale_rewards:
-                advantage = advantage / (grouped.std(1, keepdim=True) + 1e-4)
-            sampled += completions
-            advantages.append(advantage.flatten())
-            ended = [c[-1] == self.tokenizer.eos_token_id for c in completions]
-            self.sums[:4] += torch.tensor(
-                [
-                    rewards.sum().item(),
-                    grouped.std(1).sum().item() * g.group_size,
-                    float(sum(map(len, completions))),
-                    float(len(ended) - sum(ended)),
-                ],
-                dtype=torch.float64,
-            )
-            self.sums[-1] += len(completions)
+        completions = self.sample(model, batch)
+        prompts, texts, fields = self._texts(batch, completions)
+        rewards, each = self.rewards(prompts, texts, **fields)
+        grouped = rewards.view(len(batch), g.group_size)
+        advantage = grouped - grouped.mean(1, keepdim=True)
+        if g.scale_rewards:
+            advantage = advantage / (grouped.std(1, keepdim=True) + 1e-4)
+        ended = [c[-1] == self.tokenizer.eos_token_id for c in completions]
+        self.sums[:4] += torch.tensor(
+            [
+                rewards.sum().item(),
+                grouped.std(1).sum().item() * g.group_size,
+                float(sum(map(len, completions))),
+                float(len(ended) - sum(ended)),
+            ],
+            dtype=torch.float64,
+        )
+        self.each += torch.stack([each.sum(1), each.square().sum(1)], dim=1)
+        self.sums[-1] += len(completions)
         self.sums[-2] += time.perf_counter() - started
         device = next(p.device for p in model.parameters())
-        rows = self.rows(batch.prompt_ids, sampled)
-        return Rollout(rows, torch.cat(advantages), g.group_size).to(device)
+        rows = self.rows(batch.prompt_ids, completions)
+        return Rollout(rows, advantage.flatten(), g.group_size, by_tokens=g.loss == "dapo").to(device)
 
     def __call__(self, model: nn.Module, batch: Rollout) -> torch.Tensor:
         g, rows = self.g, batch.rows
@@ -201,9 +239,12 @@ class GRPOLoss:
             kl = (k3 * scored).sum() / scored.sum().clamp(min=1)
             total = kl.detach().double() * len(rows)
             self.kl_sum = total if self.kl_sum is None else self.kl_sum + total
+        losses = per_token * scored
+        if g.loss in ("dapo", "bnpo"):  # a mean over tokens (the step weighs dapo's by tokens)
+            return losses.sum() / scored.sum().clamp(min=1)
         lengths = scored.sum(1)
-        norm = lengths.clamp(min=1) if g.length_norm == "sequence" else torch.full_like(lengths, g.max_new_tokens)
-        return ((per_token * scored).sum(1) / norm).mean()
+        norm = lengths.clamp(min=1) if g.loss == "grpo" else torch.full_like(lengths, g.max_new_tokens)
+        return (losses.sum(1) / norm).mean()
 
     @torch.no_grad()
     def sample(self, model: nn.Module, batch: PromptBatch, greedy: bool = False) -> list[list[int]]:
@@ -245,30 +286,37 @@ class GRPOLoss:
             loss_tokens=[len(c) for c in completions],
         )
 
-    def score(self, batch: PromptBatch, completions: list[list[int]], group: int | None = None) -> torch.Tensor:
-        """The reward function's values [completions], float64 on the host."""
-        group = group or self.g.group_size
+    def _texts(
+        self, batch: PromptBatch, completions: list[list[int]]
+    ) -> tuple[list[Any], list[str], dict[str, list[Any]]]:
+        """What the reward functions are given: each completion's prompt and text, and the
+        records' other fields (as keywords), one entry per completion."""
+        group = len(completions) // len(batch)
         texts = [self.tokenizer.decode(c, skip_special_tokens=True) for c in completions]
         prompts = [p for p in batch.prompts for _ in range(group)]
         names = {k for f in batch.fields for k in f}
         fields = {k: [f.get(k) for f in batch.fields for _ in range(group)] for k in names}
-        values = self.reward(prompts=prompts, completions=texts, **fields)
-        if len(values) != len(texts):
-            raise ValueError(f"grpo.reward: returned {len(values)} rewards for {len(texts)} completions")
-        return torch.tensor([0.0 if v is None else float(v) for v in values], dtype=torch.float64)
+        return prompts, texts, fields
 
     def metrics(self, world: World) -> dict[str, float]:
         """The interval's means over its completions and its seconds of sampling (averaged over
-        the ranks), and a new interval. The rest of the interval's time is training."""
+        the ranks), each reward function's mean and standard deviation, and a new interval. The
+        rest of the interval's time is training."""
         if not self.sums[-1]:
             return {}
-        local = self.sums.to(world.device)
+        local = torch.cat([self.sums, self.each.flatten()]).to(world.device)
         if self.kl_sum is not None:
             local[METRICS.index("kl")] = self.kl_sum.to(world.device)
-        sums = world.mean(local).tolist()
-        self.sums, self.kl_sum = torch.zeros_like(self.sums), None
-        out = {name: v / sums[-1] for name, v in zip(METRICS, sums, strict=False)}
+        everything = world.mean(local).tolist()
+        sums, each = everything[: len(self.sums)], everything[len(self.sums) :]
+        self.sums, self.each, self.kl_sum = torch.zeros_like(self.sums), torch.zeros_like(self.each), None
+        n = sums[-1]
+        out = {name: v / n for name, v in zip(METRICS, sums, strict=False)}
         out["time/generation_s"] = sums[-2]
+        for i, name in enumerate(self.rewards.names):
+            mean = each[2 * i] / n
+            out[f"rewards/{name}/mean"] = mean
+            out[f"rewards/{name}/std"] = max(each[2 * i + 1] / n - mean * mean, 0.0) ** 0.5
         return out
 
     def evaluate(self, model: nn.Module, batches: list[PromptBatch]) -> dict[str, float]:
@@ -277,7 +325,8 @@ class GRPOLoss:
         rewards, lengths = [], []
         for batch in batches:
             completions = self.sample(model, batch, greedy=True)
-            rewards.append(self.score(batch, completions, group=1))
+            prompts, texts, fields = self._texts(batch, completions)
+            rewards.append(self.rewards(prompts, texts, **fields)[0])
             lengths += [len(c) for c in completions]
         if not lengths:
             return {}

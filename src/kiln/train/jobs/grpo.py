@@ -4,7 +4,6 @@ reward function on its own sampled completions of ``{prompt, ...}`` records (``k
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -13,7 +12,7 @@ from torch import nn
 from kiln.config import ConfigError
 from kiln.data.prompts import PromptBatch, PromptData, prepare_prompts
 from kiln.distributed.world import World
-from kiln.train.grpo import GRPOLoss, RewardModel, Rollout, load_reward
+from kiln.train.grpo import GRPOLoss, Rewards, Rollout
 from kiln.train.jobs.base import EvalContext, LoadedRun, ValidationRows
 from kiln.train.jobs.finetune import FineTuneJob
 
@@ -47,9 +46,8 @@ class GRPOJob(FineTuneJob):
         self.objective = GRPOLoss(cfg, self.family, self.tokenizer, reward, world)
         self.loss_fn = self.objective
 
-    def _reward(self, world: World) -> Callable[..., list[float | None]] | RewardModel:
-        g = self.cfg.grpo
-        return RewardModel(g.reward_model, g.reward_label, world.device) if g.reward_model else load_reward(g.reward)
+    def _reward(self, world: World) -> Rewards:
+        return Rewards.of(self.cfg.grpo, world.device)
 
     def rollout(self, model: nn.Module, batch: PromptBatch, micro_batch_size: int) -> Rollout:
         return self.objective.rollout(model, batch, micro_batch_size)
@@ -67,7 +65,7 @@ class GRPOJob(FineTuneJob):
         return [
             f"model {self.family.describe(self.cfg.model, self.args, model)}",
             f"grpo ({g.group_size} completions a prompt, up to {g.max_new_tokens} tokens, "
-            f"reward {g.reward or g.reward_model}): "
+            f"reward {' + '.join(self.objective.rewards.names)}, loss {g.loss}): "
             f"{m['records']['train']:,} train / {m['records']['val']:,} val prompts ({m['split']})",
         ]
 
