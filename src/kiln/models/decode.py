@@ -106,7 +106,7 @@ class SlotCache:
         self.allocated = min(FIRST_COLUMNS, length)
         self.rows = slice(0, 0)
         self.positions = torch.zeros(0, 0, dtype=torch.long, device=device)
-        self.at = self.positions
+        self.at = self.index = self.positions
         self.columns = 0
         self.mask = torch.zeros(0, dtype=torch.bool, device=device)
 
@@ -117,14 +117,19 @@ class SlotCache:
         if need > self.allocated:
             self._grow(need)
         self.rows, self.positions = rows, positions
-        self.at = positions % self.length
+        self.index = torch.arange(positions.size(0), device=self.device)[:, None]
         self.columns = min(self.allocated, -(-need // COLUMN_BUCKET) * COLUMN_BUCKET)
+        column = torch.arange(self.columns, device=self.device)
+        p = positions[:, :, None]
+        if max(last) < self.length:  # no row has wrapped: column j holds position j
+            self.at = positions
+            self.mask = column <= p
+            return
+        self.at = positions % self.length
         # Column j of a row holds the latest position <= its last that is j modulo length; query
         # at position p sees it when that position is neither after p nor length or more before.
         end = torch.tensor(last, device=self.device)[:, None]
-        column = torch.arange(self.columns, device=self.device)
         held = (end - (end - column).remainder(self.length))[:, None]  # [B, 1, columns]; < 0: never written
-        p = positions[:, :, None]
         self.mask = (held >= 0) & (held <= p) & (held > p - self.length)
 
     def _grow(self, need: int) -> None:
@@ -144,9 +149,8 @@ class SlotCache:
             self.k[layer] = torch.zeros(shape, device=k.device, dtype=k.dtype)
             self.v[layer] = torch.zeros(shape, device=v.device, dtype=v.dtype)
         keys, values = self.k[layer][self.rows], self.v[layer][self.rows]
-        index = torch.arange(k.size(0), device=k.device)[:, None]
-        keys[index, :, self.at] = k.transpose(1, 2).to(keys.dtype)
-        values[index, :, self.at] = v.transpose(1, 2).to(values.dtype)
+        keys[self.index, :, self.at] = k.transpose(1, 2).to(keys.dtype)
+        values[self.index, :, self.at] = v.transpose(1, 2).to(values.dtype)
         return keys[:, :, : self.columns], values[:, :, : self.columns], self.mask[:, None]
 
     def layer(self, index: int) -> CacheLayer:

@@ -214,15 +214,27 @@ class Engine:
         """Queue the job and yield its updates up to the last; a failure in the worker is raised
         here. Leaving early (the client disconnected) cancels the job."""
         updates = self._submit(job)
+        failed: Exception | None = None
         try:
-            while True:
+            while failed is None:
                 update = await updates.get()
                 if isinstance(update, Exception):
-                    raise RuntimeError(f"generation failed: {update}") from update
+                    failed = update
+                    break
                 assert isinstance(update, Update)
+                # The text of steps this client has fallen behind on goes out as one update: under
+                # load the event loop writes fewer, longer chunks instead of falling further behind.
+                while not update.finish_reason and not updates.empty():
+                    more = updates.get_nowait()
+                    if isinstance(more, Exception):
+                        failed = more
+                        break
+                    assert isinstance(more, Update)
+                    update = Update(update.text + more.text, more.finish_reason, more.completion_tokens, more.token_ids)
                 yield update
                 if update.finish_reason:
                     return
+            raise RuntimeError(f"generation failed: {failed}") from failed
         finally:
             job.cancelled = True
 
