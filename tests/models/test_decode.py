@@ -235,3 +235,32 @@ def test_hugging_face_causal_lms_decode_as_transformers_generate_does(tmp_path):
             torch.tensor([prompt]), max_new_tokens=24, do_sample=False, eos_token_id=None, pad_token_id=0
         )
         assert tokens == theirs[0, len(prompt) :].tolist()
+
+
+def _decoders():
+    from hf_models import DECODERS
+
+    return sorted(DECODERS)
+
+
+@pytest.mark.parametrize("model_type", _decoders())
+def test_every_tiny_decoder_architecture_decodes_as_transformers_generate_does(tmp_path, model_type):
+    """Rows of prompts of different lengths, three at a time, each as transformers' greedy
+    generate answers that prompt alone; Mistral's and Gemma 3's sliding windows (8 and 16
+    positions) shorter than the longer prompts, so the local layers' masks matter."""
+    from transformers import AutoModelForCausalLM
+
+    from kiln.models.hf import CausalLM
+
+    from hf_models import save_tiny
+
+    save_tiny(tmp_path, model_type, **({"sliding_window": 8} if model_type == "mistral" else {}))
+    hf = AutoModelForCausalLM.from_pretrained(tmp_path).eval()
+    generator = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(3, 96, (n,), generator=generator).tolist() for n in (3, 17, 9, 30)]
+    ours = generate(get_family("hf").decoding(CausalLM(hf)), prompts, 12, temperature=0, max_batch=3)
+    for prompt, tokens in zip(prompts, ours, strict=True):
+        theirs = hf.generate(
+            torch.tensor([prompt]), max_new_tokens=12, do_sample=False, eos_token_id=None, pad_token_id=0
+        )
+        assert tokens == theirs[0, len(prompt) :].tolist()

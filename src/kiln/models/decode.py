@@ -106,7 +106,7 @@ class SlotCache:
         self.allocated = min(FIRST_COLUMNS, length)
         self.rows = slice(0, 0)
         self.positions = torch.zeros(0, 0, dtype=torch.long, device=device)
-        self.at = self.index = self.positions
+        self.at = self.index = self.held = self.positions
         self.columns = 0
         self.mask = torch.zeros(0, dtype=torch.bool, device=device)
 
@@ -122,15 +122,20 @@ class SlotCache:
         column = torch.arange(self.columns, device=self.device)
         p = positions[:, :, None]
         if max(last) < self.length:  # no row has wrapped: column j holds position j
-            self.at = positions
+            self.at, self.held = positions, column
             self.mask = column <= p
             return
         self.at = positions % self.length
         # Column j of a row holds the latest position <= its last that is j modulo length; query
         # at position p sees it when that position is neither after p nor length or more before.
         end = torch.tensor(last, device=self.device)[:, None]
-        held = (end - (end - column).remainder(self.length))[:, None]  # [B, 1, columns]; < 0: never written
-        self.mask = (held >= 0) & (held <= p) & (held > p - self.length)
+        self.held = (end - (end - column).remainder(self.length))[:, None]  # [B, 1, columns]; < 0: never written
+        self.mask = (self.held >= 0) & (self.held <= p) & (self.held > p - self.length)
+
+    def window_mask(self, window: int) -> torch.Tensor:
+        """The bound mask [B, T, columns] of attention over the last ``window`` positions only
+        (a sliding-window layer's: Mistral's, Gemma's local layers)."""
+        return self.mask & (self.held > self.positions[:, :, None] - window)
 
     def _grow(self, need: int) -> None:
         while self.allocated < need:

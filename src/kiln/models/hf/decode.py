@@ -54,9 +54,23 @@ class HFDecoding:
         dtype = next(self.module.parameters()).dtype
         if not dtype.is_floating_point:
             dtype = torch.float32
-        # Additive, as every attention implementation of transformers takes it (eager adds it).
-        mask = torch.zeros(cache.mask.shape, dtype=dtype, device=tokens.device)
-        mask = mask.masked_fill_(~cache.mask, torch.finfo(dtype).min)[:, None]
+
+        def additive(allowed: torch.Tensor) -> torch.Tensor:
+            """[B, 1, T, columns], as every attention implementation of transformers takes it."""
+            return torch.zeros(allowed.shape, dtype=dtype, device=tokens.device).masked_fill_(
+                ~allowed, torch.finfo(dtype).min
+            )[:, None]
+
+        config = self.module.config
+        window = getattr(config, "sliding_window", None)
+        kinds = set(getattr(config, "layer_types", None) or ["sliding_attention" if window else "full_attention"])
+        mask: torch.Tensor | dict[str, torch.Tensor]
+        if "sliding_attention" not in kinds or not window:
+            mask = additive(cache.mask)
+        elif kinds == {"sliding_attention"}:  # every layer local (Mistral)
+            mask = additive(cache.window_mask(window))
+        else:  # local and global layers (Gemma, Qwen2's windowed layers): a mask for each kind
+            mask = {"full_attention": additive(cache.mask), "sliding_attention": additive(cache.window_mask(window))}
         keywords = _keywords(type(self.module).forward)
         # transformers 5.24 renamed past_key_values to cache (the old name warns on every call).
         extra = {"cache" if "cache" in keywords else "past_key_values": _slot_cache_class()(cache)}
