@@ -203,8 +203,11 @@ class Decodable(Protocol):
 
 class Decoder:
     """Rows in, tokens out, one step at a time (see the module's docstring): ``add`` rows, then
-    ``step`` until ``busy`` is False; each step returns the (row, token) pairs it made. A row
-    that ``cancel`` takes out leaves at the next step."""
+    ``step`` until ``busy`` is False (or ``run`` them to the end); each step returns the (row,
+    token) pairs it made. A row that ``cancel`` takes out leaves at the next step. ``length``:
+    the positions a row sees (the model's context by default; past them the cache is a ring);
+    ``max_batch``: rows decoded at once; ``max_batch_tokens``: tokens a step feeds the model, one
+    per running row and the rest prompt chunks."""
 
     def __init__(
         self,
