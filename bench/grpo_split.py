@@ -24,6 +24,49 @@ from pathlib import Path
 HERE = Path(__file__).parent
 
 
+def write_prompts(path: Path, mixed: bool, n: int = 400) -> list[dict]:
+    """``n`` small sums as {prompt, answer} records in ``path`` (jsonl); with ``mixed`` each after a
+    request of its own length."""
+    rng = random.Random(0)
+    rows = []
+    for _ in range(n):
+        a, b = rng.randint(0, 9), rng.randint(0, 9)
+        preamble = "Please add. " * rng.randint(0, 8) if mixed else ""
+        rows.append({"prompt": f"{preamble}{a} + {b} =", "answer": a + b})
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return rows
+
+
+def train_grpo(model: Path, source: Path, run: Path, args, seq_len: int, log_every: int) -> list[dict]:
+    """kiln's GRPO on ``model`` and the prompts of ``source``, 8 prompts a step, ``args.group``
+    completions of up to ``args.max_new`` tokens each, rewarded by examples/rewards.py's
+    ``right_sum``: its log's records."""
+    from kiln.config import load_config
+    from kiln.train.trainer import train
+
+    items = {
+        "run.dir": run,
+        "run.device": "cpu",
+        "model.source": f"hf:{model}",
+        "data.source": source,
+        "data.num_workers": 0,
+        "data.seq_len": seq_len,
+        "run.job": "grpo",
+        "grpo.reward": "rewards:right_sum",  # examples/rewards.py
+        "grpo.group_size": args.group,
+        "grpo.max_new_tokens": args.max_new,
+        "train.max_steps": args.steps,
+        "train.micro_batch_size": 8,
+        "train.global_batch_size": 8,
+        "train.lr": 1e-5,
+        "train.log_every": log_every,
+        "eval.every": 0,
+        "checkpoint.every": 0,
+    }
+    train(load_config(None, [f"{k}={v}" for k, v in items.items()]), console=False)
+    return [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--steps", type=int, default=20)
@@ -36,41 +79,12 @@ def main() -> None:
     from classify_stdlib import minilm
 
     from finetune_vs_hf import tiny_llama
-    from kiln.config import load_config
-    from kiln.train.trainer import train
 
     with tempfile.TemporaryDirectory() as tmp:
         tmp = Path(tmp)
         model = tiny_llama(tmp / "model", minilm(tmp))
-        rng = random.Random(0)
-        rows = []
-        for _ in range(400):
-            a, b = rng.randint(0, 9), rng.randint(0, 9)
-            preamble = "Please add. " * rng.randint(0, 8) if args.mixed else ""
-            rows.append({"prompt": f"{preamble}{a} + {b} =", "answer": a + b})
-        source = tmp / "prompts.jsonl"
-        source.write_text("".join(json.dumps(r) + "\n" for r in rows))
-        items = {
-            "run.dir": tmp / "run",
-            "run.device": "cpu",
-            "model.source": f"hf:{model}",
-            "data.source": source,
-            "data.num_workers": 0,
-            "data.seq_len": 64,
-            "run.job": "grpo",
-            "grpo.reward": "rewards:right_sum",  # examples/rewards.py
-            "grpo.group_size": args.group,
-            "grpo.max_new_tokens": args.max_new,
-            "train.max_steps": args.steps,
-            "train.micro_batch_size": 8,
-            "train.global_batch_size": 8,
-            "train.lr": 1e-5,
-            "train.log_every": 5,
-            "eval.every": 0,
-            "checkpoint.every": 0,
-        }
-        train(load_config(None, [f"{k}={v}" for k, v in items.items()]), console=False)
-        logged = [json.loads(x) for x in (tmp / "run" / "metrics.jsonl").read_text().splitlines()]
+        write_prompts(tmp / "prompts.jsonl", args.mixed)
+        logged = train_grpo(model, tmp / "prompts.jsonl", tmp / "run", args, seq_len=64, log_every=5)
     logged = [r for r in logged if "time/generation_s" in r]
     # The first interval holds the start-up; the rest are steady.
     steady = logged[1:] or logged

@@ -17,22 +17,12 @@ from __future__ import annotations
 import argparse
 import json
 import platform
-import random
 import sys
 import tempfile
 import time
 from pathlib import Path
 
 HERE = Path(__file__).parent
-
-
-def prompts(n: int) -> list[dict]:
-    rng = random.Random(0)
-    rows = []
-    for _ in range(n):
-        a, b = rng.randint(0, 9), rng.randint(0, 9)
-        rows.append({"prompt": "Please add. " * rng.randint(0, 8) + f"{a} + {b} =", "answer": a + b})
-    return rows
 
 
 def main() -> None:
@@ -51,8 +41,7 @@ def main() -> None:
     from trl import GRPOConfig, GRPOTrainer
 
     from finetune_vs_hf import tiny_llama
-    from kiln.config import load_config
-    from kiln.train.trainer import train
+    from grpo_split import train_grpo, write_prompts
 
     with tempfile.TemporaryDirectory() as tmp:
         tmp = Path(tmp)
@@ -61,31 +50,8 @@ def main() -> None:
         tokenizer = AutoTokenizer.from_pretrained(model)
         tokenizer.eos_token, tokenizer.bos_token = tokenizer.sep_token, tokenizer.cls_token
         tokenizer.save_pretrained(model)
-        rows = prompts(400)
-        source = tmp / "prompts.jsonl"
-        source.write_text("".join(json.dumps(r) + "\n" for r in rows))
-
-        items = {
-            "run.dir": tmp / "kiln",
-            "run.device": "cpu",
-            "model.source": f"hf:{model}",
-            "data.source": source,
-            "data.num_workers": 0,
-            "data.seq_len": 128,
-            "run.job": "grpo",
-            "grpo.reward": "rewards:right_sum",
-            "grpo.group_size": args.group,
-            "grpo.max_new_tokens": args.max_new,
-            "train.max_steps": args.steps,
-            "train.micro_batch_size": 8,
-            "train.global_batch_size": 8,
-            "train.lr": 1e-5,
-            "train.log_every": 1,
-            "eval.every": 0,
-            "checkpoint.every": 0,
-        }
-        train(load_config(None, [f"{k}={v}" for k, v in items.items()]), console=False)
-        logged = [json.loads(x) for x in (tmp / "kiln" / "metrics.jsonl").read_text().splitlines()]
+        rows = write_prompts(tmp / "prompts.jsonl", mixed=True)
+        logged = train_grpo(model, tmp / "prompts.jsonl", tmp / "kiln", args, seq_len=128, log_every=1)
         elapsed = {r["step"]: r["elapsed_s"] for r in logged if "elapsed_s" in r and "step" in r}
         kiln_step = (elapsed[args.steps] - elapsed[args.warmup]) / (args.steps - args.warmup)
         kiln_length = sum(r.get("completions/mean_length", 0) for r in logged) / max(

@@ -964,6 +964,7 @@ class GRPOConfig:
     its tokens, then the micro-batches' mean, weighed by their completions (TRL's bnpo)."""
 
     def errors(self) -> list[str]:
+        rewards = len(self.rewards) + bool(self.reward) + bool(self.reward_model)
         return _failed(
             (
                 self.group_size >= 2,
@@ -978,10 +979,8 @@ class GRPOConfig:
                 "grpo.rewards: set grpo.reward (one function) or grpo.rewards (several), not both",
             ),
             (
-                not self.reward_weights
-                or len(self.reward_weights) == len(self.rewards) + bool(self.reward) + bool(self.reward_model),
-                f"grpo.reward_weights: {len(self.reward_weights)} weights for "
-                f"{len(self.rewards) + bool(self.reward) + bool(self.reward_model)} rewards (grpo.reward or "
+                not self.reward_weights or len(self.reward_weights) == rewards,
+                f"grpo.reward_weights: {len(self.reward_weights)} weights for {rewards} rewards (grpo.reward or "
                 "grpo.rewards, then grpo.reward_model)",
             ),
         )

@@ -138,7 +138,7 @@ class KilnLM(TemplateLM):
             row.stop = self._stopper(row, until)
             rows.append(row)
             untils.append(until)
-        Decoder(decodable, max_batch=self.batch_size, max_batch_tokens=max(512, self.batch_size)).run(rows)
+        Decoder(decodable, max_batch=self.batch_size).run(rows)
         return [
             postprocess_generated_text(
                 self.tok_decode([t for t in row.tokens if t != self._eot]), stop=until, think_end_token=None

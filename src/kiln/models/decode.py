@@ -37,6 +37,9 @@ from torch import nn
 # rows' lengths rather than the model's context.
 FIRST_COLUMNS = 64
 UNBOUNDED = 2**31
+# Tokens a step feeds the model unless told otherwise: a token of each running row, the rest
+# prompt chunks.
+DEFAULT_BATCH_TOKENS = 512
 # Attention reads the columns up to the longest running row's, rounded up to this many (fewer
 # distinct shapes for the kernels; the masked columns cost little).
 COLUMN_BUCKET = 64
@@ -207,7 +210,8 @@ class Decoder:
     token) pairs it made. A row that ``cancel`` takes out leaves at the next step. ``length``:
     the positions a row sees (the model's context by default; past them the cache is a ring);
     ``max_batch``: rows decoded at once; ``max_batch_tokens``: tokens a step feeds the model, one
-    per running row and the rest prompt chunks."""
+    per running row and the rest prompt chunks (by default DEFAULT_BATCH_TOKENS, or max_batch
+    if more)."""
 
     def __init__(
         self,
@@ -215,9 +219,10 @@ class Decoder:
         *,
         length: int | None = None,
         max_batch: int = 8,
-        max_batch_tokens: int = 512,
+        max_batch_tokens: int | None = None,
         device: torch.device | None = None,
     ):
+        max_batch_tokens = max_batch_tokens or max(DEFAULT_BATCH_TOKENS, max_batch)
         if max_batch < 1:
             raise ValueError(f"max_batch must be at least 1, not {max_batch}")
         if max_batch_tokens < max_batch:
@@ -471,5 +476,5 @@ def generate(
         for i, prompt in enumerate(prompts)
     ]
     batch = max(1, min(max_batch, len(rows)))
-    Decoder(model, max_batch=batch, max_batch_tokens=max(512, batch)).run(rows)
+    Decoder(model, max_batch=batch).run(rows)
     return [row.tokens for row in rows]

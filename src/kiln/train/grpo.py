@@ -197,10 +197,12 @@ class GRPOLoss:
 
     def rollout(self, model: nn.Module, batch: PromptBatch, micro_batch_size: int) -> Rollout:
         """Each prompt's group of completions, sampled by ``model`` (this rank's, unwrapped: the
-        whole model) all in one batch of the decoder, scored, with their advantages."""
+        whole model) as rows of the decoder, the groups of at most ``micro_batch_size`` prompts
+        decoding at once (what the step's forward holds, so the memory ladder's micro-batch also
+        bounds sampling's cache), scored, with their advantages."""
         g = self.g
         started = time.perf_counter()
-        completions = self.sample(model, batch)
+        completions = self.sample(model, batch, micro_batch_size)
         prompts, texts, fields = self._texts(batch, completions)
         rewards, each = self.rewards(prompts, texts, **fields)
         grouped = rewards.view(len(batch), g.group_size)
@@ -247,15 +249,19 @@ class GRPOLoss:
         return (losses.sum(1) / norm).mean()
 
     @torch.no_grad()
-    def sample(self, model: nn.Module, batch: PromptBatch, greedy: bool = False) -> list[list[int]]:
+    def sample(
+        self, model: nn.Module, batch: PromptBatch, prompts_at_once: int | None = None, greedy: bool = False
+    ) -> list[list[int]]:
         """Each prompt's group of completions (one greedy completion each with ``greedy``), in
-        order, as token lists (up to and including the end-of-text token, when they reach one)."""
+        order, as token lists (up to and including the end-of-text token, when they reach one);
+        the completions of at most ``prompts_at_once`` prompts (all: None) decoding at once."""
         g, eos = self.g, self.tokenizer.eos_token_id
         decodable = self.family.decoding(model)
         if decodable is None:
             raise ConfigError([f"run.job: grpo samples from the model, which {self.family.name} models cannot"])
         # One draw from the global generator (identical on every rank, and in checkpoints) seeds
-        # this micro-batch's sampling; the rank and the row make the rows' seeds differ.
+        # this batch's sampling; the rank and the row make the rows' seeds differ, and a row's
+        # tokens do not depend on the rows decoded beside it.
         seed = int(torch.randint(2**62, (1,)).item()) + self.world.rank * 2**40
         group = 1 if greedy else g.group_size
         temperature = 0.0 if greedy else g.temperature
@@ -265,9 +271,9 @@ class GRPOLoss:
             Row(prompt, g.max_new_tokens, Sampling(temperature, None, top_p, seed + i), eos)
             for i, prompt in enumerate(prompts)
         ]
-        # Every completion a row of one batch, whatever the prompts' lengths; a group's rows share
-        # their prompt's prefill.
-        Decoder(decodable, max_batch=len(rows), max_batch_tokens=max(512, len(rows))).run(rows)
+        # Completions of any prompts' lengths decode together, rows joining as others end; a
+        # group's rows share their prompt's prefill.
+        Decoder(decodable, max_batch=min(len(rows), (prompts_at_once or len(batch)) * group)).run(rows)
         return [row.tokens for row in rows]
 
     def rows(self, prompt_ids: list[list[int]], completions: list[list[int]]) -> TokenBatch:
@@ -324,7 +330,7 @@ class GRPOLoss:
         ``val_completions/mean_length``."""
         rewards, lengths = [], []
         for batch in batches:
-            completions = self.sample(model, batch, greedy=True)
+            completions = self.sample(model, batch, greedy=True)  # batches of one micro-batch
             prompts, texts, fields = self._texts(batch, completions)
             rewards.append(self.rewards(prompts, texts, **fields)[0])
             lengths += [len(c) for c in completions]

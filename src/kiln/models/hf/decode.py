@@ -7,8 +7,7 @@ from __future__ import annotations
 
 import functools
 import inspect
-from dataclasses import dataclass
-from typing import Any
+from typing import cast
 
 import torch
 from torch import nn
@@ -40,46 +39,54 @@ def _slot_cache_class() -> type:
     return HFSlotCache
 
 
-@dataclass(frozen=True)
 class HFDecoding:
-    """A ``transformers`` causal LM (``module``, under PEFT's wrapper or not) under the decoder."""
+    """A ``transformers`` causal LM (``module``, under PEFT's wrapper or not) under the decoder.
+    What the model's config and forward say (its masks' type, its sliding window and which layers
+    have it, its keywords) is read once, not at each step."""
 
-    module: nn.Module
+    def __init__(self, module: nn.Module):
+        self.module = module
+        config = module.config
+        self.context: int | None = getattr(config, "max_position_embeddings", None)
+        dtype = next(module.parameters()).dtype
+        self.dtype = dtype if dtype.is_floating_point else torch.float32
+        self.window: int | None = getattr(config, "sliding_window", None)
+        kinds = set(getattr(config, "layer_types", None) or ["sliding_attention" if self.window else "full_attention"])
+        # full: no layer has a window; local: every layer does (Mistral); mixed: a mask for each
+        # kind of layer (Gemma, Qwen2's windowed layers).
+        self.layers = (
+            "full"
+            if "sliding_attention" not in kinds or not self.window
+            else "local"
+            if kinds == {"sliding_attention"}
+            else "mixed"
+        )
+        keywords = inspect.signature(type(module).forward).parameters
+        # transformers 5.24 renamed past_key_values to cache (the old name warns on every call).
+        self.cache_keyword = "cache" if "cache" in keywords else "past_key_values"
+        self.last_only = {"logits_to_keep": 1} if "logits_to_keep" in keywords else {}
 
-    @property
-    def context(self) -> int | None:
-        return getattr(self.module.config, "max_position_embeddings", None)
+    def _additive(self, allowed: torch.Tensor) -> torch.Tensor:
+        """[B, 1, T, columns], as every attention implementation of transformers takes it."""
+        return torch.zeros(allowed.shape, dtype=self.dtype, device=allowed.device).masked_fill_(
+            ~allowed, torch.finfo(self.dtype).min
+        )[:, None]
 
     def forward(self, tokens: torch.Tensor, cache: SlotCache) -> torch.Tensor:
-        dtype = next(self.module.parameters()).dtype
-        if not dtype.is_floating_point:
-            dtype = torch.float32
-
-        def additive(allowed: torch.Tensor) -> torch.Tensor:
-            """[B, 1, T, columns], as every attention implementation of transformers takes it."""
-            return torch.zeros(allowed.shape, dtype=dtype, device=tokens.device).masked_fill_(
-                ~allowed, torch.finfo(dtype).min
-            )[:, None]
-
-        config = self.module.config
-        window = getattr(config, "sliding_window", None)
-        kinds = set(getattr(config, "layer_types", None) or ["sliding_attention" if window else "full_attention"])
         mask: torch.Tensor | dict[str, torch.Tensor]
-        if "sliding_attention" not in kinds or not window:
-            mask = additive(cache.mask)
-        elif kinds == {"sliding_attention"}:  # every layer local (Mistral)
-            mask = additive(cache.window_mask(window))
-        else:  # local and global layers (Gemma, Qwen2's windowed layers): a mask for each kind
-            mask = {"full_attention": additive(cache.mask), "sliding_attention": additive(cache.window_mask(window))}
-        keywords = _keywords(type(self.module).forward)
-        # transformers 5.24 renamed past_key_values to cache (the old name warns on every call).
-        extra = {"cache" if "cache" in keywords else "past_key_values": _slot_cache_class()(cache)}
-        if "logits_to_keep" in keywords:
-            extra["logits_to_keep"] = 1
-        out = self.module(input_ids=tokens, position_ids=cache.positions, attention_mask=mask, use_cache=True, **extra)
+        if self.layers == "full":
+            mask = self._additive(cache.mask)
+        elif self.layers == "local":
+            mask = self._additive(cache.window_mask(cast(int, self.window)))
+        else:
+            local = self._additive(cache.window_mask(cast(int, self.window)))
+            mask = {"full_attention": self._additive(cache.mask), "sliding_attention": local}
+        out = self.module(
+            input_ids=tokens,
+            position_ids=cache.positions,
+            attention_mask=mask,
+            use_cache=True,
+            **{self.cache_keyword: _slot_cache_class()(cache)},
+            **self.last_only,
+        )
         return out.logits[:, -1]
-
-
-@functools.cache
-def _keywords(forward: Any) -> frozenset[str]:
-    return frozenset(inspect.signature(forward).parameters)
