@@ -96,6 +96,30 @@ def test_sampler_follows_a_batch_ramp():
         StepSampler(50, BatchSchedule(8, [(3, 1)]), seed=0, world_size=2)
 
 
+def test_each_batch_serves_repeat_steps_and_a_resume_at_any_step_goes_on_alike():
+    """``repeat`` (GRPO's grpo.iterations): each step-batch is read for that many steps in a row,
+    no sequence skipped; started at any step, within a cycle too, the stream is the same."""
+    from torch.utils.data import TensorDataset
+
+    from kiln.data.batch_schedule import BatchSchedule
+    from kiln.data.loader import StepBatches
+
+    plain = list(itertools.islice(iter(StepSampler(50, 6, seed=3)), 5))
+    repeated = list(itertools.islice(iter(StepSampler(50, 6, seed=3, repeat=3)), 15))
+    assert repeated == [b for b in plain for _ in range(3)]
+    for k in range(15):
+        assert list(itertools.islice(iter(StepSampler(50, 6, seed=3, start_step=k, repeat=3)), 15 - k)) == repeated[k:]
+    shares = [next(iter(StepSampler(50, 6, seed=3, start_step=4, rank=r, world_size=2, repeat=3))) for r in range(2)]
+    assert shares[0] + shares[1] == repeated[4]
+    batches = StepBatches(
+        TensorDataset(torch.arange(50)), BatchSchedule(6), 3, num_workers=0, pin_memory=False, repeat=3
+    )
+    assert [batches.items(step) for step in range(1, 16)] == repeated  # steps are 1-based
+    assert next(batches.loader(4))[0].tolist() == repeated[4]
+    assert [batches.positions(step) for step in (1, 3, 4, 7)] == [[0, 6], [0, 6], [6, 12], [12, 18]]
+    assert [batches.position(done)["samples_seen"] for done in (0, 1, 3, 4, 6, 7)] == [0, 6, 6, 12, 12, 18]
+
+
 def test_val_batches_are_fixed_and_spread(tmp_path):
     ds = TokenSequences(token_file(tmp_path, 1001), seq_len=10)  # 100 sequences
     batches = val_batches(ds, micro_batch_size=4, num_batches=5)

@@ -5,6 +5,7 @@ comes from the checkpointed generator); bad settings are refused before anything
 import json
 import math
 import random
+import shutil
 import sys
 from pathlib import Path
 
@@ -16,7 +17,7 @@ from kiln.config import load_config
 from kiln.train.trainer import train
 
 from conftest import ft_sets, write_jsonl
-from kilnrun import EXAMPLES, kill_and_resume, launch, records, sets
+from kilnrun import EXAMPLES, kill_and_resume, launch, losses, records, sets
 
 # grpo.reward = "rewards:right_sum" (examples/rewards.py), imported by the runs made in this process.
 sys.path.insert(0, str(EXAMPLES))
@@ -122,7 +123,7 @@ def test_the_loss_is_grpos_on_the_sampled_completions(tmp_path, prompts, hf_llam
     model = job.whole_model(torch.device("cpu")).eval()
     batch = prompt_collate(job.prompts.train.rows[:3])
     torch.manual_seed(7)
-    rollout = job.rollout(model, batch, 3)
+    rollout = job.rollout(model, batch, 3, 1)
     assert len(rollout) == 3 and len(rollout.rows) == 12 and [len(p) for p in rollout.split_rows(2)] == [2, 1]
     tokens = sum(rollout.rows.loss_tokens)
     assert rollout.count == (tokens if loss == "dapo" else 3)  # what the step weighs micro-batches by
@@ -160,6 +161,122 @@ def test_the_loss_is_grpos_on_the_sampled_completions(tmp_path, prompts, hf_llam
     assert logged["rewards/length/std"] == pytest.approx(lengths.std(unbiased=False).item())
 
 
+def test_iterations_train_twice_on_one_rollout_with_the_clipped_ratio(tmp_path, prompts, hf_llama):
+    """grpo.iterations=2: a cycle's first step samples (the reward is asked once) and keeps the
+    sampling policy's log-probabilities, as the loss computes them, so the ratio is exactly 1
+    there; its second step trains on the same completions with PPO's clipped surrogate, here by
+    hand from the kept log-probabilities and the model one (large) update later, which moved
+    ratios out of the band [1 - epsilon, 1 + epsilon_high]. The next cycle samples again."""
+    from kiln.data.prompts import prompt_collate
+    from kiln.distributed.world import World
+    from kiln.train.grpo import GRPOLoss, Rewards
+    from kiln.train.jobs import job_for
+    from kiln.train.logps import token_logps
+
+    extra = dict(grpo__max_new_tokens=6, grpo__iterations=2, grpo__epsilon=0.05, grpo__epsilon_high=0.1)
+    job = job_for(load_config(None, grpo_sets(tmp_path / "run", prompts, hf_llama, **extra)))
+    job.prepare(World(), console=False)
+    asked: list[int] = []
+
+    def length(prompts, completions, **_):
+        asked.append(len(completions))
+        return _length(prompts, completions)
+
+    job.objective = job.loss_fn = GRPOLoss(job.cfg, job.family, job.tokenizer, Rewards([("length", length)]), World())
+    model = job.whole_model(torch.device("cpu")).eval()
+    optimizer = torch.optim.Adam(model.parameters(), lr=1e-2)
+    batch = prompt_collate(job.prompts.train.rows[:3])
+    torch.manual_seed(7)
+    rollout = job.rollout(model, batch, 2, 1)
+    assert asked == [12] and rollout.old_logps is not None
+    # The kept log-probabilities are the loss's, micro-batch by micro-batch: the ratio is exactly 1.
+    for piece in rollout.split_rows(2):
+        assert torch.equal(token_logps(model, piece.rows)[0], piece.old_logps)
+    job.loss_fn(model, rollout).backward()
+    optimizer.step()
+    optimizer.zero_grad()
+
+    again = job.rollout(model, batch, 2, 2)
+    assert again is rollout and asked == [12]  # no sampling: the cycle's completions
+    loss = job.loss_fn(model, again)
+    loss.backward()
+    ours = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    model.zero_grad()
+    logps, scored = token_logps(model, rollout.rows)
+    ratio = torch.exp(logps - rollout.old_logps)
+    advantages = rollout.advantages.float()[:, None]
+    surrogate = torch.min(ratio * advantages, torch.clamp(ratio, 0.95, 1.1) * advantages)
+    by_hand = (-(surrogate * scored).sum(1) / scored.sum(1)).mean()
+    torch.testing.assert_close(loss, by_hand, rtol=0, atol=1e-6)
+    by_hand.backward()
+    for name, grad in ours.items():
+        torch.testing.assert_close(grad, dict(model.named_parameters())[name].grad, rtol=0, atol=1e-6, msg=name)
+    # The clip bit: some tokens lost their gradient, not all.
+    clipped = ((ratio < 0.95) & (advantages < 0) | (ratio > 1.1) & (advantages > 0)) & scored
+    assert 0 < clipped.sum() < scored.sum()
+    logged = job.objective.metrics(World())
+    assert logged["clip_ratio"] == pytest.approx(clipped.sum().item() / (2 * scored.sum().item()))
+    assert logged["time/generation_s"] > 0 and "reward" in logged
+
+    job.rollout(model, prompt_collate(job.prompts.train.rows[3:6]), 2, 3)
+    assert asked == [12, 12]  # the next cycle samples its own
+
+
+def test_a_run_resumed_within_a_cycle_of_iterations_is_bitwise(tmp_path, prompts, hf_llama):
+    """grpo.iterations=2 in the loop: each batch of prompts serves two steps, sampled at the first
+    (rewards and generation time logged there only); the loss's first pass is the on-policy one
+    (the loss of grpo.iterations=1, bit for bit). Resumed from step 1's checkpoint, in the middle
+    of a cycle, the run trains on the completions it kept and ends as the run left alone did."""
+    from kiln.checkpoint import open_checkpoint
+    from kiln.train.run import load_run
+
+    full = tmp_path / "full"
+    extra = dict(grpo__reward=f"{__name__}:_length", grpo__epsilon=0.05, train__lr=1e-2, checkpoint__every=1)
+    items = grpo_sets(full, prompts, hf_llama, grpo__iterations=2, **extra)
+    train(load_config(None, items), console=False)
+    logged = {r["step"]: r for r in records(full) if "loss" in r}
+    assert [s for s, r in logged.items() if "reward" in r] == [1, 3]
+    assert all("time/generation_s" not in logged[s] for s in (2, 4))
+    assert logged[1]["clip_ratio"] == logged[3]["clip_ratio"] == 0 and logged[2]["clip_ratio"] > 0
+    on_policy = tmp_path / "on_policy"
+    train(load_config(None, grpo_sets(on_policy, prompts, hf_llama, train__max_steps=1, **extra)), console=False)
+    assert losses(on_policy)[1] == logged[1]["loss"]
+
+    resumed = tmp_path / "resumed"
+    (resumed / "checkpoints").mkdir(parents=True)
+    kept = full / "checkpoints" / "step-00000001"
+    shutil.copytree(kept, resumed / "checkpoints" / kept.name)
+    assert open_checkpoint(kept)[1]["grpo_rollout"]["ranks"][0] is not None  # mid-cycle: the rollout is kept
+    assert open_checkpoint(full / "checkpoints" / "step-00000002")[1]["grpo_rollout"]["ranks"] == [None]
+    train(load_config(None, [*items, f"run.dir={resumed}"]), console=False)
+    assert losses(resumed) == {s: r["loss"] for s, r in logged.items() if s > 1}
+    a, b = load_run(full, device="cpu").model.state_dict(), load_run(resumed, device="cpu").model.state_dict()
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_a_rollback_into_a_cycle_trains_on_the_rollout_its_checkpoint_kept(tmp_path, prompts, hf_llama):
+    """grpo.iterations=2, steps 3 and 4 (one cycle) non-finite: the guard rolls back to step 3's
+    checkpoint, whose rollout step 4 then trains on (no sampling), against the policy that
+    sampled it, which the checkpoint also holds (step 3's update was skipped): ratios of 1."""
+    run = tmp_path / "run"
+    items = grpo_sets(
+        run,
+        prompts,
+        hf_llama,
+        grpo__reward=f"{__name__}:_length",
+        grpo__iterations=2,
+        train__max_steps=6,
+        checkpoint__every=1,
+        debug__nan_steps="3,4",
+        guard__max_bad_steps=2,
+    )
+    assert main(["train", *sets(items)]) == 0
+    assert [r["step"] for r in records(run) if r.get("event") == "rollback"] == [3]
+    logged = {r["step"]: r for r in records(run) if "loss" in r}
+    assert "reward" not in logged[4] and logged[4]["clip_ratio"] == 0
+    assert all(math.isfinite(logged[s]["loss"]) for s in (4, 5, 6)) and "reward" in logged[5]
+
+
 @pytest.mark.slow
 def test_sigkill_and_resume_is_bitwise(tmp_path, prompts, warm_llama):
     # The completions are sampled again after the resume: bitwise only if the sampling seeds are.
@@ -184,6 +301,13 @@ def test_sigkill_and_resume_is_bitwise(tmp_path, prompts, warm_llama):
         ({"parallel.strategy": "fsdp"}, "run.job: grpo samples completions of its own length"),
         ({"grpo.max_new_tokens": 24}, "grpo.max_new_tokens: 24 leaves no room for the prompt"),
         ({"grpo.group_size": 1}, "grpo.group_size: must be >= 2"),
+        ({"grpo.iterations": 0}, "grpo.iterations: must be >= 1, got 0"),
+        ({"grpo.epsilon": 1.0}, "grpo.epsilon: must be in (0, 1), got 1.0"),
+        ({"grpo.epsilon_high": 0.1}, "grpo.epsilon_high: must be 0 (grpo.epsilon's) or >= grpo.epsilon = 0.2, got 0.1"),
+        (
+            {"grpo.iterations": 2, "train.batch_ramp_start": 1, "train.batch_ramp_steps": 2},
+            "grpo.iterations: a batch of prompts serves grpo.iterations steps, which a batch ramp",
+        ),
     ],
 )
 def test_bad_grpo_settings_exit_2_and_write_nothing(tmp_path, prompts, hf_llama, capsys, extra, message):

@@ -74,6 +74,8 @@ def test_a_planned_run_ends_when_it_has_read_its_data_max_epochs_times():
     # A batch ramp: the passes end where the ramp's and the final batches have held them.
     ramp = TimePlan(cfg, BatchSchedule(32, [(8, 100)]), 128, data=range(1000))
     assert ramp.passes_steps() == 100 + 69  # 800 in the ramp, 2,200 more at 32 a step
+    # Each batch trained on for 2 steps in a row (grpo.iterations=2): twice the steps per pass.
+    assert TimePlan(cfg, BatchSchedule(32), 128, data=range(1000), repeat=2).passes_steps() == 2 * 94
     # An iterable of unknown length: no end but the budget.
     assert TimePlan(cfg, BatchSchedule(32), 128, data=None).passes_steps() is None
 

@@ -962,6 +962,20 @@ class GRPOConfig:
     mean over every completion token of the global batch, whatever the accumulation and ranks,
     so long completions weigh by their length (Yu et al. 2025); bnpo: each micro-batch's mean over
     its tokens, then the micro-batches' mean, weighed by their completions (TRL's bnpo)."""
+    iterations: int = 1
+    """Optimizer steps trained on each batch's sampled completions (TRL's num_iterations): the
+    batch's prompts are sampled at the first and serve the next iterations - 1 steps too (none is
+    skipped), where the loss's ratio to the sampling policy moves off 1 and grpo.epsilon clips
+    it. 1 (the default) samples at every step: on-policy, the ratio always 1."""
+    epsilon: float = 0.2
+    """The clip of the ratio of a token's probability to the sampling policy's: below 1 - epsilon
+    and above 1 + epsilon (grpo.epsilon_high, if set) it gives no gradient where the advantage
+    would push it further (PPO's clipped surrogate; TRL's epsilon). It matters only with
+    grpo.iterations > 1."""
+    epsilon_high: float = 0.0
+    """The upper clip of the ratio, above grpo.epsilon's (DAPO's clip-higher, Yu et al. 2025, who
+    use 0.28 with epsilon 0.2: more room to raise unlikely tokens; TRL's epsilon_high); 0 means
+    grpo.epsilon."""
 
     def errors(self) -> list[str]:
         rewards = len(self.rewards) + bool(self.reward) + bool(self.reward_model)
@@ -974,6 +988,13 @@ class GRPOConfig:
             (self.temperature > 0, f"grpo.temperature: must be > 0 (completions are sampled), got {self.temperature}"),
             (0 < self.top_p <= 1, f"grpo.top_p: must be in (0, 1], got {self.top_p}"),
             (self.kl_coef >= 0, f"grpo.kl_coef: must be >= 0, got {self.kl_coef}"),
+            (self.iterations >= 1, f"grpo.iterations: must be >= 1, got {self.iterations}"),
+            (0 < self.epsilon < 1, f"grpo.epsilon: must be in (0, 1), got {self.epsilon}"),
+            (
+                self.epsilon_high == 0 or self.epsilon_high >= self.epsilon,
+                f"grpo.epsilon_high: must be 0 (grpo.epsilon's) or >= grpo.epsilon = {self.epsilon}, got "
+                f"{self.epsilon_high}",
+            ),
             (
                 not (self.reward and self.rewards),
                 "grpo.rewards: set grpo.reward (one function) or grpo.rewards (several), not both",
@@ -1166,6 +1187,11 @@ class Config:
                 self.run.job != "grpo" or (self.parallel.strategy == "ddp" and self.parallel.tp == 1),
                 "run.job: grpo samples completions of its own length on each rank, which sharded layouts "
                 "(FSDP, TP) would have to keep in step; use one process or parallel.strategy=ddp",
+            ),
+            (
+                self.run.job != "grpo" or self.grpo.iterations == 1 or not self.train.batch_ramp_start,
+                "grpo.iterations: a batch of prompts serves grpo.iterations steps, which a batch ramp "
+                "(train.batch_ramp_start) would resize in between; set one or the other",
             ),
             (
                 self.run.job != "grpo" or self.train.compile is not True,

@@ -227,10 +227,11 @@ def data_order(dataset: Dataset, seed: int) -> Order:
 class StepSampler(Sampler):
     """An endless stream of batches of item indices for this rank, one per optimizer step.
 
-    The j-th sequence of step s has global position g = B(s) + j, where B(s) counts the
-    sequences of all steps before s (the schedule's ``samples_before``), and is the item the data
-    order gives g (``items``: an ``Order``, or a number of items, read ``Shuffled`` by ``seed``).
-    Rank r of world_size W takes the contiguous share j in [r*b/W, (r+1)*b/W) of each step's
+    The j-th sequence of step s has global position g = B(d) + j, where d = s // ``repeat`` is
+    the batch the step reads (each batch serves ``repeat`` consecutive steps), B(d) counts the
+    sequences of all batches before d (the schedule's ``samples_before``), and is the item the
+    data order gives g (``items``: an ``Order``, or a number of items, read ``Shuffled`` by
+    ``seed``). Rank r of world_size W takes the contiguous share j in [r*b/W, (r+1)*b/W) of each
     global batch of b sequences.
     """
 
@@ -242,6 +243,7 @@ class StepSampler(Sampler):
         start_step: int = 0,
         rank: int = 0,
         world_size: int = 1,
+        repeat: int = 1,
     ):
         self.order = Shuffled(items, seed) if isinstance(items, int) else items
         self.schedule = schedule if isinstance(schedule, BatchSchedule) else BatchSchedule(schedule)
@@ -251,13 +253,14 @@ class StepSampler(Sampler):
         if not 0 <= rank < world_size:
             raise ValueError(f"rank {rank} out of range for world_size {world_size}")
         self.start_step = start_step
-        self.rank, self.world_size = rank, world_size
+        self.rank, self.world_size, self.repeat = rank, world_size, repeat
 
     def __iter__(self) -> Iterator[list[int]]:
         step = self.start_step
         while True:
-            per_rank = self.schedule.batch_size(step) // self.world_size
-            base = self.schedule.samples_before(step) + self.rank * per_rank
+            drawn = step // self.repeat
+            per_rank = self.schedule.batch_size(drawn) // self.world_size
+            base = self.schedule.samples_before(drawn) + self.rank * per_rank
             yield [self.order.item(g) for g in range(base, base + per_rank)]
             step += 1
 
@@ -278,8 +281,10 @@ def make_train_loader(
     rank: int = 0,
     world_size: int = 1,
     collate_fn: Callable[[list], Any] = default_collate,
+    repeat: int = 1,
 ) -> DataLoader:
-    """An endless DataLoader of this rank's share of each step's global batch, collated.
+    """An endless DataLoader of this rank's share of each step's global batch, collated (each
+    batch for ``repeat`` consecutive steps: see ``StepSampler``).
 
     The loop splits it into micro-batches itself, so the micro-batch size can change between
     steps (or within a retried one) without touching the data order."""
@@ -289,7 +294,7 @@ def make_train_loader(
             f"the training split has {num_tokens} tokens, fewer than seq_len + 1 = {seq_len + 1}; "
             "lower data.seq_len or use more data"
         )
-    sampler = StepSampler(data_order(dataset, seed), schedule, seed, start_step, rank, world_size)
+    sampler = StepSampler(data_order(dataset, seed), schedule, seed, start_step, rank, world_size, repeat)
     workers = num_workers > 0
     return _ForkingLoader(
         dataset,
@@ -325,7 +330,7 @@ class _ForkingLoader(DataLoader):
 class StepBatches:
     """This rank's batches in the run's data order: a loader from any step on, and any one step's
     batch rebuilt on its own (to run it again, or to say which sequences it held). Steps are
-    1-based, as logged."""
+    1-based, as logged. Each batch serves ``repeat`` consecutive steps (see ``StepSampler``)."""
 
     def __init__(
         self,
@@ -338,10 +343,11 @@ class StepBatches:
         rank: int = 0,
         world_size: int = 1,
         collate_fn: Callable[[list], Any] = default_collate,
+        repeat: int = 1,
     ):
         self.dataset, self.schedule, self.seed, self.collate_fn = dataset, schedule, seed, collate_fn
         self.num_workers, self.pin_memory = num_workers, pin_memory
-        self.rank, self.world_size = rank, world_size
+        self.rank, self.world_size, self.repeat = rank, world_size, repeat
 
     def loader(self, done: int) -> Iterator:
         """Batches of the steps after the first ``done``."""
@@ -356,13 +362,14 @@ class StepBatches:
                 rank=self.rank,
                 world_size=self.world_size,
                 collate_fn=self.collate_fn,
+                repeat=self.repeat,
             )
         )
 
     def items(self, step: int) -> list[int]:
         """This rank's dataset items of ``step``."""
         order = data_order(self.dataset, self.seed)
-        sampler = StepSampler(order, self.schedule, self.seed, step - 1, self.rank, self.world_size)
+        sampler = StepSampler(order, self.schedule, self.seed, step - 1, self.rank, self.world_size, self.repeat)
         return next(iter(sampler))
 
     def batch(self, step: int, device: torch.device):
@@ -374,8 +381,9 @@ class StepBatches:
 
     def positions(self, step: int) -> list[int]:
         """[first, end) positions of ``step``'s sequences in the run's data order (all ranks)."""
-        start = self.schedule.samples_before(step - 1)
-        return [start, start + self.schedule.batch_size(step - 1)]
+        drawn = (step - 1) // self.repeat
+        start = self.schedule.samples_before(drawn)
+        return [start, start + self.schedule.batch_size(drawn)]
 
     def describe(self, step: int) -> str:
         first, end = self.positions(step)
@@ -384,8 +392,11 @@ class StepBatches:
         return f"sequences {first}..{end - 1} of the data order (this rank's dataset items {shown})"
 
     def position(self, done: int) -> dict[str, int]:
-        """Where the data order stands after ``done`` steps: all a resume needs to go on."""
-        return {"seed": self.seed, "step": done, "samples_seen": self.schedule.samples_before(done)}
+        """Where the data order stands after ``done`` steps: all a resume needs to go on. The
+        sequences seen are those of the batches read so far, the one a cycle of ``repeat``
+        steps is still training on included."""
+        drawn = -(-done // self.repeat)
+        return {"seed": self.seed, "step": done, "samples_seen": self.schedule.samples_before(drawn)}
 
 
 def val_batches(

@@ -7,11 +7,16 @@ losses averaged as grpo.loss says (grpo, dr_grpo, dapo, bnpo).
 
 Sampling is the job's rollout, a phase of the loop before each step (``Job.rollout``) that turns
 the step's prompts into scored completions (a ``Rollout``), so the loss is an ordinary forward of
-whatever layout the model has. Each group of completions is sampled and trained on in one step
-(on-policy: the policy ratio of the clipped surrogate is exactly 1, as in TRL with one iteration
-per generation, so no clip constant is offered). Sampling draws its seed from the global torch
-generator, which checkpoints keep, so a resumed run samples what the uninterrupted one did.
-Generation and training time are reported apart.
+whatever layout the model has. The loss is the clipped surrogate of PPO: each token's ratio of
+its probability to the sampling policy's, clipped to [1 - grpo.epsilon, 1 + grpo.epsilon_high]
+where the advantage would push it further. With grpo.iterations = 1 (the default) each group of
+completions is sampled and trained on in one step, so the ratio is exactly 1 (on-policy, as TRL
+with one iteration per generation); with more, the completions serve that many consecutive steps
+(a cycle: the data gives them the same prompts, so none is skipped), the sampling policy's
+log-probabilities of them taken at the first, and the ratio moves off 1 at the later ones (TRL's
+num_iterations). The rollout kept for a cycle is part of the run's checkpoints, and sampling
+draws its seed from the global torch generator, which they keep too, so a resumed run samples
+and trains on what the uninterrupted one did. Generation and training time are reported apart.
 """
 
 from __future__ import annotations
@@ -19,7 +24,7 @@ from __future__ import annotations
 import importlib
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -36,10 +41,11 @@ from kiln.models.decode import Decoder, Row, Sampling
 from kiln.models.family import ModelFamily
 from kiln.models.hf.loading import read_config
 from kiln.train.logps import token_logps
+from kiln.train.precision import autocast
 from kiln.train.preference import adapters_disabled
 
-# Means over the log interval's completions; and the interval's generation time on this rank.
-METRICS = ("reward", "reward_std", "completions/mean_length", "completions/clipped_ratio", "kl")
+# Means over the log interval's sampled completions.
+SAMPLED = ("reward", "reward_std", "completions/mean_length", "completions/clipped_ratio")
 
 
 def load_reward(spec: str, key: str = "grpo.reward") -> Callable[..., list[float | None]]:
@@ -143,14 +149,17 @@ class RewardModel:
 @dataclass
 class Rollout(RowBatch):
     """A micro-batch's prompts after the rollout: each prompt's group of ``group`` sampled
-    completions as training rows (prompt + completion, only the completion labelled) and each
-    completion's advantage [rows] (float64, on the host until moved). It counts and cuts by
-    prompts, as the batch of prompts it came from did."""
+    completions as training rows (prompt + completion, only the completion labelled), each
+    completion's advantage [rows] (float64, on the host until moved) and, where the completions
+    serve several steps (grpo.iterations), the log-probabilities [rows, length - 1] that the
+    policy which sampled them gave their tokens (``token_logps``'), which the loss's ratio is
+    taken against. It counts and cuts by prompts, as the batch of prompts it came from did."""
 
     rows: TokenBatch
     advantages: torch.Tensor
     group: int
     by_tokens: bool = False  # grpo.loss = dapo: every completion token weighs the same
+    old_logps: torch.Tensor | None = None
 
     def __len__(self) -> int:
         return len(self.rows) // self.group
@@ -163,39 +172,98 @@ class Rollout(RowBatch):
     def tokens(self) -> int:
         return self.rows.tokens
 
+    def _map(self, rows: TokenBatch, fn: Callable[[torch.Tensor], torch.Tensor], at: slice = slice(None)) -> Rollout:
+        """This rollout's rows ``at`` as ``rows``, its tensors' by ``fn``; the old log-probabilities
+        cut to the width of ``rows`` too."""
+        old = None if self.old_logps is None else fn(self.old_logps[at, : rows.input_ids.shape[1] - 1])
+        return Rollout(rows, fn(self.advantages[at]), self.group, self.by_tokens, old)
+
     def to(self, device: torch.device, non_blocking: bool = True) -> Rollout:
-        advantages = self.advantages.to(device, non_blocking=non_blocking)
-        return Rollout(self.rows.to(device, non_blocking), advantages, self.group, self.by_tokens)
+        return self._map(self.rows.to(device, non_blocking), lambda t: t.to(device, non_blocking=non_blocking))
 
     def pin_memory(self) -> Rollout:
-        return Rollout(self.rows.pin_memory(), self.advantages.pin_memory(), self.group, self.by_tokens)
+        return self._map(self.rows.pin_memory(), torch.Tensor.pin_memory)
 
     def split_rows(self, size: int) -> list[Rollout]:
         rows = size * self.group
         pieces = self.rows.split_rows(rows)
-        return [
-            Rollout(piece, self.advantages[i * rows : (i + 1) * rows], self.group, self.by_tokens)
-            for i, piece in enumerate(pieces)
-        ]
+        return [self._map(piece, lambda t: t, slice(i * rows, (i + 1) * rows)) for i, piece in enumerate(pieces)]
+
+
+class KeptRollout:
+    """The rollout that the steps of one cycle of grpo.iterations train on (``cycle``: which, from
+    0; -1 for none), kept from the cycle's first step until its last. A part of the run's
+    checkpoints (``Job.checkpoint_parts``), so that a run resumed within a cycle trains on the
+    completions the uninterrupted one did. Each rank samples its own, and only the main rank writes
+    this state: ``state_dict`` gathers every rank's (on the host), ``load_state_dict`` takes back
+    this rank's; none where the number of ranks changed (their prompts did), and the cycle's later
+    steps then sample afresh."""
+
+    def __init__(self, world: World):
+        self.world = world
+        self.rollout: Rollout | None = None
+        self.cycle = -1
+
+    def state_dict(self) -> dict:
+        mine = None if self.rollout is None else asdict(self.rollout.to(torch.device("cpu"), non_blocking=False))
+        return {"cycle": self.cycle, "ranks": self.world.gather(mine)}
+
+    def load_state_dict(self, state: dict) -> None:
+        ranks = state["ranks"]
+        mine = ranks[self.world.rank] if len(ranks) == self.world.size else None
+        if mine is None:
+            self.rollout, self.cycle = None, -1
+            return
+        self.rollout = Rollout(**{**mine, "rows": TokenBatch(**mine["rows"])}).to(self.world.device)
+        self.cycle = state["cycle"]
 
 
 class GRPOLoss:
-    """``rollout(model, prompts, micro_batch_size)``: the job's phase before each step, which
-    samples and scores each prompt's completions; ``loss(model, rollout)``: the GRPO loss of a
-    micro-batch of them (as grpo.loss says), an ordinary forward of whatever layout the model
-    has; ``metrics`` reports the interval's rewards, lengths and generation time."""
+    """``rollout(model, prompts, micro_batch_size, step)``: the job's phase before each step,
+    which samples and scores each prompt's completions (or takes those its cycle of
+    grpo.iterations sampled); ``loss(model, rollout)``: the GRPO loss of a micro-batch of them (as
+    grpo.loss says), an ordinary forward of whatever layout the model has; ``metrics`` reports the
+    interval's rewards, lengths, generation time and what the loss clipped."""
 
     def __init__(self, cfg: Config, family: ModelFamily, tokenizer: Any, rewards: Rewards, world: World):
         self.g, self.family, self.tokenizer, self.rewards, self.world = cfg.grpo, family, tokenizer, rewards, world
-        self.kl = cfg.grpo.kl_coef > 0
-        # METRICS' sums but the KL's, the generation seconds and the completions: host values
-        # (rewards are); the KL's sum stays on the device, read when the metrics are. Each reward
-        # function's sum and sum of squares.
-        self.sums = torch.zeros(len(METRICS) + 2, dtype=torch.float64)
+        self.kl, self.precision = cfg.grpo.kl_coef > 0, cfg.train.precision
+        self.kept = KeptRollout(world)
+        # SAMPLED's sums, the generation seconds, the completions sampled and those trained on:
+        # host values (rewards are). Each reward function's sum and sum of squares. On the
+        # device, read when the metrics are: the KL's sum, and the completion tokens whose ratio
+        # was clipped and all of them.
+        self.sums = torch.zeros(len(SAMPLED) + 3, dtype=torch.float64)
         self.each = torch.zeros(len(rewards.names), 2, dtype=torch.float64)
         self.kl_sum: torch.Tensor | None = None
+        self.clip_sum: torch.Tensor | None = None
 
-    def rollout(self, model: nn.Module, batch: PromptBatch, micro_batch_size: int) -> Rollout:
+    def rollout(self, model: nn.Module, batch: PromptBatch, micro_batch_size: int, step: int) -> Rollout:
+        """(1-based) ``step``'s completions: sampled, scored and given their advantages at the
+        first step of each cycle of grpo.iterations steps (whose batches hold the same prompts),
+        and kept with the sampling policy's log-probabilities of them for the cycle's other
+        steps, which train on them again."""
+        iterations, kept = self.g.iterations, self.kept
+        cycle = (step - 1) // iterations
+        if cycle == kept.cycle and kept.rollout is not None:
+            rollout = kept.rollout
+            if step % iterations == 0:  # the cycle's last step: a checkpoint after it need not keep it
+                kept.rollout = None
+            return rollout
+        rollout = self._scored(model, batch, micro_batch_size)
+        # Kept where later steps of the cycle will reuse it; a step of an earlier cycle rolled out
+        # again (the guard's replay of a bad step) keeps nothing. Non-finite log-probabilities on
+        # any rank would make every later step of the cycle non-finite, a rollback into it too:
+        # those steps sample afresh instead, on every rank alike.
+        if step % iterations and cycle > kept.cycle:
+            old = self._logps(model, rollout, micro_batch_size)
+            (non_finite,) = self.world.agree(not torch.isfinite(old).all().item())
+            if not non_finite:
+                rollout = replace(rollout, old_logps=old)
+                kept.rollout, kept.cycle = rollout, cycle
+        return rollout
+
+    def _scored(self, model: nn.Module, batch: PromptBatch, micro_batch_size: int) -> Rollout:
         """Each prompt's group of completions, sampled by ``model`` (this rank's, unwrapped: the
         whole model) as rows of the decoder, the groups of at most ``micro_batch_size`` prompts
         decoding at once (what the step's forward holds, so the memory ladder's micro-batch also
@@ -220,18 +288,38 @@ class GRPOLoss:
             dtype=torch.float64,
         )
         self.each += torch.stack([each.sum(1), each.square().sum(1)], dim=1)
-        self.sums[-1] += len(completions)
-        self.sums[-2] += time.perf_counter() - started
+        self.sums[-2] += len(completions)
+        self.sums[-3] += time.perf_counter() - started
         device = next(p.device for p in model.parameters())
         rows = self.rows(batch.prompt_ids, completions)
         return Rollout(rows, advantage.flatten(), g.group_size, by_tokens=g.loss == "dapo").to(device)
 
+    @torch.no_grad()
+    def _logps(self, model: nn.Module, rollout: Rollout, micro_batch_size: int) -> torch.Tensor:
+        """The log-probabilities [rows, length - 1] ``model`` gives the rollout's tokens, computed
+        as the loss computes them (in its micro-batches, under the run's precision), so that the
+        ratio is exactly 1 at the step that sampled them; at most a micro-batch held at once."""
+        width = rollout.rows.input_ids.shape[1] - 1
+        with autocast(self.precision, rollout.advantages.device):
+            pieces = [token_logps(model, piece.rows)[0] for piece in rollout.split_rows(micro_batch_size)]
+        return torch.cat([nn.functional.pad(p, (0, width - p.shape[1])) for p in pieces])
+
     def __call__(self, model: nn.Module, batch: Rollout) -> torch.Tensor:
         g, rows = self.g, batch.rows
         logps, scored = token_logps(model, rows)
-        # The ratio to the policy that sampled (this one): 1, with the gradient of log p.
-        ratio = torch.exp(logps - logps.detach())
-        per_token = -ratio * batch.advantages.to(dtype=logps.dtype)[:, None]
+        # The ratio to the policy that sampled: the one kept with completions that serve several
+        # steps, else this one (1, with the gradient of log p).
+        old = logps.detach() if batch.old_logps is None else batch.old_logps
+        ratio = torch.exp(logps - old)
+        advantages = batch.advantages.to(dtype=logps.dtype)[:, None]
+        low, high = 1 - g.epsilon, 1 + (g.epsilon_high or g.epsilon)
+        per_token = -torch.minimum(ratio * advantages, ratio.clamp(low, high) * advantages)
+        self.sums[-1] += len(rows)
+        if batch.old_logps is not None:
+            # The tokens whose gradient the clip takes away: past the band where the advantage pushes.
+            clipped = ((ratio < low) & (advantages < 0) | (ratio > high) & (advantages > 0)) & scored
+            counts = torch.stack([clipped.sum(), scored.sum()]).double()
+            self.clip_sum = counts if self.clip_sum is None else self.clip_sum + counts
         if self.kl:
             with torch.no_grad(), adapters_disabled(model):
                 ref, _ = token_logps(model, rows)
@@ -305,20 +393,35 @@ class GRPOLoss:
         return prompts, texts, fields
 
     def metrics(self, world: World) -> dict[str, float]:
-        """The interval's means over its completions and its seconds of sampling (averaged over
-        the ranks), each reward function's mean and standard deviation, and a new interval. The
-        rest of the interval's time is training."""
-        if not self.sums[-1]:
+        """The interval's means over its sampled completions and its seconds of sampling
+        (averaged over the ranks), each reward function's mean and standard deviation (where it
+        sampled: with grpo.iterations > 1 not every step does); the KL's mean over the
+        completions trained on and, with grpo.iterations > 1, ``clip_ratio``, the share of their
+        tokens whose ratio was clipped; and a new interval. The rest of the interval's time is
+        training."""
+        if not self.sums[-2:].any():
             return {}
-        local = torch.cat([self.sums, self.each.flatten()]).to(world.device)
+        trained = torch.zeros(3, dtype=torch.float64, device=world.device)  # the KL's sum, clipped tokens, all
         if self.kl_sum is not None:
-            local[METRICS.index("kl")] = self.kl_sum.to(world.device)
+            trained[0] = self.kl_sum
+        if self.clip_sum is not None:
+            trained[1:] = self.clip_sum
+        local = torch.cat([self.sums.to(world.device), self.each.flatten().to(world.device), trained])
         everything = world.mean(local).tolist()
-        sums, each = everything[: len(self.sums)], everything[len(self.sums) :]
-        self.sums, self.each, self.kl_sum = torch.zeros_like(self.sums), torch.zeros_like(self.each), None
-        n = sums[-1]
-        out = {name: v / n for name, v in zip(METRICS, sums, strict=False)}
-        out["time/generation_s"] = sums[-2]
+        sums, each, (kl, clipped, tokens) = (
+            everything[: len(self.sums)],
+            everything[len(self.sums) : -3],
+            everything[-3:],
+        )
+        self.sums, self.each = torch.zeros_like(self.sums), torch.zeros_like(self.each)
+        self.kl_sum = self.clip_sum = None
+        out = {"kl": kl / sums[-1]} if sums[-1] else {}
+        if self.g.iterations > 1 and tokens:
+            out["clip_ratio"] = clipped / tokens
+        if not (n := sums[-2]):
+            return out
+        out.update({name: v / n for name, v in zip(SAMPLED, sums, strict=False)})
+        out["time/generation_s"] = sums[-3]
         for i, name in enumerate(self.rewards.names):
             mean = each[2 * i] / n
             out[f"rewards/{name}/mean"] = mean

@@ -16,6 +16,13 @@ from kiln.distributed.parallel import local_part
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16, "fp8": torch.bfloat16}
 
 
+def autocast(mode: str, device: torch.device) -> contextlib.AbstractContextManager:
+    """What the loss is computed in under train.precision ``mode`` on ``device``."""
+    if mode == "fp32":
+        return contextlib.nullcontext()
+    return torch.autocast(device.type, dtype=DTYPES[mode])
+
+
 class LossScale:
     """fp16's dynamic loss scale (GradScaler's rule: from 2^16, halved after a step whose
     gradients overflow, which is skipped, doubled after 2000 finite steps in a row), decided from
@@ -134,9 +141,7 @@ class Precision:
         return [f"fp8: {len(self.float8)} linear layers multiply in float8 ({self.fp8_recipe} scales)"]
 
     def autocast(self) -> contextlib.AbstractContextManager:
-        if self.mode == "fp32":
-            return contextlib.nullcontext()
-        return torch.autocast(self.device.type, dtype=self.dtype)
+        return autocast(self.mode, self.device)
 
     def unscale_(self, optimizer: torch.optim.Optimizer) -> None:
         self.loss_scale.unscale_(optimizer)

@@ -96,7 +96,7 @@ def start_model(
 
 def step_batches(job: Job, schedule: BatchSchedule, world: World) -> StepBatches:
     """The batches of each step as this rank reads them (ranks of one tensor- or context-parallel
-    group read the same ones)."""
+    group read the same ones), each for as many steps as the job asks."""
     return StepBatches(
         job.train_data,
         schedule,
@@ -106,6 +106,7 @@ def step_batches(job: Job, schedule: BatchSchedule, world: World) -> StepBatches
         rank=world.data_rank,
         world_size=world.data_ranks,
         collate_fn=job.collate_fn,
+        repeat=job.repeat,
     )
 
 

@@ -106,6 +106,7 @@ class TimePlan:
         schedule: BatchSchedule,
         tokens_per_sample: int,
         data: Dataset | None = None,
+        repeat: int = 1,
     ):
         t = cfg.train
         self.auto = t.max_steps == "auto"
@@ -131,9 +132,11 @@ class TimePlan:
         self.corrections_left = 0
         # The step that compiles, after train.compile_after eager ones: the pace is timed after it.
         self.compile_step = t.compile_after + 1 if t.compile is True and t.compile_after else None
-        # The sequences data.max_epochs passes over the training data hold (unknown: no end).
+        # The sequences data.max_epochs passes over the training data hold (unknown: no end),
+        # each batch of them trained on for ``repeat`` steps (the loader's).
         self.max_epochs = cfg.data.max_epochs
         self.pass_sequences = len(data) if isinstance(data, Sized) else None
+        self.repeat = repeat
         self.data_bound = False  # the plan ends where the passes do, before the budget
 
     @property
@@ -265,7 +268,8 @@ class TimePlan:
         if self.pass_sequences is None:
             return None
         sequences = self.max_epochs * self.pass_sequences
-        return _most(lambda steps: self.batch_schedule.samples_before(steps) < sequences, least=0) + 1
+        batches = _most(lambda steps: self.batch_schedule.samples_before(steps) < sequences, least=0) + 1
+        return batches * self.repeat
 
     def _within_passes(self, steps: int, step: int) -> int:
         """``steps``, or fewer where the data's passes end first (never before ``step`` + 1)."""
@@ -315,7 +319,7 @@ class TimePlan:
             probe_batch = self.batch_schedule.final
             sequences = self._most_steps(self.budget_s - elapsed(), probe, least=1) * probe_batch
             if self.pass_sequences is not None:  # no more tokens than the passes hold
-                sequences = min(sequences, self.max_epochs * self.pass_sequences)
+                sequences = min(sequences, self.max_epochs * self.pass_sequences * self.repeat)
             tokens = sequences * self.tokens_per_sample
             batch = choose_batch(tokens, self.tokens_per_sample, self.micro, world.data_ranks)
             self._resize(batch)

@@ -26,6 +26,7 @@ from kiln.distributed.world import World
 from kiln.models.family import ModelFamily, ParallelPlan, build_model, family_of
 from kiln.models.init import Values, params_on_meta
 from kiln.train.apply import apply_lora
+from kiln.train.checkpointer import Stateful
 from kiln.train.precision import Precision
 
 
@@ -64,6 +65,9 @@ class Job:
     loss_fn: Callable[[nn.Module, Any], torch.Tensor]
     tokens_per_sample: int = 1
     flops_per_token: float | None = None
+    # Consecutive optimizer steps each batch of the data serves (GRPO's grpo.iterations: the
+    # steps that train on one rollout of its prompts).
+    repeat: int = 1
     plan: ParallelPlan
     # The tokenizer the job's text is encoded with: a tokenizers.Tokenizer (kiln's own) or the
     # model's transformers tokenizer; None where the job has no text.
@@ -98,11 +102,19 @@ class Job:
         """The model to train, on the CPU, initialised from ``train.seed`` (or pretrained)."""
         raise NotImplementedError
 
-    def rollout(self, model: nn.Module, batch: Any, micro_batch_size: int) -> Any:
-        """The step's batch as the loss takes it: a phase before the step, with this rank's
-        unwrapped module (e.g. GRPO samples and scores its prompts' completions here, so that
-        its loss is an ordinary forward of whatever layout the model has). As given by default."""
+    def rollout(self, model: nn.Module, batch: Any, micro_batch_size: int, step: int) -> Any:
+        """(1-based) ``step``'s batch as the loss takes it: a phase before the step, with this
+        rank's unwrapped module (e.g. GRPO samples and scores its prompts' completions here, so
+        that its loss is an ordinary forward of whatever layout the model has). As given by
+        default."""
         return batch
+
+    def checkpoint_parts(self) -> dict[str, Stateful]:
+        """The job's own state that the run's checkpoints keep beside the loop's, by name (each
+        part's ``state_dict`` is asked for on every rank together, so it may gather over them);
+        it is restored with the rest at a resume or a rollback, and put back after the time
+        plan's probe. None by default."""
+        return {}
 
     def evaluate(self, model: nn.Module, ctx: EvalContext) -> dict[str, Any] | None:
         """Validation metrics (None: the job has none)."""

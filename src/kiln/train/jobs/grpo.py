@@ -12,6 +12,7 @@ from torch import nn
 from kiln.config import ConfigError
 from kiln.data.prompts import PromptBatch, PromptData, prepare_prompts
 from kiln.distributed.world import World
+from kiln.train.checkpointer import Stateful
 from kiln.train.grpo import GRPOLoss, Rewards, Rollout
 from kiln.train.jobs.base import EvalContext, LoadedRun, ValidationRows
 from kiln.train.jobs.finetune import FineTuneJob
@@ -45,12 +46,17 @@ class GRPOJob(FineTuneJob):
         self.plan = self.family.parallel_plan(self.args)
         self.objective = GRPOLoss(cfg, self.family, self.tokenizer, reward, world)
         self.loss_fn = self.objective
+        self.repeat = cfg.grpo.iterations  # each batch of prompts for a cycle of steps, as its rollout
 
     def _reward(self, world: World) -> Rewards:
         return Rewards.of(self.cfg.grpo, world.device)
 
-    def rollout(self, model: nn.Module, batch: PromptBatch, micro_batch_size: int) -> Rollout:
-        return self.objective.rollout(model, batch, micro_batch_size)
+    def rollout(self, model: nn.Module, batch: PromptBatch, micro_batch_size: int, step: int) -> Rollout:
+        return self.objective.rollout(model, batch, micro_batch_size, step)
+
+    def checkpoint_parts(self) -> dict[str, Stateful]:
+        """The rollout a cycle of grpo.iterations steps trains on, where there are such cycles."""
+        return {"grpo_rollout": self.objective.kept} if self.cfg.grpo.iterations > 1 else {}
 
     def metrics(self, world: World) -> dict[str, float]:
         return self.objective.metrics(world)
