@@ -71,7 +71,7 @@ def main() -> None:
         )
         return out[:, width:].tolist()
 
-    decodable = get_family("hf").decoding(CausalLM(hf))
+    decodable = get_family("hf").decoding(CausalLM(hf).eval())
 
     def ours() -> list[list[int]]:
         return generate(decodable, prompts, args.new, temperature=0, max_batch=len(prompts))

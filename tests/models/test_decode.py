@@ -128,6 +128,36 @@ def test_rows_join_while_others_decode_and_each_samples_from_its_own_seed():
     assert len({tuple(r.tokens) for r in rows}) == len(rows)
 
 
+def test_in_lockstep_a_rank_runs_as_many_forward_passes_as_the_busiest_and_its_rows_are_unchanged():
+    """A sharded model's ranks each run every forward pass together: here the other rank runs
+    two more passes a step and has rows for three steps after this one's end."""
+    model = small_model()
+    passes = []
+    model.register_forward_pre_hook(lambda module, args: passes.append(tuple(args[0].shape)))
+    rows = _rows([5, 11, 2], [6, 3, 8])
+    answers = []
+
+    def lockstep(ran: int, busy: bool) -> tuple[float, float]:
+        answers.append(ran)
+        return ran + 2, busy or len(answers) <= steps + 3
+
+    steps = 0
+    twins = [Row(r.prompt, r.max_tokens, r.sampling, r.eos_id) for r in rows]
+    decoder = Decoder(decoding(model), max_batch=2)
+    decoder.add(twins)
+    while decoder.busy:
+        decoder.step()
+        steps += 1
+    alone = len(passes)
+    passes.clear()
+    Decoder(decoding(model), max_batch=2).run(rows, lockstep=lockstep)
+    assert [r.tokens for r in rows] == [t.tokens for t in twins]
+    # Its own passes, two idle ones (one token) after each step, and three steps of idle ones.
+    assert len(answers) == steps + 4 and answers[steps:] == [0, 0, 0, 0]
+    assert len(passes) == alone + 2 * len(answers)
+    assert passes.count((1, 1)) >= 2 * len(answers)
+
+
 def test_a_long_prompt_is_fed_in_chunks_while_the_running_rows_go_on():
     model = small_model()
     short, long = _rows([2, 30], [40, 3])
@@ -229,7 +259,7 @@ def test_hugging_face_causal_lms_decode_as_transformers_generate_does(tmp_path):
     generator = torch.Generator().manual_seed(0)
     lengths = torch.randint(1, 90, (16,), generator=generator).tolist()
     prompts = [torch.randint(3, hf.config.vocab_size, (n,), generator=generator).tolist() for n in lengths]
-    ours = generate(get_family("hf").decoding(CausalLM(hf)), prompts, 24, temperature=0, max_batch=6)
+    ours = generate(get_family("hf").decoding(CausalLM(hf).eval()), prompts, 24, temperature=0, max_batch=6)
     for prompt, tokens in zip(prompts, ours, strict=True):
         theirs = hf.generate(
             torch.tensor([prompt]), max_new_tokens=24, do_sample=False, eos_token_id=None, pad_token_id=0
@@ -258,7 +288,7 @@ def test_every_tiny_decoder_architecture_decodes_as_transformers_generate_does(t
     hf = AutoModelForCausalLM.from_pretrained(tmp_path).eval()
     generator = torch.Generator().manual_seed(0)
     prompts = [torch.randint(3, 96, (n,), generator=generator).tolist() for n in (3, 17, 9, 30)]
-    ours = generate(get_family("hf").decoding(CausalLM(hf)), prompts, 12, temperature=0, max_batch=3)
+    ours = generate(get_family("hf").decoding(CausalLM(hf).eval()), prompts, 12, temperature=0, max_batch=3)
     for prompt, tokens in zip(prompts, ours, strict=True):
         theirs = hf.generate(
             torch.tensor([prompt]), max_new_tokens=12, do_sample=False, eos_token_id=None, pad_token_id=0

@@ -1184,9 +1184,13 @@ class Config:
                 "grpo.kl_coef=0",
             ),
             (
-                self.run.job != "grpo" or (self.parallel.strategy == "ddp" and self.parallel.tp == 1),
-                "run.job: grpo samples completions of its own length on each rank, which sharded layouts "
-                "(FSDP, TP) would have to keep in step; use one process or parallel.strategy=ddp",
+                self.run.job != "grpo" or self.parallel.tp == 1,
+                "run.job: grpo does not sample on tensor-parallel ranks yet (a decode step's one token a row "
+                "cannot be split by position, as sequence parallelism splits it); set parallel.tp=1 (FSDP or DDP)",
+            ),
+            (
+                self.run.job != "grpo" or self.parallel.ep == 1,
+                "run.job: grpo's sampling does not route tokens to experts on other ranks yet; set parallel.ep=1",
             ),
             (
                 self.run.job != "grpo" or self.grpo.iterations == 1 or not self.train.batch_ramp_start,

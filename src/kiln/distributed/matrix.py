@@ -74,6 +74,7 @@ _HF_EP_OBJECTIVES = (
     "tests/train/test_hf_moe.py::test_objectives_and_adapters_with_experts_split_over_two_ranks_equal_one_process"
 )
 _DPO = "tests/train/test_preference_objectives.py::test_dpo_on_two_ranks_equals_one_process"
+_GRPO = "tests/train/test_grpo.py::test_grpo_on_two_ranks_samples_and_trains_as_one_process"
 _HSDP_SFT = "tests/train/test_finetune.py::test_hsdp_trains_packed_records_as_one_process"
 _TASKS = "tests/harness/test_tasks_in_training.py::test_task_scores_on_two_ranks_are_those_of_the_saved_model"
 PROOFS: dict[tuple[str, str], str] = {
@@ -105,6 +106,8 @@ PROOFS: dict[tuple[str, str], str] = {
     ("HF models", "HSDP"): _HSDP_SFT,
     ("packing", "HSDP"): _HSDP_SFT,
     ("DPO family", "HSDP"): _DPO,
+    ("GRPO", "DDP"): _GRPO,
+    ("GRPO", "FSDP"): _GRPO,
     ("eval.tasks", "HSDP"): _TASKS,
     ("fp16", "PP"): "tests/distributed/test_pipeline.py::test_fp16_in_two_stages_trains_as_one_process",
     ("bf16", "FSDP"): _PARALLEL + "test_fsdp_bf16_computes_in_bf16_and_keeps_fp32_weights",

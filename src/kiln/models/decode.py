@@ -189,6 +189,11 @@ class CacheLayer:
         return self.cache.attend(self.index, k, v)
 
 
+# (forward passes this rank ran in a step, whether it still has rows) -> (the most any rank ran,
+# whether any rank still has rows): Decoder.run's agreement between ranks.
+Lockstep = Callable[[int, bool], Sequence[float]]
+
+
 class Decodable(Protocol):
     """What the decoder needs of a model: the ``module`` (put in eval mode while decoding), its
     ``context`` (positions it can attend over; None: unknown), and ``forward``, the next-token
@@ -240,6 +245,8 @@ class Decoder:
         self.filling: list[Row] = []  # their prompts being fed
         self.running: list[Row] = []  # running[i] sits in slot i
         self.owner: list[Row | None] = [None] * max_batch
+        self.forwards = 0  # forward passes run, idle ones included
+        self._scratch: SlotCache | None = None  # the idle passes' one-slot cache
 
     @property
     def busy(self) -> bool:
@@ -264,12 +271,24 @@ class Decoder:
         with self._evaluating():
             return self._step()
 
-    def run(self, rows: Iterable[Row]) -> None:
-        """Decode ``rows`` to the end."""
+    def run(self, rows: Iterable[Row], lockstep: Lockstep | None = None) -> None:
+        """Decode ``rows`` to the end. Where each forward pass is a collective of several ranks
+        (a sharded model's layers gather their parameters from every rank), ``lockstep(forwards,
+        busy)`` is asked after each step and answers (the most forwards a rank ran, whether any
+        rank still has rows): a rank that ran fewer runs idle ones, and every rank steps until
+        none has rows left."""
         self.add(rows)
         with self._evaluating():
-            while self.busy:
-                self._step()
+            while True:
+                ran = self.forwards
+                if self.busy:
+                    self._step()
+                ran = self.forwards - ran
+                most, anyone = lockstep(ran, self.busy) if lockstep is not None else (ran, self.busy)
+                for _ in range(int(most) - ran):
+                    self._idle()
+                if not anyone:
+                    return
 
     @contextlib.contextmanager
     def _evaluating(self) -> Iterator[None]:
@@ -332,7 +351,7 @@ class Decoder:
             tokens = torch.tensor([chunk], device=self.device)
             positions = torch.arange(start, start + len(chunk), device=self.device)[None]
             self.cache.bind(slice(row.slot, row.slot + 1), positions, [start + len(chunk) - 1])
-            logits = self.model.forward(tokens, self.cache)
+            logits = self._forward(tokens, self.cache)
             row.fed += len(chunk)
             if row.fed < len(row.window):
                 continue
@@ -351,9 +370,20 @@ class Decoder:
         tokens = torch.tensor([[r.tokens[-1]] for r in rows], device=self.device)
         last = [r.position for r in rows]
         self.cache.bind(slice(0, len(rows)), torch.tensor(last, device=self.device)[:, None], last)
-        logits = self.model.forward(tokens, self.cache)
+        logits = self._forward(tokens, self.cache)
         sampled = _sample(logits, rows)
         return [(r, sampled[i : i + 1]) for i, r in enumerate(rows)]
+
+    def _forward(self, tokens: torch.Tensor, cache: SlotCache) -> torch.Tensor:
+        self.forwards += 1
+        return self.model.forward(tokens, cache)
+
+    def _idle(self) -> None:
+        """A forward pass whose result is dropped: one token in a cache of its own."""
+        if self._scratch is None:
+            self._scratch = SlotCache(1, 1, self.device)
+        self._scratch.bind(slice(0, 1), torch.zeros(1, 1, dtype=torch.long, device=self.device), [0])
+        self._forward(torch.zeros(1, 1, dtype=torch.long, device=self.device), self._scratch)
 
     def _move(self, row: Row, slot: int) -> None:
         """Put ``row`` in ``slot``, swapping with whatever holds it."""

@@ -347,21 +347,25 @@ class GRPOLoss:
         decodable = self.family.decoding(model)
         if decodable is None:
             raise ConfigError([f"run.job: grpo samples from the model, which {self.family.name} models cannot"])
-        # One draw from the global generator (identical on every rank, and in checkpoints) seeds
-        # this batch's sampling; the rank and the row make the rows' seeds differ, and a row's
-        # tokens do not depend on the rows decoded beside it.
-        seed = int(torch.randint(2**62, (1,)).item()) + self.world.rank * 2**40
         group = 1 if greedy else g.group_size
         temperature = 0.0 if greedy else g.temperature
         top_p = None if greedy else g.top_p
+        # One draw from the global generator (identical on every rank, and in checkpoints) seeds
+        # this batch's sampling, each row's seed offset by its index in the global batch (this
+        # rank's rows follow those of the data ranks before it; a CPU generator keeps only a
+        # seed's low 32 bits, so offsets must be small), and a row's tokens do not depend on the
+        # rows decoded beside it: the ranks sample what one process would.
+        seed = int(torch.randint(2**62, (1,)).item()) + self.world.data_rank * len(batch) * group
         prompts = [prompt for prompt in batch.prompt_ids for _ in range(group)]
         rows = [
             Row(prompt, g.max_new_tokens, Sampling(temperature, None, top_p, seed + i), eos)
             for i, prompt in enumerate(prompts)
         ]
         # Completions of any prompts' lengths decode together, rows joining as others end; a
-        # group's rows share their prompt's prefill.
-        Decoder(decodable, max_batch=min(len(rows), (prompts_at_once or len(batch)) * group)).run(rows)
+        # group's rows share their prompt's prefill. A sharded model's forward passes gather
+        # their layers from every rank: the ranks run as many, in step (over the host's group).
+        decoder = Decoder(decodable, max_batch=min(len(rows), (prompts_at_once or len(batch)) * group))
+        decoder.run(rows, lockstep=self.world.largest if self.world.distributed else None)
         return [row.tokens for row in rows]
 
     def rows(self, prompt_ids: list[list[int]], completions: list[list[int]]) -> TokenBatch:

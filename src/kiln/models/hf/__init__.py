@@ -153,17 +153,23 @@ class CausalLM(nn.Module):
         targets=None,
         token_logps=False,
         positions=None,
+        decoding=None,
     ):
         """Logits; or given ``labels`` (aligned with the inputs, shifted here) or ``targets`` (the
         next token of each input, as kiln's GPT takes them on text), the mean loss; with
         ``token_logps``, each target's log-probability instead [B, T'] (0 where -100), in fp32.
         ``positions``: packed documents' positions (kiln's name for ``position_ids``). A pipeline
         stage without the embedding takes hidden states for ``input_ids``, and one without the
-        output layer returns hidden states."""
+        output layer returns hidden states. ``decoding``: the decoder's keywords for
+        ``transformers`` (its cache, which positions' logits to keep; kiln.models.hf.decode),
+        passed through here so that what a layout hooks on this module runs (FSDP gathering the
+        embedding and output layer)."""
         hf = cast(_Transformers, _base(self.hf))
         position_ids = position_ids if position_ids is not None else positions
         embedded = "input_ids" if hf.get_input_embeddings() is not None else "inputs_embeds"
         inputs = {embedded: input_ids, "attention_mask": attention_mask, "position_ids": position_ids}
+        if decoding is not None:
+            return _base(self.hf)(**inputs, use_cache=True, **decoding).logits
         head = hf.get_output_embeddings()
         if head is None:
             return hf.base_model(**inputs, use_cache=False).last_hidden_state
@@ -515,7 +521,7 @@ class HFFamily(ModelFamily):
 
     def decoding(self, model: nn.Module) -> HFDecoding | None:
         """A causal LM through ``transformers``' own forward, over kiln's slot cache."""
-        return HFDecoding(_base(model.hf)) if isinstance(model, CausalLM) else None
+        return HFDecoding(model, _base(model.hf)) if isinstance(model, CausalLM) else None
 
 
 FAMILY = HFFamily()

@@ -40,15 +40,16 @@ def _slot_cache_class() -> type:
 
 
 class HFDecoding:
-    """A ``transformers`` causal LM (``module``, under PEFT's wrapper or not) under the decoder.
-    What the model's config and forward say (its masks' type, its sliding window and which layers
-    have it, its keywords) is read once, not at each step."""
+    """A ``transformers`` causal LM ``model`` under the decoder, called through ``module``, kiln's
+    wrapper of it (which passes the decoder's keywords on; see ``CausalLM.forward``). What the
+    model's config and forward say (its masks' type, its sliding window and which layers have it,
+    its keywords) is read once, not at each step."""
 
-    def __init__(self, module: nn.Module):
+    def __init__(self, module: nn.Module, model: nn.Module):
         self.module = module
-        config = module.config
+        config = model.config
         self.context: int | None = getattr(config, "max_position_embeddings", None)
-        dtype = next(module.parameters()).dtype
+        dtype = next(model.parameters()).dtype
         self.dtype = dtype if dtype.is_floating_point else torch.float32
         self.window: int | None = getattr(config, "sliding_window", None)
         kinds = set(getattr(config, "layer_types", None) or ["sliding_attention" if self.window else "full_attention"])
@@ -61,7 +62,7 @@ class HFDecoding:
             if kinds == {"sliding_attention"}
             else "mixed"
         )
-        keywords = inspect.signature(type(module).forward).parameters
+        keywords = inspect.signature(type(model).forward).parameters
         # transformers 5.24 renamed past_key_values to cache (the old name warns on every call).
         self.cache_keyword = "cache" if "cache" in keywords else "past_key_values"
         self.last_only = {"logits_to_keep": 1} if "logits_to_keep" in keywords else {}
@@ -81,12 +82,6 @@ class HFDecoding:
         else:
             local = self._additive(cache.window_mask(cast(int, self.window)))
             mask = {"full_attention": self._additive(cache.mask), "sliding_attention": local}
-        out = self.module(
-            input_ids=tokens,
-            position_ids=cache.positions,
-            attention_mask=mask,
-            use_cache=True,
-            **{self.cache_keyword: _slot_cache_class()(cache)},
-            **self.last_only,
-        )
-        return out.logits[:, -1]
+        keywords = {self.cache_keyword: _slot_cache_class()(cache), **self.last_only}
+        logits = self.module(tokens, position_ids=cache.positions, attention_mask=mask, decoding=keywords)
+        return logits[:, -1]
