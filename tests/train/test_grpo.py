@@ -78,19 +78,19 @@ def test_grpo_raises_the_mean_reward_above_0_8(tmp_path, prompts, warm_llama):
         run,
         prompts,
         warm_llama,
-        train__max_steps=200,
+        train__max_steps=50,
         train__micro_batch_size=16,
-        train__global_batch_size=16,
-        train__lr=1e-3,
-        train__log_every=10,
+        train__global_batch_size=32,
+        train__lr=2e-3,
+        train__log_every=5,
         grpo__group_size=16,
         grpo__temperature=0.7,
-        eval__every=200,
+        eval__every=50,
     )
     train(load_config(None, items), console=False)
     rewards = [r["reward"] for r in records(run) if "reward" in r]
-    # About half right at the start (the SFT), sampled at temperature 0.7; past 0.8 within the
-    # run (on this seed from step 100 on, between 0.80 and 0.85 a log interval), and staying up.
+    # Right about 0.4 of the time at the start (the SFT), sampled at temperature 0.7; past 0.8
+    # within the run (on this seed from step 40 on, 0.81-0.84 a log interval), and staying up.
     assert rewards[0] < 0.7 and max(rewards) > 0.8 and sum(rewards[-5:]) / 5 > 0.75, rewards
     val = next(r for r in records(run) if "val_reward" in r)
     assert val["val_reward"] > 0.8, val
