@@ -44,15 +44,18 @@ PROMPTS = [
 ]
 
 
-def start_server(run_dir: str, device: str, max_batch: int) -> tuple[subprocess.Popen, str]:
-    """``kiln serve`` on a free port in a child process; (process, base URL) once it is ready."""
+def start_server(run_dir: str, device: str, max_batch: int, compiled: bool) -> tuple[subprocess.Popen, str]:
+    """``kiln serve`` on a free port in a child process; (process, base URL) once it is ready
+    (compiled first, with ``compiled``)."""
     code = (
-        "import sys; from kiln.serve import serve; "
-        "sys.exit(serve(sys.argv[1], port=0, device=sys.argv[2], max_batch=int(sys.argv[3])))"
+        "import sys; from kiln.serve import serve; sys.exit(serve(sys.argv[1], port=0, device=sys.argv[2], "
+        "max_batch=int(sys.argv[3]), compiled=sys.argv[4] == 'compiled'))"
     )
-    argv = [sys.executable, "-c", code, run_dir, device, str(max_batch)]
+    argv = [sys.executable, "-c", code, run_dir, device, str(max_batch), "compiled" if compiled else "eager"]
     proc = subprocess.Popen(argv, stdout=subprocess.PIPE, text=True)
     line = proc.stdout.readline()
+    if line.startswith("kiln: compiling"):
+        line = proc.stdout.readline()
     if not line.startswith("kiln: serving"):
         proc.kill()
         raise SystemExit(f"the server did not start: {line!r}")
@@ -158,6 +161,7 @@ def main() -> None:
     ap.add_argument(
         "--max-batch", type=int, default=8, help="requests the server decodes at once, in one batch (its default: 8)"
     )
+    ap.add_argument("--compile", action="store_true", help="the server compiles its decode step (kiln serve --compile)")
     ap.add_argument(
         "--hostile",
         type=int,
@@ -168,7 +172,11 @@ def main() -> None:
     if not args.run_dir and not args.url:
         ap.error("give a RUN_DIR to serve or the --url of a running server")
 
-    proc, url = (None, args.url.rstrip("/")) if args.url else start_server(args.run_dir, args.device, args.max_batch)
+    proc, url = (
+        (None, args.url.rstrip("/"))
+        if args.url
+        else start_server(args.run_dir, args.device, args.max_batch, args.compile)
+    )
     stop = threading.Event()
     attackers = [threading.Thread(target=hostile, args=(url, i, stop), daemon=True) for i in range(args.hostile)]
     for attacker in attackers:
@@ -197,6 +205,7 @@ def main() -> None:
                 "run": args.run_dir or args.url,
                 "device": args.device if proc is not None else None,
                 "max_batch": args.max_batch if proc is not None else None,
+                "compiled": args.compile if proc is not None else None,
                 "max_tokens": args.max_tokens,
                 "hostile": args.hostile,
                 "threads": torch.get_num_threads(),

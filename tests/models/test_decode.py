@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from kiln.models import GPT, GPTConfig, get_family
-from kiln.models.decode import GREEDY, Decoder, Row, Sampling, generate, sample_rows
+from kiln.models.decode import GREEDY, CompiledDecoding, Decoder, Row, Sampling, generate, sample_rows
 
 GPT_FAMILY = get_family("gpt")
 
@@ -156,6 +156,26 @@ def test_in_lockstep_a_rank_runs_as_many_forward_passes_as_the_busiest_and_its_r
     assert len(answers) == steps + 4 and answers[steps:] == [0, 0, 0, 0]
     assert len(passes) == alone + 2 * len(answers)
     assert passes.count((1, 1)) >= 2 * len(answers)
+
+
+@pytest.mark.slow
+def test_the_compiled_step_decodes_as_the_eager_one_and_compiles_only_while_warming_up():
+    """kiln serve --compile: after ``warm_up`` rows of any count and length, joining and leaving
+    while the cache grows, compile nothing more, and each row's tokens are the eager step's."""
+    from torch._dynamo.utils import counters
+
+    model = small_model(n_layer=1, max_seq_len=96).eval()
+    compiled = CompiledDecoding(decoding(model))
+    compiled.warm_up()
+    graphs = counters["stats"]["unique_graphs"]
+    rows = _rows([3, 40, 9, 70, 1], [30, 20, 12, 6, 25], Sampling(temperature=1.0, top_k=20))
+    for i, row in enumerate(rows):
+        row.sampling = Sampling(temperature=1.0, top_k=20, seed=i)
+    twins = [Row(r.prompt, r.max_tokens, r.sampling) for r in rows]
+    Decoder(compiled, max_batch=3, max_batch_tokens=16).run(rows)
+    Decoder(decoding(model), max_batch=3, max_batch_tokens=16).run(twins)
+    assert [r.tokens for r in rows] == [t.tokens for t in twins]
+    assert counters["stats"]["unique_graphs"] == graphs
 
 
 def test_a_long_prompt_is_fed_in_chunks_while_the_running_rows_go_on():

@@ -31,11 +31,13 @@ def serve(
     max_model_len: int | None = None,
     max_queue: int = 256,
     timeout: float = 600.0,
+    compiled: bool = False,
 ) -> int:
     """Serve the model of a run directory, one of its checkpoints or an export (what ``load_run``
     loads) at http://HOST:PORT/v1 until Ctrl-C, which stops taking requests and lets those in
     flight finish (a second one quits at once). The model is named ``model_name``, by default
-    the run's (or export's) directory name; ``max_batch`` requests are decoded at once, in one batch. Returns
+    the run's (or export's) directory name; ``max_batch`` requests are decoded at once, in one batch;
+    ``compiled``: the decode step compiled before the server listens. Returns
     the exit status: 2 when it cannot serve (a missing extra, a model that does not generate, a
     busy port)."""
     try:
@@ -45,6 +47,8 @@ def serve(
         return 2
     run = load_run(path, checkpoint, device, trust)
     name = model_name or run.directory.resolve().name  # the run's, also when a checkpoint of it is named
+    if compiled:
+        print("kiln: compiling the decode step (a minute or two on a CPU) ...", flush=True)
     try:
         app = create_app(
             run,
@@ -55,6 +59,7 @@ def serve(
             max_model_len=max_model_len,
             max_queue=max_queue,
             timeout=timeout,
+            compiled=compiled,
         )
     except ServeError as e:
         print(f"kiln: error: cannot serve {path}: {e}", file=sys.stderr)

@@ -56,11 +56,13 @@ def create_app(
     max_model_len: int | None = None,
     max_queue: int = 256,
     timeout: float = 600.0,
+    compiled: bool = False,
 ) -> FastAPI:
     """The app serving ``run``'s model as ``model_name``; its worker runs while the app does (its
     lifespan). ``max_batch``: requests decoded at once, in one batch, the others wait their turn;
     ``max_batch_tokens``: the tokens one step feeds the model (a token of each running request,
-    the rest chunks of new prompts). With
+    the rest chunks of new prompts); ``compiled``: the decode step compiled (``CompiledDecoding``)
+    before the app is made. With
     ``api_key`` every route but /health needs ``Authorization: Bearer API_KEY``;
     ``max_model_len`` caps the context a request may fill (prompt and new tokens). Past
     ``max_queue`` waiting requests a new one is answered 429; a request still running after
@@ -69,7 +71,7 @@ def create_app(
 
     A request naming another ``model`` is a 404, as OpenAI's and vLLM's servers answer; a body
     must be JSON (415 otherwise) of at most MAX_BODY_BYTES (413)."""
-    engine = Engine(run, max_batch, max_model_len, max_queue, max_batch_tokens)
+    engine = Engine(run, max_batch, max_model_len, max_queue, max_batch_tokens, compiled)
     started = int(time.time())
     key = api_key.encode() if api_key else None
 

@@ -29,7 +29,7 @@ import torch
 from torch import nn
 
 from kiln.data.tokenizer import Codec
-from kiln.models.decode import Decoder, Row, Sampling
+from kiln.models.decode import CompiledDecoding, Decoder, Row, Sampling
 from kiln.models.gpt.moe import MoE
 from kiln.train.run import LoadedRun
 
@@ -163,6 +163,7 @@ class Engine:
         max_model_len: int | None = None,
         max_queue: int = 256,
         max_batch_tokens: int = 512,
+        compiled: bool = False,
     ):
         if max_batch < 1:
             raise ServeError(f"--max-batch must be at least 1, not {max_batch}")
@@ -191,6 +192,9 @@ class Engine:
         if self.score_alone and max_batch > 1:
             log.warning("a mixture of experts with a capacity: one request decoded at a time (--max-batch 1)")
             max_batch = 1
+        if compiled:  # compiled here, before the server answers anything
+            decodable = CompiledDecoding(decodable)
+            decodable.warm_up(context)
         self.decoder = Decoder(
             decodable, length=context, max_batch=max_batch, max_batch_tokens=max_batch_tokens, device=self.device
         )
