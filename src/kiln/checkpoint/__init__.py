@@ -3,6 +3,7 @@
 from kiln.checkpoint.sharded import load_sharded
 from kiln.checkpoint.store import (
     CheckpointError,
+    Stateful,
     capture_rng,
     checkpoint_step,
     host_stager,
@@ -19,6 +20,7 @@ from kiln.checkpoint.store import (
 
 __all__ = [
     "CheckpointError",
+    "Stateful",
     "capture_rng",
     "checkpoint_step",
     "host_stager",

@@ -35,7 +35,7 @@ import time
 from collections.abc import Callable, Iterator, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
-from typing import Any, cast
+from typing import Any, Protocol, cast
 
 import numpy as np
 import torch
@@ -51,6 +51,14 @@ PREFIX = "step-"
 
 class CheckpointError(RuntimeError):
     pass
+
+
+class Stateful(Protocol):
+    """A part of the training state that checkpoints keep (the loop's components, a job's own)."""
+
+    def state_dict(self) -> dict: ...
+
+    def load_state_dict(self, state: dict) -> None: ...
 
 
 def _sha256(path: Path) -> str:

@@ -20,13 +20,14 @@ import sys
 from collections.abc import Callable, Iterator, Mapping
 from concurrent.futures import Future
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Protocol, cast
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 from torch import nn
 
 from kiln.checkpoint import (
     CheckpointError,
+    Stateful,
     capture_rng,
     host_stager,
     latest_checkpoint,
@@ -49,12 +50,6 @@ if TYPE_CHECKING:
     from torch.distributed.checkpoint.state_dict import StateDictOptions
 
     from kiln.train.run import Progress
-
-
-class Stateful(Protocol):
-    def state_dict(self) -> dict: ...
-
-    def load_state_dict(self, state: dict) -> None: ...
 
 
 class Checkpointer:

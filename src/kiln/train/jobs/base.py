@@ -20,13 +20,13 @@ import torch
 from torch import nn
 from torch.utils.data import Dataset, default_collate
 
+from kiln.checkpoint import Stateful
 from kiln.config import Config
 from kiln.data import PreparedData
 from kiln.distributed.world import World
 from kiln.models.family import ModelFamily, ParallelPlan, build_model, family_of
 from kiln.models.init import Values, params_on_meta
 from kiln.train.apply import apply_lora
-from kiln.train.checkpointer import Stateful
 from kiln.train.precision import Precision
 
 

@@ -9,10 +9,10 @@ from typing import Any
 
 from torch import nn
 
+from kiln.checkpoint import Stateful
 from kiln.config import ConfigError
 from kiln.data.prompts import PromptBatch, PromptData, prepare_prompts
 from kiln.distributed.world import World
-from kiln.train.checkpointer import Stateful
 from kiln.train.grpo import GRPOLoss, Rewards, Rollout
 from kiln.train.jobs.base import EvalContext, LoadedRun, ValidationRows
 from kiln.train.jobs.finetune import FineTuneJob
