@@ -60,6 +60,7 @@ def _rank(rank: int, world_size: int, root: str, port: int) -> None:
         close_world()
 
 
+@pytest.mark.slow
 def test_fsdp_ranks_read_their_shards_of_every_architecture_as_from_pretrained_loads(tmp_path):
     from kiln.config import ModelConfig
     from kiln.models.hf import FAMILY

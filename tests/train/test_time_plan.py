@@ -335,6 +335,7 @@ def test_auto_fills_the_budget_ends_the_schedule_and_resumes_exactly(tmp_path, c
     assert all((a[k] == b[k]).all() for k in a)
 
 
+@pytest.mark.slow
 def test_an_auto_batch_is_chosen_recorded_and_kept_on_resume(tmp_path, corpus_dir, alone):
     """global_batch_size = "auto": the probe chooses the batch and leaves no trace (the same steps
     and batch given as numbers train the same weights); a resumed run keeps the batch."""
