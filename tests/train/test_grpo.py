@@ -405,17 +405,26 @@ def test_a_reward_model_loads_as_every_model_does_safetensors_only_and_no_code(t
 @pytest.mark.slow
 @pytest.mark.dist
 @pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
-def test_grpo_on_two_ranks_samples_and_trains_as_one_process(tmp_path, prompts, hf_llama, strategy):
+def test_grpo_on_two_ranks_samples_and_trains_as_one_process(tmp_path, prompts, warm_llama, strategy):
     """Each rank samples its prompts' completions with the seeds one process gives them (the
     rows' places in the global batch), FSDP's ranks running their forward passes in step (each
-    gathers the layers from both); losses, rewards and lengths are one process's, averaged."""
-    common = dict(train__micro_batch_size=1, train__global_batch_size=2, train__max_steps=3)
+    gathers the layers from both); losses, rewards and lengths are one process's, averaged. With
+    grpo.iterations=2, resumed from the checkpoint inside a cycle (every rank's kept rollout
+    restored to it), the ranks still end as the one process."""
+    common = dict(train__micro_batch_size=1, train__global_batch_size=2, train__max_steps=3, grpo__iterations=2)
     one = tmp_path / "one"
-    train(load_config(None, grpo_sets(one, prompts, hf_llama, **common)), console=False)
+    train(load_config(None, grpo_sets(one, prompts, warm_llama, **common)), console=False)
     run = tmp_path / strategy
-    launch(2, "train", *sets(grpo_sets(run, prompts, hf_llama, **common, parallel__strategy=strategy)))
-    assert losses(run) == pytest.approx(losses(one), rel=1e-5)
+    items = sets(grpo_sets(run, prompts, warm_llama, **common, parallel__strategy=strategy, checkpoint__every=1))
+    launch(2, "train", *items)
+    assert losses(run) == pytest.approx(losses(one), rel=1e-5) and losses(one)[2] != 0
     keys = ("reward", "completions/mean_length", "rewards/right_sum/mean")
     mine, theirs = ([r[k] for r in records(d) if "reward" in r for k in keys] for d in (run, one))
-    assert [r["step"] for r in records(run) if "reward" in r] == [1, 2, 3]
+    assert [r["step"] for r in records(run) if "reward" in r] == [1, 3]  # a sampling a cycle
     assert mine == pytest.approx(theirs, rel=1e-6) and len(set(mine[::3])) > 1  # the rewards differ
+
+    for later in ("step-00000002", "step-00000003"):
+        shutil.rmtree(run / "checkpoints" / later)
+    launch(2, "train", *items)  # from step 1: step 2 trains on the restored rollout
+    assert (run / "checkpoints" / "step-00000003").is_dir()
+    assert losses(run) == pytest.approx(losses(one), rel=1e-5)
