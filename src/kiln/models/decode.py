@@ -382,8 +382,9 @@ class Decoder:
         """A forward pass whose result is dropped: one token in a cache of its own."""
         if self._scratch is None:
             self._scratch = SlotCache(1, 1, self.device)
-        self._scratch.bind(slice(0, 1), torch.zeros(1, 1, dtype=torch.long, device=self.device), [0])
-        self._forward(torch.zeros(1, 1, dtype=torch.long, device=self.device), self._scratch)
+        zero = torch.zeros(1, 1, dtype=torch.long, device=self.device)  # the token and its position
+        self._scratch.bind(slice(0, 1), zero, [0])
+        self._forward(zero, self._scratch)
 
     def _move(self, row: Row, slot: int) -> None:
         """Put ``row`` in ``slot``, swapping with whatever holds it."""

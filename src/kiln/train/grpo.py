@@ -363,9 +363,10 @@ class GRPOLoss:
         ]
         # Completions of any prompts' lengths decode together, rows joining as others end; a
         # group's rows share their prompt's prefill. A sharded model's forward passes gather
-        # their layers from every rank: the ranks run as many, in step (over the host's group).
+        # their layers from every rank: the ranks run as many, in step (over the host's group;
+        # alone, largest is the value itself).
         decoder = Decoder(decodable, max_batch=min(len(rows), (prompts_at_once or len(batch)) * group))
-        decoder.run(rows, lockstep=self.world.largest if self.world.distributed else None)
+        decoder.run(rows, lockstep=self.world.largest)
         return [row.tokens for row in rows]
 
     def rows(self, prompt_ids: list[list[int]], completions: list[list[int]]) -> TokenBatch:

@@ -169,7 +169,7 @@ class CausalLM(nn.Module):
         embedded = "input_ids" if hf.get_input_embeddings() is not None else "inputs_embeds"
         inputs = {embedded: input_ids, "attention_mask": attention_mask, "position_ids": position_ids}
         if decoding is not None:
-            return _base(self.hf)(**inputs, use_cache=True, **decoding).logits
+            return cast(nn.Module, hf)(**inputs, use_cache=True, **decoding).logits
         head = hf.get_output_embeddings()
         if head is None:
             return hf.base_model(**inputs, use_cache=False).last_hidden_state
