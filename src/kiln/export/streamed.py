@@ -19,6 +19,8 @@ the whole of either may not fit in this process.
 from __future__ import annotations
 
 import copy
+import ctypes
+import functools
 import json
 import re
 import tempfile
@@ -71,6 +73,7 @@ def export_streamed(
             held = {n: t.detach() for n, t in _first_names(work).items() if id(t) in given}
             yield from (rename(held) if rename is not None else held).items()
             _put(work, {name: t.to("meta") for name, t in held.items()})
+            _return_freed_memory()
 
     planned = [Entry(name, tuple(t.shape), t.dtype) for name, t in tensors(lambda u: source.empty(u, "meta"))]
     writer = StreamWriter(out, Layout.plan(planned, max_shard_size))
@@ -102,6 +105,25 @@ def export_streamed(
         fmt: {**logit_difference(reference, artifact, batches), "tensors_verified": verified},
         "streamed": {"files": files, "max_shard_size": max_shard_size},
     }
+
+
+def _return_freed_memory() -> None:
+    """Give the pages of the unit just freed back to the system. glibc's allocator keeps freed
+    blocks below its mmap threshold (which rises to 32 MB as larger blocks are freed) in its
+    heaps, where they go on counting in the process's resident memory and the next unit's tensors
+    need not fit in them: without this a 2 GB model's export peaked at 1.6 GB (1.5 GB of it heap),
+    with it at 0.76 GB. A no-op where the C library has no ``malloc_trim``."""
+    trim = _malloc_trim()
+    if trim is not None:
+        trim(0)
+
+
+@functools.cache
+def _malloc_trim() -> Callable[[int], int] | None:
+    try:
+        return getattr(ctypes.CDLL(None), "malloc_trim", None)
+    except (OSError, TypeError):  # no C library to open by None (Windows)
+        return None
 
 
 def _same_modules(model: nn.Module, copied: nn.Module, modules: list[nn.Module]) -> list[nn.Module]:
