@@ -17,8 +17,8 @@ def _train(run_dir, corpus_dir, rate: float) -> list[dict]:
         model__preset="tiny-moe",
         model__n_layer=4,
         model__router_bias_rate=rate,
-        train__max_steps=125,
-        train__log_every=25,
+        train__max_steps=50,
+        train__log_every=25,  # the load logged is the interval's: 25 steps of tokens
         train__lr=3e-3,
         eval__sample_tokens=0,
         checkpoint__every=0,
@@ -32,8 +32,8 @@ def test_balancing_keeps_every_expert_loaded_and_the_loss_falls(tmp_path, corpus
     balanced = _train(tmp_path / "balanced", corpus_dir, 0.01)
     free = _train(tmp_path / "free", corpus_dir, 0.0)
     for run in (balanced, free):
-        assert run[-1]["loss"] < run[0]["loss"] - 0.5
-    # After 125 steps no expert of any layer gets less than 20% of the mean load with the
+        assert run[-1]["loss"] < math.log(512) - 0.5  # from a guess over the 512 tokens (6.24)
+    # After 50 steps no expert of any layer gets less than 20% of the mean load with the
     # balancing bias; left to itself, the router starves some.
     assert balanced[-1]["moe/min_load"] > 0.2, balanced[-1]["moe/load"]
     assert free[-1]["moe/min_load"] < 0.2, free[-1]["moe/load"]
