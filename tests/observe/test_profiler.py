@@ -46,6 +46,17 @@ def test_kiln_profile_keeps_only_the_profile(tmp_path, corpus_dir):
     bad = in_process("profile", *sets, "--steps", "4:2", check=False)
     assert bad.returncode == 2 and "--steps: '4:2' is not a step range" in bad.stderr
 
+    # Data that is not there is found once the run starts: the profile's directories go again,
+    # while one that was there before stays, with what it held.
+    missing = ["--set", f"data.source={tmp_path / 'nothing'}"]
+    fresh = tmp_path / "fresh" / "profile"
+    bad = in_process("profile", *sets, *missing, "--steps", "2:3", "--out", fresh, check=False)
+    assert bad.returncode == 2 and "nothing: no such file or directory" in bad.stderr
+    assert not (tmp_path / "fresh").exists()
+    bad = in_process("profile", *sets, *missing, "--steps", "2:3", check=False)
+    assert bad.returncode == 2
+    assert sorted(p.name for p in out.iterdir()) == ["breakdown.json", "trace-steps-2-3.pt.trace.json"]
+
 
 def test_device_busy_time_is_the_union_of_kernels_not_annotations():
     """The device's side of a record_function (Inductor's "## Call CompiledFxGraph ##" among them)

@@ -23,6 +23,7 @@ def profile_steps(cfg: Config, steps: str, out: str | Path | None = None) -> Pat
         raise ConfigError([f"--steps: {e}"]) from None
     validate(replace(cfg, profile=replace(cfg.profile, steps=steps)))  # before anything is written
     out = Path(out or Path(cfg.run.dir) / "profile")
+    made = [p for p in (out, *out.parents) if not p.exists()]  # removed again if the run fails
     out.mkdir(parents=True, exist_ok=True)
     scratch = Path(tempfile.mkdtemp(prefix=".run-", dir=out))
     cfg = replace(
@@ -35,6 +36,11 @@ def profile_steps(cfg: Config, steps: str, out: str | Path | None = None) -> Pat
     )
     try:
         train(cfg)
+    except BaseException:
+        # A profile that did not run leaves nothing: neither the directories made for it (a bad
+        # data path is found only once the run prepares its data) nor a part of its trace.
+        shutil.rmtree(made[-1] if made else scratch, ignore_errors=True)
+        raise
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
     return out
