@@ -303,6 +303,8 @@ def test_sigkill_and_resume_is_bitwise(tmp_path, prompts, warm_llama):
         ({"grpo.group_size": 1}, "grpo.group_size: must be >= 2"),
         ({"grpo.iterations": 0}, "grpo.iterations: must be >= 1, got 0"),
         ({"grpo.epsilon": 1.0}, "grpo.epsilon: must be in (0, 1), got 1.0"),
+        ({"grpo.rollout": "vllm"}, "grpo.rollout: 'vllm' is documented, not built: vLLM pins its own CUDA build"),
+        ({"grpo.rollout": "sglang"}, "grpo.rollout"),
         ({"grpo.epsilon_high": 0.1}, "grpo.epsilon_high: must be 0 (grpo.epsilon's) or >= grpo.epsilon = 0.2, got 0.1"),
         (
             {"grpo.iterations": 2, "train.batch_ramp_start": 1, "train.batch_ramp_steps": 2},

@@ -976,6 +976,11 @@ class GRPOConfig:
     """The upper clip of the ratio, above grpo.epsilon's (DAPO's clip-higher, Yu et al. 2025, who
     use 0.28 with epsilon 0.2: more room to raise unlikely tokens; TRL's epsilon_high); 0 means
     grpo.epsilon."""
+    rollout: Literal["kiln", "vllm"] = "kiln"
+    """Who samples the completions: kiln's own batched decoder (kiln.models.decode), under every
+    layout GRPO runs in. vllm (a colocated vLLM engine given the policy's weights after each step,
+    as TRL's colocate mode) is an interface documented in docs/preference.md, not built: vLLM pins
+    its own CUDA build of torch, which cannot be installed beside the torch kiln is tested with."""
 
     def errors(self) -> list[str]:
         rewards = len(self.rewards) + bool(self.reward) + bool(self.reward_model)
@@ -989,6 +994,12 @@ class GRPOConfig:
             (0 < self.top_p <= 1, f"grpo.top_p: must be in (0, 1], got {self.top_p}"),
             (self.kl_coef >= 0, f"grpo.kl_coef: must be >= 0, got {self.kl_coef}"),
             (self.iterations >= 1, f"grpo.iterations: must be >= 1, got {self.iterations}"),
+            (
+                self.rollout != "vllm",
+                "grpo.rollout: 'vllm' is documented, not built: vLLM pins its own CUDA build of torch (vLLM "
+                "0.34: torch 2.14), which cannot be installed beside the torch kiln is tested with; 'kiln' (the "
+                "default) samples with kiln's batched decoder (docs/preference.md, 'Sampling with vLLM')",
+            ),
             (0 < self.epsilon < 1, f"grpo.epsilon: must be in (0, 1), got {self.epsilon}"),
             (
                 self.epsilon_high == 0 or self.epsilon_high >= self.epsilon,
