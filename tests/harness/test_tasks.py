@@ -112,8 +112,14 @@ def test_the_tasks_of_an_include_path_are_found_without_indexing_lm_evals_own(tm
     include path does not hold (``test_bad_tasks_are_one_line_errors``: its count in the error)."""
     from kiln.harness import task_manager
 
-    own = task_manager(write_tasks(tmp_path / "tasks"), ["kiln_mc"])
+    tasks = write_tasks(tmp_path / "tasks")
+    own = task_manager(tasks, ["kiln_mc"])
     assert "kiln_mc" in own.all_tasks and "hellaswag" not in own.all_tasks
+    # Indexed once a process while the files stay the same; a task file added is indexed.
+    assert task_manager(tasks, ["kiln_mc"]) is own
+    (tasks / "more.yaml").write_text((tasks / "mc.yaml").read_text().replace("kiln_mc", "kiln_more"))
+    again = task_manager(tasks, ["kiln_mc", "kiln_more"])
+    assert again is not own and {"kiln_mc", "kiln_more"} <= set(again.all_tasks)
 
 
 @pytest.mark.slow
