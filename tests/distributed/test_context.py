@@ -6,11 +6,12 @@ import copy
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from kiln.distributed.context import apply_cp, local_positions
 from kiln.models.decode import SlotCache
 from kiln.models.gpt.model import GPT, GPTConfig
+
+from kilnrun import spawn
 
 pytestmark = pytest.mark.dist
 
@@ -72,7 +73,7 @@ def _split_sequences(rank: int, init: str) -> None:
 
 @pytest.mark.slow
 def test_a_sequence_split_over_two_ranks_has_one_process_loss_gradients_and_logits(tmp_path):
-    mp.spawn(_split_sequences, args=(str(tmp_path / "init"),), nprocs=2, join=True)
+    spawn(_split_sequences, (str(tmp_path / "init"),), 2)
 
 
 def _split_documents(rank: int, init: str) -> None:
@@ -103,4 +104,4 @@ def _split_documents(rank: int, init: str) -> None:
 
 @pytest.mark.slow
 def test_packed_documents_split_over_two_ranks_attend_within_themselves_as_in_one_process(tmp_path):
-    mp.spawn(_split_documents, args=(str(tmp_path / "init"),), nprocs=2, join=True)
+    spawn(_split_documents, (str(tmp_path / "init"),), 2)

@@ -3,9 +3,10 @@
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from kiln.distributed.experts import exchange
+
+from kilnrun import spawn
 
 pytestmark = pytest.mark.dist
 
@@ -32,4 +33,4 @@ def _exchange(rank: int, init: str) -> None:
 
 @pytest.mark.slow
 def test_rows_go_to_their_ranks_and_their_gradients_come_back(tmp_path):
-    mp.spawn(_exchange, args=(str(tmp_path / "init"),), nprocs=2, join=True)
+    spawn(_exchange, (str(tmp_path / "init"),), 2)

@@ -9,9 +9,9 @@ import socket
 
 import pytest
 import torch
-import torch.multiprocessing as mp
 
 from hf_models import DECODERS, ENCODERS, auto_class, save_tiny, task_of
+from kilnrun import spawn
 
 pytestmark = pytest.mark.dist
 
@@ -91,4 +91,4 @@ def test_fsdp_ranks_read_their_shards_of_every_architecture_as_from_pretrained_l
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    mp.spawn(_rank, args=(2, str(tmp_path), port), nprocs=2, join=True)
+    spawn(_rank, (2, str(tmp_path), port), 2)

@@ -5,11 +5,12 @@ import json
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from safetensors.torch import save_file
 
 from kiln.checkpoint.store import StoredWeights
 from kiln.distributed.parallel import load_whole
+
+from kilnrun import spawn
 
 pytestmark = pytest.mark.dist
 
@@ -80,4 +81,4 @@ def test_a_checkpoint_that_does_not_fit_is_named(tmp_path):
 @pytest.mark.slow
 def test_each_fsdp_rank_keeps_its_own_slice_of_a_whole_checkpoint(tmp_path):
     _whole(tmp_path)
-    mp.spawn(_load, args=(2, str(tmp_path)), nprocs=2, join=True)
+    spawn(_load, (2, str(tmp_path)), 2)

@@ -6,11 +6,11 @@ import os
 import socket
 
 import pytest
-import torch.multiprocessing as mp
 
 from kiln.config import ParallelConfig
 from kiln.distributed.world import mesh_dims
 
+from kilnrun import spawn
 from layouts import assert_same_training, layout_sets, train_on
 
 pytestmark = pytest.mark.dist
@@ -70,7 +70,7 @@ def test_every_group_is_a_view_of_the_one_mesh():
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     os.environ.pop("TORCHELASTIC_RUN_ID", None)
-    mp.spawn(_groups, args=(4, port), nprocs=4, join=True)
+    spawn(_groups, (4, port), 4)
 
 
 @pytest.mark.slow

@@ -13,12 +13,13 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from tensorboard.backend.event_processing import event_accumulator as ea
 
 from kiln.config import ConfigError
 from kiln.observe import MetricsLogger, NullLogger
 from kiln.observe.metrics import WANDB_ID_FILE
+
+from kilnrun import spawn
 
 
 def _histograms(run_dir: Path) -> dict[str, list]:
@@ -102,7 +103,7 @@ def _sharded_histograms(rank: int, world: int, init_file: str, run_dir: str) -> 
 @pytest.mark.slow
 def test_histograms_of_sharded_parameters_show_the_local_shard(tmp_path):
     (tmp_path / "run").mkdir()
-    mp.spawn(_sharded_histograms, args=(2, str(tmp_path / "init"), str(tmp_path / "run")), nprocs=2, join=True)
+    spawn(_sharded_histograms, (2, str(tmp_path / "init"), str(tmp_path / "run")), 2)
     weight = _histograms(tmp_path / "run")["weights/weight"][0].histogram_value
     # Rank 0 holds rows 0-3 of the (8, 4) weight: the values 0..15.
     assert (weight.num, weight.min, weight.max, weight.sum) == (16, 0, 15, sum(range(16)))

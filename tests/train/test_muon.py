@@ -12,7 +12,7 @@ from kiln.models import GPT, GPTConfig
 from kiln.train.optim import Muon, build_optimizer, orthogonalize
 from kiln.train.precision import step_unless
 
-from kilnrun import in_process, losses
+from kilnrun import in_process, losses, spawn
 from layouts import assert_same_training, layout_sets, resumable_copy, train_on, weights
 
 MUON = ("train.optimizer", "muon")
@@ -134,6 +134,5 @@ def _spread(rank: int, init: str, world: int) -> None:
 
 @pytest.mark.dist
 def test_each_sharded_matrix_is_orthogonalised_once_by_its_owner_rank(tmp_path):
-    import torch.multiprocessing as mp
 
-    mp.spawn(_spread, args=(str(tmp_path / "init"), 3), nprocs=3, join=True)
+    spawn(_spread, (str(tmp_path / "init"), 3), 3)
