@@ -86,11 +86,9 @@ def _rank(env: dict[str, str], cwd: str, out: str, err: str, *argv: str) -> None
     import io
 
     elastic = {k: v for k, v in os.environ.items() if _SERVER_ENV.get(k) != v}  # the agent's per-rank variables
-    os.environ.clear()
-    os.environ.update({**env, **elastic})
+    _started_with({**env, **elastic})
     os.chdir(cwd)
     sys.path[:0] = [p for p in (str(TESTS), str(EXAMPLES)) if p not in sys.path]
-    torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS") or _THREADS))
     for fd, path in ((1, out), (2, err)):
         opened = os.open(path, os.O_WRONLY | os.O_APPEND)
         os.dup2(opened, fd)
@@ -218,10 +216,16 @@ def spawn(fn: Any, args: tuple = (), nprocs: int = 1) -> None:
 
 
 def _spawned(i: int, fn: Any, env: dict[str, str], args: tuple) -> None:
+    _started_with(env)
+    fn(i, *args)
+
+
+def _started_with(env: dict[str, str]) -> None:
+    """A process forked from the server made as a fresh one started with ``env`` would be: its
+    environment, and the intra-op threads its OMP_NUM_THREADS asks for."""
     os.environ.clear()
     os.environ.update(env)
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS") or _THREADS))
-    fn(i, *args)
 
 
 def _descendants() -> list[int]:

@@ -40,19 +40,21 @@ def task_manager(include_path: str | os.PathLike | None = None, names: Sequence[
     ``names``: indexing lm-eval's own thousands of task files takes seconds (6 s on a 2-core
     Xeon, 9 on an EPYC). A process indexes the same files once: a manager is kept for each
     include path as long as its YAML files are the same (names, sizes, modification times)."""
+    where: str | None = None
+    files: tuple[tuple[str, int, int], ...] = ()
     if include_path is not None:
         path = Path(include_path).expanduser()
         if not path.is_dir():
             raise TaskError(f"--include-path {path}: not a directory")
-        if not any(path.rglob("*.yaml")) and not any(path.rglob("*.yml")):
+        files = _yaml_files(path)
+        if not files:
             raise TaskError(f"--include-path {path}: no task YAML files (*.yaml) in it")
+        where = str(path.resolve()) if include_path else None
     try:
         import lm_eval  # noqa: F401
     except ImportError as e:
         raise TaskError(f"benchmark tasks need lm-evaluation-harness ({e}); pip install 'kiln[eval]'") from None
     offline()
-    where = str(Path(include_path).expanduser().resolve()) if include_path else None
-    files = _yaml_files(where)
     if where and names:
         own = _indexed(where, False, files)
         if set(names) <= set(own.all_tasks):
@@ -60,11 +62,9 @@ def task_manager(include_path: str | os.PathLike | None = None, names: Sequence[
     return _indexed(where, True, files)
 
 
-def _yaml_files(where: str | None) -> tuple[tuple[str, int, int], ...]:
-    """The task files under ``where``, each with its size and modification time."""
-    if where is None:
-        return ()
-    found = [p for pattern in ("*.yaml", "*.yml") for p in Path(where).rglob(pattern)]
+def _yaml_files(path: Path) -> tuple[tuple[str, int, int], ...]:
+    """The task files under ``path``, each with its size and modification time."""
+    found = [p for pattern in ("*.yaml", "*.yml") for p in path.rglob(pattern)]
     return tuple(sorted((str(p), (st := p.stat()).st_size, st.st_mtime_ns) for p in found))
 
 

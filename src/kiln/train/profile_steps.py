@@ -37,8 +37,8 @@ def profile_steps(cfg: Config, steps: str, out: str | Path | None = None) -> Pat
     try:
         train(cfg)
     except BaseException:
-        # A profile that did not run leaves nothing: neither the directories made for it (a bad
-        # data path is found only once the run prepares its data) nor a part of its trace.
+        # A profile that did not run leaves no directory made for it (a bad data path is found
+        # only once the run prepares its data); a directory that was there keeps what it held.
         shutil.rmtree(made[-1] if made else scratch, ignore_errors=True)
         raise
     finally:
