@@ -120,10 +120,12 @@ class ParallelModel:
         projection with the cross-entropy; the module stays plain and keeps its state-dict names.
         A loss that says ``compiled_by_layer`` (one that runs several forward passes, a
         reference's, and keeps Python state, its metrics) stays eager and each repeated layer
-        is compiled instead."""
+        is compiled instead, with dynamic shapes from the start: such a loss's batches are padded
+        to their longest row, so a length-specialized first graph would be thrown away at the
+        second length (each graph variant, with and without gradients, compiled twice)."""
         if getattr(loss_fn, "compiled_by_layer", False):
             for block in self.plan.repeated_blocks(self.module):
-                block.compile()
+                block.compile(dynamic=True)
             return loss_fn
         return torch.compile(loss_fn)
 
