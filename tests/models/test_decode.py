@@ -5,7 +5,16 @@ import pytest
 import torch
 
 from kiln.models import GPT, GPTConfig, get_family
-from kiln.models.decode import GREEDY, CompiledDecoding, Decoder, Row, Sampling, generate, sample_rows
+from kiln.models.decode import (
+    GREEDY,
+    POSITIONS_MULTIPLE,
+    CompiledDecoding,
+    Decoder,
+    Row,
+    Sampling,
+    generate,
+    sample_rows,
+)
 
 GPT_FAMILY = get_family("gpt")
 
@@ -126,6 +135,27 @@ def test_rows_join_while_others_decode_and_each_samples_from_its_own_seed():
     for row in rows:
         assert row.tokens == _alone(model, row)
     assert len({tuple(r.tokens) for r in rows}) == len(rows)
+
+
+@pytest.mark.parametrize("multiple", [2, 3])
+def test_forward_passes_padded_to_a_multiple_of_positions_decode_as_unpadded_ones(multiple):
+    """Under sequence parallelism every forward pass feeds a multiple of the ranks' number of
+    positions: the decoder pads each row in front, the padding's keys and values kept in a scratch
+    column that only the padding sees. The rows' tokens are the unpadded decoder's, batched, fed
+    in chunks, joining and leaving, and past the context, where the cache is a ring."""
+    model = small_model(torch.float64)
+    rows = _rows([3, 17, 1, 29, 8, 40], [20, 5, 45, 3, 12, 30])
+    plain = [Row(r.prompt, r.max_tokens) for r in rows]
+    Decoder(decoding(model), max_batch=3, max_batch_tokens=8).run(plain)
+    fed = []
+    model.register_forward_pre_hook(lambda module, args: fed.append(args[0].size(1)))
+    setattr(model, POSITIONS_MULTIPLE, multiple)
+    decoder = Decoder(decoding(model), max_batch=3, max_batch_tokens=8)
+    decoder.run(rows)
+    assert [r.tokens for r in rows] == [r.tokens for r in plain]
+    assert set(fed) > {multiple} and all(t % multiple == 0 for t in fed)
+    decoder._idle()  # a rank's idle pass (lockstep) too
+    assert fed[-1] == multiple
 
 
 def test_in_lockstep_a_rank_runs_as_many_forward_passes_as_the_busiest_and_its_rows_are_unchanged():
@@ -283,6 +313,30 @@ def test_hugging_face_causal_lms_decode_as_transformers_generate_does(tmp_path):
     for prompt, tokens in zip(prompts, ours, strict=True):
         theirs = hf.generate(
             torch.tensor([prompt]), max_new_tokens=24, do_sample=False, eos_token_id=None, pad_token_id=0
+        )
+        assert tokens == theirs[0, len(prompt) :].tolist()
+
+
+@pytest.mark.parametrize("model_type", ["mistral", "gemma3_text"])
+def test_hugging_face_models_padded_to_a_multiple_of_positions_decode_as_generate_does(tmp_path, model_type):
+    """As above, through transformers' attention and its masks: a sliding window of 8 positions
+    (Mistral's, every layer's; Gemma 3's local layers beside global ones)."""
+    from transformers import AutoModelForCausalLM
+
+    from kiln.models.hf import CausalLM
+
+    from hf_models import save_tiny
+
+    save_tiny(tmp_path, model_type, sliding_window=8)
+    hf = AutoModelForCausalLM.from_pretrained(tmp_path).eval()
+    module = CausalLM(hf).eval()
+    setattr(module, POSITIONS_MULTIPLE, 2)
+    generator = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(3, 96, (n,), generator=generator).tolist() for n in (3, 17, 10)]
+    ours = generate(get_family("hf").decoding(module), prompts, 12, temperature=0, max_batch=2)
+    for prompt, tokens in zip(prompts, ours, strict=True):
+        theirs = hf.generate(
+            torch.tensor([prompt]), max_new_tokens=12, do_sample=False, eos_token_id=None, pad_token_id=0
         )
         assert tokens == theirs[0, len(prompt) :].tolist()
 

@@ -298,7 +298,7 @@ def test_sigkill_and_resume_is_bitwise(tmp_path, prompts, warm_llama):
         ({"grpo.reward": "rewards:nowhere"}, "grpo.reward: cannot import rewards:nowhere"),
         ({"grpo.reward": "no_such_module_x:f"}, "grpo.reward: cannot import no_such_module_x:f"),
         ({"grpo.kl_coef": 0.1}, "grpo.kl_coef: the KL term's reference is the model with its LoRA adapters off"),
-        ({"parallel.tp": 2}, "run.job: grpo does not sample on tensor-parallel ranks yet"),
+        ({"parallel.tp": 2, "parallel.cp": 2}, "run.job: grpo samples completions of its own length"),
         ({"grpo.max_new_tokens": 24}, "grpo.max_new_tokens: 24 leaves no room for the prompt"),
         ({"grpo.group_size": 1}, "grpo.group_size: must be >= 2"),
         ({"grpo.iterations": 0}, "grpo.iterations: must be >= 1, got 0"),
@@ -404,20 +404,23 @@ def test_a_reward_model_loads_as_every_model_does_safetensors_only_and_no_code(t
 
 @pytest.mark.slow
 @pytest.mark.dist
-@pytest.mark.slow
-@pytest.mark.dist
-@pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
-def test_grpo_on_two_ranks_samples_and_trains_as_one_process(tmp_path, prompts, warm_llama, strategy):
+@pytest.mark.parametrize(
+    "layout",
+    [{"parallel__strategy": "ddp"}, {"parallel__strategy": "fsdp"}, {"parallel__tp": 2}],
+    ids=["ddp", "fsdp", "tp"],
+)
+def test_grpo_on_two_ranks_samples_and_trains_as_one_process(tmp_path, prompts, warm_llama, layout):
     """Each rank samples its prompts' completions with the seeds one process gives them (the
     rows' places in the global batch), FSDP's ranks running their forward passes in step (each
-    gathers the layers from both); losses, rewards and lengths are one process's, averaged. With
-    grpo.iterations=2, resumed from the checkpoint inside a cycle (every rank's kept rollout
-    restored to it), the ranks still end as the one process."""
+    gathers the layers from both), tensor-parallel ranks decoding the same rows together in
+    forward passes padded to whole shares of positions; losses, rewards and lengths are one
+    process's, averaged. With grpo.iterations=2, resumed from the checkpoint inside a cycle (every
+    rank's kept rollout restored to it), the ranks still end as the one process."""
     common = dict(train__micro_batch_size=1, train__global_batch_size=2, train__max_steps=3, grpo__iterations=2)
     one = tmp_path / "one"
     train(load_config(None, grpo_sets(one, prompts, warm_llama, **common)), console=False)
-    run = tmp_path / strategy
-    items = sets(grpo_sets(run, prompts, warm_llama, **common, parallel__strategy=strategy, checkpoint__every=1))
+    run = tmp_path / "ranks"
+    items = sets(grpo_sets(run, prompts, warm_llama, **common, **layout, checkpoint__every=1))
     launch(2, "train", *items)
     assert losses(run) == pytest.approx(losses(one), rel=1e-5) and losses(one)[2] != 0
     keys = ("reward", "completions/mean_length", "rewards/right_sum/mean")

@@ -601,7 +601,8 @@ class EvalConfig:
     tasks: tuple[str, ...] = ()
     """lm-evaluation-harness tasks scored during training (needs kiln[eval]), logged as
     tasks/<task>/<metric>; e.g. ["hellaswag", "my_task"]. Their data must be on this machine. With
-    parallel.tp or parallel.pp > 1, tasks that generate text (generate_until) are refused."""
+    parallel.pp > 1 (or both parallel.tp and parallel.cp > 1), tasks that generate text
+    (generate_until) are refused."""
     tasks_every: int = 0
     """Score eval.tasks every N steps (and at the end); 0 only at the end."""
     tasks_limit: int = 0
@@ -1193,11 +1194,6 @@ class Config:
                 self.run.job != "grpo" or not self.grpo.kl_coef or self.lora.rank,
                 "grpo.kl_coef: the KL term's reference is the model with its LoRA adapters off; set lora.rank, or "
                 "grpo.kl_coef=0",
-            ),
-            (
-                self.run.job != "grpo" or self.parallel.tp == 1,
-                "run.job: grpo does not sample on tensor-parallel ranks yet (a decode step's one token a row "
-                "cannot be split by position, as sequence parallelism splits it); set parallel.tp=1 (FSDP or DDP)",
             ),
             (
                 self.run.job != "grpo" or self.parallel.ep == 1,

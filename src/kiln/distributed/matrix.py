@@ -108,6 +108,7 @@ PROOFS: dict[tuple[str, str], str] = {
     ("DPO family", "HSDP"): _DPO,
     ("GRPO", "DDP"): _GRPO,
     ("GRPO", "FSDP"): _GRPO,
+    ("GRPO", "TP"): _GRPO,
     ("eval.tasks", "HSDP"): _TASKS,
     ("fp16", "PP"): "tests/distributed/test_pipeline.py::test_fp16_in_two_stages_trains_as_one_process",
     ("bf16", "FSDP"): _PARALLEL + "test_fsdp_bf16_computes_in_bf16_and_keeps_fp32_weights",

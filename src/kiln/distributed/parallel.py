@@ -28,6 +28,7 @@ from kiln.distributed.experts import apply_ep
 from kiln.distributed.loss_parallel import VocabParallelCrossEntropy
 from kiln.distributed.world import World
 from kiln.labels import IGNORE_INDEX
+from kiln.models.decode import POSITIONS_MULTIPLE
 from kiln.models.family import ParallelPlan
 from kiln.models.init import Values
 
@@ -103,7 +104,7 @@ class ParallelModel:
         self.wrapped = wrapped if wrapped is not None else module
         self.sharded = sharded
         self.whole: nn.Module | None = module
-        self.generates = world.tp == 1
+        self.generates = world.tp == 1 or world.cp == 1
 
     @property
     def eval_forward(self) -> nn.Module:
@@ -178,6 +179,8 @@ class PaddedRows:
         # Outermost: before any other hook's input split (context parallelism's), after its output.
         module.register_forward_pre_hook(self.before, with_kwargs=True, prepend=True)
         module.register_forward_hook(self.after)
+        # The decoder pads its forward passes itself, keeping the padding out of its cache's rows.
+        setattr(module, POSITIONS_MULTIPLE, self.multiple)
 
     def before(self, module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
         bound = self.signature.bind(*args, **kwargs)

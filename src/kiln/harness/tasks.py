@@ -95,9 +95,9 @@ def check_tasks(names: list[str], manager, *, generates: bool = True) -> None:
             raise TaskError(f"task {name!r}: its data cannot be read on this machine ({first})") from None
         if not generates and "generate_until" in _output_types(loaded):
             raise TaskError(
-                f"eval.tasks: {name} generates text (generate_until), which tensor-parallel ranks (parallel.tp > 1) "
-                "and pipeline stages (parallel.pp > 1) do not: each holds a part of the layers; score it with kiln "
-                "eval RUN --tasks"
+                f"eval.tasks: {name} generates text (generate_until), which pipeline stages (parallel.pp > 1) "
+                "and tensor-parallel ranks splitting sequences over context-parallel ones (parallel.tp and "
+                "parallel.cp > 1) do not; score it with kiln eval RUN --tasks"
             )
 
 

@@ -31,6 +31,7 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 # The cache grows by doubling, from this many columns, up to its length: its memory follows the
@@ -102,38 +103,58 @@ class SlotCache:
     ``bind`` says which slots the next forward pass feeds and at which positions; each attention
     layer then calls ``attend``."""
 
-    def __init__(self, slots: int, length: int, device: torch.device):
-        self.slots, self.length, self.device = slots, length, device
+    def __init__(self, slots: int, length: int, device: torch.device, multiple: int = 1):
+        self.slots, self.length, self.device, self.multiple = slots, length, device, multiple
         self.k: dict[int, torch.Tensor] = {}
         self.v: dict[int, torch.Tensor] = {}
         self.allocated = min(FIRST_COLUMNS, length)
+        self.extra = int(multiple > 1)  # the padding's scratch column, past the allocated ones
         self.rows = slice(0, 0)
         self.positions = torch.zeros(0, 0, dtype=torch.long, device=device)
         self.at = self.index = self.held = self.positions
-        self.columns = 0
+        self.columns = self.attended = self.pad = 0
         self.mask = torch.zeros(0, dtype=torch.bool, device=device)
 
     def bind(self, rows: slice, positions: torch.Tensor, last: Sequence[int]) -> None:
         """The next forward feeds the slots ``rows`` at ``positions`` [B, T] (on the device), the
-        last of each row's being ``last`` (host ints, which size the cache without a sync)."""
+        last of each row's being ``last`` (host ints, which size the cache without a sync).
+
+        Where a forward's positions must come in multiples of ``multiple`` (sequence parallelism
+        splits them evenly over the ranks), ``pad`` tokens go before each row's: the forward
+        feeds [B, pad + T] (``positions`` and ``mask`` include them). Their keys and values go to
+        a scratch column that only they see, past the columns the rows attend to (a column the
+        bound rows reach later, overwritten then, or the storage's extra one), so the rows'
+        results are an unpadded forward's and the last position is still a row's last token."""
         need = min(max(last) + 1, self.length)
         if need > self.allocated:
             self._grow(need)
-        self.rows, self.positions = rows, positions
+        self.rows = rows
         self.index = torch.arange(positions.size(0), device=self.device)[:, None]
         self.columns = min(self.allocated, -(-need // COLUMN_BUCKET) * COLUMN_BUCKET)
         column = torch.arange(self.columns, device=self.device)
         p = positions[:, :, None]
         if max(last) < self.length:  # no row has wrapped: column j holds position j
-            self.at, self.held = positions, column
-            self.mask = column <= p
-            return
-        self.at = positions % self.length
-        # Column j of a row holds the latest position <= its last that is j modulo length; query
-        # at position p sees it when that position is neither after p nor length or more before.
-        end = torch.tensor(last, device=self.device)[:, None]
-        self.held = (end - (end - column).remainder(self.length))[:, None]  # [B, 1, columns]; < 0: never written
-        self.mask = (self.held >= 0) & (self.held <= p) & (self.held > p - self.length)
+            at, held = positions, column
+            mask = column <= p
+        else:
+            at = positions % self.length
+            # Column j of a row holds the latest position <= its last that is j modulo length; a
+            # query at position p sees it when that position is neither after p nor length or
+            # more before.
+            end = torch.tensor(last, device=self.device)[:, None]
+            held = (end - (end - column).remainder(self.length))[:, None]  # [B, 1, columns]; < 0: never written
+            mask = (held >= 0) & (held <= p) & (held > p - self.length)
+        self.pad = -positions.size(1) % self.multiple
+        self.attended = self.columns + bool(self.pad)
+        if self.pad:
+            rows_, pad = positions.size(0), self.pad
+            at = torch.cat([at.new_full((rows_, pad), self.columns), at], dim=1)
+            positions = torch.cat([positions[:, :1].expand(rows_, pad), positions], dim=1)
+            held = F.pad(held, (0, 1), value=UNBOUNDED)  # in any window of the padding's own queries
+            own = torch.zeros(rows_, pad, self.attended, dtype=torch.bool, device=self.device)
+            own[..., -1] = True
+            mask = torch.cat([own, F.pad(mask.expand(rows_, -1, -1), (0, 1), value=False)], dim=1)
+        self.at, self.held, self.mask, self.positions = at, held, mask, positions
 
     def window_mask(self, window: int) -> torch.Tensor:
         """The bound mask [B, T, columns] of attention over the last ``window`` positions only
@@ -145,21 +166,22 @@ class SlotCache:
             self.allocated = min(2 * self.allocated, self.length)
         for cache in (self.k, self.v):
             for i, old in cache.items():
-                cache[i] = torch.zeros(*old.shape[:2], self.allocated, old.size(3), device=old.device, dtype=old.dtype)
-                cache[i][:, :, : old.size(2)] = old
+                shape = (*old.shape[:2], self.allocated + self.extra, old.size(3))
+                cache[i] = torch.zeros(shape, device=old.device, dtype=old.dtype)
+                cache[i][:, :, : old.size(2) - self.extra] = old[:, :, : old.size(2) - self.extra]
 
     def attend(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Store the bound rows' new keys and values k, v [B, kv_heads, T, head_dim] of ``layer``:
         the keys and values their queries attend to [B, kv_heads, columns, head_dim], and which
         of them each query sees [B, 1, T, columns]."""
         if layer not in self.k:
-            shape = (self.slots, k.size(1), self.allocated, k.size(3))
+            shape = (self.slots, k.size(1), self.allocated + self.extra, k.size(3))
             self.k[layer] = torch.zeros(shape, device=k.device, dtype=k.dtype)
             self.v[layer] = torch.zeros(shape, device=v.device, dtype=v.dtype)
         keys, values = self.k[layer][self.rows], self.v[layer][self.rows]
         keys[self.index, :, self.at] = k.transpose(1, 2).to(keys.dtype)
         values[self.index, :, self.at] = v.transpose(1, 2).to(values.dtype)
-        return keys[:, :, : self.columns], values[:, :, : self.columns], self.mask[:, None]
+        return keys[:, :, : self.attended], values[:, :, : self.attended], self.mask[:, None]
 
     def layer(self, index: int) -> CacheLayer:
         return CacheLayer(self, index)
@@ -187,6 +209,15 @@ class CacheLayer:
 
     def attend(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         return self.cache.attend(self.index, k, v)
+
+
+# The attribute of a model whose forward passes must feed positions in multiples of some number
+# (its layout says so: sequence parallelism splits them evenly over the ranks); the decoder pads.
+POSITIONS_MULTIPLE = "kiln_positions_multiple"
+
+
+def positions_multiple(module: nn.Module) -> int:
+    return getattr(module, POSITIONS_MULTIPLE, 1)
 
 
 # (forward passes this rank ran in a step, whether it still has rows) -> (the most any rank ran,
@@ -240,7 +271,8 @@ class Decoder:
         self.length = length or model.context or UNBOUNDED
         self.max_batch, self.max_batch_tokens = max_batch, max_batch_tokens
         self.device = device or next(model.module.parameters()).device
-        self.cache = SlotCache(max_batch, self.length, self.device)
+        self.multiple = positions_multiple(model.module)
+        self.cache = SlotCache(max_batch, self.length, self.device, self.multiple)
         self.waiting: list[Row] = []
         self.filling: list[Row] = []  # their prompts being fed
         self.running: list[Row] = []  # running[i] sits in slot i
@@ -376,12 +408,14 @@ class Decoder:
 
     def _forward(self, tokens: torch.Tensor, cache: SlotCache) -> torch.Tensor:
         self.forwards += 1
+        if cache.pad:  # any token: the padding's results are never read
+            tokens = torch.cat([tokens[:, :1].expand(-1, cache.pad), tokens], dim=1)
         return self.model.forward(tokens, cache)
 
     def _idle(self) -> None:
         """A forward pass whose result is dropped: one token in a cache of its own."""
         if self._scratch is None:
-            self._scratch = SlotCache(1, 1, self.device)
+            self._scratch = SlotCache(1, 1, self.device, self.multiple)
         zero = torch.zeros(1, 1, dtype=torch.long, device=self.device)  # the token and its position
         self._scratch.bind(slice(0, 1), zero, [0])
         self._forward(zero, self._scratch)

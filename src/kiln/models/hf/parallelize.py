@@ -23,6 +23,7 @@ the projections' work split over the ranks; the attention itself runs whole on e
 
 from __future__ import annotations
 
+import functools
 from typing import Any, cast
 
 from torch import nn
@@ -91,25 +92,40 @@ def llama_root_styles(decoder: str, head: str) -> dict[str, Any]:
     DTensor again; the output layer's rows split (the logits gathered whole where they are
     asked for: the loss computes on the split rows instead)."""
     from torch.distributed.tensor import Replicate, Shard
-    from torch.distributed.tensor.parallel import (
-        ColwiseParallel,
-        PrepareModuleInput,
-        RowwiseParallel,
-        SequenceParallel,
-    )
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, SequenceParallel
 
     return {
-        decoder: PrepareModuleInput(
-            input_kwarg_layouts={"inputs_embeds": Shard(1)},
-            desired_input_kwarg_layouts={"inputs_embeds": Shard(1)},
-            use_local_output=False,
-        ),
+        decoder: _embedded_by_position()(),
         f"{decoder}.embed_tokens": RowwiseParallel(
             input_layouts=Replicate(), output_layouts=Shard(1), use_local_output=False
         ),
         f"{decoder}.norm": SequenceParallel(use_local_output=True),
         head: ColwiseParallel(input_layouts=Shard(1), output_layouts=Replicate()),
     }
+
+
+@functools.cache
+def _embedded_by_position() -> type:
+    """The decoder's style: hidden states given for ``inputs_embeds`` (a later pipeline stage's
+    input: its rank's positions) made a DTensor split by position, as the embedding's output is.
+    A custom style, since ``PrepareModuleInput`` refuses the ``inputs_embeds=None`` that a causal
+    LM's own forward passes its decoder with token ids (the decoding path)."""
+    import torch
+    from torch.distributed.tensor import DTensor, Shard
+    from torch.distributed.tensor.parallel import ParallelStyle
+
+    class EmbeddedByPosition(ParallelStyle):
+        def _apply(self, module: nn.Module, device_mesh: Any) -> nn.Module:
+            def split(_: nn.Module, args: tuple, kwargs: dict[str, Any]) -> tuple[tuple, dict[str, Any]]:
+                given = kwargs.get("inputs_embeds")
+                if isinstance(given, torch.Tensor) and not isinstance(given, DTensor):
+                    kwargs["inputs_embeds"] = DTensor.from_local(given, device_mesh, (Shard(1),), run_check=False)
+                return args, kwargs
+
+            module.register_forward_pre_hook(split, with_kwargs=True)
+            return module
+
+    return EmbeddedByPosition
 
 
 def _has(layer: nn.Module, path: str) -> bool:

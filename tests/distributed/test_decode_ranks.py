@@ -1,0 +1,64 @@
+"""Decoding on two tensor-parallel ranks (gloo processes) against one process: sequence
+parallelism splits each forward's positions evenly over the ranks, so the decoder pads each row's
+in front (a decode step feeds two positions a row, one of them real); the rows' tokens are those
+one process decodes."""
+
+import copy
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from kiln.config import ParallelConfig
+from kiln.distributed.parallelize import parallelize
+from kiln.distributed.world import World, build_mesh, mesh_dims
+from kiln.models import GPT, GPTConfig, get_family
+from kiln.models.decode import Decoder, Row, Sampling
+
+from kilnrun import spawn
+
+pytestmark = pytest.mark.dist
+
+
+def _rows() -> list[Row]:
+    """Greedy and sampled rows, prompts of 1 to 29 tokens, the longest decoded past the context
+    (32 positions: the cache's ring wraps)."""
+    generator = torch.Generator().manual_seed(1)
+    lengths, new = [3, 17, 1, 29, 8], [20, 5, 25, 12, 9]
+    return [
+        Row(
+            torch.randint(0, 64, (n,), generator=generator).tolist(),
+            m,
+            Sampling(temperature=0.0) if i % 2 else Sampling(temperature=1.0, top_k=20, seed=i),
+        )
+        for i, (n, m) in enumerate(zip(lengths, new, strict=True))
+    ]
+
+
+def _decode_on_two_ranks(rank: int, init: str) -> None:
+    dist.init_process_group("gloo", init_method=f"file://{init}", rank=rank, world_size=2)
+    try:
+        torch.manual_seed(0)
+        shape = dict(vocab_size=64, n_layer=2, d_model=32, n_head=4, n_kv_head=2, d_ff=64, max_seq_len=32)
+        config = GPTConfig(**shape, tie_embeddings=False)
+        whole = GPT(config).double()  # no near-tie of an argmax can flip between the two
+        family = get_family("gpt")
+        alone = _rows()
+        Decoder(family.decoding(whole), max_batch=3, max_batch_tokens=8).run(alone)
+
+        pcfg = ParallelConfig(tp=2)
+        world = World(rank=rank, size=2, tp=2, mesh=build_mesh("cpu", mesh_dims(2, pcfg)))
+        split = parallelize(copy.deepcopy(whole), family.parallel_plan(config), world, pcfg).module
+        fed: list[int] = []
+        split.register_forward_pre_hook(lambda module, args: fed.append(args[0].size(1)))
+        rows = _rows()
+        Decoder(family.decoding(split), max_batch=3, max_batch_tokens=8).run(rows)
+        assert [r.tokens for r in rows] == [r.tokens for r in alone]
+        assert all(t % 2 == 0 for t in fed) and 2 in fed  # decode steps: one real position a row
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.slow
+def test_two_tensor_parallel_ranks_decode_what_one_process_decodes(tmp_path):
+    spawn(_decode_on_two_ranks, (str(tmp_path / "init"),), 2)
