@@ -1196,10 +1196,6 @@ class Config:
                 "grpo.kl_coef=0",
             ),
             (
-                self.run.job != "grpo" or self.parallel.ep == 1,
-                "run.job: grpo's sampling does not route tokens to experts on other ranks yet; set parallel.ep=1",
-            ),
-            (
                 self.run.job != "grpo" or self.grpo.iterations == 1 or not self.train.batch_ramp_start,
                 "grpo.iterations: a batch of prompts serves grpo.iterations steps, which a batch ramp "
                 "(train.batch_ramp_start) would resize in between; set one or the other",

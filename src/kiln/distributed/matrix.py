@@ -109,6 +109,10 @@ PROOFS: dict[tuple[str, str], str] = {
     ("GRPO", "DDP"): _GRPO,
     ("GRPO", "FSDP"): _GRPO,
     ("GRPO", "TP"): _GRPO,
+    (
+        "GRPO",
+        "EP",
+    ): "tests/train/test_grpo.py::test_grpo_with_experts_split_over_two_ranks_samples_and_trains_as_one_process",
     ("eval.tasks", "HSDP"): _TASKS,
     ("fp16", "PP"): "tests/distributed/test_pipeline.py::test_fp16_in_two_stages_trains_as_one_process",
     ("bf16", "FSDP"): _PARALLEL + "test_fsdp_bf16_computes_in_bf16_and_keeps_fp32_weights",
