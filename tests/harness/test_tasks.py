@@ -8,6 +8,7 @@ import json
 from pathlib import Path
 
 import pytest
+import torch
 from tasksets import write_tasks
 
 from conftest import tiny_overrides
@@ -60,6 +61,14 @@ def test_generation_requests_of_any_lengths_answer_batched_as_one_at_a_time(trai
     one = answers(1)
     assert len({len(KilnLM(saved.model, saved.family, saved.tokenizer, SEQ_LEN).tok_encode(c)) for c in contexts}) >= 4
     assert answers(8) == one and answers(3) == one
+
+    # Sampled: seeded from torch's generator (lm-eval seeds it), so the same whatever the batch,
+    # and the same on every rank of a sharded model.
+    kwargs.update(do_sample=True, temperature=1.5)
+    torch.manual_seed(1234)
+    sampled = answers(8)
+    torch.manual_seed(1234)
+    assert answers(3) == sampled and sampled != one
 
 
 @pytest.mark.slow

@@ -120,12 +120,15 @@ class KilnLM(TemplateLM):
     def generate_until(self, requests, disable_tqdm: bool = False) -> list[str]:
         """Each request's continuation: all requests rows of one batch of the decoder (up to
         batch_size running at once, whatever their prompts' lengths), each row stopped at
-        end-of-text or a stop string and cut there."""
+        end-of-text or a stop string and cut there. A request that samples draws from a seed
+        taken from torch's generator (which lm-eval seeds) plus its place: reproducible, and the
+        same on every rank of a sharded model, whose ranks must decode the same tokens."""
         decodable = self.family.decoding(self.model)
         if decodable is None:
             raise ValueError(f"this model ({type(self.model).__name__}) cannot generate text")
+        seed = int(torch.randint(2**62, (1,)).item())
         rows, untils = [], []
-        for context, gen_kwargs in (request.args for request in requests):
+        for i, (context, gen_kwargs) in enumerate(request.args for request in requests):
             kwargs = normalize_gen_kwargs(dict(gen_kwargs), self.max_gen_toks)
             # No end-of-text string among the stops: decoding stops at the token itself.
             until = list(handle_stop_sequences(kwargs.pop("until", None), eos=None))
@@ -134,7 +137,7 @@ class KilnLM(TemplateLM):
             room = self.max_length - max_gen_toks if max_gen_toks < self.max_length else self.max_length
             prompt = self.tok_encode(context)[-room:] or [self.prefix_token_id]
             temperature = float(kwargs.get("temperature", 0.0)) if kwargs.get("do_sample") else 0.0
-            row = Row(prompt, max_gen_toks, Sampling(temperature=temperature), self._eot)
+            row = Row(prompt, max_gen_toks, Sampling(temperature=temperature, seed=seed + i), self._eot)
             row.stop = self._stopper(row, until)
             rows.append(row)
             untils.append(until)
