@@ -236,13 +236,20 @@ def _private_cache(tmp_path_factory):
 
 def pytest_collection_modifyitems(config, items):
     """Tests of several ranks are marked ``dist`` by where they live (or the shared FSDP run they
-    use); ``gpu`` tests are skipped without a CUDA device."""
+    use); ``gpu`` tests are skipped without a CUDA device. The modules with timed parts (a
+    ``wallclock`` test, or one asking for ``alone``) run first: a timed part waits for the other
+    pytest-xdist worker's test to end, and early on that is a short one, not one of the
+    minute-long compiles met later (measured: about half a minute of the suite's time)."""
     skip = None if torch.cuda.is_available() else pytest.mark.skip(reason="needs a CUDA device")
+    timed = set()
     for item in items:
         if "distributed" in item.path.parts or "fsdp_run" in getattr(item, "fixturenames", ()):
             item.add_marker(pytest.mark.dist)
         if skip is not None and "gpu" in item.keywords:
             item.add_marker(skip)
+        if "alone" in getattr(item, "fixturenames", ()) or item.get_closest_marker("wallclock"):
+            timed.add(item.path)
+    items.sort(key=lambda item: item.path not in timed)  # stable: each module's order is kept
 
 
 @pytest.fixture(scope="session")
