@@ -515,7 +515,8 @@ def test_the_preference_family_in_two_pipeline_stages_equals_one_process(tmp_pat
 @pytest.mark.slow
 def test_dpo_compiled_trains_as_eager(tmp_path, pairs, hf_llama):
     """Compiled, the model's layers are: the loss (the policy's and the reference's passes, the
-    metrics) stays eager around them."""
+    metrics) stays eager around them. The evaluation at the end (the layers in eval mode, the
+    adapters on and off) computes as the eager one too."""
     eager, compiled = tmp_path / "eager", tmp_path / "compiled"
     extra = {"lora__rank": 4, "lora__dropout": 0, "train__max_steps": 3}
     train(load_config(None, pref_sets(eager, pairs, hf_llama, **extra)), console=False)
@@ -524,6 +525,10 @@ def test_dpo_compiled_trains_as_eager(tmp_path, pairs, hf_llama):
     assert got.keys() == want.keys()
     for step in want:
         assert got[step] == pytest.approx(want[step], rel=1e-5), step
+    [got_val], [want_val] = ([r for r in records(run) if "val_loss" in r] for run in (compiled, eager))
+    assert got_val.keys() == want_val.keys() and len(want_val) > 3
+    for key, value in want_val.items():
+        assert got_val[key] == pytest.approx(value, rel=1e-5, abs=1e-6), key
 
 
 def test_kiln_doctor_checks_a_dpo_config_and_writes_nothing(tmp_path, pairs, hf_llama, capsys):
