@@ -108,7 +108,10 @@ class SlotCache:
         self.k: dict[int, torch.Tensor] = {}
         self.v: dict[int, torch.Tensor] = {}
         self.allocated = min(FIRST_COLUMNS, length)
-        self.extra = int(multiple > 1)  # the padding's scratch column, past the allocated ones
+        # One column past the allocated ones: the padding's scratch column (see bind), and what
+        # keeps the columns attended a slice of the storage's, never all of it, so that a
+        # compiled step meets one form of them, whatever the cache's growth.
+        self.extra = 1
         self.rows = slice(0, 0)
         self.positions = torch.zeros(0, 0, dtype=torch.long, device=device)
         self.at = self.index = self.held = self.positions
@@ -538,15 +541,11 @@ class CompiledDecoding:
             return self.step(tokens, cache)
 
     def warm_up(self, length: int | None = None) -> None:
-        """Compile now every form of the step that decoding meets: batches of several rows and
-        of one (compiled apart), attending to the whole cache and, once it has grown, to part of
-        it (a slice, compiled apart from the whole)."""
-        length = length or self.context or UNBOUNDED
+        """Compile now both forms of the step that decoding meets: batches of several rows and of
+        one (a size of 1 is compiled apart). The columns attended are always a slice of the
+        cache's (see SlotCache.extra), so its growth meets no third form."""
         short = [0] * 4
-        Decoder(self, length=length, max_batch=2).run([Row(short, 3), Row(short[1:], 2)])
-        if length > FIRST_COLUMNS + 4:  # a long prompt grows the cache; then short rows decode
-            long = Row([0] * (FIRST_COLUMNS + 1), 1)
-            Decoder(self, length=length, max_batch=3).run([long, Row(short, 3), Row(short[1:], 2)])
+        Decoder(self, length=length or self.context or UNBOUNDED, max_batch=2).run([Row(short, 3), Row(short[1:], 2)])
 
 
 def _distinct_sizes() -> contextlib.AbstractContextManager:
