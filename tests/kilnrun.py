@@ -195,8 +195,10 @@ def launch(
             f"kiln {' '.join(map(str, args))} ran past {timeout} s\n{proc.stdout[-3000:]}\n{proc.stderr[-4000:]}"
         )
     if check and code != 0:
+        # A rank's fatal signal is named at the head of its dump, which the tail may have cut.
+        fatal = "\n".join(line for line in proc.stderr.splitlines() if line.startswith("Fatal Python error"))
         raise AssertionError(
-            f"kiln {' '.join(map(str, args))} exited {code}\n{proc.stdout[-3000:]}\n{proc.stderr[-4000:]}"
+            f"kiln {' '.join(map(str, args))} exited {code}\n{fatal}\n{proc.stdout[-3000:]}\n{proc.stderr[-4000:]}"
         )
     return proc
 
