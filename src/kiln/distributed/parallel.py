@@ -82,8 +82,9 @@ class ParallelModel:
     ``module``: the plain module holding this rank's parameters (sharded or split in place where
     the layout does that): the optimizer, checkpoints and activation checkpointing see it.
     ``whole``: the model as one module whose forward this rank runs (with the other ranks of its
-    collectives), or None where it holds only some layers. ``generates``: this rank can sample
-    text alone, holding every layer and attention head. ``sharded``: checkpoints are written by
+    collectives), or None where it holds only some layers. ``generates``: this rank decodes text
+    (with the ranks of its collectives): under every layout but pipeline stages and tensor
+    parallelism beside context parallelism. ``sharded``: checkpoints are written by
     every rank (DCP), each its own part. ``embeddings``: the names of the embedding tables among
     the whole model's parameters (a tied output layer under both names), which take no weight decay.
     """

@@ -44,10 +44,9 @@ class TaskScores:
             from kiln.harness import check_tasks, task_manager
 
             self.manager = task_manager(e.tasks_include or None, self.names)
-            # Pipeline stages (some of the layers) score whole rows but do not decode, nor do
-            # tensor-parallel ranks that split each row's chunks over context-parallel ones too.
-            p = cfg.parallel
-            check_tasks(self.names, self.manager, generates=p.pp == 1 and (p.tp == 1 or p.cp == 1))
+            # Whether the layout decodes is the layout's to say (pipeline stages score whole rows
+            # but do not decode).
+            check_tasks(self.names, self.manager, generates=model.generates)
 
     def due(self, step: int, final: bool) -> bool:
         return bool(self.names) and (final or (self.every > 0 and step % self.every == 0))
