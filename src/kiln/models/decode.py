@@ -41,6 +41,10 @@ UNBOUNDED = 2**31
 # Tokens a step feeds the model unless told otherwise: a token of each running row, the rest
 # prompt chunks.
 DEFAULT_BATCH_TOKENS = 512
+# The storage keeps one column past the allocated ones: the padding's scratch column (see
+# SlotCache.bind), and what keeps the columns attended a slice of the storage's, never all of it,
+# so that a compiled step meets one form of them, whatever the cache's growth.
+SPARE_COLUMNS = 1
 # Attention reads the columns up to the longest running row's, rounded up to this many (fewer
 # distinct shapes for the kernels; the masked columns cost little).
 COLUMN_BUCKET = 64
@@ -108,10 +112,6 @@ class SlotCache:
         self.k: dict[int, torch.Tensor] = {}
         self.v: dict[int, torch.Tensor] = {}
         self.allocated = min(FIRST_COLUMNS, length)
-        # One column past the allocated ones: the padding's scratch column (see bind), and what
-        # keeps the columns attended a slice of the storage's, never all of it, so that a
-        # compiled step meets one form of them, whatever the cache's growth.
-        self.extra = 1
         self.rows = slice(0, 0)
         self.positions = torch.zeros(0, 0, dtype=torch.long, device=device)
         self.at = self.index = self.held = self.positions
@@ -169,16 +169,17 @@ class SlotCache:
             self.allocated = min(2 * self.allocated, self.length)
         for cache in (self.k, self.v):
             for i, old in cache.items():
-                shape = (*old.shape[:2], self.allocated + self.extra, old.size(3))
+                shape = (*old.shape[:2], self.allocated + SPARE_COLUMNS, old.size(3))
                 cache[i] = torch.zeros(shape, device=old.device, dtype=old.dtype)
-                cache[i][:, :, : old.size(2) - self.extra] = old[:, :, : old.size(2) - self.extra]
+                kept = old.size(2) - SPARE_COLUMNS
+                cache[i][:, :, :kept] = old[:, :, :kept]
 
     def attend(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Store the bound rows' new keys and values k, v [B, kv_heads, T, head_dim] of ``layer``:
         the keys and values their queries attend to [B, kv_heads, columns, head_dim], and which
         of them each query sees [B, 1, T, columns]."""
         if layer not in self.k:
-            shape = (self.slots, k.size(1), self.allocated + self.extra, k.size(3))
+            shape = (self.slots, k.size(1), self.allocated + SPARE_COLUMNS, k.size(3))
             self.k[layer] = torch.zeros(shape, device=k.device, dtype=k.dtype)
             self.v[layer] = torch.zeros(shape, device=v.device, dtype=v.dtype)
         keys, values = self.k[layer][self.rows], self.v[layer][self.rows]
@@ -543,7 +544,7 @@ class CompiledDecoding:
     def warm_up(self, length: int | None = None) -> None:
         """Compile now both forms of the step that decoding meets: batches of several rows and of
         one (a size of 1 is compiled apart). The columns attended are always a slice of the
-        cache's (see SlotCache.extra), so its growth meets no third form."""
+        cache's (see SPARE_COLUMNS), so its growth meets no third form."""
         short = [0] * 4
         Decoder(self, length=length or self.context or UNBOUNDED, max_batch=2).run([Row(short, 3), Row(short[1:], 2)])
 
