@@ -83,21 +83,21 @@ def test_one_small_file_has_no_index_and_the_writer_keeps_to_its_plan(tmp_path):
 @pytest.mark.dist
 def test_a_sharded_gpt_larger_than_the_export_process_exports_in_files_transformers_loads(tmp_path, corpus_dir):
     run = tmp_path / "run"
-    model = ["model.n_layer=20", "model.d_model=1024", "model.n_head=8", "model.n_kv_head=4", "model.d_ff=4096"]
+    model = ["model.n_layer=14", "model.d_model=1024", "model.n_head=8", "model.n_kv_head=4", "model.d_ff=4096"]
     items = tiny_overrides(run, corpus_dir, train__max_steps=1, train__micro_batch_size=1, train__global_batch_size=2)
     items += [*model, "parallel.strategy=fsdp", "lora.rank=4", "eval.batches=1", "eval.sample_tokens=0"]
     launch(2, "train", *sets(items), timeout=600)
     checkpoint = run / "checkpoints" / "step-00000001"
     assert (checkpoint / "state").is_dir()
     model_bytes = 4 * sum(torch.Size(shape).numel() for shape, _ in _saved(checkpoint).values())
-    assert model_bytes > 1.2e9  # the export's process peaks at about 0.77 GB, its imports half of it
+    assert model_bytes > 0.85e9  # the export's process peaks at about 0.75 GB, its imports half of it
 
     out = tmp_path / "hf"
-    peak, _ = peak_rss_of("export", run, "--format", "hf", "--out", out, "--max-shard-size", "400MB")
+    peak, _ = peak_rss_of("export", run, "--format", "hf", "--out", out, "--max-shard-size", "250MB")
     assert peak < model_bytes, f"the export peaked at {peak / 1e9:.2f} GB, the model is {model_bytes / 1e9:.2f} GB"
     info = json.loads((out / "export.json").read_text())
-    assert info["check"]["layers"] == [0, 19] and info["hf"]["max_abs_diff"] <= 1e-4
-    assert info["hf"]["tensors_verified"] == 20 * 9 + 2  # tied output layer stored once
+    assert info["check"]["layers"] == [0, 13] and info["hf"]["max_abs_diff"] <= 1e-4
+    assert info["hf"]["tensors_verified"] == 14 * 9 + 2  # tied output layer stored once
     index = json.loads((out / INDEX).read_text())
     assert len(set(index["weight_map"].values())) >= 4 and not any("lora" in n for n in index["weight_map"])
 
