@@ -80,8 +80,8 @@ def test_a_planned_run_ends_when_it_has_read_its_data_max_epochs_times():
     assert TimePlan(cfg, BatchSchedule(32), 128, data=None).passes_steps() is None
 
 
-def test_a_planned_run_on_a_small_corpus_stops_after_its_passes(tmp_path, corpus_dir):
-    """End to end: a minute's budget on a corpus it reads in a fraction of a second stops after
+def test_a_planned_run_on_a_small_corpus_stops_after_its_passes(tmp_path, short_documents):
+    """End to end: a minute's budget on a corpus it reads in a few seconds stops after
     data.max_epochs passes (one here), the schedule ending there (its final rate), long before the budget;
     the batch is chosen for those passes' tokens."""
     run = tmp_path / "run"
@@ -94,7 +94,7 @@ def test_a_planned_run_on_a_small_corpus_stops_after_its_passes(tmp_path, corpus
         eval__sample_tokens=0,
     )
     started = time.perf_counter()
-    in_process("train", *sets(tiny_overrides(run, corpus_dir, **common)))
+    in_process("train", *sets(tiny_overrides(run, short_documents, **common)))
     records = _records(run)
     [plan] = [r for r in records if r.get("event") == "time_plan"]
     assert "times (data.max_epochs)" in plan["message"]
