@@ -1,7 +1,8 @@
-"""Decoding on two tensor-parallel ranks (gloo processes) against one process: sequence
+"""Decoding on two ranks (gloo processes) against one process. Tensor-parallel ranks: sequence
 parallelism splits each forward's positions evenly over the ranks, so the decoder pads each row's
-in front (a decode step feeds two positions a row, one of them real); the rows' tokens are those
-one process decodes."""
+in front (a decode step feeds two positions a row, one of them real). Pipeline stages: each step
+runs the stages in turn, each rank's layers storing their keys and values in its own cache, and
+the last stage's logits are broadcast. The rows' tokens are those one process decodes."""
 
 import copy
 
@@ -9,7 +10,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from kiln.config import ParallelConfig
+from kiln.config import ModelConfig, ParallelConfig
 from kiln.distributed.parallelize import parallelize
 from kiln.distributed.world import World, build_mesh, mesh_dims
 from kiln.models import GPT, GPTConfig, get_family
@@ -62,3 +63,68 @@ def _decode_on_two_ranks(rank: int, init: str) -> None:
 @pytest.mark.slow
 def test_two_tensor_parallel_ranks_decode_what_one_process_decodes(tmp_path):
     spawn(_decode_on_two_ranks, (str(tmp_path / "init"),), 2)
+
+
+def _decode_in_pipeline_stages(rank: int, init: str, stages: int) -> None:
+    dist.init_process_group("gloo", init_method=f"file://{init}", rank=rank, world_size=2)
+    try:
+        torch.manual_seed(0)
+        shape = dict(vocab_size=64, n_layer=4, d_model=32, n_head=4, n_kv_head=2, d_ff=64, max_seq_len=32)
+        config = GPTConfig(**shape, tie_embeddings=True)
+        whole = GPT(config).double()
+        family = get_family("gpt")
+        alone = _rows()
+        Decoder(family.decoding(whole), max_batch=3, max_batch_tokens=8).run(alone)
+
+        schedule = "interleaved_1f1b" if stages > 2 else "1f1b"
+        pcfg = ParallelConfig(pp=2, pp_virtual_stages=stages // 2, pp_schedule=schedule)
+        world = World(rank=rank, size=2, pp=2, mesh=build_mesh("cpu", mesh_dims(2, pcfg)))
+        pipeline = parallelize(copy.deepcopy(whole), family.parallel_plan(config), world, pcfg)
+        assert pipeline.generates
+        rows = _rows()
+        decoder = Decoder(family.decoding(pipeline.eval_forward), max_batch=3, max_batch_tokens=8)
+        decoder.run(rows)
+        assert [r.tokens for r in rows] == [r.tokens for r in alone]
+        # Each rank's cache holds its own layers' keys and values only, by their places in the model.
+        mine = [i for s in range(rank, stages, 2) for i in range(s * 4 // stages, (s + 1) * 4 // stages)]
+        assert sorted(decoder.cache.k) == mine
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("stages", [2, 4], ids=["a-stage-a-rank", "two-stages-a-rank"])
+def test_pipeline_stages_decode_what_one_process_decodes(tmp_path, stages):
+    spawn(_decode_in_pipeline_stages, (str(tmp_path / "init"), stages), 2)
+
+
+def _transformers_in_pipeline_stages(rank: int, init: str, path: str) -> None:
+    """A transformers Llama (2 layers) in two stages: the first stage's model returns its hidden
+    states, the last takes them as ``inputs_embeds``; each stores its own layer's keys and values
+    under the layer's index (transformers' ``layer_idx``)."""
+    dist.init_process_group("gloo", init_method=f"file://{init}", rank=rank, world_size=2)
+    try:
+        family = get_family("hf")
+        args = family.resolve(ModelConfig(source=f"hf:{path}", task="causal_lm"), vocab_size=0, seq_len=64)
+        whole = family.create(args, "cpu", seed=0).double().eval()
+        vocab = args.hf_config().vocab_size
+        generator = torch.Generator().manual_seed(2)
+        prompts = [torch.randint(0, vocab, (n,), generator=generator).tolist() for n in (5, 13, 2)]
+        alone = [Row(p, 7, Sampling(temperature=0.0)) for p in prompts]
+        Decoder(family.decoding(whole), max_batch=2, max_batch_tokens=8).run(alone)
+
+        pcfg = ParallelConfig(pp=2)
+        world = World(rank=rank, size=2, pp=2, mesh=build_mesh("cpu", mesh_dims(2, pcfg)))
+        pipeline = parallelize(copy.deepcopy(whole), family.parallel_plan(args), world, pcfg)
+        rows = [Row(p, 7, Sampling(temperature=0.0)) for p in prompts]
+        decoder = Decoder(family.decoding(pipeline.eval_forward), max_batch=2, max_batch_tokens=8)
+        decoder.run(rows)
+        assert [r.tokens for r in rows] == [r.tokens for r in alone]
+        assert sorted(decoder.cache.k) == [rank]
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.slow
+def test_transformers_pipeline_stages_decode_what_one_process_decodes(tmp_path, hf_llama):
+    spawn(_transformers_in_pipeline_stages, (str(tmp_path / "init"), str(hf_llama)), 2)

@@ -66,13 +66,12 @@ def test_task_scores_on_two_ranks_are_those_of_the_saved_model(tmp_path, corpus_
     gathered from the ranks' shares of the vocabulary), two pipeline stages through the stages
     in turn (the last one's logits sent to the other); the scores at the end are those ``kiln
     eval --tasks`` gives the run's last checkpoint, and the generation task's too, decoded on
-    tensor-parallel ranks in forward passes padded to whole shares of positions. Pipeline stages
-    do not generate text: they score the multiple-choice task only. HSDP: two replicas of two
-    FSDP ranks (4 ranks)."""
+    tensor-parallel ranks in forward passes padded to whole shares of positions, in pipeline
+    stages by running the stages in turn at each step. HSDP: two replicas of two FSDP ranks (4
+    ranks)."""
     tasks = write_tasks(tmp_path / "tasks")
     run = tmp_path / "run"
-    generates = "parallel__pp" not in layout
-    asked = "kiln_mc,kiln_gen" if generates else "kiln_mc"
+    asked = "kiln_mc,kiln_gen"
     items = tiny_overrides(run, corpus_dir, data__seq_len=64, train__max_steps=6, **layout)
     items += [f"eval.tasks={asked}", f"eval.tasks_include={tasks}", "eval.tasks_limit=8"]
     train_on(4 if "parallel__dp_replicate" in layout else 2, sets(items))
@@ -82,16 +81,15 @@ def test_task_scores_on_two_ranks_are_those_of_the_saved_model(tmp_path, corpus_
     saved = json.loads((run / "eval" / "kiln_mc.json").read_text())["results"]["kiln_mc"]
     assert logged["tasks/kiln_mc/acc"] == saved["acc,none"]
     assert logged["tasks/kiln_mc/acc_norm"] == saved["acc_norm,none"]
-    if generates:
-        generated = json.loads((run / "eval" / "kiln_gen.json").read_text())["results"]["kiln_gen"]
-        assert logged["tasks/kiln_gen/exact_match"] == generated["exact_match,none"]
+    generated = json.loads((run / "eval" / "kiln_gen.json").read_text())["results"]["kiln_gen"]
+    assert logged["tasks/kiln_gen/exact_match"] == generated["exact_match,none"]
 
 
-def test_generation_tasks_need_ranks_that_hold_whole_layers(tmp_path, corpus_dir):
+def test_generation_tasks_need_ranks_that_decode_together(tmp_path, corpus_dir):
     tasks = write_tasks(tmp_path / "tasks")
-    items = tiny_overrides(tmp_path / "run", corpus_dir, parallel__pp=2)
+    items = tiny_overrides(tmp_path / "run", corpus_dir, parallel__pp=2, parallel__tp=2)
     items += ["eval.tasks=kiln_mc,kiln_gen", f"eval.tasks_include={tasks}"]
-    proc = launch(2, "train", *sets(items), check=False)
+    proc = launch(4, "train", *sets(items), check=False)
     assert proc.returncode == 2, proc.stderr
     assert "eval.tasks: kiln_gen generates text (generate_until)" in proc.stderr, proc.stderr
     assert not (tmp_path / "run").exists()

@@ -172,7 +172,9 @@ class PipelineModel(ParallelModel):
         part = _cut(model, plan, [i for s in mine for i in layers[s]], 0 in mine, n_stages - 1 in mine)
         # Each rank writes the layers it holds: checkpoints are always sharded.
         super().__init__(part, plan, world, embeddings=embeddings, sharded=True)
-        self.whole, self.generates = None, False
+        # Decoding runs the stages in turn at each step (``_evaluate``); beside tensor or
+        # context parallelism a stage's positions would have to be padded or split: not done.
+        self.whole, self.generates = None, world.tp == 1 and world.cp == 1
         self.pp, self.n_stages = pp, n_stages
         self.group = world.group("pp")
         # This rank's stages: the part itself, or modules sharing its layers when it holds several.
@@ -328,12 +330,18 @@ class PipelineModel(ParallelModel):
         position_ids: torch.Tensor | None = None,
         token_type_ids: torch.Tensor | None = None,
         token_logps: bool = False,
+        kv_cache: Any = None,
+        logits_to_keep: int = 0,
+        decoding: dict[str, Any] | None = None,
     ) -> torch.Tensor:
         """The mean loss of ``targets`` (or of ``labels``, aligned with the inputs) given
         ``inputs``, on every rank: the stages run in turn, each passing its hidden states to the
         next, and the last stage's loss is broadcast. With ``token_logps``, each target's
         log-probability instead, as the model gives them (fp32; [rows, length - 1] for labels);
-        without targets, the logits (as the last stage computes them: benchmark tasks)."""
+        without targets, the logits (as the last stage computes them: benchmark tasks, and the
+        decoder's steps, whose keywords, ``kv_cache`` and ``logits_to_keep`` for kiln's GPT,
+        ``decoding`` for a transformers model, every stage takes: each stores its own layers'
+        keys and values in the cache, by the layers' places in the whole model)."""
         import torch.distributed as dist
 
         if labels is not None:
@@ -345,6 +353,10 @@ class PipelineModel(ParallelModel):
             keywords["positions"] = positions
         if token_logps:
             keywords["token_logps"] = True
+        if kv_cache is not None:
+            keywords.update(kv_cache=kv_cache, logits_to_keep=logits_to_keep)
+        if decoding is not None:
+            keywords["decoding"] = decoding
         ranks = dist.get_process_group_ranks(self.group)
         x = inputs
         for s in range(self.n_stages):
@@ -380,6 +392,11 @@ class _Evaluator(nn.Module):
         super().__init__()
         self.part = pipeline.module
         self.run = pipeline._evaluate
+
+    @property
+    def config(self) -> Any:
+        """The model's config, as this rank's part holds it (what the decoder reads of a model)."""
+        return self.part.config
 
     def forward(self, *args: Any, **kwargs: Any) -> torch.Tensor:
         return self.run(*args, **kwargs)

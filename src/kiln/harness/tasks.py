@@ -79,7 +79,7 @@ def _indexed(where: str | None, defaults: bool, files: tuple[tuple[str, int, int
 
 def check_tasks(names: list[str], manager, *, generates: bool = True) -> None:
     """TaskError naming the first task that is not known or whose data cannot be read here, or
-    (``generates`` off: the run's ranks each hold part of the layers) that generates text."""
+    (``generates`` off: the layout's ranks cannot decode together) that generates text."""
     known = set(manager.all_tasks)
     for name in names:
         if name not in known:
@@ -95,9 +95,9 @@ def check_tasks(names: list[str], manager, *, generates: bool = True) -> None:
             raise TaskError(f"task {name!r}: its data cannot be read on this machine ({first})") from None
         if not generates and "generate_until" in _output_types(loaded):
             raise TaskError(
-                f"eval.tasks: {name} generates text (generate_until), which pipeline stages (parallel.pp > 1) "
-                "and tensor-parallel ranks splitting sequences over context-parallel ones (parallel.tp and "
-                "parallel.cp > 1) do not; score it with kiln eval RUN --tasks"
+                f"eval.tasks: {name} generates text (generate_until), which tensor-parallel ranks beside "
+                "pipeline stages or context-parallel ones (parallel.tp > 1 with parallel.pp or parallel.cp "
+                "> 1) do not; score it with kiln eval RUN --tasks"
             )
 
 

@@ -5,8 +5,8 @@ being trained every eval.tasks_every steps and at the end, its scores logged as
 Every rank scores the same documents with its own model: a whole replica (one process, DDP), an
 FSDP shard, whose forward passes gather the parameters together, so all ranks run the same
 collectives, or the layout's forward of whole rows (tensor-parallel ranks, pipeline stages:
-``ParallelModel.eval_forward``; pipeline stages do not generate text); rank 0's logger writes
-the scores.
+``ParallelModel.eval_forward``, whose decode steps run a pipeline's stages in turn too); rank
+0's logger writes the scores.
 The run is not changed by it: the model is in eval mode without gradients while it is scored,
 and every random generator lm-eval seeds (Python's, NumPy's, PyTorch's) is put back as it was,
 so the per-step losses are bitwise those of the same run without task scores.

@@ -182,6 +182,7 @@ def moe(cfg: GPTConfig) -> MoE:
 class Block(nn.Module):
     def __init__(self, cfg: GPTConfig, layer: int = 0):
         super().__init__()
+        self.layer = layer  # its place in the whole model: a pipeline stage's blocks keep theirs
         self.attn_norm = nn.RMSNorm(cfg.d_model, eps=cfg.norm_eps)
         self.attn = Attention(cfg)
         self.mlp_norm = nn.RMSNorm(cfg.d_model, eps=cfg.norm_eps)
@@ -321,8 +322,8 @@ class GPT(nn.Module):
             raise ValueError(f"positions up to {end} exceed max_seq_len {cfg.max_seq_len}")
         x = _ContiguousGradient.apply(idx) if self.tok_emb is None else self.tok_emb(idx)
         losses: list[torch.Tensor] = []  # the mixtures of experts' balance losses, when they have them
-        for i, block in enumerate(self.blocks.children()):  # a pipeline stage's: some, in order
-            cache = None if kv_cache is None else kv_cache.layer(i)
+        for block in self.blocks.children():  # a pipeline stage's: some, in order
+            cache = None if kv_cache is None else kv_cache.layer(block.layer)
             x = block(x, rope_cos, rope_sin, cache, losses, documents)
         if self.norm is None:
             # Sent to the next pipeline stage, which sends its gradient back into a buffer of the

@@ -168,9 +168,12 @@ class CausalLM(nn.Module):
         position_ids = position_ids if position_ids is not None else positions
         embedded = "input_ids" if hf.get_input_embeddings() is not None else "inputs_embeds"
         inputs = {embedded: input_ids, "attention_mask": attention_mask, "position_ids": position_ids}
+        head = hf.get_output_embeddings()
+        if decoding is not None and head is None:  # a pipeline stage before the last: no logits to keep
+            cache = {key: value for key, value in decoding.items() if key != "logits_to_keep"}
+            return hf.base_model(**inputs, use_cache=True, **cache).last_hidden_state
         if decoding is not None:
             return cast(nn.Module, hf)(**inputs, use_cache=True, **decoding).logits
-        head = hf.get_output_embeddings()
         if head is None:
             return hf.base_model(**inputs, use_cache=False).last_hidden_state
         if labels is None and targets is None:
@@ -520,8 +523,11 @@ class HFFamily(ModelFamily):
         return [name for name, m in layer.named_modules() if isinstance(m, (nn.Linear, conv1d))]
 
     def decoding(self, model: nn.Module) -> HFDecoding | None:
-        """A causal LM through ``transformers``' own forward, over kiln's slot cache."""
-        return HFDecoding(model, _base(model.hf)) if isinstance(model, CausalLM) else None
+        """A causal LM through ``transformers``' own forward, over kiln's slot cache; ``model`` may
+        also be a module that runs a causal LM's forward over several ranks and holds this rank's
+        ``part`` of it (pipeline stages' evaluation), which decoding then calls."""
+        causal = getattr(model, "part", model)
+        return HFDecoding(model, _base(causal.hf)) if isinstance(causal, CausalLM) else None
 
 
 FAMILY = HFFamily()
