@@ -65,44 +65,51 @@ def test_two_tensor_parallel_ranks_decode_what_one_process_decodes(tmp_path):
     spawn(_decode_on_two_ranks, (str(tmp_path / "init"),), 2)
 
 
-def _decode_in_pipeline_stages(rank: int, init: str, stages: int) -> None:
-    dist.init_process_group("gloo", init_method=f"file://{init}", rank=rank, world_size=2)
+def _decode_in_pipeline_stages(rank: int, init: str, stages: int, tp: int) -> None:
+    """kiln's GPT (4 layers) in ``stages`` stages on two pipeline ranks, each of ``tp``
+    tensor-parallel ranks (whose forward passes the decoder pads to whole shares of positions)."""
+    dist.init_process_group("gloo", init_method=f"file://{init}", rank=rank, world_size=2 * tp)
     try:
         torch.manual_seed(0)
         shape = dict(vocab_size=64, n_layer=4, d_model=32, n_head=4, n_kv_head=2, d_ff=64, max_seq_len=32)
-        config = GPTConfig(**shape, tie_embeddings=True)
+        config = GPTConfig(**shape, tie_embeddings=tp == 1)
         whole = GPT(config).double()
         family = get_family("gpt")
         alone = _rows()
         Decoder(family.decoding(whole), max_batch=3, max_batch_tokens=8).run(alone)
 
         schedule = "interleaved_1f1b" if stages > 2 else "1f1b"
-        pcfg = ParallelConfig(pp=2, pp_virtual_stages=stages // 2, pp_schedule=schedule)
-        world = World(rank=rank, size=2, pp=2, mesh=build_mesh("cpu", mesh_dims(2, pcfg)))
+        pcfg = ParallelConfig(pp=2, tp=tp, pp_virtual_stages=stages // 2, pp_schedule=schedule)
+        world = World(rank=rank, size=2 * tp, pp=2, tp=tp, mesh=build_mesh("cpu", mesh_dims(2 * tp, pcfg)))
         pipeline = parallelize(copy.deepcopy(whole), family.parallel_plan(config), world, pcfg)
         assert pipeline.generates
+        fed: list[int] = []
+        pipeline.eval_forward.register_forward_pre_hook(lambda module, args: fed.append(args[0].size(1)))
         rows = _rows()
         decoder = Decoder(family.decoding(pipeline.eval_forward), max_batch=3, max_batch_tokens=8)
         decoder.run(rows)
         assert [r.tokens for r in rows] == [r.tokens for r in alone]
         # Each rank's cache holds its own layers' keys and values only, by their places in the model.
-        mine = [i for s in range(rank, stages, 2) for i in range(s * 4 // stages, (s + 1) * 4 // stages)]
-        assert sorted(decoder.cache.k) == mine
+        own = range(world.pp_rank, stages, 2)
+        assert sorted(decoder.cache.k) == [i for s in own for i in range(s * 4 // stages, (s + 1) * 4 // stages)]
+        assert all(t % tp == 0 for t in fed) and tp in fed  # decode steps: one real position a row
     finally:
         dist.destroy_process_group()
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("stages", [2, 4], ids=["a-stage-a-rank", "two-stages-a-rank"])
-def test_pipeline_stages_decode_what_one_process_decodes(tmp_path, stages):
-    spawn(_decode_in_pipeline_stages, (str(tmp_path / "init"), stages), 2)
+@pytest.mark.parametrize(
+    "stages, tp", [(2, 1), (4, 1), (2, 2)], ids=["a-stage-a-rank", "two-stages-a-rank", "stages-of-tp-pairs"]
+)
+def test_pipeline_stages_decode_what_one_process_decodes(tmp_path, stages, tp):
+    spawn(_decode_in_pipeline_stages, (str(tmp_path / "init"), stages, tp), 2 * tp)
 
 
-def _transformers_in_pipeline_stages(rank: int, init: str, path: str) -> None:
-    """A transformers Llama (2 layers) in two stages: the first stage's model returns its hidden
-    states, the last takes them as ``inputs_embeds``; each stores its own layer's keys and values
-    under the layer's index (transformers' ``layer_idx``)."""
-    dist.init_process_group("gloo", init_method=f"file://{init}", rank=rank, world_size=2)
+def _transformers_in_pipeline_stages(rank: int, init: str, path: str, tp: int) -> None:
+    """A transformers Llama (2 layers) in two stages (of ``tp`` tensor-parallel ranks each): the
+    first stage's model returns its hidden states, the last takes them as ``inputs_embeds``; each
+    stores its own layer's keys and values under the layer's index (transformers' ``layer_idx``)."""
+    dist.init_process_group("gloo", init_method=f"file://{init}", rank=rank, world_size=2 * tp)
     try:
         family = get_family("hf")
         args = family.resolve(ModelConfig(source=f"hf:{path}", task="causal_lm"), vocab_size=0, seq_len=64)
@@ -113,18 +120,19 @@ def _transformers_in_pipeline_stages(rank: int, init: str, path: str) -> None:
         alone = [Row(p, 7, Sampling(temperature=0.0)) for p in prompts]
         Decoder(family.decoding(whole), max_batch=2, max_batch_tokens=8).run(alone)
 
-        pcfg = ParallelConfig(pp=2)
-        world = World(rank=rank, size=2, pp=2, mesh=build_mesh("cpu", mesh_dims(2, pcfg)))
+        pcfg = ParallelConfig(pp=2, tp=tp)
+        world = World(rank=rank, size=2 * tp, pp=2, tp=tp, mesh=build_mesh("cpu", mesh_dims(2 * tp, pcfg)))
         pipeline = parallelize(copy.deepcopy(whole), family.parallel_plan(args), world, pcfg)
         rows = [Row(p, 7, Sampling(temperature=0.0)) for p in prompts]
         decoder = Decoder(family.decoding(pipeline.eval_forward), max_batch=2, max_batch_tokens=8)
         decoder.run(rows)
         assert [r.tokens for r in rows] == [r.tokens for r in alone]
-        assert sorted(decoder.cache.k) == [rank]
+        assert sorted(decoder.cache.k) == [world.pp_rank]
     finally:
         dist.destroy_process_group()
 
 
 @pytest.mark.slow
-def test_transformers_pipeline_stages_decode_what_one_process_decodes(tmp_path, hf_llama):
-    spawn(_transformers_in_pipeline_stages, (str(tmp_path / "init"), str(hf_llama)), 2)
+@pytest.mark.parametrize("tp", [1, 2], ids=["pp", "pp-tp"])
+def test_transformers_pipeline_stages_decode_what_one_process_decodes(tmp_path, hf_llama, tp):
+    spawn(_transformers_in_pipeline_stages, (str(tmp_path / "init"), str(hf_llama), tp), 2 * tp)

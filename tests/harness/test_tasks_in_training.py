@@ -87,7 +87,7 @@ def test_task_scores_on_two_ranks_are_those_of_the_saved_model(tmp_path, corpus_
 
 def test_generation_tasks_need_ranks_that_decode_together(tmp_path, corpus_dir):
     tasks = write_tasks(tmp_path / "tasks")
-    items = tiny_overrides(tmp_path / "run", corpus_dir, parallel__pp=2, parallel__tp=2)
+    items = tiny_overrides(tmp_path / "run", corpus_dir, parallel__strategy="fsdp", parallel__tp=2, parallel__cp=2)
     items += ["eval.tasks=kiln_mc,kiln_gen", f"eval.tasks_include={tasks}"]
     proc = launch(4, "train", *sets(items), check=False)
     assert proc.returncode == 2, proc.stderr

@@ -601,7 +601,7 @@ class EvalConfig:
     tasks: tuple[str, ...] = ()
     """lm-evaluation-harness tasks scored during training (needs kiln[eval]), logged as
     tasks/<task>/<metric>; e.g. ["hellaswag", "my_task"]. Their data must be on this machine. With
-    parallel.tp > 1 beside parallel.pp or parallel.cp > 1, tasks that generate text
+    parallel.cp > 1 beside parallel.tp or parallel.pp > 1, tasks that generate text
     (generate_until) are refused."""
     tasks_every: int = 0
     """Score eval.tasks every N steps (and at the end); 0 only at the end."""

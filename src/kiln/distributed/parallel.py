@@ -84,7 +84,7 @@ class ParallelModel:
     ``whole``: the model as one module whose forward this rank runs (with the other ranks of its
     collectives), or None where it holds only some layers. ``generates``: this rank decodes text
     (with the ranks of its collectives, or its pipeline's stages in turn): under every layout but
-    tensor parallelism beside pipeline stages or context parallelism. ``sharded``: checkpoints are written by
+    context parallelism beside tensor parallelism or pipeline stages. ``sharded``: checkpoints are written by
     every rank (DCP), each its own part. ``embeddings``: the names of the embedding tables among
     the whole model's parameters (a tied output layer under both names), which take no weight decay.
     """

@@ -38,6 +38,7 @@ from kiln.distributed.parallel import (
 )
 from kiln.distributed.world import World
 from kiln.labels import IGNORE_INDEX
+from kiln.models.decode import POSITIONS_MULTIPLE
 from kiln.models.family import ParallelPlan
 from kiln.models.init import Values
 
@@ -172,9 +173,9 @@ class PipelineModel(ParallelModel):
         part = _cut(model, plan, [i for s in mine for i in layers[s]], 0 in mine, n_stages - 1 in mine)
         # Each rank writes the layers it holds: checkpoints are always sharded.
         super().__init__(part, plan, world, embeddings=embeddings, sharded=True)
-        # Decoding runs the stages in turn at each step (``_evaluate``); beside tensor or
-        # context parallelism a stage's positions would have to be padded or split: not done.
-        self.whole, self.generates = None, world.tp == 1 and world.cp == 1
+        # Decoding runs the stages in turn at each step (``_evaluate``); beside context
+        # parallelism a stage's positions would have to be split: not done.
+        self.whole, self.generates = None, world.cp == 1
         self.pp, self.n_stages = pp, n_stages
         self.group = world.group("pp")
         # This rank's stages: the part itself, or modules sharing its layers when it holds several.
@@ -219,6 +220,10 @@ class PipelineModel(ParallelModel):
         self._compute: StepCompute | None = None
         self._staged: Staged | None = None
         self._evaluator = _Evaluator(self)
+        if world.tp > 1 and plan.sequence_parallel:
+            # Sequence parallelism splits each stage's positions into tp equal shares: the
+            # decoder pads its forward passes to whole shares (see PaddedRows).
+            setattr(self._evaluator, POSITIONS_MULTIPLE, world.tp)
 
     def _stand_in_next(self) -> None:
         self._stand_in = True

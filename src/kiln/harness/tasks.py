@@ -95,8 +95,8 @@ def check_tasks(names: list[str], manager, *, generates: bool = True) -> None:
             raise TaskError(f"task {name!r}: its data cannot be read on this machine ({first})") from None
         if not generates and "generate_until" in _output_types(loaded):
             raise TaskError(
-                f"eval.tasks: {name} generates text (generate_until), which tensor-parallel ranks beside "
-                "pipeline stages or context-parallel ones (parallel.tp > 1 with parallel.pp or parallel.cp "
+                f"eval.tasks: {name} generates text (generate_until), which context-parallel ranks beside "
+                "tensor-parallel ones or pipeline stages (parallel.cp > 1 with parallel.tp or parallel.pp "
                 "> 1) do not; score it with kiln eval RUN --tasks"
             )
 
