@@ -1122,6 +1122,14 @@ class Config:
             self.debug,
         )
         pp, cp, micro = self.parallel.pp, self.parallel.cp, self.train.micro_batch_size
+        # What a pipeline cuts into pieces: a micro-batch's rows (GRPO's: each prompt's completions).
+        group = self.grpo.group_size if self.run.job == "grpo" else 1
+        rows = micro * group if isinstance(micro, int) else 0
+        pieces = (
+            f"train.micro_batch_size={micro} prompts' grpo.group_size={group} completions ({rows} rows)"
+            if group > 1
+            else f"train.micro_batch_size={micro} sequences"
+        )
         combinations = [
             (
                 not self.data.mix or self.data.format != "records",
@@ -1168,17 +1176,13 @@ class Config:
                 "number that parallel.pp_microbatches divides",
             ),
             (
-                pp == 1 or micro == "auto" or micro % self.parallel.microbatches == 0,
-                f"parallel.pp_microbatches: each micro-batch of train.micro_batch_size={micro} sequences is cut into "
+                pp == 1 or micro == "auto" or rows % self.parallel.microbatches == 0,
+                f"parallel.pp_microbatches: each micro-batch of {pieces} is cut into "
                 f"{self.parallel.microbatches} pipeline micro-batches, which must divide it",
             ),
             (
                 self.train.precision != "fp8" or not self.lora.rank,
                 "train.precision: fp8 trains full linear layers; LoRA adapters (lora.rank) train in bf16",
-            ),
-            (
-                self.run.job != "grpo" or pp == 1,
-                "run.job: grpo scores whole sequences, which pipeline stages (parallel.pp > 1) do not hold; use DDP",
             ),
             (
                 self.run.job != "grpo" or cp == 1,

@@ -109,6 +109,7 @@ PROOFS: dict[tuple[str, str], str] = {
     ("GRPO", "DDP"): _GRPO,
     ("GRPO", "FSDP"): _GRPO,
     ("GRPO", "TP"): _GRPO,
+    ("GRPO", "PP"): _GRPO,
     (
         "GRPO",
         "EP",

@@ -81,7 +81,7 @@ class Report:
         """The first module whose output is non-finite when ``step``'s batch runs again."""
         with torch.random.fork_rng(devices=[]):  # a job's rollout (GRPO's sampling) draws apart from the run
             batch = self.job.rollout(
-                self.model.module, self.batches.batch(step, self.world.device), micro_batch_size, step
+                self.model.eval_forward, self.batches.batch(step, self.world.device), micro_batch_size, step
             )
         assert self.model.whole is not None  # only asked where this rank holds the whole model
         replay = split_batch(batch, micro_batch_size)

@@ -33,8 +33,9 @@ from torch import nn
 
 from kiln.config import Config, ConfigError
 from kiln.config.schema import GRPOConfig
-from kiln.data.batch import RowBatch, TokenBatch, pad_id, pad_rows
+from kiln.data.batch import RowBatch, TokenBatch, next_labels, pad_id, pad_rows
 from kiln.data.prompts import PromptBatch
+from kiln.distributed.parallel import Staged
 from kiln.distributed.world import World
 from kiln.labels import IGNORE_INDEX
 from kiln.models.decode import Decoder, Row, Sampling
@@ -227,12 +228,13 @@ class GRPOLoss:
 
     def __init__(self, cfg: Config, family: ModelFamily, tokenizer: Any, rewards: Rewards, world: World):
         self.g, self.family, self.tokenizer, self.rewards, self.world = cfg.grpo, family, tokenizer, rewards, world
+        self.width = cfg.data.seq_len  # what pipeline stages pad the rows to (``staged``)
         self.kl, self.precision = cfg.grpo.kl_coef > 0, cfg.train.precision
         self.kept = KeptRollout(world)
         # SAMPLED's sums, the generation seconds, the completions sampled and those trained on:
         # host values (rewards are). Each reward function's sum and sum of squares. On the
-        # device, read when the metrics are: the KL's sum, and the completion tokens whose ratio
-        # was clipped and all of them.
+        # device, read when the metrics are: the KL's sum over the completion tokens trained on and
+        # their number, and the tokens whose ratio was clipped and all of them.
         self.sums = torch.zeros(len(SAMPLED) + 3, dtype=torch.float64)
         self.each = torch.zeros(len(rewards.names), 2, dtype=torch.float64)
         self.kl_sum: torch.Tensor | None = None
@@ -305,29 +307,47 @@ class GRPOLoss:
         return torch.cat([nn.functional.pad(p, (0, width - p.shape[1])) for p in pieces])
 
     def __call__(self, model: nn.Module, batch: Rollout) -> torch.Tensor:
-        g, rows = self.g, batch.rows
-        logps, scored = token_logps(model, rows)
+        logps, scored = token_logps(model, batch.rows)
+        return self._loss(logps, scored, batch.advantages, batch.old_logps, self._reference(model, batch.rows))
+
+    def _reference(self, model: nn.Module, rows: TokenBatch) -> torch.Tensor | None:
+        """The KL's reference log-probabilities of ``rows``: the model's with its adapters off."""
+        if not self.kl:
+            return None
+        with torch.no_grad(), adapters_disabled(model):
+            return token_logps(model, rows)[0]
+
+    def _loss(
+        self,
+        logps: torch.Tensor,
+        scored: torch.Tensor,
+        advantages: torch.Tensor,
+        old: torch.Tensor | None,
+        ref: torch.Tensor | None,
+    ) -> torch.Tensor:
+        """The loss of rows whose tokens' log-probabilities are ``logps`` [rows, T] (``scored``
+        those that count), given each row's advantage, the log-probabilities of the policy that
+        sampled them (None: this one) and of the reference (None: no KL)."""
+        g = self.g
         # The ratio to the policy that sampled: the one kept with completions that serve several
         # steps, else this one (1, with the gradient of log p).
-        old = logps.detach() if batch.old_logps is None else batch.old_logps
-        ratio = torch.exp(logps - old)
-        advantages = batch.advantages.to(dtype=logps.dtype)[:, None]
+        kept = old is not None
+        ratio = torch.exp(logps - (old if old is not None else logps.detach()))
+        advantages = advantages.to(dtype=logps.dtype)[:, None]
         low, high = 1 - g.epsilon, 1 + (g.epsilon_high or g.epsilon)
         per_token = -torch.minimum(ratio * advantages, ratio.clamp(low, high) * advantages)
-        self.sums[-1] += len(rows)
-        if batch.old_logps is not None:
+        self.sums[-1] += len(logps)
+        if kept:
             # The tokens whose gradient the clip takes away: past the band where the advantage pushes.
             clipped = ((ratio < low) & (advantages < 0) | (ratio > high) & (advantages > 0)) & scored
             counts = torch.stack([clipped.sum(), scored.sum()]).double()
             self.clip_sum = counts if self.clip_sum is None else self.clip_sum + counts
-        if self.kl:
-            with torch.no_grad(), adapters_disabled(model):
-                ref, _ = token_logps(model, rows)
+        if ref is not None:
             log_ratio = ref - logps
             k3 = torch.exp(log_ratio) - log_ratio - 1  # unbiased and never negative
             per_token = per_token + g.kl_coef * k3
-            kl = (k3 * scored).sum() / scored.sum().clamp(min=1)
-            total = kl.detach().double() * len(rows)
+            # Summed by token, so that the mean is the same however the rows are cut (pipeline pieces).
+            total = torch.stack([(k3 * scored).sum().detach(), scored.sum()]).double()
             self.kl_sum = total if self.kl_sum is None else self.kl_sum + total
         losses = per_token * scored
         if g.loss in ("dapo", "bnpo"):  # a mean over tokens (the step weighs dapo's by tokens)
@@ -335,6 +355,41 @@ class GRPOLoss:
         lengths = scored.sum(1)
         norm = lengths.clamp(min=1) if g.loss == "grpo" else torch.full_like(lengths, g.max_new_tokens)
         return (losses.sum(1) / norm).mean()
+
+    def staged(self, model: nn.Module, batch: Rollout) -> Staged:
+        """The rollout as pipeline stages take it: its rows padded to ``data.seq_len`` (one shape
+        every step), the last stage giving each token's log-probability; the target holds each
+        row's advantage, which tokens are scored, the sampling policy's log-probabilities (where
+        kept) and the reference's, computed first with ``model``, the pipeline's forward. The
+        schedule's pieces weigh by rows, or by scored tokens where the loss is a mean over them."""
+        rows, width = batch.rows, self.width
+
+        def padded(t: torch.Tensor | None, value: int) -> torch.Tensor:
+            assert t is not None  # sampled rows are padded, never packed: they carry an attention mask
+            return nn.functional.pad(t, (0, width - t.size(1)), value=value)
+
+        wide = TokenBatch(padded(rows.input_ids, 0), padded(rows.labels, IGNORE_INDEX), padded(rows.attention_mask, 0))
+        targets = next_labels(wide.labels)
+        scored = targets != IGNORE_INDEX
+        with autocast(self.precision, targets.device):
+            ref = self._reference(model, wide)
+        zeros = torch.zeros(scored.shape, device=targets.device)
+        old = zeros if batch.old_logps is None else padded(batch.old_logps, 0)
+        ref = zeros if ref is None else padded(ref, 0)
+        target = torch.cat([batch.advantages.float()[:, None], scored.float(), old.float(), ref.float()], 1)
+        keywords = {"targets": targets, "attention_mask": wide.attention_mask, "token_logps": True}
+        kept, kl = batch.old_logps is not None, self.kl
+
+        def loss(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+            advantages, scored, old, ref = target[:, 0], *target[:, 1:].chunk(3, dim=1)
+            return self._loss(output, scored.bool(), advantages, old if kept else None, ref if kl else None)
+
+        by_tokens = self.g.loss in ("dapo", "bnpo")
+
+        def count(target: torch.Tensor) -> torch.Tensor:
+            return target[:, 1 : 1 + width].sum() if by_tokens else target.new_tensor(len(target))
+
+        return Staged(wide.input_ids, target, keywords, loss, count=count)
 
     @torch.no_grad()
     def sample(
@@ -401,26 +456,28 @@ class GRPOLoss:
         """The interval's means over its sampled completions and its seconds of sampling
         (averaged over the ranks), each reward function's mean and standard deviation (where it
         sampled: with grpo.iterations > 1 not every step does); the KL's mean over the
-        completions trained on and, with grpo.iterations > 1, ``clip_ratio``, the share of their
-        tokens whose ratio was clipped; and a new interval. The rest of the interval's time is
-        training."""
-        if not self.sums[-2:].any():
-            return {}
-        trained = torch.zeros(3, dtype=torch.float64, device=world.device)  # the KL's sum, clipped tokens, all
+        completion tokens trained on and, with grpo.iterations > 1, ``clip_ratio``, the share of
+        them whose ratio was clipped; and a new interval. The rest of the interval's time is
+        training. Every rank reduces, whatever it counted: pipeline stages before the last
+        compute no loss, so they count no completion trained on."""
+        # The KL's sum and its tokens, the clipped tokens and all.
+        trained = torch.zeros(4, dtype=torch.float64, device=world.device)
         if self.kl_sum is not None:
-            trained[0] = self.kl_sum
+            trained[:2] = self.kl_sum
         if self.clip_sum is not None:
-            trained[1:] = self.clip_sum
+            trained[2:] = self.clip_sum
         local = torch.cat([self.sums.to(world.device), self.each.flatten().to(world.device), trained])
         everything = world.mean(local).tolist()
-        sums, each, (kl, clipped, tokens) = (
+        sums, each, (kl, kl_tokens, clipped, tokens) = (
             everything[: len(self.sums)],
-            everything[len(self.sums) : -3],
-            everything[-3:],
+            everything[len(self.sums) : -4],
+            everything[-4:],
         )
         self.sums, self.each = torch.zeros_like(self.sums), torch.zeros_like(self.each)
         self.kl_sum = self.clip_sum = None
-        out = {"kl": kl / sums[-1]} if sums[-1] else {}
+        if not (sums[-2] or sums[-1]):
+            return {}
+        out = {"kl": kl / kl_tokens if kl_tokens else 0.0} if sums[-1] else {}
         if self.g.iterations > 1 and tokens:
             out["clip_ratio"] = clipped / tokens
         if not (n := sums[-2]):

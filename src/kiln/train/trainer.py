@@ -151,7 +151,7 @@ class Trainer:
                     # This rank's share of the batch, kept so that a retry after an OOM sees the same.
                     batch = to_device(next(batches), self.device)
                 with phase("rollout", self.step):
-                    batch = self.job.rollout(self.model.module, batch, self.micro_batch_size, self.step + 1)
+                    batch = self.job.rollout(self.model.eval_forward, batch, self.micro_batch_size, self.step + 1)
                 with phase("forward_backward", self.step):
                     for attempt in self.ladder.attempts(self.step + 1, run.logger, self.save):  # OOM: a rung down
                         with attempt:
@@ -270,7 +270,7 @@ class Trainer:
         self._say("kiln: timing a checkpoint, a few steps and an evaluation to plan train.max_steps=auto ...")
 
         def train(batch: Any, i: int) -> None:
-            batch = self.job.rollout(self.model.module, batch, self.micro_batch_size, self.step + i + 1)
+            batch = self.job.rollout(self.model.eval_forward, batch, self.micro_batch_size, self.step + i + 1)
             for attempt in self.ladder.attempts(self.step + i + 1, run.logger, self.save):
                 with attempt:
                     self.train_step.forward_backward(split_batch(batch, self.micro_batch_size), self.step + i + 1)

@@ -103,10 +103,11 @@ class Job:
         raise NotImplementedError
 
     def rollout(self, model: nn.Module, batch: Any, micro_batch_size: int, step: int) -> Any:
-        """(1-based) ``step``'s batch as the loss takes it: a phase before the step, with this
-        rank's unwrapped module (e.g. GRPO samples and scores its prompts' completions here, so
-        that its loss is an ordinary forward of whatever layout the model has). As given by
-        default."""
+        """(1-based) ``step``'s batch as the loss takes it: a phase before the step, with the
+        layout's forward of whole rows (``ParallelModel.eval_forward``: this rank's unwrapped
+        module, or a pipeline's stages in turn; e.g. GRPO samples and scores its prompts'
+        completions here, so that its loss is an ordinary forward of whatever layout the model
+        has). As given by default."""
         return batch
 
     def checkpoint_parts(self) -> dict[str, Stateful]:
