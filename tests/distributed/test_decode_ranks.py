@@ -105,11 +105,13 @@ def test_pipeline_stages_decode_what_one_process_decodes(tmp_path, stages, tp):
     spawn(_decode_in_pipeline_stages, (str(tmp_path / "init"), stages, tp), 2 * tp)
 
 
-def _transformers_in_pipeline_stages(rank: int, init: str, path: str, tp: int) -> None:
-    """A transformers Llama (2 layers) in two stages (of ``tp`` tensor-parallel ranks each): the
-    first stage's model returns its hidden states, the last takes them as ``inputs_embeds``; each
-    stores its own layer's keys and values under the layer's index (transformers' ``layer_idx``)."""
-    dist.init_process_group("gloo", init_method=f"file://{init}", rank=rank, world_size=2 * tp)
+def _transformers_on_ranks(rank: int, init: str, path: str, pp: int, tp: int, cp: int) -> None:
+    """A transformers Llama (2 layers) on ``pp`` stages of ``tp`` tensor-parallel ranks, or split
+    over ``cp`` context-parallel ranks (which decode whole rows each). In stages the first one's
+    model returns its hidden states, the last takes them as ``inputs_embeds``; each stores its own
+    layer's keys and values under the layer's index (transformers' ``layer_idx``)."""
+    size = pp * tp * cp
+    dist.init_process_group("gloo", init_method=f"file://{init}", rank=rank, world_size=size)
     try:
         family = get_family("hf")
         args = family.resolve(ModelConfig(source=f"hf:{path}", task="causal_lm"), vocab_size=0, seq_len=64)
@@ -120,19 +122,21 @@ def _transformers_in_pipeline_stages(rank: int, init: str, path: str, tp: int) -
         alone = [Row(p, 7, Sampling(temperature=0.0)) for p in prompts]
         Decoder(family.decoding(whole), max_batch=2, max_batch_tokens=8).run(alone)
 
-        pcfg = ParallelConfig(pp=2, tp=tp)
-        world = World(rank=rank, size=2 * tp, pp=2, tp=tp, mesh=build_mesh("cpu", mesh_dims(2 * tp, pcfg)))
-        pipeline = parallelize(copy.deepcopy(whole), family.parallel_plan(args), world, pcfg)
+        pcfg = ParallelConfig(pp=pp, tp=tp, cp=cp)
+        world = World(rank=rank, size=size, pp=pp, tp=tp, cp=cp, mesh=build_mesh("cpu", mesh_dims(size, pcfg)))
+        model = parallelize(copy.deepcopy(whole), family.parallel_plan(args), world, pcfg)
         rows = [Row(p, 7, Sampling(temperature=0.0)) for p in prompts]
-        decoder = Decoder(family.decoding(pipeline.eval_forward), max_batch=2, max_batch_tokens=8)
+        decoder = Decoder(family.decoding(model.eval_forward), max_batch=2, max_batch_tokens=8)
         decoder.run(rows)
         assert [r.tokens for r in rows] == [r.tokens for r in alone]
-        assert sorted(decoder.cache.k) == [world.pp_rank]
+        assert sorted(decoder.cache.k) == ([world.pp_rank] if pp > 1 else [0, 1])
     finally:
         dist.destroy_process_group()
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("tp", [1, 2], ids=["pp", "pp-tp"])
-def test_transformers_pipeline_stages_decode_what_one_process_decodes(tmp_path, hf_llama, tp):
-    spawn(_transformers_in_pipeline_stages, (str(tmp_path / "init"), str(hf_llama), tp), 2 * tp)
+@pytest.mark.parametrize(
+    "pp, tp, cp", [(2, 1, 1), (2, 2, 1), (1, 1, 2)], ids=["stages", "stages-of-tp-pairs", "context-parallel"]
+)
+def test_transformers_on_ranks_decode_what_one_process_decodes(tmp_path, hf_llama, pp, tp, cp):
+    spawn(_transformers_on_ranks, (str(tmp_path / "init"), str(hf_llama), pp, tp, cp), pp * tp * cp)

@@ -298,7 +298,6 @@ def test_sigkill_and_resume_is_bitwise(tmp_path, prompts, warm_llama):
         ({"grpo.reward": "rewards:nowhere"}, "grpo.reward: cannot import rewards:nowhere"),
         ({"grpo.reward": "no_such_module_x:f"}, "grpo.reward: cannot import no_such_module_x:f"),
         ({"grpo.kl_coef": 0.1}, "grpo.kl_coef: the KL term's reference is the model with its LoRA adapters off"),
-        ({"parallel.cp": 2}, "run.job: grpo samples completions of its own length"),
         (
             {"parallel.pp": 2, "train.micro_batch_size": 1, "grpo.group_size": 3},
             "parallel.pp_microbatches: each micro-batch of train.micro_batch_size=1 prompts' grpo.group_size=3 "
@@ -441,8 +440,9 @@ def test_a_reward_model_loads_as_every_model_does_safetensors_only_and_no_code(t
         # The stages' loss with what it adds: the KL to the adapters-off reference (computed first,
         # through the stages), a mean over tokens (the schedule's pieces weighed by tokens).
         ({"parallel__pp": 2}, {"lora__rank": 4, "lora__dropout": 0, "grpo__kl_coef": 0.05, "grpo__loss": "dapo"}),
+        ({"parallel__cp": 2}, {}),
     ],
-    ids=["ddp", "fsdp", "tp", "pp"],
+    ids=["ddp", "fsdp", "tp", "pp", "cp"],
 )
 def test_grpo_on_two_ranks_samples_and_trains_as_one_process(tmp_path, prompts, warm_llama, layout, objective):
     """Each rank samples its prompts' completions with the seeds one process gives them (the
@@ -450,7 +450,8 @@ def test_grpo_on_two_ranks_samples_and_trains_as_one_process(tmp_path, prompts, 
     gathers the layers from both), tensor-parallel ranks decoding the same rows together in
     forward passes padded to whole shares of positions, two pipeline stages decoding them
     together (the stages in turn at each step) and training on them padded to data.seq_len (the
-    stages' one shape) with the loss on the last stage; losses, rewards and lengths are one
+    stages' one shape) with the loss on the last stage, two context-parallel ranks decoding the
+    same rows whole and splitting them for the loss; losses, rewards and lengths are one
     process's, averaged. With grpo.iterations=2, resumed from the checkpoint inside a cycle (every
     rank's kept rollout restored to it), the ranks still end as the one process."""
     common = dict(train__micro_batch_size=1, train__global_batch_size=2, train__max_steps=3, grpo__iterations=2)

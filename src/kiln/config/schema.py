@@ -1185,11 +1185,6 @@ class Config:
                 "train.precision: fp8 trains full linear layers; LoRA adapters (lora.rank) train in bf16",
             ),
             (
-                self.run.job != "grpo" or cp == 1,
-                "run.job: grpo samples completions of its own length on each rank, which context-parallel "
-                "ranks would have to share; set parallel.cp=1",
-            ),
-            (
                 self.run.job != "grpo" or bool(self.grpo.reward or self.grpo.rewards or self.grpo.reward_model),
                 "grpo.reward: grpo needs a reward: a function (grpo.reward = package.module:function, or several in "
                 "grpo.rewards) or a sequence classifier (grpo.reward_model = DIR), or both",

@@ -182,7 +182,13 @@ class Inputs:
 
 GPT_INPUTS = Inputs("idx", "targets", "positions", cache="kv_cache")
 TRANSFORMERS_INPUTS = Inputs(
-    "input_ids", "targets", "position_ids", labels="labels", padding="attention_mask", row_positions=True
+    "input_ids",
+    "targets",
+    "position_ids",
+    labels="labels",
+    padding="attention_mask",
+    row_positions=True,
+    cache="decoding",  # kiln's wrapper's keywords for the decoder (its cache)
 )
 
 

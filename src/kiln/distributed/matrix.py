@@ -110,6 +110,7 @@ PROOFS: dict[tuple[str, str], str] = {
     ("GRPO", "FSDP"): _GRPO,
     ("GRPO", "TP"): _GRPO,
     ("GRPO", "PP"): _GRPO,
+    ("GRPO", "CP"): _GRPO,
     (
         "GRPO",
         "EP",
