@@ -3,7 +3,6 @@ data-parallel ranks): its shapes for each layout, the ranks of each group read f
 (FSDP within replicas) training as one process does."""
 
 import os
-import socket
 
 import pytest
 
@@ -31,13 +30,13 @@ def test_the_mesh_of_each_layout():
     assert mesh_dims(6, ParallelConfig(strategy="fsdp", dp_replicate=4))["dp_replicate"] == 1
 
 
-def _groups(rank: int, size: int, port: int) -> None:
+def _groups(rank: int, size: int, init: str) -> None:
     import torch
     import torch.distributed as dist
 
     from kiln.distributed.world import World, build_mesh
 
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=size)
+    dist.init_process_group("gloo", init_method=f"file://{init}", rank=rank, world_size=size)
     try:
 
         def ranks(mesh, name):
@@ -64,13 +63,12 @@ def _groups(rank: int, size: int, port: int) -> None:
         dist.destroy_process_group()
 
 
-def test_every_group_is_a_view_of_the_one_mesh():
-    """Built from the mesh's own flattening (DeviceMesh._flatten, private: this fails if it changes)."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+def test_every_group_is_a_view_of_the_one_mesh(tmp_path):
+    """Built from the mesh's own flattening (DeviceMesh._flatten, private: this fails if it changes).
+    The ranks meet through a file, not a port picked beforehand (another test's process could take
+    it in between)."""
     os.environ.pop("TORCHELASTIC_RUN_ID", None)
-    spawn(_groups, (4, port), 4)
+    spawn(_groups, (4, str(tmp_path / "init")), 4)
 
 
 @pytest.mark.slow
