@@ -43,7 +43,7 @@ from kiln.models.family import ModelFamily
 from kiln.models.hf.loading import read_config
 from kiln.train.logps import token_logps
 from kiln.train.precision import autocast
-from kiln.train.preference import adapters_disabled
+from kiln.train.preference import adapters_disabled, pad_to
 
 # Means over the log interval's sampled completions.
 SAMPLED = ("reward", "reward_std", "completions/mean_length", "completions/clipped_ratio")
@@ -331,13 +331,12 @@ class GRPOLoss:
         g = self.g
         # The ratio to the policy that sampled: the one kept with completions that serve several
         # steps, else this one (1, with the gradient of log p).
-        kept = old is not None
-        ratio = torch.exp(logps - (old if old is not None else logps.detach()))
+        ratio = torch.exp(logps - (logps.detach() if old is None else old))
         advantages = advantages.to(dtype=logps.dtype)[:, None]
         low, high = 1 - g.epsilon, 1 + (g.epsilon_high or g.epsilon)
         per_token = -torch.minimum(ratio * advantages, ratio.clamp(low, high) * advantages)
         self.sums[-1] += len(logps)
-        if kept:
+        if old is not None:
             # The tokens whose gradient the clip takes away: past the band where the advantage pushes.
             clipped = ((ratio < low) & (advantages < 0) | (ratio > high) & (advantages > 0)) & scored
             counts = torch.stack([clipped.sum(), scored.sum()]).double()
@@ -363,19 +362,18 @@ class GRPOLoss:
         kept) and the reference's, computed first with ``model``, the pipeline's forward. The
         schedule's pieces weigh by rows, or by scored tokens where the loss is a mean over them."""
         rows, width = batch.rows, self.width
-
-        def padded(t: torch.Tensor | None, value: int) -> torch.Tensor:
-            assert t is not None  # sampled rows are padded, never packed: they carry an attention mask
-            return nn.functional.pad(t, (0, width - t.size(1)), value=value)
-
-        wide = TokenBatch(padded(rows.input_ids, 0), padded(rows.labels, IGNORE_INDEX), padded(rows.attention_mask, 0))
+        wide = TokenBatch(
+            pad_to(rows.input_ids, width, 0),
+            pad_to(rows.labels, width, IGNORE_INDEX),
+            pad_to(rows.attention_mask, width, 0),
+        )
         targets = next_labels(wide.labels)
         scored = targets != IGNORE_INDEX
         with autocast(self.precision, targets.device):
             ref = self._reference(model, wide)
         zeros = torch.zeros(scored.shape, device=targets.device)
-        old = zeros if batch.old_logps is None else padded(batch.old_logps, 0)
-        ref = zeros if ref is None else padded(ref, 0)
+        old = zeros if batch.old_logps is None else pad_to(batch.old_logps, width, 0)
+        ref = zeros if ref is None else pad_to(ref, width, 0)
         target = torch.cat([batch.advantages.float()[:, None], scored.float(), old.float(), ref.float()], 1)
         keywords = {"targets": targets, "attention_mask": wide.attention_mask, "token_logps": True}
         kept, kl = batch.old_logps is not None, self.kl

@@ -60,12 +60,12 @@ def pair_logps(model: nn.Module, batch: PairBatch) -> tuple[torch.Tensor, torch.
     the halves are padded to one width and stacked, as TRL does."""
     width = max(batch.chosen.input_ids.size(1), batch.rejected.input_ids.size(1))
     both = TokenBatch(
-        input_ids=torch.cat([_pad(batch.chosen.input_ids, width, 0), _pad(batch.rejected.input_ids, width, 0)]),
+        input_ids=torch.cat([pad_to(batch.chosen.input_ids, width, 0), pad_to(batch.rejected.input_ids, width, 0)]),
         labels=torch.cat(
-            [_pad(batch.chosen.labels, width, IGNORE_INDEX), _pad(batch.rejected.labels, width, IGNORE_INDEX)]
+            [pad_to(batch.chosen.labels, width, IGNORE_INDEX), pad_to(batch.rejected.labels, width, IGNORE_INDEX)]
         ),
         attention_mask=torch.cat(
-            [_pad(batch.chosen.attention_mask, width, 0), _pad(batch.rejected.attention_mask, width, 0)]
+            [pad_to(batch.chosen.attention_mask, width, 0), pad_to(batch.rejected.attention_mask, width, 0)]
         ),
     )
     logps, counts = completion_logps(model, both)
@@ -77,14 +77,16 @@ def _interleaved(batch: PairBatch, width: int) -> TokenBatch:
     """Pair i's chosen row at 2i and its rejected row at 2i + 1, padded to ``width``."""
 
     def rows(name: str, value: int) -> torch.Tensor:
-        halves = [_pad(getattr(half, name), width, value) for half in (batch.chosen, batch.rejected)]
+        halves = [pad_to(getattr(half, name), width, value) for half in (batch.chosen, batch.rejected)]
         return torch.stack(halves, 1).flatten(0, 1)
 
     return TokenBatch(rows("input_ids", 0), rows("labels", IGNORE_INDEX), rows("attention_mask", 0))
 
 
-def _pad(t: torch.Tensor | None, width: int, value: int) -> torch.Tensor:
-    assert t is not None  # preference rows are padded, never packed: they carry an attention mask
+def pad_to(t: torch.Tensor | None, width: int, value: int) -> torch.Tensor:
+    """Rows [B, T] padded on the right with ``value`` to ``width`` (what pipeline stages take: one
+    shape every step)."""
+    assert t is not None  # preference and sampled rows are padded, never packed: they carry an attention mask
     return F.pad(t, (0, width - t.size(1)), value=value)
 
 
@@ -150,15 +152,15 @@ class PreferenceLoss:
         ref, kl, good = self._kto_baseline(model, batch, "train")
         target = torch.stack([ref.float(), kl.float().expand_as(ref), good.float()], 1)
         keywords = {
-            "targets": next_labels(_pad(rows.labels, self.width, IGNORE_INDEX)),
-            "attention_mask": _pad(rows.attention_mask, self.width, 0),
+            "targets": next_labels(pad_to(rows.labels, self.width, IGNORE_INDEX)),
+            "attention_mask": pad_to(rows.attention_mask, self.width, 0),
             "token_logps": True,
         }
 
         def loss(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
             return self._counted(*self._kto_losses(output.sum(1), target[:, 0], target[0, 1], target[:, 2].bool()))
 
-        inputs = _pad(rows.input_ids, self.width, 0)
+        inputs = pad_to(rows.input_ids, self.width, 0)
         return Staged(inputs, target, keywords, loss, count=lambda target: target.new_tensor(len(target)))
 
     def _pairs(

@@ -44,8 +44,8 @@ class TaskScores:
             from kiln.harness import check_tasks, task_manager
 
             self.manager = task_manager(e.tasks_include or None, self.names)
-            # Whether the layout decodes is the layout's to say (pipeline stages score whole rows
-            # but do not decode).
+            # Whether the layout decodes is the layout's to say (context parallelism beside
+            # tensor parallelism or pipeline stages does not).
             check_tasks(self.names, self.manager, generates=model.generates)
 
     def due(self, step: int, final: bool) -> bool:
