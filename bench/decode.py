@@ -2,7 +2,7 @@
 prompts of 8 to 200 tokens, 64 new tokens each, greedy. Prints one JSON line.
 
     pip install -e ".[bench]" && python bench/decode.py [--prompts 16] [--new 64] [--repeats 3]
-        [--width 256] [--layers 4] [--vocab 30522]
+        [--width 256] [--layers 4] [--vocab 30522] [--compile]
 
 The model is a Llama shaped as bench/finetune_vs_hf.py's by default (width 256, 4 layers, 8 heads
 of which 4 key/value, MiniLM's 30,522-token vocabulary), untrained, in fp32 on the CPU.
@@ -11,6 +11,8 @@ batch prompts of different lengths), and one at a time; kiln decodes them as row
 each at its own positions. The outputs are compared token for token with transformers'
 one-at-a-time answers (left padding can move a near-tie of the argmax in fp32, so the padded
 batch's answers are compared too but only counted). Each timing is the best of --repeats.
+With --compile, kiln's decoder also runs with its decode step compiled (``kiln serve --compile``'s
+``CompiledDecoding``), timed after its warm-up, whose seconds are printed apart.
 """
 
 from __future__ import annotations
@@ -29,12 +31,13 @@ def main() -> None:
     ap.add_argument("--width", type=int, default=256)
     ap.add_argument("--layers", type=int, default=4)
     ap.add_argument("--vocab", type=int, default=30522)
+    ap.add_argument("--compile", action="store_true", help="time the decoder with its decode step compiled too")
     args = ap.parse_args()
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
     from kiln.models import get_family
-    from kiln.models.decode import generate
+    from kiln.models.decode import CompiledDecoding, generate
     from kiln.models.hf import CausalLM
 
     config = LlamaConfig(
@@ -76,11 +79,23 @@ def main() -> None:
     def ours() -> list[list[int]]:
         return generate(decodable, prompts, args.new, temperature=0, max_batch=len(prompts))
 
-    timings: dict[str, list[float]] = {"kiln": [], "transformers_batched": [], "transformers_one_at_a_time": []}
+    runs = [("kiln", ours), ("transformers_batched", theirs_batched)]
+    warm_up_s = None
+    if args.compile:
+        compiled = CompiledDecoding(decodable)
+        start = time.perf_counter()
+        with torch.no_grad():
+            compiled.warm_up()
+        warm_up_s = round(time.perf_counter() - start, 1)
+        runs.append(
+            ("kiln_compiled", lambda: generate(compiled, prompts, args.new, temperature=0, max_batch=len(prompts)))
+        )
+    timings: dict[str, list[float]] = {name: [] for name, _ in runs}
+    timings["transformers_one_at_a_time"] = []
     answers = {}
     with torch.no_grad():
         for _ in range(args.repeats):
-            for name, fn in (("kiln", ours), ("transformers_batched", theirs_batched)):
+            for name, fn in runs:
                 start = time.perf_counter()
                 answers[name] = fn()
                 timings[name].append(time.perf_counter() - start)
@@ -102,6 +117,8 @@ def main() -> None:
                 "kiln_over_transformers_batched": round(speed["kiln"] / speed["transformers_batched"], 2),
                 "kiln_over_transformers_one_at_a_time": round(speed["kiln"] / speed["transformers_one_at_a_time"], 2),
                 "identical_to_one_at_a_time": sum(a == b for a, b in zip(answers["kiln"], alone, strict=True)),
+                "compiled_identical_to_eager": answers["kiln_compiled"] == answers["kiln"] if args.compile else None,
+                "compile_warm_up_s": warm_up_s,
                 "padded_batch_identical_to_one_at_a_time": sum(
                     a == b for a, b in zip(answers["transformers_batched"], alone, strict=True)
                 ),

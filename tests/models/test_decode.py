@@ -12,6 +12,7 @@ from kiln.models.decode import (
     Decoder,
     Row,
     Sampling,
+    SlotCache,
     generate,
     sample_rows,
 )
@@ -315,6 +316,24 @@ def test_hugging_face_causal_lms_decode_as_transformers_generate_does(tmp_path):
             torch.tensor([prompt]), max_new_tokens=24, do_sample=False, eos_token_id=None, pad_token_id=0
         )
         assert tokens == theirs[0, len(prompt) :].tolist()
+
+
+def test_a_hugging_face_decode_step_traces_as_one_graph(tmp_path):
+    """kiln serve --compile on a transformers model: the one-token step is one graph, with no
+    break (each break would leave the code around it to run eagerly, every step)."""
+    from transformers import AutoModelForCausalLM
+
+    from kiln.models.hf import CausalLM
+
+    from hf_models import tiny_llama
+
+    hf = AutoModelForCausalLM.from_pretrained(tiny_llama(tmp_path / "llama")).eval()
+    decodable = get_family("hf").decoding(CausalLM(hf).eval())
+    cache = SlotCache(2, 32, torch.device("cpu"))
+    cache.bind(slice(0, 2), torch.tensor([[3], [7]]), [3, 7])
+    with torch.no_grad():
+        explained = torch._dynamo.explain(decodable.forward)(torch.tensor([[5], [6]]), cache)
+    assert explained.graph_break_count == 0 and explained.graph_count == 1, explained.break_reasons
 
 
 @pytest.mark.parametrize("model_type", ["mistral", "gemma3_text"])

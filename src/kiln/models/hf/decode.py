@@ -25,11 +25,12 @@ def _slot_cache_class() -> type:
         """Each attention layer's ``update`` stores its keys and values into the bound slots and
         gets back those the queries attend to; the mask comes with the inputs."""
 
-        def __init__(self, slots: SlotCache):
+        def __init__(self) -> None:
             super().__init__(layers=[])
-            self.slots = slots
+            self.slots: SlotCache | None = None  # the bound cache, set before each forward
 
         def update(self, key_states, value_states, layer_idx, *args, **kwargs):
+            assert self.slots is not None
             keys, values, _ = self.slots.attend(layer_idx, key_states, value_states)
             return keys, values
 
@@ -66,6 +67,8 @@ class HFDecoding:
         # transformers 5.24 renamed past_key_values to cache (the old name warns on every call).
         self.cache_keyword = "cache" if "cache" in keywords else "past_key_values"
         self.last_only = {"logits_to_keep": 1} if "logits_to_keep" in keywords else {}
+        # Made once: making a transformers Cache logs, which a compiled step could not trace.
+        self.cache = _slot_cache_class()()
 
     def _additive(self, allowed: torch.Tensor) -> torch.Tensor:
         """[B, 1, T, columns], as every attention implementation of transformers takes it."""
@@ -82,6 +85,7 @@ class HFDecoding:
         else:
             local = self._additive(cache.window_mask(cast(int, self.window)))
             mask = {"full_attention": self._additive(cache.mask), "sliding_attention": local}
-        keywords = {self.cache_keyword: _slot_cache_class()(cache), **self.last_only}
+        self.cache.slots = cache
+        keywords = {self.cache_keyword: self.cache, **self.last_only}
         logits = self.module(tokens, position_ids=cache.positions, attention_mask=mask, decoding=keywords)
         return logits[:, -1]
