@@ -304,3 +304,18 @@ def test_initial_weights_are_bitwise_the_same_under_every_layout(tmp_path, corpu
         assert got.keys() == one.keys()
         for key in one:
             assert torch.equal(got[key], one[key]), f"{name}: {key}"
+
+
+def test_sequence_parallel_training_rows_are_padded_to_few_widths_within_seq_len():
+    """Under sequence parallelism a training batch's rows are padded to buckets of 64 positions
+    (DTensor works out each operation's layout once per shape), never past data.seq_len's whole
+    shares; in evaluation mode (the decoder's passes among them) to whole shares only."""
+    from torch import nn
+
+    from kiln.distributed.parallel import PaddedRows
+
+    rows = PaddedRows(nn.Linear(1, 1), multiple=4, seq_len=150)
+    widths = [rows.width(n, training=True) for n in (1, 63, 64, 65, 129, 150, 151, 200)]
+    assert widths == [64, 64, 64, 128, 152, 152, 152, 200]
+    assert [rows.width(n, training=False) for n in (1, 63, 64, 65)] == [4, 64, 64, 68]
+    assert PaddedRows(nn.Linear(1, 1), multiple=6, seq_len=512).width(5, training=True) == 192  # lcm(64, 6)

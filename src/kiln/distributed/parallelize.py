@@ -36,13 +36,14 @@ def parallelize(
     *,
     bf16: bool = False,
     initial: Values | None = None,
+    seq_len: int | None = None,
 ) -> ParallelModel:
     """``model`` laid out over ``world`` as ``pcfg`` says (in place), as this rank's ParallelModel;
     in a single process, the model itself. ``bf16``: FSDP computes with bf16 copies of its shards.
     ``initial``: ``model`` is on the ``meta`` device, and each rank allocates and initialises only
     what it holds once the layout is applied (no rank ever holds the whole model); otherwise the
-    model is on the device already. Raises ConfigError, naming the keys, for a layout the model or
-    the strategy cannot take."""
+    model is on the device already. ``seq_len``: the widest training rows (see PaddedRows).
+    Raises ConfigError, naming the keys, for a layout the model or the strategy cannot take."""
     check_layout(plan, world, pcfg, type(model).__name__)
     # Named before the model is cut: a pipeline stage may hold a tied output layer without its table.
     embeddings = embedding_names(model)
@@ -57,7 +58,7 @@ def parallelize(
         split.install(model)
     if world.tp > 1 and plan.sequence_parallel:
         # Whole shares of positions for tensor parallelism, of context parallelism's chunks too.
-        PaddedRows(model, world.tp * (2 * world.cp if world.cp > 1 else 1)).install(model)
+        PaddedRows(model, world.tp * (2 * world.cp if world.cp > 1 else 1), seq_len).install(model)
     if pcfg.strategy == "ddp" and world.dp > 1:
         if initial is not None:
             materialize(model, initial, world.device)

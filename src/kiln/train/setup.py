@@ -91,7 +91,7 @@ def start_model(
     with times.timed(f"shard + {job.initial.part}" if job.initial else "shard"):
         model = model if job.initial else model.to(world.device)
         bf16 = precision.dtype == torch.bfloat16
-        return parallelize(model, job.plan, world, pcfg, bf16=bf16, initial=job.initial)
+        return parallelize(model, job.plan, world, pcfg, bf16=bf16, initial=job.initial, seq_len=job.cfg.data.seq_len)
 
 
 def step_batches(job: Job, schedule: BatchSchedule, world: World) -> StepBatches:
