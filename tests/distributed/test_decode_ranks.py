@@ -2,7 +2,9 @@
 parallelism splits each forward's positions evenly over the ranks, so the decoder pads each row's
 in front (a decode step feeds two positions a row, one of them real). Pipeline stages: each step
 runs the stages in turn, each rank's layers storing their keys and values in its own cache, and
-the last stage's logits are broadcast. The rows' tokens are those one process decodes."""
+the last stage's logits are broadcast. Context-parallel ranks decode whole rows each (beside
+tensor-parallel ranks, in passes padded to whole shares of each of the 2 x cp chunks that
+training splits rows into). The rows' tokens are those one process decodes."""
 
 import copy
 
@@ -36,8 +38,10 @@ def _rows() -> list[Row]:
     ]
 
 
-def _decode_on_two_ranks(rank: int, init: str) -> None:
-    dist.init_process_group("gloo", init_method=f"file://{init}", rank=rank, world_size=2)
+def _decode_on_tensor_parallel_ranks(rank: int, init: str, cp: int) -> None:
+    """Two tensor-parallel ranks, or two pairs of them splitting sequences over two
+    context-parallel ranks (each pair decodes whole rows, in passes padded to whole shares)."""
+    dist.init_process_group("gloo", init_method=f"file://{init}", rank=rank, world_size=2 * cp)
     try:
         torch.manual_seed(0)
         shape = dict(vocab_size=64, n_layer=2, d_model=32, n_head=4, n_kv_head=2, d_ff=64, max_seq_len=32)
@@ -47,28 +51,32 @@ def _decode_on_two_ranks(rank: int, init: str) -> None:
         alone = _rows()
         Decoder(family.decoding(whole), max_batch=3, max_batch_tokens=8).run(alone)
 
-        pcfg = ParallelConfig(tp=2)
-        world = World(rank=rank, size=2, tp=2, mesh=build_mesh("cpu", mesh_dims(2, pcfg)))
-        split = parallelize(copy.deepcopy(whole), family.parallel_plan(config), world, pcfg).module
+        pcfg = ParallelConfig(tp=2, cp=cp, strategy="fsdp" if cp > 1 else "ddp")
+        world = World(rank=rank, size=2 * cp, tp=2, cp=cp, mesh=build_mesh("cpu", mesh_dims(2 * cp, pcfg)))
+        split = parallelize(copy.deepcopy(whole), family.parallel_plan(config), world, pcfg).eval_forward
         fed: list[int] = []
         split.register_forward_pre_hook(lambda module, args: fed.append(args[0].size(1)))
         rows = _rows()
         Decoder(family.decoding(split), max_batch=3, max_batch_tokens=8).run(rows)
         assert [r.tokens for r in rows] == [r.tokens for r in alone]
-        assert all(t % 2 == 0 for t in fed) and 2 in fed  # decode steps: one real position a row
+        multiple = 2 * 2 * cp if cp > 1 else 2  # whole shares of each of context parallelism's 2 x cp chunks
+        assert all(t % multiple == 0 for t in fed) and multiple in fed  # decode steps: one real position a row
     finally:
         dist.destroy_process_group()
 
 
 @pytest.mark.slow
-def test_two_tensor_parallel_ranks_decode_what_one_process_decodes(tmp_path):
-    spawn(_decode_on_two_ranks, (str(tmp_path / "init"),), 2)
+@pytest.mark.parametrize("cp", [1, 2], ids=["tp", "tp-pairs-over-cp"])
+def test_tensor_parallel_ranks_decode_what_one_process_decodes(tmp_path, cp):
+    spawn(_decode_on_tensor_parallel_ranks, (str(tmp_path / "init"), cp), 2 * cp)
 
 
-def _decode_in_pipeline_stages(rank: int, init: str, stages: int, tp: int) -> None:
+def _decode_in_pipeline_stages(rank: int, init: str, stages: int, tp: int, cp: int) -> None:
     """kiln's GPT (4 layers) in ``stages`` stages on two pipeline ranks, each of ``tp``
-    tensor-parallel ranks (whose forward passes the decoder pads to whole shares of positions)."""
-    dist.init_process_group("gloo", init_method=f"file://{init}", rank=rank, world_size=2 * tp)
+    tensor-parallel ranks (whose forward passes the decoder pads to whole shares of positions),
+    or of ``cp`` context-parallel ranks (each decoding whole rows)."""
+    size = 2 * tp * cp
+    dist.init_process_group("gloo", init_method=f"file://{init}", rank=rank, world_size=size)
     try:
         torch.manual_seed(0)
         shape = dict(vocab_size=64, n_layer=4, d_model=32, n_head=4, n_kv_head=2, d_ff=64, max_seq_len=32)
@@ -79,10 +87,9 @@ def _decode_in_pipeline_stages(rank: int, init: str, stages: int, tp: int) -> No
         Decoder(family.decoding(whole), max_batch=3, max_batch_tokens=8).run(alone)
 
         schedule = "interleaved_1f1b" if stages > 2 else "1f1b"
-        pcfg = ParallelConfig(pp=2, tp=tp, pp_virtual_stages=stages // 2, pp_schedule=schedule)
-        world = World(rank=rank, size=2 * tp, pp=2, tp=tp, mesh=build_mesh("cpu", mesh_dims(2 * tp, pcfg)))
+        pcfg = ParallelConfig(pp=2, tp=tp, cp=cp, pp_virtual_stages=stages // 2, pp_schedule=schedule)
+        world = World(rank=rank, size=size, pp=2, tp=tp, cp=cp, mesh=build_mesh("cpu", mesh_dims(size, pcfg)))
         pipeline = parallelize(copy.deepcopy(whole), family.parallel_plan(config), world, pcfg)
-        assert pipeline.generates
         fed: list[int] = []
         pipeline.eval_forward.register_forward_pre_hook(lambda module, args: fed.append(args[0].size(1)))
         rows = _rows()
@@ -99,10 +106,12 @@ def _decode_in_pipeline_stages(rank: int, init: str, stages: int, tp: int) -> No
 
 @pytest.mark.slow
 @pytest.mark.parametrize(
-    "stages, tp", [(2, 1), (4, 1), (2, 2)], ids=["a-stage-a-rank", "two-stages-a-rank", "stages-of-tp-pairs"]
+    "stages, tp, cp",
+    [(2, 1, 1), (4, 1, 1), (2, 2, 1), (2, 1, 2)],
+    ids=["a-stage-a-rank", "two-stages-a-rank", "stages-of-tp-pairs", "stages-of-cp-pairs"],
 )
-def test_pipeline_stages_decode_what_one_process_decodes(tmp_path, stages, tp):
-    spawn(_decode_in_pipeline_stages, (str(tmp_path / "init"), stages, tp), 2 * tp)
+def test_pipeline_stages_decode_what_one_process_decodes(tmp_path, stages, tp, cp):
+    spawn(_decode_in_pipeline_stages, (str(tmp_path / "init"), stages, tp, cp), 2 * tp * cp)
 
 
 def _transformers_on_ranks(rank: int, init: str, path: str, pp: int, tp: int, cp: int) -> None:
@@ -122,7 +131,7 @@ def _transformers_on_ranks(rank: int, init: str, path: str, pp: int, tp: int, cp
         alone = [Row(p, 7, Sampling(temperature=0.0)) for p in prompts]
         Decoder(family.decoding(whole), max_batch=2, max_batch_tokens=8).run(alone)
 
-        pcfg = ParallelConfig(pp=pp, tp=tp, cp=cp)
+        pcfg = ParallelConfig(pp=pp, tp=tp, cp=cp, strategy="fsdp" if tp > 1 and cp > 1 else "ddp")
         world = World(rank=rank, size=size, pp=pp, tp=tp, cp=cp, mesh=build_mesh("cpu", mesh_dims(size, pcfg)))
         model = parallelize(copy.deepcopy(whole), family.parallel_plan(args), world, pcfg)
         rows = [Row(p, 7, Sampling(temperature=0.0)) for p in prompts]
@@ -136,7 +145,9 @@ def _transformers_on_ranks(rank: int, init: str, path: str, pp: int, tp: int, cp
 
 @pytest.mark.slow
 @pytest.mark.parametrize(
-    "pp, tp, cp", [(2, 1, 1), (2, 2, 1), (1, 1, 2)], ids=["stages", "stages-of-tp-pairs", "context-parallel"]
+    "pp, tp, cp",
+    [(2, 1, 1), (2, 2, 1), (1, 1, 2), (1, 2, 2), (2, 1, 2)],
+    ids=["stages", "stages-of-tp-pairs", "context-parallel", "tp-pairs-over-cp", "stages-of-cp-pairs"],
 )
 def test_transformers_on_ranks_decode_what_one_process_decodes(tmp_path, hf_llama, pp, tp, cp):
     spawn(_transformers_on_ranks, (str(tmp_path / "init"), str(hf_llama), pp, tp, cp), pp * tp * cp)

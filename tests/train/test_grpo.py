@@ -441,8 +441,9 @@ def test_a_reward_model_loads_as_every_model_does_safetensors_only_and_no_code(t
         # through the stages), a mean over tokens (the schedule's pieces weighed by tokens).
         ({"parallel__pp": 2}, {"lora__rank": 4, "lora__dropout": 0, "grpo__kl_coef": 0.05, "grpo__loss": "dapo"}),
         ({"parallel__cp": 2}, {}),
+        ({"parallel__strategy": "fsdp", "parallel__tp": 2, "parallel__cp": 2}, {}),
     ],
-    ids=["ddp", "fsdp", "tp", "pp", "cp"],
+    ids=["ddp", "fsdp", "tp", "pp", "cp", "tp-cp"],
 )
 def test_grpo_on_two_ranks_samples_and_trains_as_one_process(tmp_path, prompts, warm_llama, layout, objective):
     """Each rank samples its prompts' completions with the seeds one process gives them (the
@@ -451,16 +452,18 @@ def test_grpo_on_two_ranks_samples_and_trains_as_one_process(tmp_path, prompts, 
     forward passes padded to whole shares of positions, two pipeline stages decoding them
     together (the stages in turn at each step) and training on them padded to data.seq_len (the
     stages' one shape) with the loss on the last stage, two context-parallel ranks decoding the
-    same rows whole and splitting them for the loss; losses, rewards and lengths are one
-    process's, averaged. With grpo.iterations=2, resumed from the checkpoint inside a cycle (every
-    rank's kept rollout restored to it), the ranks still end as the one process."""
+    same rows whole and splitting them for the loss (with tensor-parallel pairs: 4 ranks); losses,
+    rewards and lengths are one process's, averaged. With grpo.iterations=2, resumed from the
+    checkpoint inside a cycle (every rank's kept rollout restored to it), the ranks still end as
+    the one process."""
     common = dict(train__micro_batch_size=1, train__global_batch_size=2, train__max_steps=3, grpo__iterations=2)
     common |= objective
     one = tmp_path / "one"
     train(load_config(None, grpo_sets(one, prompts, warm_llama, **common)), console=False)
     run = tmp_path / "ranks"
     items = sets(grpo_sets(run, prompts, warm_llama, **common, **layout, checkpoint__every=1))
-    launch(2, "train", *items)
+    ranks = 4 if {"parallel__tp", "parallel__cp"} <= layout.keys() else 2
+    launch(ranks, "train", *items)
     # A sampling step's loss is 0 but for rounding (each group's advantages sum to 0; the ratio is
     # 1): there it is compared to 1e-7; step 2's, after the first update, is not 0.
     assert losses(run) == pytest.approx(losses(one), rel=1e-5, abs=1e-7) and abs(losses(one)[2]) > 1e-4
@@ -474,6 +477,6 @@ def test_grpo_on_two_ranks_samples_and_trains_as_one_process(tmp_path, prompts, 
 
     for later in ("step-00000002", "step-00000003"):
         shutil.rmtree(run / "checkpoints" / later)
-    launch(2, "train", *items)  # from step 1: step 2 trains on the restored rollout
+    launch(ranks, "train", *items)  # from step 1: step 2 trains on the restored rollout
     assert (run / "checkpoints" / "step-00000003").is_dir()
     assert losses(run) == pytest.approx(losses(one), rel=1e-5, abs=1e-7)

@@ -600,9 +600,7 @@ class EvalConfig:
     """Prompt for the generated sample."""
     tasks: tuple[str, ...] = ()
     """lm-evaluation-harness tasks scored during training (needs kiln[eval]), logged as
-    tasks/<task>/<metric>; e.g. ["hellaswag", "my_task"]. Their data must be on this machine. With
-    parallel.cp > 1 beside parallel.tp or parallel.pp > 1, tasks that generate text
-    (generate_until) are refused."""
+    tasks/<task>/<metric>; e.g. ["hellaswag", "my_task"]. Their data must be on this machine."""
     tasks_every: int = 0
     """Score eval.tasks every N steps (and at the end); 0 only at the end."""
     tasks_limit: int = 0

@@ -83,9 +83,7 @@ class ParallelModel:
     ``module``: the plain module holding this rank's parameters (sharded or split in place where
     the layout does that): the optimizer, checkpoints and activation checkpointing see it.
     ``whole``: the model as one module whose forward this rank runs (with the other ranks of its
-    collectives), or None where it holds only some layers. ``generates``: this rank decodes text
-    (with the ranks of its collectives, or its pipeline's stages in turn): under every layout but
-    context parallelism beside tensor parallelism or pipeline stages. ``sharded``: checkpoints are written by
+    collectives), or None where it holds only some layers. ``sharded``: checkpoints are written by
     every rank (DCP), each its own part. ``embeddings``: the names of the embedding tables among
     the whole model's parameters (a tied output layer under both names), which take no weight decay.
     """
@@ -106,7 +104,6 @@ class ParallelModel:
         self.wrapped = wrapped if wrapped is not None else module
         self.sharded = sharded
         self.whole: nn.Module | None = module
-        self.generates = world.tp == 1 or world.cp == 1
 
     @property
     def eval_forward(self) -> nn.Module:

@@ -173,9 +173,7 @@ class PipelineModel(ParallelModel):
         part = _cut(model, plan, [i for s in mine for i in layers[s]], 0 in mine, n_stages - 1 in mine)
         # Each rank writes the layers it holds: checkpoints are always sharded.
         super().__init__(part, plan, world, embeddings=embeddings, sharded=True)
-        # Decoding runs the stages in turn at each step (``_evaluate``); beside context
-        # parallelism a stage's positions would have to be split: not done.
-        self.whole, self.generates = None, world.cp == 1
+        self.whole = None  # decoding runs the stages in turn at each step (``_evaluate``)
         self.pp, self.n_stages = pp, n_stages
         self.group = world.group("pp")
         # This rank's stages: the part itself, or modules sharing its layers when it holds several.

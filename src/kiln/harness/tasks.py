@@ -77,9 +77,8 @@ def _indexed(where: str | None, defaults: bool, files: tuple[tuple[str, int, int
     return TaskManager(include_path=where, include_defaults=defaults)
 
 
-def check_tasks(names: list[str], manager, *, generates: bool = True) -> None:
-    """TaskError naming the first task that is not known or whose data cannot be read here, or
-    (``generates`` off: the layout's ranks cannot decode together) that generates text."""
+def check_tasks(names: list[str], manager) -> None:
+    """TaskError naming the first task that is not known or whose data cannot be read here."""
     known = set(manager.all_tasks)
     for name in names:
         if name not in known:
@@ -89,27 +88,10 @@ def check_tasks(names: list[str], manager, *, generates: bool = True) -> None:
                 f"(lm-eval knows {len(known):,} tasks; `lm-eval ls tasks` lists them)"
             )
         try:
-            loaded = manager.load([name])
+            manager.load([name])
         except Exception as e:  # datasets and lm-eval raise many kinds for data they cannot read
             first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
             raise TaskError(f"task {name!r}: its data cannot be read on this machine ({first})") from None
-        if not generates and "generate_until" in _output_types(loaded):
-            raise TaskError(
-                f"eval.tasks: {name} generates text (generate_until), which context-parallel ranks beside "
-                "tensor-parallel ones or pipeline stages (parallel.cp > 1 with parallel.tp or parallel.pp "
-                "> 1) do not; score it with kiln eval RUN --tasks"
-            )
-
-
-def _output_types(loaded: Any) -> set[str]:
-    """The kinds of request (``output_type``) of the tasks in what lm-eval's ``TaskManager.load``
-    returns (tasks, nested under their groups)."""
-    if isinstance(loaded, dict):
-        return set().union(*map(_output_types, loaded.values()))
-    if isinstance(loaded, (list, tuple)):
-        return set().union(*map(_output_types, loaded))
-    kind = getattr(loaded, "OUTPUT_TYPE", None)
-    return {kind} if isinstance(kind, str) else set()
 
 
 def run_tasks(

@@ -116,7 +116,7 @@ class Evaluation:
         """The job's metrics at ``step`` (None: it has none), logged with its sample."""
         module, was_training = self.model.module, self.model.module.training
         module.eval()
-        ctx = EvalContext(step, self.world.device, micro_batch_size, self.precision, self.model.generates)
+        ctx = EvalContext(step, self.world.device, micro_batch_size, self.precision)
         try:
             with torch.no_grad(), self.precision.autocast():
                 metrics = self.job.evaluate(self.model.eval_forward, ctx)

@@ -44,9 +44,7 @@ class TaskScores:
             from kiln.harness import check_tasks, task_manager
 
             self.manager = task_manager(e.tasks_include or None, self.names)
-            # Whether the layout decodes is the layout's to say (context parallelism beside
-            # tensor parallelism or pipeline stages does not).
-            check_tasks(self.names, self.manager, generates=model.generates)
+            check_tasks(self.names, self.manager)
 
     def due(self, step: int, final: bool) -> bool:
         return bool(self.names) and (final or (self.every > 0 and step % self.every == 0))

@@ -33,15 +33,13 @@ from kiln.train.precision import Precision
 @dataclass(frozen=True)
 class EvalContext:
     """What an evaluation is handed: the step it follows, the device, the micro-batch size in use
-    (the out-of-memory ladder may have lowered the config's), the run's precision (evaluation
-    already runs under its autocast, in eval mode, without gradients) and whether the model
-    given can generate (it holds every layer and attention head on this rank)."""
+    (the out-of-memory ladder may have lowered the config's) and the run's precision (evaluation
+    already runs under its autocast, in eval mode, without gradients)."""
 
     step: int
     device: torch.device
     micro_batch_size: int
     precision: Precision
-    generates: bool = True
 
 
 class ValidationRows(NamedTuple):

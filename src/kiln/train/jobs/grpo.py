@@ -62,8 +62,6 @@ class GRPOJob(FineTuneJob):
         return self.objective.metrics(world)
 
     def evaluate(self, model: nn.Module, ctx: EvalContext) -> dict[str, Any]:
-        if not ctx.generates:  # this rank holds part of the model only
-            return {}
         return self.objective.evaluate(model, self.prompts.val.batches(self.prompts.collate, ctx.micro_batch_size))
 
     def describe(self, model: nn.Module) -> list[str]:

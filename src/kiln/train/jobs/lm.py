@@ -100,7 +100,7 @@ class LMJob(FamilyJob):
 
     def sample(self, model: nn.Module, ctx: EvalContext) -> str | None:
         e = self.cfg.eval
-        if not e.sample_tokens or not ctx.generates:
+        if not e.sample_tokens:
             return None
         tokenizer = self.tokenizer
         return sample_text(

@@ -53,6 +53,6 @@ class ModuleJob(Job):
         return None if self.eval_fn is None else self.eval_fn(model)
 
     def sample(self, model: nn.Module, ctx: EvalContext) -> str | None:
-        if self.sample_fn is None or not ctx.generates:
+        if self.sample_fn is None:
             return None
         return self.sample_fn(model, ctx.step)
