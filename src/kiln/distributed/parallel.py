@@ -179,9 +179,13 @@ class PaddedRows:
         "labels": IGNORE_INDEX,
     }
     POSITIONS = ("positions", "position_ids")
+    DECODING = ("kv_cache", "decoding")  # the decoder's cache, given to the model's forward
 
-    def __init__(self, module: nn.Module, multiple: int, seq_len: int | None = None):
+    def __init__(self, module: nn.Module, multiple: int, seq_len: int | None = None, decoding: int | None = None):
         self.signature, self.multiple = inspect.signature(module.forward), multiple
+        # The decoder's passes are not split by context parallelism: sequence parallelism alone
+        # splits them, into ``decoding`` shares (the tensor-parallel ranks).
+        self.decoding = decoding or multiple
         self.bucket = math.lcm(ROW_BUCKET, multiple)
         self.widest = -(-(seq_len or 0) // multiple) * multiple  # the buckets' end
         self.pads: list[int] = []  # of the forwards under way, innermost last
@@ -191,14 +195,15 @@ class PaddedRows:
         module.register_forward_pre_hook(self.before, with_kwargs=True, prepend=True)
         module.register_forward_hook(self.after)
         # The decoder pads its forward passes itself, keeping the padding out of its cache's rows.
-        setattr(module, POSITIONS_MULTIPLE, self.multiple)
+        setattr(module, POSITIONS_MULTIPLE, self.decoding)
 
     def before(self, module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
         bound = self.signature.bind(*args, **kwargs)
         tokens = next(iter(bound.arguments.values()))
+        decoder = any(bound.arguments.get(name) is not None for name in self.DECODING)
         pad = (
             self.width(tokens.size(1), module.training) - tokens.size(1)
-            if tokens.dtype in (torch.int32, torch.int64)
+            if tokens.dtype in (torch.int32, torch.int64) and not decoder
             else 0
         )
         self.pads.append(pad)

@@ -58,7 +58,7 @@ def parallelize(
         split.install(model)
     if world.tp > 1 and plan.sequence_parallel:
         # Whole shares of positions for tensor parallelism, of context parallelism's chunks too.
-        PaddedRows(model, world.tp * (2 * world.cp if world.cp > 1 else 1), seq_len).install(model)
+        PaddedRows(model, world.tp * (2 * world.cp if world.cp > 1 else 1), seq_len, decoding=world.tp).install(model)
     if pcfg.strategy == "ddp" and world.dp > 1:
         if initial is not None:
             materialize(model, initial, world.device)
