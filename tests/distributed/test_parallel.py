@@ -309,7 +309,7 @@ def test_initial_weights_are_bitwise_the_same_under_every_layout(tmp_path, corpu
 def test_sequence_parallel_training_rows_are_padded_to_few_widths_within_seq_len():
     """Under sequence parallelism a training batch's rows are padded to buckets of 64 positions
     (DTensor works out each operation's layout once per shape), never past data.seq_len's whole
-    shares; in evaluation mode (the decoder's passes among them) to whole shares only."""
+    shares; in evaluation mode to whole shares only."""
     from torch import nn
 
     from kiln.distributed.parallel import PaddedRows

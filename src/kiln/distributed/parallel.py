@@ -220,8 +220,9 @@ class PaddedRows:
         return bound.args, bound.kwargs
 
     def width(self, positions: int, training: bool) -> int:
-        """The padded width of rows of ``positions``: in buckets while training; in evaluation
-        mode (the decoder's passes among them, already padded to whole shares) whole shares."""
+        """The padded width of rows of ``positions``: in buckets while training (whose shapes
+        recur every step); in evaluation mode whole shares. (The decoder's passes come padded
+        already and are left as they are: see ``before``.)"""
         shares = -(-positions // self.multiple) * self.multiple
         if not training:
             return shares
