@@ -66,12 +66,28 @@ def quantize_int8(model: nn.Module) -> nn.Module:
         if isinstance(lin, nn.Linear) and lin.weight is emb.weight
     ]
     quantize_(model, Int8DynamicActivationInt8WeightConfig())
-    for emb, lin in tied:
-        emb.weight = lin.weight  # the int8 matrix, one row per token, serves the lookup too
-    shared = {id(emb) for emb, _ in tied}
     quantize_(
         model,
         IntxWeightOnlyConfig(weight_dtype=torch.int8, granularity=PerAxis(0)),
-        filter_fn=lambda module, _: isinstance(module, nn.Embedding) and id(module) not in shared,
+        filter_fn=lambda module, _: isinstance(module, nn.Embedding) and all(module is not e for e, _ in tied),
     )
+    parents = {id(child): (parent, name) for parent in model.modules() for name, child in parent.named_children()}
+    for emb, lin in tied:
+        parent, name = parents[id(emb)]
+        setattr(parent, name, _TiedLookup(emb, lin))
     return model
+
+
+class _TiedLookup(nn.Module):
+    """A tied embedding after quantizing: it looks tokens up in the output layer's int8 matrix
+    (one row per token) and holds no parameter. ``torch.export.save`` stores each name of a
+    quantized tensor apart (it shares storage between names only for plain tensors), so an
+    embedding that held the matrix too would write it twice."""
+
+    def __init__(self, emb: nn.Embedding, output: nn.Linear):
+        super().__init__()
+        self.padding_idx = emb.padding_idx
+        self._output = [output]  # in a list: not a submodule, so its weight keeps one name
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return nn.functional.embedding(ids, self._output[0].weight, self.padding_idx)
