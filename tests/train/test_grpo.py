@@ -429,6 +429,26 @@ def test_a_reward_model_loads_as_every_model_does_safetensors_only_and_no_code(t
     assert not (tmp_path / "ran").exists()
 
 
+LAYOUT_RUN = dict(train__micro_batch_size=1, train__global_batch_size=2, train__max_steps=3, grpo__iterations=2)
+
+
+@pytest.fixture(scope="module")
+def grpo_one(tmp_path_factory, prompts, warm_llama):
+    """``grpo_one(**objective)``: one process's run of the layouts' settings with ``objective``,
+    which the layouts' runs are compared with (trained once for each objective)."""
+    runs: dict[str, Path] = {}
+
+    def one(**objective: object) -> Path:
+        key = repr(sorted(objective.items()))
+        if key not in runs:
+            run = tmp_path_factory.mktemp("grpo-one") / "run"
+            train(load_config(None, grpo_sets(run, prompts, warm_llama, **LAYOUT_RUN, **objective)), console=False)
+            runs[key] = run
+        return runs[key]
+
+    return one
+
+
 @pytest.mark.slow
 @pytest.mark.dist
 @pytest.mark.parametrize(
@@ -445,7 +465,9 @@ def test_a_reward_model_loads_as_every_model_does_safetensors_only_and_no_code(t
     ],
     ids=["ddp", "fsdp", "tp", "pp", "cp", "tp-cp"],
 )
-def test_grpo_on_two_ranks_samples_and_trains_as_one_process(tmp_path, prompts, warm_llama, layout, objective):
+def test_grpo_on_two_ranks_samples_and_trains_as_one_process(
+    tmp_path, prompts, warm_llama, grpo_one, layout, objective
+):
     """Each rank samples its prompts' completions with the seeds one process gives them (the
     rows' places in the global batch), FSDP's ranks running their forward passes in step (each
     gathers the layers from both), tensor-parallel ranks decoding the same rows together in
@@ -456,10 +478,8 @@ def test_grpo_on_two_ranks_samples_and_trains_as_one_process(tmp_path, prompts, 
     rewards and lengths are one process's, averaged. With grpo.iterations=2, resumed from the
     checkpoint inside a cycle (every rank's kept rollout restored to it), the ranks still end as
     the one process."""
-    common = dict(train__micro_batch_size=1, train__global_batch_size=2, train__max_steps=3, grpo__iterations=2)
-    common |= objective
-    one = tmp_path / "one"
-    train(load_config(None, grpo_sets(one, prompts, warm_llama, **common)), console=False)
+    common = LAYOUT_RUN | objective
+    one = grpo_one(**objective)
     run = tmp_path / "ranks"
     items = sets(grpo_sets(run, prompts, warm_llama, **common, **layout, checkpoint__every=1))
     ranks = 4 if {"parallel__tp", "parallel__cp"} <= layout.keys() else 2

@@ -452,6 +452,14 @@ def test_a_lora_dpo_run_exports_to_transformers_and_peft(tmp_path, pairs, hf_lla
         assert (transformers.AutoModelForCausalLM.from_pretrained(hf_llama)(ids).logits - want).abs().max() > 1e-4
 
 
+@pytest.fixture(scope="module")
+def dpo_one(tmp_path_factory, pairs, hf_llama) -> Path:
+    """One process's DPO run, which every layout's is compared with (trained once)."""
+    single = tmp_path_factory.mktemp("dpo-one") / "run"
+    train(load_config(None, pref_sets(single, pairs, hf_llama, train__micro_batch_size=1)), console=False)
+    return single
+
+
 @pytest.mark.slow
 @pytest.mark.dist
 @pytest.mark.parametrize(
@@ -466,18 +474,17 @@ def test_a_lora_dpo_run_exports_to_transformers_and_peft(tmp_path, pairs, hf_lla
     ],
     ids=["ddp", "fsdp", "cp", "pp", "hsdp", "tp"],
 )
-def test_dpo_on_two_ranks_equals_one_process(tmp_path, pairs, hf_llama, layout):
+def test_dpo_on_two_ranks_equals_one_process(tmp_path, pairs, hf_llama, dpo_one, layout):
     """Replicas, shards, each pair's sequences split over two ranks (their per-token
     log-probabilities gathered whole on each), or the layers in two pipeline stages (a pair's
     two rows in one piece, the last stage scoring them); or HSDP's two replicas of two shards
     (4 ranks); or two tensor-parallel ranks (each row's log-probabilities from the ranks' rows of
     the vocabulary, its positions padded to whole shares). Every rank computes the reference
     over all pairs in one order, in the run's own layout."""
-    single, run = tmp_path / "single", tmp_path / "run"
-    train(load_config(None, pref_sets(single, pairs, hf_llama, train__micro_batch_size=1)), console=False)
+    run = tmp_path / "run"
     items = pref_sets(run, pairs, hf_llama, **{"train__micro_batch_size": 1, **layout})
     launch(4 if "parallel__dp_replicate" in layout else 2, "train", *sets(items))
-    got, want = losses(run), losses(single)
+    got, want = losses(run), losses(dpo_one)
     assert got.keys() == want.keys()
     for step in want:
         assert got[step] == pytest.approx(want[step], rel=1e-5), step
