@@ -145,8 +145,11 @@ def test_the_quantized_forward_is_the_float_forward_up_to_nf4_rounding(models):
 
 def _train(run: Path, sft: Path, model_dir: Path, nproc: int = 1, **extra) -> dict[int, float]:
     """The run of ``sets`` in one process, or launched on ``nproc`` gloo ranks; its losses."""
-    launch = ["launch", "--nproc-per-node", str(nproc), "--"] if nproc > 1 else []
-    assert main([*launch, "train", *as_args(sets(run, sft, model_dir, **extra))]) == 0
+    args = ["train", *as_args(sets(run, sft, model_dir, **extra))]
+    if nproc > 1:
+        launch(nproc, *args)
+    else:
+        assert main(args) == 0
     return losses(run)
 
 
