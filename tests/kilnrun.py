@@ -67,7 +67,8 @@ def in_process(*args: Any, check: bool = True) -> subprocess.CompletedProcess:
 # launch's environment, working directory, output and exit status. The `kiln launch` command
 # itself, with fresh interpreters, is what the tests that start it with `start` run.
 # Hugging Face runs import transformers, its Llama model and peft in every rank (about 3 s of
-# CPU a rank); the server imports them once too (skipped where the extras are not installed).
+# CPU a rank), runs that score tasks lm-eval (0.6 s); the server imports them once too (skipped
+# where the extras are not installed).
 _PRELOAD = [
     "kilnrun",
     "torch._dynamo",
@@ -75,6 +76,9 @@ _PRELOAD = [
     "kiln.train.trainer",
     "transformers.models.llama.modeling_llama",
     "peft",
+    "kiln.harness.model",  # lm-eval's, for the runs that score tasks
+    "lm_eval.evaluator",
+    "lm_eval.tasks",
 ]
 _SERVER_ENV = dict(os.environ)  # in the fork server: the environment a forked rank starts with
 _THREADS = torch.get_num_threads()  # a fresh interpreter's intra-op threads, without OMP_NUM_THREADS
