@@ -66,7 +66,7 @@ def test_sigkill_then_resume_is_bitwise_identical(tmp_path, corpus_dir):
     processes: the meter's interval is part of the checkpoint."""
     common = dict(train__max_steps=16, checkpoint__every=3, data__num_workers=2, train__log_every=4)
     full = tmp_path / "full"
-    kiln("train", *sets(tiny_overrides(full, corpus_dir, **common)))
+    in_process("train", *sets(tiny_overrides(full, corpus_dir, **common)))
 
     killed = tmp_path / "killed"
     proc = start("train", *sets(tiny_overrides(killed, corpus_dir, **common)))
@@ -79,7 +79,7 @@ def test_sigkill_then_resume_is_bitwise_identical(tmp_path, corpus_dir):
     proc.send_signal(signal.SIGKILL)
     proc.wait()
     assert steps and steps[-1] < 16, "the run finished before it could be killed"
-    kiln("train", *sets(tiny_overrides(killed, corpus_dir, **common)))
+    in_process("train", *sets(tiny_overrides(killed, corpus_dir, **common)))
 
     assert losses(killed) == losses(full)
     assert list(losses(full)) == [4, 8, 12, 16]
@@ -119,7 +119,7 @@ def _scalars(run_dir, tag):
 
 def test_train_generate_eval(tmp_path, corpus_dir):
     run = tmp_path / "run"
-    proc = kiln("train", *sets(tiny_overrides(run, corpus_dir, train__max_steps=40, eval__every=20)))
+    proc = in_process("train", *sets(tiny_overrides(run, corpus_dir, train__max_steps=40, eval__every=20)))
     assert "parameters" in proc.stdout and "sample" in proc.stdout
     metrics = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     evals = [m for m in metrics if "val_loss" in m]

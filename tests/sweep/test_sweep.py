@@ -126,7 +126,7 @@ def test_best_toml_trains_again_to_the_same_val_loss(lr_study, tmp_path):
     config = tomllib.loads((study / "best.toml").read_text())
     assert config["train"]["lr"] == float(best["train.lr"])
     again = tmp_path / "again"
-    kiln("train", study / "best.toml", "--set", f"run.dir={again}")
+    in_process("train", study / "best.toml", "--set", f"run.dir={again}")
     assert _val_losses(again)[-1] == float(best["value"])  # to the last bit
     assert _val_losses(again) == _val_losses(Path(best["run_dir"]))
 
