@@ -126,6 +126,25 @@ def test_pt2_int8_is_smaller_and_keeps_perplexity(tmp_path_factory, corpus_dir):
         assert q[kind]["latency_s_per_token"]["int8"] > 0 and q[kind]["speedup"] > 0
 
 
+def test_int8_keeps_a_scaled_tied_embedding_reading_the_output_layers_matrix(tmp_path):
+    """Gemma 3's embedding scales what it looks up: tied, after quantizing it holds no matrix of
+    its own (the program stores the output layer's once) and still scales its rows."""
+    from transformers import AutoModelForCausalLM
+
+    from kiln.export.pt2 import quantize_int8
+
+    from hf_models import save_tiny
+
+    model = AutoModelForCausalLM.from_pretrained(save_tiny(tmp_path / "gemma", "gemma3_text", tokenizer=False)).eval()
+    assert model.lm_head.weight is model.get_input_embeddings().weight
+    quantized = quantize_int8(model)
+    assert not list(quantized.get_input_embeddings().parameters())
+    ids = torch.randint(0, model.config.vocab_size, (2, 12), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        want, got = model(ids).logits, quantized(ids).logits
+    assert (got - want).abs().max() <= 0.05 * want.abs().max()  # rows left unscaled: 13% off
+
+
 def test_bad_input_is_one_line_and_writes_nothing(gpt_run, tmp_path, capsys):
     out = tmp_path / "out"
     cases = [

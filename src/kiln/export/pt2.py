@@ -71,23 +71,20 @@ def quantize_int8(model: nn.Module) -> nn.Module:
         IntxWeightOnlyConfig(weight_dtype=torch.int8, granularity=PerAxis(0)),
         filter_fn=lambda module, _: isinstance(module, nn.Embedding) and all(module is not e for e, _ in tied),
     )
-    parents = {id(child): (parent, name) for parent in model.modules() for name, child in parent.named_children()}
     for emb, lin in tied:
-        parent, name = parents[id(emb)]
-        setattr(parent, name, _TiedLookup(emb, lin))
+        _look_up_in(emb, lin)
     return model
 
 
-class _TiedLookup(nn.Module):
-    """A tied embedding after quantizing: it looks tokens up in the output layer's int8 matrix
-    (one row per token) and holds no parameter. ``torch.export.save`` stores each name of a
-    quantized tensor apart (it shares storage between names only for plain tensors), so an
-    embedding that held the matrix too would write it twice."""
+def _look_up_in(emb: nn.Embedding, output: nn.Linear) -> None:
+    """Make the tied embedding ``emb`` look its tokens up in ``output``'s int8 matrix (one row per
+    token) without holding it: torch.export.save shares storage between names only for plain
+    tensors, so a quantized matrix held under two names would be written twice. The embedding
+    becomes a subclass of its own class whose ``weight`` reads the output layer's (which
+    torch.export traces through), so its forward, a scaled embedding's too, runs as before."""
 
-    def __init__(self, emb: nn.Embedding, output: nn.Linear):
-        super().__init__()
-        self.padding_idx = emb.padding_idx
-        self._output = [output]  # in a list: not a submodule, so its weight keeps one name
+    class TiedEmbedding(type(emb)):  # type: ignore[misc]
+        weight = property(lambda self: output.weight)
 
-    def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        return nn.functional.embedding(ids, self._output[0].weight, self.padding_idx)
+    delattr(emb, "weight")
+    emb.__class__ = TiedEmbedding
