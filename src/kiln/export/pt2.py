@@ -66,10 +66,11 @@ def quantize_int8(model: nn.Module) -> nn.Module:
         if isinstance(lin, nn.Linear) and lin.weight is emb.weight
     ]
     quantize_(model, Int8DynamicActivationInt8WeightConfig())
+    shared = {id(emb) for emb, _ in tied}
     quantize_(
         model,
         IntxWeightOnlyConfig(weight_dtype=torch.int8, granularity=PerAxis(0)),
-        filter_fn=lambda module, _: isinstance(module, nn.Embedding) and all(module is not e for e, _ in tied),
+        filter_fn=lambda module, _: isinstance(module, nn.Embedding) and id(module) not in shared,
     )
     for emb, lin in tied:
         _look_up_in(emb, lin)
