@@ -66,7 +66,7 @@ def test_sigkill_then_resume_is_bitwise_identical(tmp_path, corpus_dir):
     processes: the meter's interval is part of the checkpoint."""
     common = dict(train__max_steps=16, checkpoint__every=3, data__num_workers=2, train__log_every=4)
     full = tmp_path / "full"
-    in_process("train", *sets(tiny_overrides(full, corpus_dir, **common)))
+    kiln("train", *sets(tiny_overrides(full, corpus_dir, **common)))
 
     killed = tmp_path / "killed"
     proc = start("train", *sets(tiny_overrides(killed, corpus_dir, **common)))
@@ -79,7 +79,7 @@ def test_sigkill_then_resume_is_bitwise_identical(tmp_path, corpus_dir):
     proc.send_signal(signal.SIGKILL)
     proc.wait()
     assert steps and steps[-1] < 16, "the run finished before it could be killed"
-    in_process("train", *sets(tiny_overrides(killed, corpus_dir, **common)))
+    kiln("train", *sets(tiny_overrides(killed, corpus_dir, **common)))
 
     assert losses(killed) == losses(full)
     assert list(losses(full)) == [4, 8, 12, 16]
