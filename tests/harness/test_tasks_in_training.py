@@ -74,7 +74,7 @@ def test_task_scores_on_two_ranks_are_those_of_the_saved_model(tmp_path, corpus_
     tasks = write_tasks(tmp_path / "tasks")
     run = tmp_path / "run"
     asked = "kiln_mc,kiln_gen"
-    items = tiny_overrides(run, corpus_dir, data__seq_len=64, train__max_steps=6, **layout)
+    items = tiny_overrides(run, corpus_dir, data__seq_len=64, train__max_steps=6, eval__sample_tokens=0, **layout)
     items += [f"eval.tasks={asked}", f"eval.tasks_include={tasks}", "eval.tasks_limit=8"]
     four = "parallel__dp_replicate" in layout or {"parallel__tp", "parallel__cp"} <= layout.keys()
     train_on(4 if four else 2, sets(items))
