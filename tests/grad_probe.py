@@ -6,7 +6,6 @@ where rank 0 writes them."""
 from __future__ import annotations
 
 import os
-import socket
 from collections.abc import Callable
 from pathlib import Path
 
@@ -17,7 +16,7 @@ from kiln.data.batch import split_batch, to_device
 from kiln.train.jobs import job_for
 from kiln.train.trainer import Trainer
 
-from kilnrun import spawn
+from kilnrun import free_port, spawn
 
 
 def step_gradients(sets: list[str]) -> dict[str, torch.Tensor]:
@@ -49,10 +48,7 @@ def assert_same_gradients_three_ways(sets: Callable[..., list[str]], tmp_path: P
     one = step_gradients(sets(4))
     accumulated = step_gradients(sets(1))
     out = tmp_path / "ranks.pt"
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    spawn(_rank_gradients, (port, str(out), sets(1, run__dir=tmp_path / "ddp")), 2)
+    spawn(_rank_gradients, (free_port(), str(out), sets(1, run__dir=tmp_path / "ddp")), 2)
     ranks = torch.load(out)
     assert one.keys() == accumulated.keys() == ranks.keys()
     for name in one:

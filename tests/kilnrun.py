@@ -171,7 +171,13 @@ def launch(
             ):
                 prepare_agent(argv)
                 targs = parse_args(["--start-method", "forkserver", *argv])
-                if targs.standalone:  # as torchrun's run() resolves it
+                if targs.standalone and targs.max_restarts == 0:
+                    # torchrun's static rendezvous on a free port: the c10d one that --standalone
+                    # asks for first waits a random 0-0.3 s (to spread many nodes' joins), a fifth
+                    # of a tiny launch; a group restarted under it needs c10d's rounds.
+                    targs.rdzv_backend, targs.rdzv_endpoint = "static", f"127.0.0.1:{free_port()}"
+                    targs.rdzv_id = str(uuid.uuid4())
+                elif targs.standalone:  # as torchrun's run() resolves it
                     targs.rdzv_backend, targs.rdzv_endpoint, targs.rdzv_id = "c10d", "localhost:0", str(uuid.uuid4())
                 config, _, _ = config_from_args(targs)  # sets OMP_NUM_THREADS here, for the ranks
                 try:
@@ -205,6 +211,28 @@ def launch(
             f"kiln {' '.join(map(str, args))} exited {code}\n{fatal}\n{proc.stdout[-3000:]}\n{proc.stderr[-4000:]}"
         )
     return proc
+
+
+def free_port() -> int:
+    """A TCP port on the loopback interface that nothing holds now, below the kernel's range of
+    ephemeral ports (where it has one), so that no connection made meanwhile (gloo's, another
+    test's) is given it before the caller binds it."""
+    import random
+    import socket
+
+    try:
+        low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        low = 0
+    draw = random.SystemRandom()  # not the module's generator, which the runs in this process seed
+    for _ in range(100):
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", draw.randrange(10000, low) if low > 10000 else 0))
+            except OSError:
+                continue  # held
+            return s.getsockname()[1]
+    raise RuntimeError("no free TCP port found")
 
 
 def spawn(fn: Any, args: tuple = (), nprocs: int = 1) -> None:

@@ -5,13 +5,12 @@ tests/models/test_hf_loading.py."""
 
 import json
 import os
-import socket
 
 import pytest
 import torch
 
 from hf_models import DECODERS, ENCODERS, auto_class, save_tiny, task_of
-from kilnrun import spawn
+from kilnrun import free_port, spawn
 
 pytestmark = pytest.mark.dist
 
@@ -88,7 +87,4 @@ def test_fsdp_ranks_read_their_shards_of_every_architecture_as_from_pretrained_l
                 torch.save(reference(ids).logits, directory / "logits.pt")
             cases.append({"dir": str(directory), "task": task})
     (tmp_path / "cases.json").write_text(json.dumps(cases))
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    spawn(_rank, (2, str(tmp_path), port), 2)
+    spawn(_rank, (2, str(tmp_path), free_port()), 2)

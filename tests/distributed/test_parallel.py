@@ -10,7 +10,6 @@ import json
 import os
 import re
 import signal
-import socket
 
 import pytest
 import torch
@@ -18,7 +17,7 @@ import torch
 from kiln.train.run import load_run
 
 from conftest import tiny_overrides
-from kilnrun import in_process, kiln, launch, losses, records, start
+from kilnrun import free_port, in_process, kiln, launch, losses, records, start
 from layouts import (
     GLOBAL,
     STEPS,
@@ -173,16 +172,10 @@ def test_rank_errors_name_the_rank(tmp_path, corpus_dir):
     assert not (tmp_path / "run" / "checkpoints").exists()
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.mark.slow
 def test_two_nodes_meet_at_a_c10d_rendezvous(tmp_path, corpus_dir, single):
     run_dir = tmp_path / "nodes"
-    port = _free_port()
+    port = free_port()
     node = ["--nproc-per-node", "1", "--nnodes", "2", "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", "kiln-test"]
     args = ["launch", *node, "--", "train", *layout_sets(run_dir, corpus_dir, micro=2)]
     agents = [start(*args) for _ in range(2)]

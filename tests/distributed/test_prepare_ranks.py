@@ -5,13 +5,12 @@ waiting for a slow one never time out."""
 from __future__ import annotations
 
 import json
-import socket
 import sysconfig
 from pathlib import Path
 
 import pytest
 
-from kilnrun import in_process, launch, losses, sets, start
+from kilnrun import free_port, in_process, launch, losses, sets, start
 from layouts import layout_sets, train_on
 
 pytestmark = pytest.mark.dist
@@ -64,9 +63,7 @@ def two_nodes(tmp_path: Path, corpus: Path, *missing: str) -> list[tuple[int, st
     """``kiln launch -- prepare`` as two nodes of one rank each, each in a directory of its own
     (its own copy of the corpus, its own cache: no shared file system), run to the end; each
     node's exit status and stderr. The second node's corpus lacks the files named ``missing``."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     procs = []
     for node in (0, 1):
         home = tmp_path / f"node{node}"
