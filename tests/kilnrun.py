@@ -87,10 +87,16 @@ _THREADS = torch.get_num_threads()  # a fresh interpreter's intra-op threads, wi
 def _rank(env: dict[str, str], cwd: str, out: str, err: str, *argv: str) -> None:
     """One rank of ``launch``, in a process forked from the server: made what a fresh rank is,
     then ``kiln ARGV``."""
+    elastic = {k: v for k, v in os.environ.items() if _SERVER_ENV.get(k) != v}  # the agent's per-rank variables
+    _kiln_here({**env, **elastic}, cwd, out, err, argv)
+
+
+def _kiln_here(env: dict[str, str], cwd: str, out: str, err: str, argv: tuple[str, ...]) -> None:
+    """In a process forked from the server: made what ``kiln ARGV`` started with ``env`` in ``cwd``
+    is, printing to the files ``out`` and ``err``; then ``kiln ARGV``, exiting with its status."""
     import io
 
-    elastic = {k: v for k, v in os.environ.items() if _SERVER_ENV.get(k) != v}  # the agent's per-rank variables
-    _started_with({**env, **elastic})
+    _started_with(env)
     os.chdir(cwd)
     sys.path[:0] = [p for p in (str(TESTS), str(EXAMPLES)) if p not in sys.path]
     for fd, path in ((1, out), (2, err)):
@@ -105,6 +111,19 @@ def _rank(env: dict[str, str], cwd: str, out: str, err: str, *argv: str) -> None
     code = main(list(argv))
     if code:
         sys.exit(code)
+
+
+def forked(*args: Any) -> Any:
+    """``kiln ARGS...`` started in a process forked from the server of ``launch``'s ranks (a
+    ``multiprocessing.Process``), its output discarded: a run whose subject is what it leaves on
+    disk when killed, without a fresh interpreter's imports (seconds, for transformers and peft)."""
+    import multiprocessing
+
+    multiprocessing.set_forkserver_preload(_PRELOAD)
+    run = (environment(), os.getcwd(), os.devnull, os.devnull, tuple(map(str, args)))
+    proc = multiprocessing.get_context("forkserver").Process(target=_kiln_here, args=run)
+    proc.start()
+    return proc
 
 
 def launch(
@@ -346,15 +365,15 @@ def kill_and_resume(tmp_path: Path, items: list[str], kill_after: int) -> None:
     full = tmp_path / "full"
     in_process("train", *sets(items), "--set", f"run.dir={full}")
     killed = tmp_path / "killed"
-    proc = start("train", *sets(items), "--set", f"run.dir={killed}")
+    proc = forked("train", *sets(items), "--set", f"run.dir={killed}")
     deadline, seen = time.time() + 120, []
     while time.time() < deadline:
         seen = list(losses(killed)) if (killed / "metrics.jsonl").exists() else []
         if seen and seen[-1] >= kill_after:
             break
         time.sleep(0.02)
-    proc.send_signal(signal.SIGKILL)
-    proc.wait()
+    proc.kill()  # SIGKILL
+    proc.join()
     steps = int(next(s.split("=")[1] for s in items if s.startswith("train.max_steps=")))
     assert seen and seen[-1] < steps, "the run finished before it could be killed"
     in_process("train", *sets(items), "--set", f"run.dir={killed}")
