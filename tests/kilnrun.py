@@ -100,7 +100,7 @@ def _kiln_here(env: dict[str, str], cwd: str, out: str, err: str, argv: tuple[st
     os.chdir(cwd)
     sys.path[:0] = [p for p in (str(TESTS), str(EXAMPLES)) if p not in sys.path]
     for fd, path in ((1, out), (2, err)):
-        opened = os.open(path, os.O_WRONLY | os.O_APPEND)
+        opened = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT)
         os.dup2(opened, fd)
         os.close(opened)
     # Unbuffered, as torchrun runs a rank (python -u): what a rank prints before os._exit stays.
@@ -113,14 +113,15 @@ def _kiln_here(env: dict[str, str], cwd: str, out: str, err: str, argv: tuple[st
         sys.exit(code)
 
 
-def forked(*args: Any) -> Any:
+def forked(*args: Any, output: Path | None = None) -> Any:
     """``kiln ARGS...`` started in a process forked from the server of ``launch``'s ranks (a
-    ``multiprocessing.Process``), its output discarded: a run whose subject is what it leaves on
-    disk when killed, without a fresh interpreter's imports (seconds, for transformers and peft)."""
+    ``multiprocessing.Process``), what it prints appended to ``output`` (or discarded): for runs
+    killed with a signal, which a fresh interpreter would first spend seconds of imports on."""
     import multiprocessing
 
     multiprocessing.set_forkserver_preload(_PRELOAD)
-    run = (environment(), os.getcwd(), os.devnull, os.devnull, tuple(map(str, args)))
+    to = str(output) if output else os.devnull
+    run = (environment(), os.getcwd(), to, to, tuple(map(str, args)))
     proc = multiprocessing.get_context("forkserver").Process(target=_kiln_here, args=run)
     proc.start()
     return proc

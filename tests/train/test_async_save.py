@@ -2,7 +2,6 @@
 background thread writes it. What it writes must be the synchronous checkpoint exactly, a
 checkpoint counts only once fully written, and a kill meanwhile leaves the previous one."""
 
-import signal
 import time
 
 import pytest
@@ -14,7 +13,7 @@ from kiln.config import DebugConfig
 from kiln.train.faults import Faults
 
 from conftest import tiny_overrides, token_sequences, train_tiny_gpt
-from kilnrun import assert_equal, in_process, losses, sets, start
+from kilnrun import assert_equal, forked, in_process, losses, sets
 
 ASYNC = {"checkpoint.async_save": "true"}
 
@@ -94,17 +93,17 @@ def test_sigkill_during_a_background_write_resumes_from_the_previous_checkpoint(
 
     killed = tmp_path / "killed"
     args = sets(tiny_overrides(killed, corpus_dir, **common, checkpoint__async_save="true"))
-    proc = start("train", *args, *sets(["debug.slow_save_seconds=2"]))
+    proc = forked("train", *args, *sets(["debug.slow_save_seconds=2"]))
     checkpoints, in_flight, steps = killed / "checkpoints", killed / "checkpoints" / ".tmp-step-00000008", []
     deadline = time.time() + 120
-    while time.time() < deadline and proc.poll() is None:
+    while time.time() < deadline and proc.is_alive():
         steps = list(losses(killed)) if (killed / "metrics.jsonl").exists() else []
         newest = latest_checkpoint(checkpoints)
         if newest is not None and newest.name == "step-00000004" and in_flight.is_dir() and max(steps, default=0) > 8:
             break
         time.sleep(0.02)
-    proc.send_signal(signal.SIGKILL)
-    proc.wait()
+    proc.kill()  # SIGKILL
+    proc.join()
     assert max(steps, default=0) > 8, "the run did not train on while step 8 was written"
     assert in_flight.is_dir() and latest_checkpoint(checkpoints).name == "step-00000004"
 

@@ -2,7 +2,6 @@
 middle of it resumes bitwise-identically."""
 
 import json
-import signal
 import time
 
 import pytest
@@ -13,7 +12,7 @@ from kiln.data.batch_schedule import BatchSchedule
 from kiln.train.run import load_run
 
 from conftest import tiny_overrides, token_sequences, train_tiny_gpt
-from kilnrun import in_process, start
+from kilnrun import forked, in_process
 
 
 def test_schedule_by_steps_and_by_tokens():
@@ -92,12 +91,12 @@ def test_sigkill_mid_ramp_resumes_bitwise(tmp_path, corpus_dir):
     ref = tmp_path / "uninterrupted"
     in_process(*cmd(ref))
     run_dir = tmp_path / "killed"
-    proc = start(*cmd(run_dir))
+    proc = forked(*cmd(run_dir))
     deadline = time.time() + 120
     while time.time() < deadline and max(logged(run_dir), default=0) < 60:
         time.sleep(0.01)
-    proc.send_signal(signal.SIGKILL)
-    proc.wait()
+    proc.kill()  # SIGKILL
+    proc.join()
     killed_at = max(logged(run_dir))
     assert 60 <= killed_at < ramp, "the kill should land in the middle of the ramp"
     out = in_process(*cmd(run_dir)).stdout

@@ -6,13 +6,12 @@ from __future__ import annotations
 
 import json
 import shutil
-import signal
 import time
 
 from safetensors.torch import load_file
 
 from conftest import tiny_overrides
-from kilnrun import in_process, losses, sets, start
+from kilnrun import forked, in_process, losses, sets
 
 
 def _steps(directory):
@@ -30,7 +29,8 @@ def test_a_rollback_trains_a_new_branch_that_survives_rotation_and_a_later_resum
     # kept; killed once the branch has saved step 8 (each save takes 1 s more here).
     branch = dict(train__lr=3e-3, checkpoint__every=2, checkpoint__keep=1, debug__slow_save_seconds=1)
     older = run / "checkpoints" / "step-00000004"
-    proc = start("train", "--resume", older, *sets(tiny_overrides(run, corpus_dir, **branch)))
+    printed = tmp_path / "branch.out"
+    proc = forked("train", "--resume", older, *sets(tiny_overrides(run, corpus_dir, **branch)), output=printed)
     deadline, aside = time.time() + 120, run / "checkpoints" / "abandoned-*"
     while time.time() < deadline:  # the old branch set aside, the new one's step 8 saved and rotated
         moved = [_steps(p) for p in aside.parent.glob(aside.name)]
@@ -39,8 +39,9 @@ def test_a_rollback_trains_a_new_branch_that_survives_rotation_and_a_later_resum
         if moved == [[8, 12]] and _steps(run / "checkpoints") == [8]:
             break
         time.sleep(0.02)
-    proc.send_signal(signal.SIGKILL)
-    out, _ = proc.communicate()
+    proc.kill()  # SIGKILL
+    proc.join()
+    out = printed.read_text()
     # The newest checkpoint is the branch's (step 6 rotated away, the one just written kept);
     # the old branch's steps 8 and 12 are set aside, with one line.
     assert _steps(run / "checkpoints") == [8]

@@ -5,18 +5,17 @@ refused before anything is written into it."""
 from __future__ import annotations
 
 import os
-import signal
 import socket
 import time
 
 from conftest import tiny_overrides
-from kilnrun import in_process, sets, start
+from kilnrun import forked, in_process, sets
 
 
 def test_a_second_train_on_a_run_directory_being_trained_stops_naming_the_first(tmp_path, corpus_dir):
     run = tmp_path / "run"
     # Slow checkpoints keep the first run going while the second one starts.
-    first = start("train", *sets(tiny_overrides(run, corpus_dir, debug__slow_save_seconds=2)))
+    first = forked("train", *sets(tiny_overrides(run, corpus_dir, debug__slow_save_seconds=2)))
     deadline = time.time() + 120
     while time.time() < deadline and not (run / "metrics.jsonl").exists():
         time.sleep(0.05)
@@ -26,8 +25,8 @@ def test_a_second_train_on_a_run_directory_being_trained_stops_naming_the_first(
         holder = f"kiln train (pid {first.pid} on {socket.gethostname()})"
         assert f"kiln: config error: run.dir: {run} is being trained by {holder}; wait for it to end" in second.stderr
     finally:
-        first.send_signal(signal.SIGKILL)
-        first.wait()
+        first.kill()  # SIGKILL
+        first.join()
     # Killed, the first holds nothing: the directory trains again.
     in_process("train", *sets(tiny_overrides(run, corpus_dir)))
 
