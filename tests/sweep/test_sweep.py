@@ -45,6 +45,10 @@ def _command(study: Path, space: Path, sets: list[str], *args: str) -> list[str]
 
 
 def _sweep(study, space, sets, *args, env=None, check=True) -> subprocess.CompletedProcess:
+    """``kiln sweep`` run in this process (its trials are processes all the same), or as a process
+    of its own where its trials need ``env``."""
+    if env is None:
+        return in_process(*_args(study, space, sets, *args), check=check)
     return kiln(*_args(study, space, sets, *args), env=env, check=check, timeout=400)
 
 
