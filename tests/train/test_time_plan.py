@@ -6,7 +6,6 @@ from __future__ import annotations
 import json
 import re
 import shutil
-import signal
 import time
 
 import pytest
@@ -21,7 +20,7 @@ from kiln.train.run import find_checkpoint
 from kiln.train.time_plan import REFERENCE_RUN_TOKENS, Costs, TimePlan, choose_batch
 
 from conftest import tiny_overrides
-from kilnrun import in_process, kiln, sets, start
+from kilnrun import forked, in_process, kiln, sets
 
 
 def _plan(budget_s, **sets):
@@ -304,7 +303,7 @@ def test_auto_fills_the_budget_ends_the_schedule_and_resumes_exactly(tmp_path, c
 
     killed = tmp_path / "killed"
     args = ["train", *sets(tiny_overrides(killed, corpus_dir, **common))]
-    proc = start(*args)
+    proc = forked(*args)
     deadline, replanned = time.time() + 60, None
     while time.time() < deadline:  # until a checkpoint after the plan's first correction
         events = [r for r in _records(killed) if r.get("event") == "time_replan"]
@@ -312,8 +311,8 @@ def test_auto_fills_the_budget_ends_the_schedule_and_resumes_exactly(tmp_path, c
         if replanned and any(int(p.name[5:]) > replanned for p in (killed / "checkpoints").glob("step-*")):
             break
         time.sleep(0.02)
-    proc.send_signal(signal.SIGKILL)
-    proc.wait()
+    proc.kill()  # SIGKILL
+    proc.join()
     resume_at = checkpoint_step(find_checkpoint(killed)[1])
     assert replanned is not None and resume_at > replanned
     plans = [r for r in _records(killed) if r.get("event") in ("time_plan", "time_replan") and r["step"] <= resume_at]
