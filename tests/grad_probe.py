@@ -5,7 +5,6 @@ where rank 0 writes them."""
 
 from __future__ import annotations
 
-import os
 from collections.abc import Callable
 from pathlib import Path
 
@@ -16,7 +15,7 @@ from kiln.data.batch import split_batch, to_device
 from kiln.train.jobs import job_for
 from kiln.train.trainer import Trainer
 
-from kilnrun import free_port, spawn
+from kilnrun import free_port, join_as, spawn
 
 
 def step_gradients(sets: list[str]) -> dict[str, torch.Tensor]:
@@ -29,9 +28,7 @@ def step_gradients(sets: list[str]) -> dict[str, torch.Tensor]:
 def _rank_gradients(rank: int, port: int, out: str, sets: list[str]) -> None:
     from kiln.distributed.world import close_world
 
-    os.environ.update(
-        RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port)
-    )
+    join_as(rank, 2, port)
     try:
         grads = step_gradients(sets)
         assert torch.distributed.get_world_size() == 2  # not two processes of one rank each

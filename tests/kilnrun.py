@@ -80,6 +80,17 @@ _PRELOAD = [
     "lm_eval.evaluator",
     "lm_eval.tasks",
 ]
+
+
+def _warm_server() -> Any:
+    """multiprocessing's forkserver context, its server (started at its first use, then kept)
+    importing ``_PRELOAD``: what ``launch``'s ranks, ``spawn`` and ``forked`` fork from."""
+    import multiprocessing
+
+    multiprocessing.set_forkserver_preload(_PRELOAD)
+    return multiprocessing.get_context("forkserver")
+
+
 _SERVER_ENV = dict(os.environ)  # in the fork server: the environment a forked rank starts with
 _THREADS = torch.get_num_threads()  # a fresh interpreter's intra-op threads, without OMP_NUM_THREADS
 
@@ -117,12 +128,9 @@ def forked(*args: Any, output: Path | None = None) -> Any:
     """``kiln ARGS...`` started in a process forked from the server of ``launch``'s ranks (a
     ``multiprocessing.Process``), what it prints appended to ``output`` (or discarded): for runs
     killed with a signal, which a fresh interpreter would first spend seconds of imports on."""
-    import multiprocessing
-
-    multiprocessing.set_forkserver_preload(_PRELOAD)
     to = str(output) if output else os.devnull
     run = (environment(), os.getcwd(), to, to, tuple(map(str, args)))
-    proc = multiprocessing.get_context("forkserver").Process(target=_kiln_here, args=run)
+    proc = _warm_server().Process(target=_kiln_here, args=run)
     proc.start()
     return proc
 
@@ -145,7 +153,6 @@ def launch(
     (Tests that signal the launcher's process start it with ``start``.)"""
     import argparse
     import contextlib
-    import multiprocessing
     import tempfile
     import threading
     import uuid
@@ -173,7 +180,7 @@ def launch(
                 os.kill(pid, signal.SIGKILL)
 
     timer = threading.Timer(timeout, kill_ranks)
-    multiprocessing.set_forkserver_preload(_PRELOAD)
+    _warm_server()
     with tempfile.NamedTemporaryFile("ab+") as out, tempfile.NamedTemporaryFile("ab+") as err:
         sys.stdout.flush()
         sys.stderr.flush()
@@ -191,14 +198,15 @@ def launch(
             ):
                 prepare_agent(argv)
                 targs = parse_args(["--start-method", "forkserver", *argv])
-                if targs.standalone and targs.max_restarts == 0:
+                if targs.standalone:
                     # torchrun's static rendezvous on a free port: the c10d one that --standalone
-                    # asks for first waits a random 0-0.3 s (to spread many nodes' joins), a fifth
-                    # of a tiny launch; a group restarted under it needs c10d's rounds.
-                    targs.rdzv_backend, targs.rdzv_endpoint = "static", f"127.0.0.1:{free_port()}"
+                    # asks for (as torchrun's run() resolves it) first waits a random 0-0.3 s (to
+                    # spread many nodes' joins), a fifth of a tiny launch; a group restarted needs
+                    # c10d's rounds.
+                    static = targs.max_restarts == 0
+                    targs.rdzv_backend = "static" if static else "c10d"
+                    targs.rdzv_endpoint = f"127.0.0.1:{free_port()}" if static else "localhost:0"
                     targs.rdzv_id = str(uuid.uuid4())
-                elif targs.standalone:  # as torchrun's run() resolves it
-                    targs.rdzv_backend, targs.rdzv_endpoint, targs.rdzv_id = "c10d", "localhost:0", str(uuid.uuid4())
                 config, _, _ = config_from_args(targs)  # sets OMP_NUM_THREADS here, for the ranks
                 try:
                     elastic_launch(config, _rank)(dict(os.environ), os.getcwd(), out.name, err.name, *map(str, args))
@@ -255,16 +263,26 @@ def free_port() -> int:
     raise RuntimeError("no free TCP port found")
 
 
+def join_as(rank: int, world_size: int, port: int) -> None:
+    """This process's environment made torchrun's for ``rank`` of ``world_size`` processes on
+    this machine meeting at ``port``: what kiln's ``init_world`` joins the group from."""
+    os.environ.update(
+        RANK=str(rank),
+        LOCAL_RANK=str(rank),
+        WORLD_SIZE=str(world_size),
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+    )
+
+
 def spawn(fn: Any, args: tuple = (), nprocs: int = 1) -> None:
     """``torch.multiprocessing.spawn(fn, args, nprocs)``, each process forked from the warm server
     of ``launch``'s ranks (PyTorch, transformers and kiln imported once) instead of started as a
     fresh interpreter; each runs ``fn(i, *args)`` with this process's environment and thread
     count, and a failure in any is raised here, as ``spawn`` raises it."""
-    import multiprocessing
-
     import torch.multiprocessing as mp
 
-    multiprocessing.set_forkserver_preload(_PRELOAD)
+    _warm_server()
     env = environment()
     mp.start_processes(_spawned, args=(fn, env, args), nprocs=nprocs, join=True, start_method="forkserver")
 

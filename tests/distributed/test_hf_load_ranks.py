@@ -4,13 +4,12 @@ model computes what ``from_pretrained`` loads, for every architecture and save f
 tests/models/test_hf_loading.py."""
 
 import json
-import os
 
 import pytest
 import torch
 
 from hf_models import DECODERS, ENCODERS, auto_class, save_tiny, task_of
-from kilnrun import free_port, spawn
+from kilnrun import free_port, join_as, spawn
 
 pytestmark = pytest.mark.dist
 
@@ -31,9 +30,7 @@ def _rank(rank: int, world_size: int, root: str, port: int) -> None:
     from kiln.models.hf import FAMILY
     from kiln.models.init import params_on_meta
 
-    os.environ.update(
-        RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port)
-    )
+    join_as(rank, world_size, port)
     pcfg = ParallelConfig(strategy="fsdp")
     world = init_world("cpu", pcfg)
     try:
